@@ -1,0 +1,5 @@
+import sys
+
+from dsakv.cli.main import main
+
+sys.exit(main())

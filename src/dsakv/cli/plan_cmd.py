@@ -1,0 +1,167 @@
+"""`dsakv plan`: capacity per role and PP stage, dense vs elided. No torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dsakv.errors import ConfigError
+from dsakv.plan import ROLES, Deployment, RolePlan, balance, fmt_bytes, parse_partition, parse_size, plan
+from dsakv.plan.weights import WEIGHT_FORMATS, model_weight_bytes, weight_format_for
+from dsakv.spec import INDEX_FORMATS, KV_FORMATS, PRESETS, load_spec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "examples:\n"
+        "  dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1\n"
+        "  dsakv plan glm-5.2 --role prefill --pp 4 --pp-partition 20,20,20,18 --draft-layers 1 --kv-budget 98GiB\n"
+        "  dsakv plan glm-5.2 --role prefill --pp 4 --draft-layers 1 --kv-budget 98GiB --balance\n"
+        "  dsakv plan path/to/config.json --gpu-memory 141GB --mem-fraction 0.85 --tp 8 --weight-format fp8\n"
+    )
+    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}), a config.json, or a model directory")
+    p.add_argument("--role", choices=ROLES, default="decode", help="which worker to plan (default: decode)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1; even split)")
+    p.add_argument("--pp-partition", help="layers per stage, e.g. 20,20,20,18 (must sum to the layer count)")
+    p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers held per stage (always full)")
+    p.add_argument("--kv-format", choices=KV_FORMATS, default="fp8-656", help="MLA KV row format (default fp8-656)")
+    p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp8-132", help="index-K format (default fp8-132)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    mem = p.add_argument_group("memory (give --kv-budget, or --gpu-memory to estimate it)")
+    mem.add_argument("--kv-budget", help="KV pool bytes per GPU, e.g. 96.33GiB")
+    mem.add_argument("--gpu-memory", help="GPU memory, e.g. 141GB; budget = memory x fraction - weights (estimate)")
+    mem.add_argument("--mem-fraction", type=float, default=0.85, help="mem_fraction_static (default 0.85)")
+    mem.add_argument("--weight-format", choices=list(WEIGHT_FORMATS), help="weight precision for the estimate")
+    mem.add_argument("--tp", type=int, default=1, help="GPUs sharing one stage's weights (TP/EP); KV is per GPU")
+    host = p.add_argument_group("host tier (HiCache)")
+    host.add_argument("--hicache-ratio", type=float, help="host pool = ratio x device pool bytes")
+    host.add_argument("--hicache-size", help="host pool bytes per GPU, e.g. 128GiB")
+    p.add_argument("--balance", action="store_true", help="also propose the PP partition that maximises capacity")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def _deployment(args: argparse.Namespace) -> Deployment:
+    spec = load_spec(args.model)
+    partition = parse_partition(args.pp_partition) if args.pp_partition else None
+    if partition is not None and args.pp not in (1, len(partition)):
+        raise ConfigError(f"--pp {args.pp} but --pp-partition {args.pp_partition} has {len(partition)} stages")
+    if args.draft_layers < 0:
+        raise ConfigError(f"--draft-layers {args.draft_layers} must be >= 0")
+    return Deployment(
+        spec=spec,
+        role=args.role,
+        pp=args.pp if partition is None else len(partition),
+        partition=partition,
+        draft_layers=args.draft_layers,
+        kv_format=args.kv_format,
+        index_format=args.index_format,
+        page_size=args.page_size,
+        kv_budget=parse_size(args.kv_budget, "--kv-budget") if args.kv_budget else None,
+        gpu_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
+        mem_fraction=args.mem_fraction,
+        weight_format=args.weight_format,
+        tp=args.tp,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f}%"
+
+
+def _print_plan(rp: RolePlan, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    d = rp.deployment
+    console = Console(width=max(Console().width, 200))
+    t = Table(title=title, title_justify="left")
+    for col, just in (
+        ("stage", "right"),
+        ("layers", "left"),
+        ("producers", "right"),
+        ("B/token dense", "right"),
+        ("B/token elided", "right"),
+        ("tokens dense", "right"),
+        ("tokens elided", "right"),
+        ("gain", "right"),
+        ("", "left"),
+    ):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    show_host = any(s.host_tokens_elided is not None for s in rp.stages)
+    if show_host:
+        t.add_column("host tokens dense", justify="right")
+        t.add_column("host tokens elided", justify="right")
+    for s in rp.stages:
+        mark = "◀ binding" if s.stage == rp.binding_elided and d.pp > 1 else ""
+        layers = f"{s.layer_start}-{s.layer_end - 1}" + (f" +{s.draft_layers} draft" if s.draft_layers else "")
+        row = [
+            str(s.stage),
+            layers,
+            f"{len(s.producers)}/{s.num_layers}" + (f" +{s.draft_layers}" if s.draft_layers else ""),
+            f"{s.bytes_per_token_dense:,}",
+            f"{s.bytes_per_token_elided:,}",
+            f"{s.tokens_dense:,}",
+            f"{s.tokens_elided:,}",
+            _pct(s.gain),
+            mark,
+        ]
+        if show_host:
+            row += [f"{s.host_tokens_dense or 0:,}", f"{s.host_tokens_elided or 0:,}"]
+        t.add_row(*row)
+    console.print(t)
+    console.print(
+        f"worker max_total_num_tokens: dense {rp.tokens_dense:,} (stage {rp.binding_dense} binds) -> "
+        f"elided {rp.tokens_elided:,} (stage {rp.binding_elided} binds): [bold]{_pct(rp.gain)}[/bold]"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    d = _deployment(args)
+    rp = plan(d)
+    bal = balance(d) if args.balance else None
+    if args.json:
+        out = rp.to_dict()
+        if bal is not None:
+            out["balance"] = {
+                "partition": list(bal.balanced.deployment.partition or ()),
+                "plan": bal.balanced.to_dict(),
+                "gain_over_baseline": round(bal.gain_over_baseline, 6),
+            }
+        json.dump(out, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    spec = d.spec
+    print(
+        f"model {spec.name} ({spec.model_type}): {spec.num_layers} layers, {len(spec.producers)} producers, "
+        f"{len(spec.shared_layers)} shared [{spec.ownership_source}]"
+    )
+    print(
+        f"role {d.role}, pp {d.pp} ({','.join(map(str, d.partition or ()))}), draft layers/stage {d.draft_layers}, "
+        f"KV {d.kv_format}, index-K {d.index_format}, page {d.page_size}"
+    )
+    if d.kv_budget is not None:
+        print(f"KV budget per GPU: {fmt_bytes(d.kv_budget)} ({d.kv_budget:,} bytes)")
+    else:
+        wf = weight_format_for(spec, d.weight_format)
+        print(
+            f"KV budget per GPU: ESTIMATE = {fmt_bytes(d.gpu_memory or 0)} x {d.mem_fraction} - stage weights "
+            f"(weights estimated from the config as {wf}, whole model {fmt_bytes(model_weight_bytes(spec, wf))}, "
+            f"divided over tp={d.tp}); measure on the real engine before relying on it"
+        )
+        for s in rp.stages:
+            print(f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}")
+    _print_plan(rp, f"{d.role} capacity")
+    if bal is not None:
+        print()
+        part = ",".join(map(str, bal.balanced.deployment.partition or ()))
+        _print_plan(bal.balanced, f"balanced partition {part}")
+        print(
+            f"--balance: partition {part} gives {bal.balanced.tokens_elided:,} tokens vs "
+            f"{bal.baseline.tokens_elided:,} with {','.join(map(str, d.partition or ()))}: "
+            f"{_pct(bal.gain_over_baseline)}"
+        )
+    return 0

@@ -1,0 +1,15 @@
+"""Error types shared by every layer of dsakv. Imports nothing from dsakv."""
+
+from __future__ import annotations
+
+
+class DsakvError(Exception):
+    """Base class: a user-facing error with a message that says what to change."""
+
+
+class ConfigError(DsakvError, ValueError):
+    """A model config, deployment option or CLI value is invalid."""
+
+
+class CapacityError(DsakvError, ValueError):
+    """A budget, pool or request does not fit."""

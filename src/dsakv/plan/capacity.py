@@ -1,0 +1,296 @@
+"""Capacity planning: KV budget -> max_total_num_tokens per role and PP stage.
+
+    max_total_num_tokens = floor(budget / bytes_per_token / page_size) * page_size
+
+Each PP stage is sized on its own layers; a worker holds the minimum over its
+stages (the binding stage). The budget is given directly or estimated as
+gpu_memory x mem_fraction - stage weights. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.errors import CapacityError, ConfigError
+from dsakv.plan.weights import stage_weight_bytes, weight_format_for
+from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
+from dsakv.spec.model import ModelSpec
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+def max_total_num_tokens(budget_bytes: int, layout: KVLayout) -> int:
+    """Tokens a pool of `budget_bytes` holds for `layout`, floored to whole pages."""
+    bpt = layout.bytes_per_token
+    pages = budget_bytes // bpt // layout.page_size
+    if pages < 1:
+        raise CapacityError(
+            f"a KV budget of {budget_bytes} bytes holds no page of layers {layout.describe_range()}: one page "
+            f"needs {bpt * layout.page_size} bytes ({bpt} B/token x page size {layout.page_size}); "
+            "raise the budget or lower --page-size"
+        )
+    return int(pages * layout.page_size)
+
+
+def pages_for_tokens(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Split layers over pp stages as evenly as possible, the extra layers on the first stages."""
+    if pp < 1 or pp > num_layers:
+        raise ConfigError(f"--pp {pp} must be between 1 and the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if i < extra else 0) for i in range(pp))
+
+
+def check_partition(partition: tuple[int, ...], num_layers: int, pp: int | None = None) -> tuple[int, ...]:
+    if not partition:
+        raise ConfigError("PP partition is empty: give one layer count per stage, e.g. 20,20,20,18")
+    if pp is not None and len(partition) != pp:
+        raise ConfigError(f"PP partition {','.join(map(str, partition))} has {len(partition)} stages but --pp is {pp}")
+    for i, n in enumerate(partition):
+        if n < 1:
+            raise ConfigError(
+                f"PP partition {','.join(map(str, partition))}: stage {i} has {n} layers; every stage needs >= 1"
+            )
+    if sum(partition) != num_layers:
+        raise ConfigError(
+            f"PP partition {','.join(map(str, partition))} sums to {sum(partition)} but the model has "
+            f"{num_layers} layers: make the stage sizes add up to {num_layers}"
+        )
+    return partition
+
+
+def parse_partition(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip() != "")
+    except ValueError:
+        raise ConfigError(f"PP partition {text!r} must be comma-separated layer counts, e.g. 20,20,20,18") from None
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One role's deployment: which layers each stage holds, formats and memory."""
+
+    spec: ModelSpec
+    role: str = "decode"
+    pp: int = 1
+    partition: tuple[int, ...] | None = None
+    draft_layers: int = 0
+    kv_format: str = "fp8-656"
+    index_format: str = "fp8-132"
+    page_size: int = DEFAULT_PAGE_SIZE
+    kv_budget: int | None = None
+    gpu_memory: int | None = None
+    mem_fraction: float = 0.85
+    weight_format: str | None = None
+    tp: int = 1
+    hicache_ratio: float | None = None
+    hicache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role {self.role!r} is unknown: use one of {', '.join(ROLES)}")
+        if self.partition is None:
+            object.__setattr__(self, "partition", even_partition(self.spec.num_layers, self.pp))
+        else:
+            check_partition(self.partition, self.spec.num_layers, None)
+            object.__setattr__(self, "pp", len(self.partition))
+        if self.kv_budget is None and self.gpu_memory is None:
+            raise ConfigError("no memory given: pass --kv-budget (e.g. 96.33GiB) or --gpu-memory (e.g. 141GB)")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ConfigError(f"--mem-fraction {self.mem_fraction} must be in (0, 1]")
+        if self.tp < 1:
+            raise ConfigError(f"--tp {self.tp} must be >= 1")
+        if self.hicache_ratio is not None and self.hicache_size is not None:
+            raise ConfigError("give --hicache-ratio or --hicache-size, not both")
+        if self.hicache_ratio is not None and self.hicache_ratio <= 0:
+            raise ConfigError(f"--hicache-ratio {self.hicache_ratio} must be > 0 (host pool = ratio x device pool)")
+
+    @property
+    def stage_ranges(self) -> list[tuple[int, int]]:
+        assert self.partition is not None
+        out, start = [], 0
+        for n in self.partition:
+            out.append((start, start + n))
+            start += n
+        return out
+
+    def layout(self, stage: int, elide: bool) -> KVLayout:
+        start, end = self.stage_ranges[stage]
+        return KVLayout(
+            self.spec,
+            start,
+            end,
+            draft_layers=self.draft_layers,
+            elide=elide,
+            kv_format=self.kv_format,
+            index_format=self.index_format,
+            page_size=self.page_size,
+        )
+
+    def stage_budget(self, stage: int) -> tuple[int, int | None]:
+        """(KV budget bytes, estimated weight bytes or None when the budget was given)."""
+        if self.kv_budget is not None:
+            return self.kv_budget, None
+        assert self.gpu_memory is not None
+        start, end = self.stage_ranges[stage]
+        wf = weight_format_for(self.spec, self.weight_format)
+        weights = stage_weight_bytes(
+            self.spec, start, end, self.draft_layers, wf, first=stage == 0, last=stage == self.pp - 1
+        )
+        weights //= self.tp
+        budget = int(self.gpu_memory * self.mem_fraction) - weights
+        if budget <= 0:
+            raise CapacityError(
+                f"stage {stage} (layers {start}-{end - 1}): estimated weights {weights / 2**30:.1f} GiB per GPU "
+                f"exceed GPU memory x mem_fraction = {self.gpu_memory * self.mem_fraction / 2**30:.1f} GiB: "
+                "use more PP stages, a larger --tp, a quantised --weight-format, or --kv-budget"
+            )
+        return budget, weights
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layer_start: int
+    layer_end: int
+    draft_layers: int
+    producers: tuple[int, ...]
+    budget_bytes: int
+    weight_bytes: int | None
+    bytes_per_token_dense: int
+    bytes_per_token_elided: int
+    tokens_dense: int
+    tokens_elided: int
+    host_tokens_dense: int | None = None
+    host_tokens_elided: int | None = None
+    host_bytes: int | None = None
+
+    @property
+    def gain(self) -> float:
+        return self.tokens_elided / self.tokens_dense - 1.0
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "layers": [self.layer_start, self.layer_end - 1],
+            "num_layers": self.num_layers,
+            "draft_layers": self.draft_layers,
+            "producers": list(self.producers),
+            "num_producers": len(self.producers),
+            "budget_bytes": self.budget_bytes,
+            "weight_bytes_estimate": self.weight_bytes,
+            "bytes_per_token_dense": self.bytes_per_token_dense,
+            "bytes_per_token_elided": self.bytes_per_token_elided,
+            "tokens_dense": self.tokens_dense,
+            "tokens_elided": self.tokens_elided,
+            "gain": round(self.gain, 6),
+            "host_bytes": self.host_bytes,
+            "host_tokens_dense": self.host_tokens_dense,
+            "host_tokens_elided": self.host_tokens_elided,
+        }
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    deployment: Deployment
+    stages: tuple[StagePlan, ...] = field(default=())
+
+    @property
+    def binding_dense(self) -> int:
+        return min(range(len(self.stages)), key=lambda i: (self.stages[i].tokens_dense, i))
+
+    @property
+    def binding_elided(self) -> int:
+        return min(range(len(self.stages)), key=lambda i: (self.stages[i].tokens_elided, i))
+
+    @property
+    def tokens_dense(self) -> int:
+        return self.stages[self.binding_dense].tokens_dense
+
+    @property
+    def tokens_elided(self) -> int:
+        return self.stages[self.binding_elided].tokens_elided
+
+    @property
+    def gain(self) -> float:
+        return self.tokens_elided / self.tokens_dense - 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.deployment
+        return {
+            "model": d.spec.name,
+            "model_type": d.spec.model_type,
+            "role": d.role,
+            "pp": d.pp,
+            "partition": list(d.partition or ()),
+            "draft_layers": d.draft_layers,
+            "kv_format": d.kv_format,
+            "index_format": d.index_format,
+            "page_size": d.page_size,
+            "budget_source": "kv_budget" if d.kv_budget is not None else "gpu_memory_estimate",
+            "producers": list(d.spec.producers),
+            "num_producers": len(d.spec.producers),
+            "num_shared": len(d.spec.shared_layers),
+            "stages": [s.to_dict() for s in self.stages],
+            "binding_stage_dense": self.binding_dense,
+            "binding_stage_elided": self.binding_elided,
+            "max_total_num_tokens_dense": self.tokens_dense,
+            "max_total_num_tokens_elided": self.tokens_elided,
+            "gain": round(self.gain, 6),
+        }
+
+
+def host_tokens(d: Deployment, layout: KVLayout, device_tokens: int) -> tuple[int | None, int | None]:
+    """(host bytes, host tokens) for the host tier sized from the same layout."""
+    if d.hicache_ratio is None and d.hicache_size is None:
+        return None, None
+    if d.hicache_size is not None:
+        host_bytes = d.hicache_size
+    else:
+        assert d.hicache_ratio is not None
+        host_bytes = int(device_tokens * layout.bytes_per_token * d.hicache_ratio)
+    pages = host_bytes // layout.bytes_per_page
+    if pages < 1:
+        raise CapacityError(
+            f"host tier of {host_bytes} bytes holds no page ({layout.bytes_per_page} bytes per page for layers "
+            f"{layout.describe_range()}): raise --hicache-size / --hicache-ratio"
+        )
+    return host_bytes, int(pages * layout.page_size)
+
+
+def plan_stage(d: Deployment, stage: int) -> StagePlan:
+    dense, elided = d.layout(stage, elide=False), d.layout(stage, elide=True)
+    budget, weights = d.stage_budget(stage)
+    td, te = max_total_num_tokens(budget, dense), max_total_num_tokens(budget, elided)
+    start, end = d.stage_ranges[stage]
+    hb, htd = host_tokens(d, dense, td)
+    hb2, hte = host_tokens(d, elided, te)
+    return StagePlan(
+        stage=stage,
+        layer_start=start,
+        layer_end=end,
+        draft_layers=d.draft_layers,
+        producers=elided.producers,
+        budget_bytes=budget,
+        weight_bytes=weights,
+        bytes_per_token_dense=dense.bytes_per_token,
+        bytes_per_token_elided=elided.bytes_per_token,
+        tokens_dense=td,
+        tokens_elided=te,
+        host_tokens_dense=htd,
+        host_tokens_elided=hte,
+        host_bytes=hb2 if hb2 is not None else hb,
+    )
+
+
+def plan(d: Deployment) -> RolePlan:
+    """Plan every stage of a deployment."""
+    return RolePlan(d, tuple(plan_stage(d, s) for s in range(d.pp)))

@@ -1,0 +1,102 @@
+"""Estimate of weight bytes per layer from a ModelSpec and a weight format.
+
+An estimate, and reported as one: it counts the linear projections, experts,
+norms and embeddings of a DeepSeek-V3.2 / GLM-5 style model. No torch.
+"""
+
+from __future__ import annotations
+
+from dsakv.errors import ConfigError
+from dsakv.spec.model import ModelSpec
+
+# bytes per parameter of quantised linear weights, scales included
+WEIGHT_FORMATS: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp8": 1.0 + 4.0 / (128 * 128),  # block-scaled fp8, one fp32 per 128x128 block
+    "nvfp4": 0.5 + 1.0 / 16 + 4.0 / (16 * 4096),  # fp4 + fp8 scale per 16, global fp32
+}
+_HIGH = 2.0  # embeddings, norms, router stay in bf16
+
+
+def weight_format_for(spec: ModelSpec, override: str | None) -> str:
+    if override is not None:
+        if override not in WEIGHT_FORMATS:
+            raise ConfigError(f"weight format {override!r} is unknown: use one of {', '.join(WEIGHT_FORMATS)}")
+        return override
+    q = spec.quantization.lower()
+    if "fp4" in q or "modelopt" in q:
+        return "nvfp4"
+    if "fp8" in q:
+        return "fp8"
+    if q in ("float32", "fp32"):
+        return "fp32"
+    return "bf16"
+
+
+def _attention_params(spec: ModelSpec, with_indexer: bool) -> tuple[int, int]:
+    """(quantisable linear params, high-precision params) of one attention block."""
+    h, nh = spec.hidden_size, spec.num_attention_heads
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    lin = 0
+    high = 2 * h  # input + post-attention norms
+    if spec.q_lora_rank:
+        lin += h * spec.q_lora_rank + spec.q_lora_rank * nh * qk
+        high += spec.q_lora_rank
+    else:
+        lin += h * nh * qk
+    lin += h * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+    high += spec.kv_lora_rank
+    lin += spec.kv_lora_rank * nh * (spec.qk_nope_head_dim + spec.v_head_dim)
+    lin += nh * spec.v_head_dim * h
+    if with_indexer and spec.has_indexer:
+        q_in = spec.q_lora_rank or h
+        lin += q_in * spec.index_n_heads * spec.index_head_dim + h * spec.index_head_dim
+        high += h * spec.index_n_heads + 2 * spec.index_head_dim
+    return lin, high
+
+
+def _mlp_params(spec: ModelSpec, moe: bool) -> tuple[int, int]:
+    h = spec.hidden_size
+    if not moe or spec.n_routed_experts == 0:
+        return 3 * h * spec.intermediate_size, 0
+    experts = (spec.n_routed_experts + spec.n_shared_experts) * 3 * h * spec.moe_intermediate_size
+    return experts, h * spec.n_routed_experts + spec.n_routed_experts
+
+
+def layer_weight_bytes(spec: ModelSpec, layer: int, weight_format: str) -> int:
+    """Estimated bytes of one layer's weights (main or draft)."""
+    qb = WEIGHT_FORMATS[weight_format]
+    draft = layer >= spec.num_layers
+    owns = draft or (not spec.has_indexer) or spec.indexer_types[layer] == "full"
+    lin_a, high_a = _attention_params(spec, with_indexer=owns)
+    lin_m, high_m = _mlp_params(spec, moe=draft or layer >= spec.first_k_dense_replace)
+    total = (lin_a + lin_m) * qb + (high_a + high_m) * _HIGH
+    if draft:  # MTP block: enorm, hnorm, eh_proj, its own final norm
+        total += (2 * spec.hidden_size * spec.hidden_size) * _HIGH + 3 * spec.hidden_size * _HIGH
+    return int(total)
+
+
+def embedding_bytes(spec: ModelSpec) -> int:
+    return int(spec.vocab_size * spec.hidden_size * _HIGH)
+
+
+def lm_head_bytes(spec: ModelSpec) -> int:
+    return int((0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * _HIGH + spec.hidden_size * _HIGH)
+
+
+def stage_weight_bytes(
+    spec: ModelSpec, start: int, end: int, draft_layers: int, weight_format: str, *, first: bool, last: bool
+) -> int:
+    """Weights one PP stage holds: its layers, its draft layers, embeddings on the first, head on the last."""
+    total = sum(layer_weight_bytes(spec, i, weight_format) for i in range(start, end))
+    total += sum(layer_weight_bytes(spec, spec.num_layers + j, weight_format) for j in range(draft_layers))
+    if first or draft_layers:
+        total += embedding_bytes(spec)
+    if last or draft_layers:
+        total += lm_head_bytes(spec)
+    return total
+
+
+def model_weight_bytes(spec: ModelSpec, weight_format: str) -> int:
+    return stage_weight_bytes(spec, 0, spec.num_layers, spec.num_draft_layers, weight_format, first=True, last=True)
