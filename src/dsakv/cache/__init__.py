@@ -1,0 +1,1 @@
+"""Page allocation and physical pools (device, host) and the prefix cache."""

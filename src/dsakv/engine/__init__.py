@@ -1,0 +1,1 @@
+"""Requests, scheduler (continuous batching), model runner and engine."""
