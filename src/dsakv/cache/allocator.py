@@ -54,7 +54,8 @@ class PageAllocator:
 
     # ---- alloc / refcounts -------------------------------------------------------
 
-    def alloc(self, n: int) -> IntArray:
+    def alloc(self, n: int, owner: Hashable | None = None) -> IntArray:
+        """n free page ids, refcount 1 each; with `owner`, also hold(owner, ids)."""
         if n < 0:
             raise ValueError(f"alloc({n}): page count must be >= 0")
         if n > self._nfree:
@@ -62,6 +63,8 @@ class PageAllocator:
         ids = self._free[self._nfree - n : self._nfree][::-1].copy()
         self._nfree -= n
         self.refcount[ids] = 1
+        if owner is not None:
+            self.hold(owner, ids)
         return ids
 
     def incref(self, ids: IntArray) -> None:
@@ -97,30 +100,47 @@ class PageAllocator:
         self._owners[owner] = ids.copy() if prev is None else np.concatenate([prev, ids])
 
     def unhold(self, owner: Hashable, ids: IntArray) -> None:
-        """Forget `ids` from `owner`'s holdings (one occurrence each)."""
+        """Forget `ids` from `owner`'s holdings (one occurrence each); refcounts are not touched."""
         prev = self._owners.get(owner)
         if prev is None:
             raise IntegrityError(f"{self.name}: owner {owner!r} holds nothing")
         ids = np.asarray(ids, dtype=np.int64)
+        if ids.size == 0:
+            return
+        # multiset difference, vectorised: the k-th occurrence of a page in `ids` removes its k-th holding
+        order = np.argsort(prev, kind="stable")
+        sp = prev[order]
+        uniq, want = np.unique(ids, return_counts=True)
+        lo = np.searchsorted(sp, uniq, side="left")
+        hi = np.searchsorted(sp, uniq, side="right")
+        short = (hi - lo) < want
+        if np.any(short):
+            raise IntegrityError(f"{self.name}: owner {owner!r} does not hold page(s) {uniq[short][:8].tolist()}")
+        drop_sorted = np.zeros(sp.size, dtype=bool)
+        starts = np.repeat(lo, want)
+        within = np.arange(want.sum()) - np.repeat(np.cumsum(want) - want, want)
+        drop_sorted[starts + within] = True
         keep = np.ones(prev.size, dtype=bool)
-        for pid in ids.tolist():  # small, per release
-            hits = np.nonzero((prev == pid) & keep)[0]
-            if hits.size == 0:
-                raise IntegrityError(f"{self.name}: owner {owner!r} does not hold page {pid}")
-            keep[hits[0]] = False
+        keep[order[drop_sorted]] = False
         rest = prev[keep]
         if rest.size:
             self._owners[owner] = rest
         else:
             del self._owners[owner]
 
+    def drop(self, owner: Hashable, ids: IntArray) -> None:
+        """`owner` lets go of one reference to each of `ids`: unhold then decref."""
+        self.unhold(owner, ids)
+        self.decref(ids)
+
     def held_by(self, owner: Hashable) -> IntArray:
         return self._owners.get(owner, np.zeros(0, dtype=np.int64))
 
     def release(self, owner: Hashable) -> IntArray:
         """Drop every reference `owner` holds; returns the ids it held."""
-        ids = self._owners.pop(owner, np.zeros(0, dtype=np.int64))
-        self.decref(ids)
+        ids = self._owners.get(owner, np.zeros(0, dtype=np.int64))
+        self.decref(ids)  # raises (changing nothing) on a double free, so the books stay as they were
+        self._owners.pop(owner, None)
         return ids
 
     @property
@@ -132,6 +152,8 @@ class PageAllocator:
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + held == total and refcounts match holders."""
         free = self._free[: self._nfree]
+        if free.size and (free.min() < 0 or free.max() >= self.num_pages):
+            raise IntegrityError(f"{self.name}: the free list holds an id outside 0..{self.num_pages - 1}")
         if np.unique(free).size != free.size:
             raise IntegrityError(f"{self.name}: a page is on the free list twice")
         if np.any(self.refcount[free] != 0):
@@ -139,6 +161,12 @@ class PageAllocator:
         expected = np.zeros(self.num_pages, dtype=np.int64)
         for ids in self._owners.values():
             np.add.at(expected, ids, 1)
+        leaked = np.nonzero((self.refcount > 0) & (expected == 0))[0]
+        if leaked.size:
+            raise IntegrityError(
+                f"{self.name}: page(s) {leaked[:8].tolist()} are allocated (refcount "
+                f"{self.refcount[leaked[:8]].tolist()}) but held by no owner: a page leaked"
+            )
         if not np.array_equal(expected, self.refcount):
             diff = np.nonzero(expected != self.refcount)[0]
             raise IntegrityError(
