@@ -44,8 +44,7 @@ class DevicePool:
         self.num_pages = num_pages
         self.device = torch.device(device)
         self._tensors: dict[BufferKey, torch.Tensor] = {
-            b.key: torch.zeros((num_pages, b.page_bytes), dtype=torch.uint8, device=self.device)
-            for b in layout.buffers
+            b.key: torch.zeros((num_pages, b.page_bytes), dtype=torch.uint8, device=self.device) for b in layout.buffers
         }
 
     @classmethod
@@ -74,6 +73,4 @@ class DevicePool:
         return sum(t.numel() for t in self._tensors.values())
 
     def regions(self) -> dict[BufferKey, Region]:
-        return {
-            k: Region(int(t.data_ptr()), int(t.shape[1]), int(t.shape[0])) for k, t in self._tensors.items()
-        }
+        return {k: Region(int(t.data_ptr()), int(t.shape[1]), int(t.shape[0])) for k, t in self._tensors.items()}

@@ -153,7 +153,9 @@ def run(args: argparse.Namespace) -> int:
             f"divided over tp={d.tp}); measure on the real engine before relying on it"
         )
         for s in rp.stages:
-            print(f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}")
+            print(
+                f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}"
+            )
     _print_plan(rp, f"{d.role} capacity")
     if bal is not None:
         print()

@@ -82,7 +82,9 @@ def embedding_bytes(spec: ModelSpec) -> int:
 
 
 def lm_head_bytes(spec: ModelSpec) -> int:
-    return int((0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * _HIGH + spec.hidden_size * _HIGH)
+    return int(
+        (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * _HIGH + spec.hidden_size * _HIGH
+    )
 
 
 def stage_weight_bytes(

@@ -27,12 +27,9 @@ DEFAULT_PAGE_SIZE = 64
 QUANT_GROUP = 128
 
 
-class Kind(str, enum.Enum):
+class Kind(enum.StrEnum):
     KV = "kv"
     INDEX_K = "index_k"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, order=True)

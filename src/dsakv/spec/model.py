@@ -73,8 +73,7 @@ def derive_indexer_types(cfg: dict[str, Any], num_layers: int) -> tuple[tuple[st
         items = list(raw) if isinstance(raw, (str, list, tuple)) else None
         if items is None or len(items) != num_layers:
             raise ConfigError(
-                f"config field 'index_topk_pattern' = {raw!r} must have one 'F'/'S' per layer "
-                f"({num_layers} layers)"
+                f"config field 'index_topk_pattern' = {raw!r} must have one 'F'/'S' per layer ({num_layers} layers)"
             )
         mapping = {"F": FULL, "S": SHARED, FULL: FULL, SHARED: SHARED}
         out = []

@@ -7,6 +7,7 @@ GLM-5.2-shaped model small enough to run on a CPU in tests. No torch here.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from dsakv.errors import ConfigError
@@ -129,4 +130,9 @@ def load_spec(model: str) -> ModelSpec:
     """A preset name, a config.json path or a model directory -> ModelSpec."""
     if model in PRESETS:
         return ModelSpec.from_dict(preset_config(model), name=model)
+    if not Path(model).exists():
+        raise ConfigError(
+            f"no config.json at {model!r} and no preset of that name (unknown preset): pass one of "
+            f"{', '.join(PRESETS)}, a config.json path or a model directory"
+        )
     return ModelSpec.from_path(model)

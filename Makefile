@@ -1,0 +1,37 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Both install everything into .venv first (idempotent; re-runs when pyproject.toml changes).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint plan clean
+
+$(STAMP): pyproject.toml
+	@ldconfig -p | grep -q libibverbs.so.1 || (echo "installing Debian libibverbs1 (Mooncake needs it)"; \
+		apt-get update -q && apt-get install -y -q libibverbs1)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# exactly torch==2.13.0 first: any other spec pulls a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[all,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1
+
+plan: install
+	$(BIN)/dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1
+
+lint: install
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
