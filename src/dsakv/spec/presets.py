@@ -104,7 +104,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "index_topk": 16,
         "index_head_dim": 32,
-        "index_n_heads": 4,
+        "index_n_heads": 32,
         "index_topk_freq": 4,
         "index_skip_topk_offset": 3,
         "num_nextn_predict_layers": 0,

@@ -1,0 +1,61 @@
+"""Read and write token values in a DevicePool by BufferKey, through the layout's storage codecs.
+
+    write_tokens(pool, BufferKey(6, Kind.INDEX_K), slots, k)   # k [N, index_head_dim]
+    read_tokens(pool, BufferKey(6, Kind.KV), slots)            # -> float32 [N, kv_lora_rank + rope_dim]
+
+KV values are [latent (kv_lora_rank) | rope key (qk_rope_head_dim)]; index-K values
+are [index_head_dim]. A key the pool does not hold (a shared layer's INDEX_K under
+elision, a layer outside the stage) raises KeyError from DevicePool.tensor, naming
+layer and kind; nothing here catches it.
+Imports torch and dsakv.spec / dsakv.cache; must not import model, engine or disagg.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.formats import Codec, make_index_codec, make_kv_codec
+from dsakv.spec.layout import BufferKey, Kind, KVLayout
+
+
+def codec_for(layout: KVLayout, kind: Kind) -> Codec:
+    """The codec the layout's format gives buffers of `kind`."""
+    spec = layout.spec
+    if kind is Kind.KV:
+        return make_kv_codec(layout.kv_format, spec.kv_lora_rank, spec.qk_rope_head_dim)
+    return make_index_codec(layout.index_format, spec.index_head_dim)
+
+
+class PoolAccess:
+    """Codec-aware access to one DevicePool; codecs are built once per kind."""
+
+    def __init__(self, pool: DevicePool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self._codecs = {Kind.KV: codec_for(pool.layout, Kind.KV)}
+        if pool.layout.spec.has_indexer:
+            self._codecs[Kind.INDEX_K] = codec_for(pool.layout, Kind.INDEX_K)
+
+    def codec(self, kind: Kind) -> Codec:
+        return self._codecs[kind]
+
+    def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+        buf = self.pool.tensor(key)  # raises KeyError for a key the pool does not hold
+        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size)
+
+    def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
+        buf = self.pool.tensor(key)
+        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size)
+
+
+def write_tokens(pool: DevicePool, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Store values [N, dim] of key's kind at token slots [N] (slot = page * page_size + offset)."""
+    buf = pool.tensor(key)
+    codec_for(pool.layout, key.kind).write(buf, slots.to(buf.device), values.to(buf.device), pool.page_size)
+
+
+def read_tokens(pool: DevicePool, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
+    """Float32 [N, dim] values of key at token slots [N]."""
+    buf = pool.tensor(key)
+    return codec_for(pool.layout, key.kind).read(buf, slots.to(buf.device), pool.page_size)

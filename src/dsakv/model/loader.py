@@ -1,0 +1,144 @@
+"""Load a GLM-5.x / DeepSeek-V3.2 HF checkpoint (config.json + *.safetensors) into a DSAModel.
+
+Tensor names are transformers' (model.layers.{i}.self_attn.q_a_proj.weight, ...). Accepted
+variants: per-expert weights (experts.{e}.gate_proj.weight, what checkpoints and
+save_pretrained write) or fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]);
+block-FP8 weights with `weight_scale_inv` (128 x 128 blocks) are dequantised; MTP / next-n
+layers (index >= num_hidden_layers) are skipped; a missing lm_head with tied embeddings reuses
+embed_tokens. Router weights, e_score_correction_bias and indexer.weights_proj stay float32
+(transformers keeps them in fp32 too). Imports torch, safetensors, dsakv.spec and dsakv.model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsakv.errors import ConfigError
+from dsakv.model.config import DSAConfig
+from dsakv.model.dsa_model import DSAModel
+from dsakv.spec.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+FP8_BLOCK = 128
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """The config.json dict of a checkpoint directory (or of a config.json path)."""
+    p = Path(path)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        raise ConfigError(f"no config.json at {str(cfg_path)!r}: pass a checkpoint directory (dsakv make-tiny DIR)")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{str(cfg_path)!r} must hold a JSON object")
+    return cfg
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {str(root)!r}: it is not a checkpoint directory")
+    return files
+
+
+def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    rows, cols = w.shape
+    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return w.float() * s
+
+
+def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= spec.num_layers:
+            continue  # MTP / next-n layers: not run by the reference engine
+        if name.endswith("weight_scale_inv") or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = raw.get(name + "_scale_inv")
+            if scale is None:
+                raise ConfigError(f"checkpoint tensor {name} is fp8 but has no {name}_scale_inv to dequantise it")
+            t = _dequant_fp8(t, scale)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                sd[f"{prefix}{e}.gate_proj.weight"] = gate
+                sd[f"{prefix}{e}.up_proj.weight"] = up
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e, w in enumerate(t):
+                sd[f"{prefix}{e}.down_proj.weight"] = w
+            continue
+        sd[name] = t
+    if "lm_head.weight" not in sd and spec.tie_word_embeddings and "model.embed_tokens.weight" in sd:
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+    return sd
+
+
+def build_model(cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, name: str) -> DSAModel:
+    """A DSAModel from a config dict and a state dict with transformers' names."""
+    spec = ModelSpec.from_dict(cfg, name=name)
+    dcfg = DSAConfig.from_dict(cfg, spec)
+    with torch.device("meta"):
+        model = DSAModel(dcfg)
+    expected = model.state_dict()
+    sd = _convert(state_dict, spec)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {name!r} does not match its config: {len(missing)} missing tensors "
+            f"{missing[:6]}{' ...' if len(missing) > 6 else ''}, {len(unexpected)} unexpected "
+            f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
+    for k, ref in expected.items():
+        if tuple(sd[k].shape) != tuple(ref.shape):
+            raise ConfigError(
+                f"checkpoint tensor {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
+            )
+        keep32 = k.endswith(_FP32_SUFFIXES)
+        sd[k] = sd[k].to(torch.float32 if keep32 else dtype).contiguous()
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.eval()
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[ModelSpec, DSAModel]:
+    """(spec, model) of the checkpoint in directory `path`, weights in `dtype`, on the CPU."""
+    root = Path(path)
+    cfg = load_config(root)
+    files = _safetensors_files(root)
+    log.info("loading %s: %d safetensors file(s), dtype %s", root, len(files), dtype)
+    model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name)
+    log.info(
+        "loaded %s: %s, %d layers (%d producers), %.1fM parameters",
+        root.name,
+        model.spec.model_type,
+        model.spec.num_layers,
+        len(model.spec.producers),
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
+    return model.spec, model
