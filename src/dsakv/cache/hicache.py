@@ -1,0 +1,525 @@
+"""HiCache: the prefix cache over up to three tiers (device, host, disk) that the engine's scheduler talks to.
+
+    cache = HiCache(device_pool, allocator, HiCacheConfig(hicache_ratio=2.0, write_policy="write_back"))
+    m = cache.match_prefix(prompt[:-1])      # longest cached run of whole pages, loaded onto the device
+    allocator.incref(m.page_ids); allocator.hold(req_id, m.page_ids)
+    ...compute from m.num_tokens...
+    cache.insert(kv_tokens, req_page_ids)    # at finish: the cache takes its own reference on whole pages
+    cache.release(m); allocator.release(req_id)
+    cache.evict(n)                           # when the device allocator runs short
+
+Tiers:
+  device  the DevicePool pages the RadixCache holds (always on)
+  host    a HostPool (HiCacheConfig.hicache_ratio / hicache_size), same keys as the device pool; a write
+          policy (write_policy.py) decides when device copies are backed up; a hit on a host-only run is
+          loaded back onto the device inside match_prefix, before the request computes
+  disk    DiskTier (HiCacheConfig.disk_dir): every newly cached page is persisted once; after the tree runs
+          out, match_prefix continues on disk, so a restarted server still hits
+
+match_prefix(tokens, load=False) reserves device pages and returns a match with pending loads; complete()
+runs them and release() before completion gives the reserved pages back (an abort mid-load leaks nothing).
+Imports torch, numpy and dsakv.spec/cache; must not import model or engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from dsakv.cache.allocator import IntArray, IntegrityError, PageAllocator
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.disk_tier import DiskTier
+from dsakv.cache.host_pool import HOST_LAYOUTS, HostPool, host_pages_for, make_host_pool
+from dsakv.cache.page_copy import gather_rows, scatter_rows
+from dsakv.cache.radix import RadixCache, RadixNode, as_tokens
+from dsakv.cache.write_policy import WRITE_POLICIES, make_write_policy
+from dsakv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """Prefix cache options. The default is a device-only prefix cache (no host tier, no disk)."""
+
+    hicache_ratio: float | None = None  # host pool = ratio x device pool bytes
+    hicache_size: int | None = None  # or host pool bytes
+    layout: str = "layer_first"  # host layout: layer_first | page_first
+    write_policy: str = "write_through"  # write_through | write_back | write_through_selective
+    selective_threshold: int = 2  # hits before write_through_selective backs a run up
+    disk_dir: str | None = None  # third tier on local disk; None = off
+    model_hash: str | None = None  # checkpoint fingerprint for disk keys (weights change -> new keys)
+    pin_memory: bool = True  # pin the host pool when the device is CUDA
+
+    def __post_init__(self) -> None:
+        if self.hicache_ratio is not None and self.hicache_size is not None:
+            raise ConfigError("give hicache_ratio or hicache_size, not both")
+        if self.hicache_ratio is not None and not self.hicache_ratio > 0:
+            raise ConfigError(f"hicache_ratio = {self.hicache_ratio} must be > 0 (host pool = ratio x device pool)")
+        if self.hicache_size is not None and self.hicache_size <= 0:
+            raise ConfigError(f"hicache_size = {self.hicache_size} bytes must be > 0")
+        if self.layout not in HOST_LAYOUTS:
+            raise ConfigError(f"host layout {self.layout!r} is unknown: use one of {', '.join(HOST_LAYOUTS)}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write policy {self.write_policy!r} is unknown: use one of {', '.join(WRITE_POLICIES)}")
+        if self.selective_threshold < 1:
+            raise ConfigError(f"selective_threshold = {self.selective_threshold} must be >= 1")
+
+    @property
+    def host_enabled(self) -> bool:
+        return self.hicache_ratio is not None or self.hicache_size is not None
+
+
+@dataclass
+class HiCacheStats:
+    """Counters since the cache was built. Tokens are whole pages x page_size."""
+
+    lookups: int = 0  # match_prefix calls
+    lookup_tokens: int = 0  # tokens passed to match_prefix
+    device_hit_tokens: int = 0  # matched tokens that were already on the device
+    host_hit_tokens: int = 0  # matched tokens loaded back from the host tier
+    disk_hit_tokens: int = 0  # matched tokens loaded from the disk tier
+    inserted_tokens: int = 0  # tokens newly cached by insert
+    offload_pages: int = 0  # device -> host
+    offload_bytes: int = 0
+    offload_seconds: float = 0.0
+    offload_skipped_pages: int = 0  # backups that found the host tier full of locked pages
+    load_pages: int = 0  # host -> device
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    disk_write_pages: int = 0
+    disk_write_bytes: int = 0
+    disk_read_pages: int = 0  # disk -> device
+    disk_read_bytes: int = 0
+    device_evicted_pages: int = 0  # device copies dropped (offloaded first under write_back)
+    host_evicted_pages: int = 0  # host copies dropped
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.disk_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+    @property
+    def offload_gbps(self) -> float:
+        return self.offload_bytes / self.offload_seconds / 1e9 if self.offload_seconds else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.load_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(hit_tokens=self.hit_tokens, hit_rate=round(self.hit_rate, 6))
+        return d
+
+
+@dataclass
+class _Load:
+    """One pending load of a match: a host-only node, or a run of disk pages under `node`."""
+
+    kind: str  # "host" | "disk"
+    node: RadixNode
+    dev_ids: IntArray
+    tokens: npt.NDArray[np.int64] = field(default_factory=lambda: _EMPTY)
+    hashes: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class PrefixMatch:
+    """A locked prefix hit. `page_ids` / `num_tokens` are final once `ready` (match_prefix with load=True)."""
+
+    id: int
+    page_size: int
+    lookup_tokens: int
+    node: RadixNode | None  # deepest locked node (None: nothing matched)
+    device_pages: int  # pages that were on the device at match time
+    pending: list[_Load] = field(default_factory=list)
+    page_ids: IntArray = field(default_factory=lambda: _EMPTY)
+    host_pages: int = 0  # loaded from the host tier
+    disk_pages: int = 0  # loaded from disk
+    released: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return not self.pending
+
+    @property
+    def owner(self) -> tuple[str, int]:
+        return ("hicache-load", self.id)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.page_ids.size) * self.page_size
+
+
+class HiCache:
+    """Prefix cache controller over a DevicePool + its PageAllocator, with an optional host tier and disk tier."""
+
+    def __init__(self, device: DevicePool, allocator: PageAllocator, config: HiCacheConfig | None = None) -> None:
+        self.config = config or HiCacheConfig()
+        if allocator.num_pages != device.num_pages:
+            raise ConfigError(
+                f"allocator has {allocator.num_pages} pages but the device pool {device.num_pages}: pass the pool's own"
+            )
+        self.device = device
+        self.allocator = allocator
+        self.layout = device.layout
+        self.page_size = device.page_size
+        self.host: HostPool | None = None
+        self.host_alloc: PageAllocator | None = None
+        self.host_budget_bytes: int | None = None
+        if self.config.host_enabled:
+            budget, pages = host_pages_for(
+                self.layout, device.num_pages, self.config.hicache_ratio, self.config.hicache_size
+            )
+            pin = self.config.pin_memory and device.device.type == "cuda"
+            self.host = make_host_pool(self.config.layout, self.layout, pages, pin_memory=pin)
+            self.host.check_compatible(device)
+            self.host_alloc = PageAllocator(pages, name="host")
+            self.host_budget_bytes = budget
+        self.radix = RadixCache(self.page_size, allocator, self.host_alloc)
+        self.policy = make_write_policy(self.config.write_policy, self.config.selective_threshold)
+        self.disk = (
+            DiskTier(self.config.disk_dir, self.layout, self.config.model_hash) if self.config.disk_dir else None
+        )
+        self.stats = HiCacheStats()
+        self._match_ids = itertools.count(1)
+        self._open: dict[int, PrefixMatch] = {}
+        log.info(
+            "prefix cache: device %d pages%s%s",
+            device.num_pages,
+            f", host {self.host.num_pages} pages ({self.config.layout}, {self.config.write_policy})"
+            if self.host
+            else "",
+            f", disk {self.disk.dir}" if self.disk else "",
+        )
+
+    # ---- sizes ----------------------------------------------------------------------
+
+    @property
+    def host_tokens(self) -> int:
+        return self.host.num_pages * self.page_size if self.host else 0
+
+    def _sync(self) -> None:
+        if self.device.device.type == "cuda":
+            torch.cuda.synchronize(self.device.device)
+
+    # ---- lookup ---------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int] | npt.ArrayLike, load: bool = True) -> PrefixMatch:
+        """Longest cached run of whole pages of `tokens`, locked. With load=True (the default) host and disk hits
+        are on the device when this returns; pass prompt[:-1] so that at least one token is left to compute."""
+        toks = as_tokens(tokens)
+        path = self.radix.match(toks)
+        m = PrefixMatch(next(self._match_ids), self.page_size, int(toks.size), None, 0)
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += int(toks.size)
+        if path:
+            self.radix.lock(path[-1])
+            m.node = path[-1]
+        n_dev = 0
+        while n_dev < len(path) and path[n_dev].on_device:
+            n_dev += 1
+        m.device_pages = sum(n.num_pages for n in path[:n_dev])
+        self._open[m.id] = m
+        for node in path[n_dev:]:
+            ids = self._alloc_device(node.num_pages)
+            if ids is None:
+                reachable = False
+                break
+            self.allocator.hold(m.owner, ids)
+            m.pending.append(_Load("host", node, ids))
+        else:
+            reachable = True
+        if self.disk is not None and reachable:
+            self._plan_disk(m, toks, path)
+        if load:
+            self.complete(m)
+        return m
+
+    def _plan_disk(self, m: PrefixMatch, toks: npt.NDArray[np.int64], path: list[RadixNode]) -> None:
+        assert self.disk is not None
+        ps = self.page_size
+        start = sum(n.num_pages for n in path)
+        total = toks.size // ps
+        if start >= total:
+            return
+        hashes = self.disk.page_hashes(toks, total)[start:]
+        n = self.disk.count_present(hashes)
+        while n > 0:
+            ids = self._alloc_device(n)
+            if ids is not None:
+                break
+            n = min(n - 1, self.allocator.num_free)
+        if n <= 0 or ids is None:
+            return
+        self.allocator.hold(m.owner, ids)
+        parent = path[-1] if path else self.radix.root
+        m.pending.append(_Load("disk", parent, ids, toks[start * ps : (start + n) * ps].copy(), hashes[:n]))
+
+    def complete(self, m: PrefixMatch, max_loads: int | None = None) -> None:
+        """Run the match's pending loads (at most `max_loads` of them), in order; when none is left, the match's
+        page_ids are final and its lock sits on the deepest loaded node."""
+        if m.released:
+            raise IntegrityError(f"match {m.id} was released")
+        done = 0
+        while m.pending and (max_loads is None or done < max_loads):
+            step = m.pending.pop(0)
+            ok = self._run_load(m, step)
+            done += 1
+            if not ok:
+                self._cancel(m)
+        if not m.pending:
+            self._finish(m)
+
+    def _run_load(self, m: PrefixMatch, step: _Load) -> bool:
+        self.allocator.unhold(m.owner, step.dev_ids)
+        try:
+            if step.kind == "host":
+                return self._load_host(m, step)
+            return self._load_disk(m, step)
+        except BaseException:
+            self.allocator.free(step.dev_ids)
+            raise
+
+    def _load_host(self, m: PrefixMatch, step: _Load) -> bool:
+        node = step.node
+        if node.on_device:  # another request loaded or re-inserted it meanwhile
+            self.allocator.free(step.dev_ids)
+            return True
+        assert self.host is not None and node.host is not None
+        t0 = time.perf_counter()
+        nbytes = self.host.load(self.device, node.host, step.dev_ids)
+        self._sync()
+        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.load_pages += int(step.dev_ids.size)
+        self.stats.load_bytes += nbytes
+        self.radix.set_device(node, step.dev_ids)
+        m.host_pages += node.num_pages
+        return True
+
+    def _load_disk(self, m: PrefixMatch, step: _Load) -> bool:
+        assert self.disk is not None
+        parent = step.node
+        ps = self.page_size
+        if not parent.on_device or self.radix._page_key(step.tokens, 0) in parent.children:
+            self.allocator.free(step.dev_ids)
+            return False
+        rows = self.disk.read(step.hashes)
+        n = int(rows.shape[0])
+        if n < step.dev_ids.size:
+            self.allocator.free(step.dev_ids[n:])
+        if n == 0:
+            return False
+        ids = step.dev_ids[:n]
+        scatter_rows(self.device, ids, rows)
+        self._sync()
+        child = self.radix.add_child(parent, step.tokens[: n * ps], ids)
+        self.radix.lock(child)
+        if m.node is not None:
+            self.radix.unlock(m.node)
+        m.node = child
+        m.disk_pages += n
+        self.stats.disk_read_pages += n
+        self.stats.disk_read_bytes += n * self.layout.bytes_per_page
+        self.policy.on_insert(self, [child])
+        return n == step.dev_ids.size
+
+    def _cancel(self, m: PrefixMatch) -> None:
+        for step in m.pending:
+            self.allocator.unhold(m.owner, step.dev_ids)
+            self.allocator.free(step.dev_ids)
+        m.pending.clear()
+
+    def _finish(self, m: PrefixMatch) -> None:
+        """Move the lock to the deepest node on the device and fix page_ids; count hits."""
+        node = m.node
+        while node is not None and node is not self.radix.root and not node.on_device:
+            node = node.parent
+        if node is self.radix.root:
+            node = None
+        if node is not m.node:
+            if node is not None:
+                self.radix.lock(node)
+            assert m.node is not None
+            self.radix.unlock(m.node)
+            m.node = node
+        path = self.radix.path_to(m.node) if m.node is not None else []
+        m.page_ids = np.concatenate([n.device for n in path if n.device is not None]) if path else _EMPTY
+        ps = self.page_size
+        hit = int(m.page_ids.size)
+        m.host_pages = min(m.host_pages, hit - min(m.device_pages, hit))
+        m.device_pages = min(m.device_pages, hit)
+        self.stats.device_hit_tokens += m.device_pages * ps
+        self.stats.host_hit_tokens += m.host_pages * ps
+        self.stats.disk_hit_tokens += m.disk_pages * ps
+        for n in path:
+            n.hit_count += 1
+        if path:
+            self.policy.on_hit(self, path)
+
+    def release(self, m: PrefixMatch) -> None:
+        """Unlock the match (the request finished, or was aborted at any point, even mid-load)."""
+        if m.released:
+            return
+        self._cancel(m)
+        if m.node is not None:
+            self.radix.unlock(m.node)
+        m.released = True
+        self._open.pop(m.id, None)
+
+    # ---- insert ---------------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int] | npt.ArrayLike, page_ids: npt.ArrayLike) -> int:
+        """Cache the whole pages of `tokens` (KV in device pages `page_ids`); returns the pages newly cached."""
+        toks = as_tokens(tokens)
+        path, new, adopted = self.radix.insert(toks, page_ids)
+        n_new = sum(n.num_pages for n in new)
+        self.stats.inserted_tokens += n_new * self.page_size
+        if new:
+            self.policy.on_insert(self, new)
+            if self.disk is not None:
+                self._persist(toks, path, new)
+        return n_new
+
+    def _persist(self, toks: npt.NDArray[np.int64], path: list[RadixNode], new: list[RadixNode]) -> None:
+        assert self.disk is not None
+        total = sum(n.num_pages for n in path)
+        hashes = self.disk.page_hashes(toks, total)
+        first = total - sum(n.num_pages for n in new)
+        todo = [(i, h) for i, h in enumerate(hashes[first:], start=first) if not self.disk.contains(h)]
+        if not todo:
+            return
+        dev_ids = np.concatenate([n.device for n in path if n.device is not None])
+        rows = gather_rows(self.device, dev_ids[[i for i, _ in todo]])
+        written = self.disk.write([h for _, h in todo], rows)
+        self.stats.disk_write_pages += written
+        self.stats.disk_write_bytes += written * self.layout.bytes_per_page
+
+    # ---- tier moves -------------------------------------------------------------------
+
+    def _alloc_device(self, n: int) -> IntArray | None:
+        if n <= 0:
+            return _EMPTY.copy()
+        if self.allocator.num_free < n:
+            self.evict(n - self.allocator.num_free)
+        if self.allocator.num_free < n:
+            return None
+        return self.allocator.alloc(n)
+
+    def backup(self, nodes: list[RadixNode]) -> int:
+        """Copy device-only `nodes` to the host tier in one vectorised copy; returns pages backed up.
+        Makes room by evicting host copies (LRU); nodes that still do not fit stay device-only."""
+        if self.host is None or self.host_alloc is None:
+            return 0
+        nodes = [n for n in nodes if n.on_device and not n.on_host]
+        need = sum(n.num_pages for n in nodes)
+        if need == 0:
+            return 0
+        if self.host_alloc.num_free < need:
+            self.evict_host(need - self.host_alloc.num_free)
+        fit, got = [], 0
+        for n in nodes:
+            if not (n.on_device and not n.on_host):
+                continue
+            if got + n.num_pages > self.host_alloc.num_free:
+                self.stats.offload_skipped_pages += n.num_pages
+                continue
+            fit.append(n)
+            got += n.num_pages
+        if not fit:
+            return 0
+        host_ids = self.host_alloc.alloc(got)
+        dev_ids = np.concatenate([n.device for n in fit if n.device is not None])
+        t0 = time.perf_counter()
+        nbytes = self.host.offload(self.device, dev_ids, host_ids)
+        self.stats.offload_seconds += time.perf_counter() - t0
+        self.stats.offload_pages += got
+        self.stats.offload_bytes += nbytes
+        off = 0
+        for n in fit:
+            self.radix.set_host(n, host_ids[off : off + n.num_pages])
+            off += n.num_pages
+        return got
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` device pages if unlocked cached runs allow (LRU leaves first); returns pages
+        freed. Under write_back the runs are offloaded to the host before their device copy goes."""
+        start = self.allocator.num_free
+        while self.allocator.num_free - start < num_pages:
+            victims = self.radix.device_victims(num_pages - (self.allocator.num_free - start))
+            if not victims:
+                break
+            if self.policy.offload_on_evict:
+                self.backup([v for v in victims if not v.on_host])
+            for v in victims:
+                if v.device is None or v.parent is None:  # removed while making host room
+                    continue
+                self.stats.device_evicted_pages += v.num_pages
+                self.radix.drop_device(v)
+        return self.allocator.num_free - start
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages if possible (LRU); returns host pages freed."""
+        if self.host_alloc is None:
+            return 0
+        start = self.host_alloc.num_free
+        while self.host_alloc.num_free - start < num_pages:
+            victims = self.radix.host_victims(num_pages - (self.host_alloc.num_free - start))
+            if not victims:
+                break
+            for v in victims:
+                if v.host is None or v.parent is None:
+                    continue
+                self.stats.host_evicted_pages += v.num_pages
+                self.radix.drop_host(v)
+        return self.host_alloc.num_free - start
+
+    def clear(self) -> None:
+        """Drop every unlocked cached run from both tiers (the disk tier is kept)."""
+        self.evict(self.allocator.num_pages)
+        self.evict_host(self.host_alloc.num_pages if self.host_alloc else 0)
+
+    # ---- checks -----------------------------------------------------------------------
+
+    @property
+    def cached_device_pages(self) -> int:
+        return self.radix.device_pages
+
+    @property
+    def cached_host_pages(self) -> int:
+        return self.radix.host_pages
+
+    def check_integrity(self) -> None:
+        """Device allocator, host allocator and tree invariants; raises IntegrityError."""
+        self.allocator.check_integrity()
+        if self.host_alloc is not None:
+            self.host_alloc.check_integrity()
+            if self.host_alloc.num_used != self.radix.host_pages:
+                raise IntegrityError(
+                    f"host: {self.host_alloc.num_used} pages in use but the tree holds {self.radix.host_pages}"
+                )
+        self.radix.check_integrity()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device_pages": self.device.num_pages,
+            "host_pages": self.host.num_pages if self.host else 0,
+            "host_layout": self.config.layout if self.host else None,
+            "write_policy": self.config.write_policy if self.host else None,
+            "disk_dir": str(Path(self.disk.dir)) if self.disk else None,
+        }

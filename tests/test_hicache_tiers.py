@@ -1,0 +1,192 @@
+"""HiCache controller on real pools (no model): write policies, eviction + reload, aborts mid-load, disk tier.
+
+Page contents are a deterministic function of the tokens up to and including the page, as real KV is,
+so a reloaded page can be compared bit for bit with what a request would have written.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsakv.cache.allocator import PageAllocator
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hicache import HiCache, HiCacheConfig, PrefixMatch
+from dsakv.cache.page_copy import gather_rows
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.presets import load_spec
+
+PS = 4
+LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
+
+
+def _expected_rows(tokens: np.ndarray) -> torch.Tensor:
+    n = len(tokens) // PS
+    rows = torch.empty((n, LAYOUT.bytes_per_page), dtype=torch.uint8)
+    for i in range(n):
+        g = torch.Generator().manual_seed(zlib.crc32(np.asarray(tokens[: (i + 1) * PS], dtype=np.int64).tobytes()))
+        rows[i] = torch.randint(0, 256, (LAYOUT.bytes_per_page,), dtype=torch.uint8, generator=g)
+    return rows
+
+
+class Harness:
+    """Plays the scheduler: match, take pages, 'compute' (write the expected bytes), insert, release."""
+
+    def __init__(self, device_pages: int = 8, **cfg: object) -> None:
+        self.dev = DevicePool(LAYOUT, device_pages)
+        self.alloc = PageAllocator(device_pages, "device")
+        self.cache = HiCache(self.dev, self.alloc, HiCacheConfig(**cfg))  # type: ignore[arg-type]
+        self._n = 0
+
+    def run(self, tokens: list[int] | np.ndarray) -> PrefixMatch:
+        """One request over `tokens` (its KV covers all of them); returns its match (already released)."""
+        toks = np.asarray(tokens, dtype=np.int64)
+        self._n += 1
+        rid = f"req{self._n}"
+        m = self.cache.match_prefix(toks[:-1])
+        self.alloc.incref(m.page_ids)
+        self.alloc.hold(rid, m.page_ids)
+        if m.num_tokens:
+            assert torch.equal(gather_rows(self.dev, m.page_ids), _expected_rows(toks[: m.num_tokens]))
+        need = -(-len(toks) // PS) - m.page_ids.size
+        if self.alloc.num_free < need:
+            self.cache.evict(need - self.alloc.num_free)
+        own = self.alloc.alloc(need)
+        self.alloc.hold(rid, own)
+        pages = np.concatenate([m.page_ids, own])
+        from dsakv.cache.page_copy import scatter_rows
+
+        full = len(toks) // PS
+        new = np.arange(m.page_ids.size, full)
+        scatter_rows(self.dev, pages[new], _expected_rows(toks)[new])
+        self.cache.insert(toks, pages)
+        self.cache.release(m)
+        self.alloc.release(rid)
+        self.cache.check_integrity()
+        return m
+
+
+def _toks(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return (prefix or []) + rng.integers(2, 500, n).tolist()
+
+
+def test_device_only_prefix_cache_hits_and_evicts() -> None:
+    h = Harness(device_pages=8)
+    a = _toks(1, 17)  # 4 whole pages + 1 token: 5 pages while running, 4 cached
+    m = h.run(a)
+    assert m.num_tokens == 0 and h.cache.cached_device_pages == 4
+    m = h.run(a + [7, 8, 9])
+    assert m.num_tokens == 16 and m.device_pages == 4
+    s = h.cache.stats
+    assert (s.device_hit_tokens, s.host_hit_tokens, s.lookup_tokens) == (16, 0, 16 + 19)
+    h.run(_toks(2, 21))  # needs 6 pages: the LRU run must go
+    assert s.device_evicted_pages >= 1
+    h.cache.check_integrity()
+
+
+def test_write_back_offloads_on_eviction_and_reloads_exact_bytes() -> None:
+    h = Harness(device_pages=8, hicache_ratio=2.0, write_policy="write_back")
+    assert h.cache.host is not None and h.cache.host.num_pages == 16
+    a, b = _toks(1, 16), _toks(2, 20)
+    h.run(a)
+    s = h.cache.stats
+    assert s.offload_pages == 0  # write_back: nothing copied yet
+    h.run(b)  # needs 5 pages, 4 free: a (4 pages, LRU) is offloaded, then its device copy dropped
+    assert (s.offload_pages, s.device_evicted_pages, s.offload_bytes) == (4, 4, 4 * LAYOUT.bytes_per_page)
+    assert h.cache.cached_host_pages == 4 and h.cache.cached_device_pages == 5
+    m = h.run(a + [5])  # a is on host only: b (5 pages) is offloaded to make room, a loaded back
+    assert (m.num_tokens, m.device_pages, m.host_pages) == (16, 0, 4)
+    assert (s.offload_pages, s.load_pages, s.load_bytes) == (9, 4, 4 * LAYOUT.bytes_per_page)
+    assert (s.host_hit_tokens, s.device_hit_tokens, s.device_evicted_pages) == (16, 0, 9)
+    m = h.run(b + [6])  # and back again
+    assert (m.num_tokens, m.host_pages) == (20, 5)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_write_through_backs_up_on_insert(layout: str) -> None:
+    h = Harness(device_pages=8, hicache_ratio=2.0, write_policy="write_through", layout=layout)
+    a = _toks(1, 16)
+    h.run(a)
+    s = h.cache.stats
+    assert (s.offload_pages, h.cache.cached_host_pages) == (4, 4)
+    h.run(_toks(2, 32))  # 8 pages: a's device copy is dropped without a copy (it is on host already)
+    assert (s.offload_pages, s.device_evicted_pages, s.host_evicted_pages) == (12, 4, 0)
+    m = h.run(a + [1])  # the 8-page run is dropped from the device (no copy), a is loaded back
+    assert (m.num_tokens, m.device_pages, m.host_pages) == (16, 0, 4)
+    assert (s.offload_pages, s.load_pages, s.device_evicted_pages) == (12, 4, 12)
+    h.run(_toks(3, 32))  # 8 more pages: the host tier (16) is full, the LRU host run (the first 8-page run) goes
+    assert (s.offload_pages, s.host_evicted_pages, h.cache.cached_host_pages) == (20, 8, 12)
+
+
+def test_write_through_selective_waits_for_hits() -> None:
+    h = Harness(device_pages=16, hicache_ratio=1.0, write_policy="write_through_selective", selective_threshold=2)
+    a = _toks(1, 16)
+    h.run(a)
+    assert h.cache.stats.offload_pages == 0
+    h.run(a + [3])  # first hit
+    assert h.cache.stats.offload_pages == 0
+    h.run(a + [4])  # second hit: backed up
+    assert h.cache.stats.offload_pages == 4 and h.cache.cached_host_pages == 4
+
+
+def test_abort_mid_load_leaks_nothing() -> None:
+    h = Harness(device_pages=8, hicache_ratio=2.0, write_policy="write_back")
+    a = _toks(1, 16)
+    h.run(a)
+    h.cache.evict(8)  # a goes to host
+    assert h.cache.cached_device_pages == 0 and h.cache.cached_host_pages == 4
+    # split a's host run in two nodes so the load has two steps
+    h.cache.radix.match(a[:8] + [999] * 8)
+    m = h.cache.match_prefix(a, load=False)
+    assert not m.ready and len(m.pending) == 2 and h.alloc.num_free == 4
+    h.cache.check_integrity()
+    h.cache.release(m)  # abort before any copy
+    assert h.alloc.num_free == 8 and h.cache.cached_host_pages == 4
+    h.cache.check_integrity()
+    m = h.cache.match_prefix(a, load=False)
+    h.cache.complete(m, max_loads=1)  # half loaded
+    assert len(m.pending) == 1 and h.cache.cached_device_pages == 2 and h.alloc.num_free == 4
+    h.cache.release(m)  # abort mid-load
+    assert h.alloc.num_free == 6 and h.cache.cached_device_pages == 2
+    h.cache.check_integrity()
+    h.cache.evict(8)
+    assert h.alloc.num_free == 8 and h.cache.cached_host_pages == 4
+    assert h.cache.radix.root.lock_ref == 1
+    h.cache.check_integrity()
+
+
+def test_disk_tier_survives_restart(tmp_path: Path) -> None:
+    h = Harness(device_pages=8, disk_dir=str(tmp_path))
+    a = _toks(1, 13)
+    h.run(a)
+    assert h.cache.stats.disk_write_pages == 3 and h.cache.disk is not None and h.cache.disk.num_pages() == 3
+    h2 = Harness(device_pages=8, disk_dir=str(tmp_path))  # a restarted server
+    m = h2.run(a)  # bytes checked against the expected rows inside run()
+    assert m.disk_pages == 3 and h2.cache.stats.disk_hit_tokens == 12
+    assert h2.cache.stats.disk_write_pages == 0
+    # a different layout never reads these pages
+    other = DevicePool(KVLayout(load_spec("tiny"), page_size=PS, elide=False), 8)
+    c = HiCache(other, PageAllocator(8), HiCacheConfig(disk_dir=str(tmp_path)))
+    assert c.match_prefix(a).num_tokens == 0
+
+
+def test_disk_tier_corrupt_page_reads_as_miss(tmp_path: Path) -> None:
+    h = Harness(device_pages=8, disk_dir=str(tmp_path))
+    a = _toks(1, 16)
+    h.run(a)
+    disk = h.cache.disk
+    assert disk is not None
+    hashes = disk.page_hashes(a)
+    p = disk.path(hashes[2])
+    p.write_bytes(p.read_bytes()[:100])  # torn file
+    h2 = Harness(device_pages=8, disk_dir=str(tmp_path))
+    m = h2.cache.match_prefix(a)
+    assert m.num_tokens == 8 and m.disk_pages == 2 and not p.exists()
+    assert h2.alloc.num_free == 6
+    h2.cache.release(m)
+    h2.cache.check_integrity()
