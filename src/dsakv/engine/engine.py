@@ -1,0 +1,335 @@
+"""Engine: the reference DSA engine, a checkpoint on a paged, ownership-aware KV pool.
+
+    engine = Engine("ckpt_dir", elide=True, kv_format="fp32", index_format="fp32", page_size=16, max_tokens=4096)
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():        # RequestOutput: new_token_ids, output_ids, finished, finish_reason
+            ...
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))   # -> [[...], [...]]
+
+The pool is DevicePool(layout, num_pages) with layout = KVLayout(spec, elide, kv_format,
+index_format, page_size): the very object the capacity planner sizes. All public methods
+take one lock, so a server may call add_request/abort from other threads while one
+thread loops on step().
+Imports torch, dsakv.{spec,cache,model} and dsakv.engine; must not import disagg, serve or cli.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsakv.cache.allocator import IntegrityError, PageAllocator
+from dsakv.cache.device_pool import DevicePool
+from dsakv.engine.model_runner import ModelRunner
+from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from dsakv.engine.sampling import sample
+from dsakv.engine.scheduler import PrefixCache, Scheduler
+from dsakv.errors import CapacityError, ConfigError, DsakvError
+from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
+from dsakv.spec.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16384
+
+
+class GenerationError(DsakvError):
+    """A request of Engine.generate() finished with an error."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    page_size: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    capacity_tokens: int
+    bytes_per_token: int
+    pool_bytes: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    steps: int
+    prefill_tokens: int  # tokens computed in prefill chunks (prompts, and recomputation after preemption)
+    decode_tokens: int  # tokens computed one at a time after the prompt
+    generated_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _eos_from(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return None
+    if isinstance(eos, int) and not isinstance(eos, bool):
+        return (eos,)
+    if isinstance(eos, list) and all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        return tuple(eos)
+    raise ConfigError(f"eos_token_id = {eos!r} must be a token id or a list of token ids")
+
+
+def read_eos_token_ids(spec: ModelSpec, model_dir: Path | None) -> tuple[int, ...]:
+    """eos ids as transformers' generate() uses them: generation_config.json, else config.json."""
+    if model_dir is not None and (model_dir / "generation_config.json").is_file():
+        gen = json.loads((model_dir / "generation_config.json").read_text())
+        found = _eos_from(gen) if isinstance(gen, dict) else None
+        if found is not None:
+            return found
+    return _eos_from(spec.raw) or ()
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str | Path | tuple[ModelSpec, Any],
+        *,
+        elide: bool = True,
+        kv_format: str = "fp32",
+        index_format: str = "fp32",
+        page_size: int = DEFAULT_PAGE_SIZE,
+        num_pages: int | None = None,
+        max_tokens: int | None = None,
+        max_batch_tokens: int = 512,
+        max_running_requests: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        eos_token_ids: Sequence[int] | None = None,
+        prefix_cache: PrefixCache | None = None,
+        seed: int | None = None,
+        check_every_step: bool = False,
+    ) -> None:
+        self.model_dir: Path | None = None
+        if isinstance(model, tuple):
+            self.spec, self.model = model
+        else:
+            from dsakv.model.loader import load_model
+
+            self.model_dir = Path(model)
+            self.spec, self.model = load_model(self.model_dir, dtype=dtype)
+        self.model.eval()
+        self.layout = KVLayout(
+            self.spec, elide=elide, kv_format=kv_format, index_format=index_format, page_size=page_size
+        )
+        if num_pages is not None and max_tokens is not None:
+            raise ConfigError(f"give num_pages ({num_pages}) or max_tokens ({max_tokens}), not both")
+        if num_pages is None:
+            tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+            if tokens < 1:
+                raise ConfigError(f"max_tokens = {tokens} must be >= 1")
+            num_pages = -(-tokens // page_size)
+        self.pool = DevicePool(self.layout, num_pages, device=self.model.device)
+        self.allocator = PageAllocator(num_pages, name="device pool")
+        max_pos = self.spec.raw.get("max_position_embeddings")
+        self.max_seq_len: int | None = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
+        self.scheduler = Scheduler(
+            self.allocator,
+            page_size,
+            max_batch_tokens=max_batch_tokens,
+            max_running_requests=max_running_requests,
+            max_seq_len=self.max_seq_len,
+            prefix_cache=prefix_cache,
+        )
+        self.runner = ModelRunner(self.model, self.pool)
+        self.eos_token_ids = (
+            tuple(int(e) for e in eos_token_ids)
+            if eos_token_ids is not None
+            else read_eos_token_ids(self.spec, self.model_dir)
+        )
+        self.check_every_step = check_every_step
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._lock = threading.RLock()
+        self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step()
+        self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
+        log.info(
+            "engine: %s, %d pages x %d tokens (%d tokens, %.1f MiB, %d B/token, elide=%s, kv=%s, index=%s)",
+            self.spec.name,
+            num_pages,
+            page_size,
+            num_pages * page_size,
+            self.pool.nbytes / 2**20,
+            self.layout.bytes_per_token,
+            elide,
+            kv_format,
+            index_format,
+        )
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises CapacityError (queuing nothing) if it can never fit."""
+        params = params or SamplingParams()
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            vocab = self.spec.vocab_size
+            bad = [t for t in prompt_ids if isinstance(t, int) and not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(
+                    f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}"
+                )
+            req = Request(
+                request_id=rid,
+                prompt_ids=tuple(prompt_ids),
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                arrival=next(self._arrivals),
+                sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            )
+            self.scheduler.add(req)
+            log.debug("queued %s", req)
+            return rid
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request and free its pages; its final output (reason 'abort') is returned
+        and also reported by the next step(). None if the id is unknown or already finished."""
+        with self._lock:
+            req = self.scheduler.abort(request_id)
+            if req is None:
+                return None
+            out = RequestOutput.of(req, 0)
+            self._pending.append(out)
+            return out
+
+    def get_request(self, request_id: str) -> Request | None:
+        with self._lock:
+            return self.scheduler.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    # ---- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; outputs of every request that got a token, finished, failed or was aborted."""
+        with self._lock:
+            outputs, self._pending = self._pending, []
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_unfinished() and not sched.preempted:
+                    raise IntegrityError(
+                        f"scheduler stalled: {self.scheduler.num_waiting} waiting and {self.scheduler.num_running} "
+                        f"running requests but nothing could be scheduled ({self.allocator.num_free} pages free)"
+                    )
+                return outputs
+            self._steps += 1
+            chunks = sched.chunks
+            try:
+                logits = self.runner.run(chunks)
+                rows = [i for i, c in enumerate(chunks) if c.samples]
+                next_tokens: list[int | None] = [None] * len(chunks)
+                if rows:
+                    toks = sample(logits[rows], [chunks[i].request for i in rows])
+                    for i, t in zip(rows, toks, strict=True):
+                        next_tokens[i] = t
+            except Exception as e:  # the step failed: its requests finish with the error, pages come back
+                log.exception("model step failed for %d requests", len(chunks))
+                failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
+                outputs.extend(RequestOutput.of(r, 0) for r in failed)
+                if self.check_every_step:
+                    self.check_integrity()
+                return outputs
+            for c in chunks:
+                if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+                    self._decode_tokens += 1
+                else:
+                    self._prefill_tokens += c.num_tokens
+            got = self.scheduler.update(sched, next_tokens)
+            self._generated += len(got)
+            outputs.extend(RequestOutput.of(r, 1) for r in got)
+            if self.check_every_step:
+                self.check_integrity()
+            return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[list[int]]:
+        """Run `prompts` to completion (continuous batching); the output ids of each, in order.
+
+        `params` is one SamplingParams for all prompts or one per prompt. Raises CapacityError (queuing
+        nothing) if a prompt can never fit, GenerationError if a request fails.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            plist = [params or SamplingParams()] * len(prompts)
+        else:
+            plist = list(params)
+            if len(plist) != len(prompts):
+                raise ConfigError(f"generate: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        with self._lock:
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+                self.scheduler.check_fits(f"#{i}", len(p), sp.max_new_tokens)
+            rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        wanted = set(rids)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(sp.max_new_tokens for sp in plist), desc="generate", unit="tok")
+        try:
+            while len(done) < len(rids):
+                for out in self.step():
+                    if out.request_id in wanted:
+                        if bar is not None:
+                            bar.update(len(out.new_token_ids))
+                        if out.finished:
+                            done[out.request_id] = out
+        except BaseException:
+            for rid in wanted - done.keys():
+                self.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        errors = [o for o in done.values() if o.finish_reason in (FinishReason.ERROR, FinishReason.ABORT)]
+        if errors:
+            e = errors[0]
+            raise GenerationError(f"request {e.request_id} ended with {e.finish_reason}: {e.error or 'aborted'}")
+        return [list(done[r].output_ids) for r in rids]
+
+    # ---- books ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless free + held pages == total and every request holds exactly its pages."""
+        with self._lock:
+            self.scheduler.check_integrity()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            a = self.allocator
+            return EngineStats(
+                page_size=self.layout.page_size,
+                pages_total=a.num_pages,
+                pages_used=a.num_used,
+                pages_free=a.num_free,
+                capacity_tokens=a.num_pages * self.layout.page_size,
+                bytes_per_token=self.layout.bytes_per_token,
+                pool_bytes=self.pool.nbytes,
+                num_running=self.scheduler.num_running,
+                num_waiting=self.scheduler.num_waiting,
+                num_preemptions=self.scheduler.num_preemptions,
+                steps=self._steps,
+                prefill_tokens=self._prefill_tokens,
+                decode_tokens=self._decode_tokens,
+                generated_tokens=self._generated,
+            )
+
+
+__all__ = ["CapacityError", "Engine", "EngineStats", "GenerationError", "read_eos_token_ids"]

@@ -1,0 +1,82 @@
+"""ModelRunner: scheduled chunks -> ForwardBatch -> model step -> logits.
+
+Slots: token t of a sequence lives at slot page_ids[t // P] * P + t % P (P = page size).
+A chunk of request r covering tokens [start, end) gives one ForwardBatch row:
+
+    prefix_lens[b] = start          extend_lens[b] = end - start
+    slot_table[b, :end] = slots of tokens 0..end-1   (padding -1)
+    input_ids / positions / out_slots: tokens start..end-1, concatenated over rows
+
+Imports numpy, torch, dsakv.cache, dsakv.model.batch and dsakv.engine.scheduler;
+must not import disagg, serve or cli.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.engine.scheduler import ScheduledChunk
+from dsakv.model.batch import ForwardBatch
+
+
+class StepModel(Protocol):
+    def forward(self, batch: ForwardBatch, pool: DevicePool) -> torch.Tensor: ...
+
+
+def build_batch(chunks: Sequence[ScheduledChunk], page_size: int) -> ForwardBatch:
+    """The ForwardBatch for `chunks` (one row each, in order)."""
+    if not chunks:
+        raise ValueError("build_batch: no chunks scheduled")
+    ends = np.array([c.end for c in chunks], dtype=np.int64)
+    starts = np.array([c.start for c in chunks], dtype=np.int64)
+    max_len = int(ends.max())
+    max_pages = -(-max_len // page_size)
+    page_table = np.full((len(chunks), max_pages), -1, dtype=np.int64)
+    for b, c in enumerate(chunks):
+        pages = c.request.page_ids[: -(-c.end // page_size)]
+        page_table[b, : len(pages)] = pages
+    t = np.arange(max_len, dtype=np.int64)
+    slot_table = page_table[:, t // page_size] * page_size + t % page_size
+    slot_table[t[None, :] >= ends[:, None]] = -1
+    ids: list[int] = []
+    for c in chunks:
+        ids.extend(c.request.token_ids(c.start, c.end))
+    rows = np.repeat(np.arange(len(chunks)), ends - starts)
+    positions = np.concatenate([np.arange(c.start, c.end, dtype=np.int64) for c in chunks])
+    out_slots = slot_table[rows, positions]
+    if np.any(out_slots < 0):
+        raise ValueError("build_batch: a new token has no page (the scheduler did not allocate it)")
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.from_numpy(positions),
+        prefix_lens=torch.from_numpy(starts),
+        extend_lens=torch.from_numpy(ends - starts),
+        slot_table=torch.from_numpy(slot_table),
+        out_slots=torch.from_numpy(out_slots),
+    )
+
+
+class ModelRunner:
+    """Runs one model step for the scheduler's chunks on a DevicePool."""
+
+    def __init__(self, model: StepModel, pool: DevicePool) -> None:
+        self.model = model
+        self.pool = pool
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Logits float32 [len(chunks), vocab] for the last new token of every chunk."""
+        batch = build_batch(chunks, self.page_size)
+        with torch.inference_mode():
+            logits = self.model.forward(batch, self.pool)
+        if logits.dim() != 2 or logits.shape[0] != len(chunks):
+            raise ValueError(f"the model returned logits of shape {tuple(logits.shape)} for {len(chunks)} sequences")
+        return logits

@@ -1,0 +1,408 @@
+"""Scheduler: continuous batching with chunked prefill over a paged, ref-counted pool.
+
+Every step mixes decode tokens and prefill chunks in one batch of at most
+`max_batch_tokens` tokens:
+
+1. Running requests, oldest admitted first. A decoding request takes 1 token; a
+   request still prefilling takes a chunk of what is left of the budget after one
+   token is set aside for every decoding request behind it (decodes never starve).
+   Pages are allocated one page at a time as a sequence grows. When a request
+   cannot get the page it needs, the prefix cache (if any) evicts first, then the
+   NEWEST running request is preempted: its pages are freed and it goes back to the
+   front of the waiting queue with its output kept (it recomputes later). A
+   prefilling request shrinks its chunk to the pages it can get before preempting.
+2. Waiting requests, first come first served (preempted ones first), while there
+   is budget and fewer than `max_running_requests` run: a request is admitted only
+   when every page its next chunk needs is free. No admission in a step that
+   preempted.
+
+A request that can never fit (prompt + max_new_tokens above the pool's capacity or
+the model's max positions) is rejected by `add` with CapacityError; nothing is
+queued. `abort(request_id)` frees a request's pages at any point.
+
+Page ownership: every page a request holds is recorded with
+`allocator.hold(request_id, ids)` (owner = the request id string), so
+`check_integrity()` proves free + held == total after every step.
+
+Prefix-cache hook (None by default; dsakv.cache.hicache.HiCache implements it):
+
+    m = match_prefix(token_ids)
+        Longest cached prefix of `token_ids` in whole pages: m.page_ids (int64 array of
+        device pages) and m.num_tokens == len(m.page_ids) * page_size. The cache locks
+        them (never evicts them) until release(m); it may load host/disk hits first.
+        The scheduler asks with all tokens but the last (it needs that token's logits).
+        On admission it increfs m.page_ids and holds them for the request, whose page
+        table then starts with them; if it does not admit, it calls release(m) at once.
+    insert(token_ids, page_ids)
+        When a request leaves (finishes, is aborted or preempted): its computed tokens
+        cut to whole pages, and the pages holding them. The cache takes its own
+        reference (allocator.incref + allocator.hold under a non-str owner) of the pages
+        it keeps; then the scheduler calls release(m) and releases the request's
+        references, so pages the cache already had go back to the free list.
+    release(m)
+        Ends the lock taken by match_prefix.
+    evict(num_pages) -> int
+        Drop the cache's reference to up to `num_pages` unlocked pages (LRU); returns how
+        many went back to the free list. Called before preempting, and before admitting.
+    check_integrity()   (optional) called by Scheduler.check_integrity().
+
+Imports numpy, dsakv.cache.allocator, dsakv.errors and dsakv.engine.{request,sampling};
+must not import torch models, disagg, serve or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from dsakv.cache.allocator import IntegrityError, PageAllocator
+from dsakv.engine.request import FinishReason, Request, RequestStatus
+from dsakv.engine.sampling import stop_reason
+from dsakv.errors import CapacityError, ConfigError
+
+log = logging.getLogger(__name__)
+
+IntArray = npt.NDArray[np.int64]
+DEFAULT_MAX_RUNNING = 64
+
+
+class PrefixMatch(Protocol):
+    page_ids: IntArray
+    num_tokens: int
+
+
+class PrefixCache(Protocol):
+    """The hook a prefix cache implements; see the module docstring."""
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch: ...
+
+    def insert(self, token_ids: Sequence[int], page_ids: IntArray) -> None: ...
+
+    def release(self, match: PrefixMatch) -> None: ...
+
+    def evict(self, num_pages: int) -> int: ...
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` new tokens of `request`, from token `start` (= num_computed_tokens before the step)."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last token: its logits give the next token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        *,
+        max_batch_tokens: int = 512,
+        max_running_requests: int | None = None,
+        max_seq_len: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
+        if page_size < 1:
+            raise ConfigError(f"page_size = {page_size} must be >= 1")
+        if max_batch_tokens < 1:
+            raise ConfigError(f"max_batch_tokens = {max_batch_tokens} must be >= 1 (tokens computed per step)")
+        if max_running_requests is None:
+            max_running_requests = min(DEFAULT_MAX_RUNNING, max_batch_tokens)
+        if not 1 <= max_running_requests <= max_batch_tokens:
+            raise ConfigError(
+                f"max_running_requests = {max_running_requests} must be in 1..max_batch_tokens "
+                f"({max_batch_tokens}): every running request needs at least one token of a step's budget"
+            )
+        if max_seq_len is not None and max_seq_len < 2:
+            raise ConfigError(f"max_seq_len = {max_seq_len} must be >= 2")
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_requests = max_running_requests
+        self.max_seq_len = max_seq_len
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+
+    # ---- capacity ----------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def check_fits(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise CapacityError if a request of this size could never run, even alone."""
+        total = num_prompt_tokens + max_new_tokens
+        if total > self.capacity_tokens:
+            raise CapacityError(
+                f"request {request_id}: prompt of {num_prompt_tokens} tokens + max_new_tokens {max_new_tokens} = "
+                f"{total} tokens can never fit in the KV pool of {self.allocator.num_pages} pages x "
+                f"{self.page_size} tokens = {self.capacity_tokens} tokens: shorten the prompt, lower "
+                "max_new_tokens, or give the engine more pages (num_pages / max_tokens)"
+            )
+        if self.max_seq_len is not None and total > self.max_seq_len:
+            raise CapacityError(
+                f"request {request_id}: prompt of {num_prompt_tokens} tokens + max_new_tokens {max_new_tokens} = "
+                f"{total} tokens is more than the model's {self.max_seq_len} positions "
+                "(max_position_embeddings): shorten the prompt or lower max_new_tokens"
+            )
+
+    # ---- queue -------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ConfigError(f"request id {req.request_id!r} is already in use: give each request a unique id")
+        if req.status is not RequestStatus.WAITING or req.page_ids or req.num_computed_tokens:
+            raise ConfigError(f"request {req.request_id!r} is not new ({req!r})")
+        self.check_fits(req.request_id, req.num_prompt_tokens, req.params.max_new_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish `request_id` with reason 'abort' and free its pages; None if it is unknown or finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._leave(req, keep_in_cache=True)
+        else:
+            self.waiting.remove(req)
+        req.finish(FinishReason.ABORT)
+        log.debug("aborted %s", req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- schedule ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_tokens
+        decodes_behind = sum(1 for r in self.running if not r.in_prefill)
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            decoding = not req.in_prefill
+            if decoding:
+                decodes_behind -= 1
+            want = min(req.num_pending_tokens, budget - decodes_behind)
+            if want <= 0:
+                i += 1
+                continue
+            n = self._grow(req, want, partial=not decoding)
+            while n == 0:
+                victim = self.running[-1]
+                if not victim.in_prefill and victim is not req:
+                    decodes_behind -= 1
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+                n = self._grow(req, want, partial=not decoding)
+            if n == 0:
+                break  # req itself was preempted; it was the newest
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            cached_pages: IntArray = np.zeros(0, dtype=np.int64)
+            cached = 0
+            match = None
+            if self.prefix_cache is not None:
+                match = self.prefix_cache.match_prefix(req.token_ids(0, req.num_tokens - 1))
+                cached_pages, cached = np.asarray(match.page_ids, dtype=np.int64), int(match.num_tokens)
+                if cached != cached_pages.size * self.page_size:
+                    raise IntegrityError(
+                        f"prefix cache matched {cached} tokens on {cached_pages.size} pages of {self.page_size}: "
+                        "a match must be whole pages"
+                    )
+            n = min(req.num_tokens - cached, budget)
+            need = _pages_for(cached + n, self.page_size) - cached_pages.size
+            if not self._reserve(need):
+                if self.prefix_cache is not None:
+                    self.prefix_cache.release(match)
+                break
+            self.waiting.popleft()
+            if cached_pages.size:
+                self.allocator.incref(cached_pages)
+                self.allocator.hold(req.request_id, cached_pages)
+            req.page_ids = cached_pages.tolist()
+            req.prefix_match = match
+            req.num_computed_tokens = req.num_cached_tokens = cached
+            new = self.allocator.alloc(need, owner=req.request_id)
+            req.page_ids.extend(new.tolist())
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, cached, n))
+            budget -= n
+
+    def _reserve(self, pages: int) -> bool:
+        """True if `pages` pages are free, after asking the prefix cache to evict if needed."""
+        short = pages - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return pages <= self.allocator.num_free
+
+    def _grow(self, req: Request, want: int, *, partial: bool) -> int:
+        """Allocate the pages for `want` more tokens of `req` (fewer if `partial`); tokens granted (0 = none)."""
+        have = len(req.page_ids)
+        need = _pages_for(req.num_computed_tokens + want, self.page_size) - have
+        if not self._reserve(need):
+            if not partial:
+                return 0
+            need = self.allocator.num_free
+            want = min(want, (have + need) * self.page_size - req.num_computed_tokens)
+            if want <= 0:
+                return 0
+        if need > 0:
+            req.page_ids.extend(self.allocator.alloc(need, owner=req.request_id).tolist())
+        return want
+
+    # ---- leaving -----------------------------------------------------------------------------
+
+    def _leave(self, req: Request, *, keep_in_cache: bool) -> None:
+        """Give back everything `req` holds: computed whole pages to the prefix cache, then its references."""
+        if self.prefix_cache is not None:
+            full = req.num_computed_tokens // self.page_size
+            if keep_in_cache and full:
+                self.prefix_cache.insert(
+                    req.token_ids(0, full * self.page_size), np.asarray(req.page_ids[:full], dtype=np.int64)
+                )
+            if req.prefix_match is not None:
+                self.prefix_cache.release(req.prefix_match)
+        self.allocator.release(req.request_id)
+        req.page_ids = []
+        req.prefix_match = None
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._leave(req, keep_in_cache=True)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.info("preempted %s: out of KV pages (%d free)", req.request_id, self.allocator.num_free)
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        self.running.remove(req)
+        self._leave(req, keep_in_cache=reason is not FinishReason.ERROR)
+        del self.requests[req.request_id]
+        req.finish(reason, error)
+
+    # ---- after the model step ------------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, next_tokens: Sequence[int | None]) -> list[Request]:
+        """Advance every scheduled request; next_tokens[i] is the token sampled for chunk i (None if it did not
+        sample). Returns the requests that got a new token (finished ones included)."""
+        if len(next_tokens) != len(out.chunks):
+            raise ValueError(f"update: {len(next_tokens)} tokens for {len(out.chunks)} scheduled chunks")
+        got = []
+        for chunk, tok in zip(out.chunks, next_tokens, strict=True):
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != chunk.start:
+                raise IntegrityError(f"update: {req!r} changed while its chunk {chunk.start}..{chunk.end} ran")
+            req.num_computed_tokens = chunk.end
+            if not chunk.samples:
+                continue
+            if tok is None:
+                raise ValueError(f"update: no token for {req.request_id}, whose chunk reached its last token")
+            req.output_ids.append(int(tok))
+            got.append(req)
+            reason = stop_reason(req, int(tok), self.max_seq_len)
+            if reason is not None:
+                self._finish(req, reason)
+        return got
+
+    def fail(self, out: SchedulerOutput, error: str) -> list[Request]:
+        """The model step for `out` failed: finish its requests with reason 'error' and free their pages."""
+        failed = []
+        for chunk in out.chunks:
+            req = chunk.request
+            if req.status is RequestStatus.RUNNING:
+                self._finish(req, FinishReason.ERROR, error)
+                failed.append(req)
+        return failed
+
+    # ---- integrity --------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Allocator books balance, and each request holds exactly its own pages (running) or none."""
+        self.allocator.check_integrity()
+        cache_check = getattr(self.prefix_cache, "check_integrity", None)
+        if cache_check is not None:
+            cache_check()
+        running = {r.request_id for r in self.running}
+        for req in self.running:
+            held = np.sort(self.allocator.held_by(req.request_id))
+            if not np.array_equal(held, np.sort(np.asarray(req.page_ids, dtype=np.int64))):
+                raise IntegrityError(
+                    f"{req.request_id}: allocator holds {held.tolist()} for it but it lists {sorted(req.page_ids)}"
+                )
+            if len(req.page_ids) != _pages_for(req.num_computed_tokens, self.page_size):
+                raise IntegrityError(
+                    f"{req.request_id}: holds {len(req.page_ids)} pages for {req.num_computed_tokens} computed tokens"
+                )
+        for req in self.waiting:
+            if req.page_ids or self.allocator.held_by(req.request_id).size or req.num_computed_tokens:
+                raise IntegrityError(f"waiting request {req!r} holds pages")
+        for owner in self.allocator.owners:
+            if isinstance(owner, str) and owner not in running:
+                raise IntegrityError(f"pages held by {owner!r}, which is not a running request")
+        if len(self.requests) != len(self.running) + len(self.waiting):
+            raise IntegrityError(
+                f"{len(self.requests)} unfinished requests but {len(self.running)} running + "
+                f"{len(self.waiting)} waiting"
+            )
