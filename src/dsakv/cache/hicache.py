@@ -23,6 +23,7 @@ Imports torch, numpy and dsakv.spec/cache; must not import model or engine.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -47,6 +48,18 @@ from dsakv.errors import ConfigError
 log = logging.getLogger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """16 hex chars identifying a model's weights (names, shapes, dtypes and the first and last 64 values of each
+    tensor): the disk tier's `model_hash`, so pages written by other weights are never read."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        sample = torch.cat([flat[:64], flat[-64:]]) if flat.numel() > 128 else flat
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(sample.to("cpu", torch.float64).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.cache.page_copy import as_index, gather_rows, row_offsets, scatter_rows
+from dsakv.cache.page_copy import as_index, gather_rows, put, row_offsets, scatter_rows, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, KVLayout
 
@@ -152,28 +152,28 @@ class LayerFirstHostPool(HostPool):
         src, dst = self._pair(dev_ids, host_ids, "offload")
         src_dev = src.to(device.device)
         for key, t in self._tensors.items():
-            t.index_copy_(0, dst, device.tensor(key).index_select(0, src_dev).to("cpu"))
+            put(t, dst, take(device.tensor(key), src_dev).to("cpu"))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(host_ids, dev_ids, "load")
         dst_dev = dst.to(device.device)
         for key, t in self._tensors.items():
-            device.tensor(key).index_copy_(0, dst_dev, t.index_select(0, src).to(device.device, non_blocking=True))
+            put(device.tensor(key), dst_dev, take(t, src).to(device.device, non_blocking=True))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def read_rows(self, host_ids: npt.ArrayLike) -> torch.Tensor:
         idx = as_index(host_ids)
         rows = torch.empty((idx.numel(), self.layout.bytes_per_page), dtype=torch.uint8)
         for key, (off, nbytes) in row_offsets(self.layout).items():
-            rows[:, off : off + nbytes] = self._tensors[key].index_select(0, idx)
+            rows[:, off : off + nbytes] = take(self._tensors[key], idx)
         return rows
 
     def write_rows(self, host_ids: npt.ArrayLike, rows: torch.Tensor) -> None:
         idx = as_index(host_ids)
         rows = rows.to("cpu")
         for key, (off, nbytes) in row_offsets(self.layout).items():
-            self._tensors[key].index_copy_(0, idx, rows[:, off : off + nbytes])
+            put(self._tensors[key], idx, rows[:, off : off + nbytes])
 
 
 class PageFirstHostPool(HostPool):
@@ -202,19 +202,19 @@ class PageFirstHostPool(HostPool):
 
     def offload(self, device: DevicePool, dev_ids: npt.ArrayLike, host_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(dev_ids, host_ids, "offload")
-        self.buffer.index_copy_(0, dst, gather_rows(device, src).to("cpu"))
+        put(self.buffer, dst, gather_rows(device, src).to("cpu"))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(host_ids, dev_ids, "load")
-        scatter_rows(device, dst, self.buffer.index_select(0, src).to(device.device, non_blocking=True))
+        scatter_rows(device, dst, take(self.buffer, src).to(device.device, non_blocking=True))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def read_rows(self, host_ids: npt.ArrayLike) -> torch.Tensor:
-        return self.buffer.index_select(0, as_index(host_ids))
+        return take(self.buffer, as_index(host_ids))
 
     def write_rows(self, host_ids: npt.ArrayLike, rows: torch.Tensor) -> None:
-        self.buffer.index_copy_(0, as_index(host_ids), rows.to("cpu"))
+        put(self.buffer, as_index(host_ids), rows.to("cpu"))
 
 
 HOST_LAYOUTS: dict[str, type[HostPool]] = {cls.name: cls for cls in (LayerFirstHostPool, PageFirstHostPool)}

@@ -107,6 +107,13 @@ class Engine:
         prefix_cache: PrefixCache | None = None,
         seed: int | None = None,
         check_every_step: bool = False,
+        enable_prefix_cache: bool = False,
+        hicache_ratio: float | None = None,
+        hicache_size: int | None = None,
+        hicache_layout: str = "layer_first",
+        hicache_write_policy: str = "write_through",
+        hicache_selective_threshold: int = 2,
+        hicache_disk_dir: str | Path | None = None,
     ) -> None:
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
@@ -129,6 +136,23 @@ class Engine:
             num_pages = -(-tokens // page_size)
         self.pool = DevicePool(self.layout, num_pages, device=self.model.device)
         self.allocator = PageAllocator(num_pages, name="device pool")
+        # prefix cache (dsakv.cache.hicache): any host-tier or disk option turns it on
+        self.prefix_cache: PrefixCache | None = prefix_cache
+        if enable_prefix_cache or hicache_ratio is not None or hicache_size is not None or hicache_disk_dir:
+            if prefix_cache is not None:
+                raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
+            from dsakv.cache.hicache import HiCache, HiCacheConfig, model_fingerprint
+
+            hc = HiCacheConfig(
+                hicache_ratio=hicache_ratio,
+                hicache_size=hicache_size,
+                layout=hicache_layout,
+                write_policy=hicache_write_policy,
+                selective_threshold=hicache_selective_threshold,
+                disk_dir=str(hicache_disk_dir) if hicache_disk_dir else None,
+                model_hash=model_fingerprint(self.model) if hicache_disk_dir else None,
+            )
+            self.prefix_cache = HiCache(self.pool, self.allocator, hc)
         max_pos = self.spec.raw.get("max_position_embeddings")
         self.max_seq_len: int | None = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
         self.scheduler = Scheduler(
@@ -137,7 +161,7 @@ class Engine:
             max_batch_tokens=max_batch_tokens,
             max_running_requests=max_running_requests,
             max_seq_len=self.max_seq_len,
-            prefix_cache=prefix_cache,
+            prefix_cache=self.prefix_cache,
         )
         self.runner = ModelRunner(self.model, self.pool)
         self.eos_token_ids = (
@@ -310,6 +334,12 @@ class Engine:
         """Raise IntegrityError unless free + held pages == total and every request holds exactly its pages."""
         with self._lock:
             self.scheduler.check_integrity()
+
+    def cache_stats(self) -> dict[str, Any] | None:
+        """Prefix-cache counters (HiCacheStats.to_dict()), or None without a HiCache prefix cache."""
+        with self._lock:
+            stats = getattr(self.prefix_cache, "stats", None)
+            return stats.to_dict() if stats is not None and hasattr(stats, "to_dict") else None
 
     def stats(self) -> EngineStats:
         with self._lock:
