@@ -1,0 +1,68 @@
+"""`dsakv generate`: token ids in, transformers' greedy ids out; text prompts need a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from dsakv.cli.main import main
+from engine_support import hf_greedy, prompts_for, tiny_path
+
+
+def test_generate_prints_greedy_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    p0, p1 = prompts_for([20, 6], seed=4)
+    path = tiny_path("glm_moe_dsa")
+    argv = ["generate", "--model", str(path), "--prompt-ids", ",".join(map(str, p0)), "--prompt-ids"]
+    argv += [",".join(map(str, p1)), "--max-new-tokens", "12", "--ignore-eos", "--page-size", "4"]
+    argv += ["--threads", "1", "--max-tokens", "512"]
+    assert main(argv + ["--json", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    assert [r["output_ids"] for r in rows] == [hf_greedy("glm_moe_dsa", tuple(p), 12) for p in (p0, p1)]
+    assert [r["finish_reason"] for r in rows] == ["length", "length"]
+    assert json.loads(err.strip().splitlines()[-1])["generated_tokens"] == 24
+    assert main(argv + ["--no-elide", "--kv-format", "fp8-656", "--index-format", "fp8-132"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("#0 prompt=20 finish=length ids=") and lines[1].startswith("#1 prompt=6 ")
+    assert len(lines[0].split("ids=")[1].split(",")) == 12
+
+
+def test_generate_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(tiny_path("glm_moe_dsa"))
+    assert main(["generate", "--model", path, "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "--prompt needs a tokenizer in" in err and "pass token ids with --prompt-ids 1,2,3" in err
+    assert main(["generate", "--model", path, "--prompt-ids", "1,x"]) == 2
+    assert "--prompt-ids '1,x' must be comma-separated token ids" in capsys.readouterr().err
+    assert main(["generate", "--model", path]) == 2
+    assert "no prompt" in capsys.readouterr().err
+    too_long = ["--prompt-ids", "5,6", "--max-new-tokens", "100", "--num-pages", "1"]
+    assert main(["generate", "--model", path, *too_long]) == 2
+    assert "can never fit in the KV pool of 1 pages x 64 tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "--prompt-ids" in capsys.readouterr().out
+
+
+def test_generate_text_prompt_with_a_tokenizer(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from transformers import PreTrainedTokenizerFast
+
+    model_dir = tmp_path / "tok"
+    shutil.copytree(tiny_path("glm_moe_dsa"), model_dir)
+    vocab = {"<bos>": 0, "<eos>": 1, "[UNK]": 2} | {f"w{i}": i for i in range(3, 512)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(model_dir))
+    text = "w10 w20 w30 w40 w50"
+    assert main(["generate", "--model", str(model_dir), "--prompt", text, "--max-new-tokens", "6", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["prompt_ids"] == [10, 20, 30, 40, 50]
+    want = hf_greedy("glm_moe_dsa", (10, 20, 30, 40, 50), 6)
+    if 1 in want:  # the checkpoint's eos stops generation (no --ignore-eos here)
+        want = want[: want.index(1) + 1]
+    assert row["output_ids"] == want
+    assert row["text"] == " ".join(f"w{t}" if t > 2 else ["<bos>", "<eos>", "[UNK]"][t] for t in want)
