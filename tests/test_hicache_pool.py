@@ -120,3 +120,20 @@ def test_host_size_below_one_page_is_an_error() -> None:
         HiCacheConfig(hicache_ratio=1.0, layout="rows")
     with pytest.raises(ConfigError, match="write policy 'lazy' is unknown"):
         HiCacheConfig(hicache_ratio=1.0, write_policy="lazy")
+
+
+def test_plan_cli_host_tokens_equal_host_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from dsakv.cli.main import main
+
+    assert (
+        main(["plan", "tiny", "--kv-budget", "2000000", "--page-size", "16", "--hicache-ratio", "2.5", "--json"]) == 0
+    )
+    (stage,) = json.loads(capsys.readouterr().out)["stages"]
+    layout = KVLayout(TINY, page_size=16)
+    dev = DevicePool.for_tokens(layout, stage["tokens_elided"])
+    cache = HiCache(dev, PageAllocator(dev.num_pages), HiCacheConfig(hicache_ratio=2.5))
+    assert cache.host is not None
+    assert (cache.host_tokens, cache.host_budget_bytes) == (stage["host_tokens_elided"], stage["host_bytes"])
+    assert cache.host.nbytes == stage["host_tokens_elided"] * stage["bytes_per_token_elided"]

@@ -73,6 +73,34 @@ def put(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         dst.view(dtype).index_copy_(0, idx, src.view(dtype))
 
 
+def _run_start(idx: torch.Tensor) -> int | None:
+    """The first id when `idx` (a CPU index) is a run of consecutive page ids, else None."""
+    n = idx.numel()
+    if n == 0 or idx.device.type != "cpu":
+        return None
+    first = int(idx[0])
+    if int(idx[-1]) - first != n - 1 or (n > 1 and not bool(torch.all(idx[1:] - idx[:-1] == 1))):
+        return None
+    return first
+
+
+def copy_pages(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+    """dst[dst_idx] = src[src_idx] for uint8 [pages, bytes] tensors on one device: a single copy when either
+    side is a run of consecutive pages (and the destination run is contiguous), else a gather and a scatter."""
+    n = src_idx.numel()
+    s0 = _run_start(src_idx)
+    if s0 is not None:
+        put(dst, dst_idx, src[s0 : s0 + n])
+        return
+    d0 = _run_start(dst_idx)
+    if d0 is not None and dst[d0 : d0 + n].is_contiguous():
+        out = dst[d0 : d0 + n]
+        dtype = _widest(out, src)
+        torch.index_select(src.view(dtype), 0, src_idx, out=out.view(dtype))
+        return
+    put(dst, dst_idx, take(src, src_idx))
+
+
 def gather_rows(pool: DevicePool, ids: npt.ArrayLike | torch.Tensor) -> torch.Tensor:
     """Pages `ids` of every buffer of `pool` as page rows: uint8 [len(ids), bytes_per_page] on the pool's device."""
     idx = as_index(ids, pool.device)
