@@ -28,8 +28,13 @@ FORMATS = {"fp32": ("fp32", "fp32"), "fp8": ("fp8-656", "fp8-132")}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return load_model(make_tiny(tmp_path_factory.mktemp("hicache") / "tiny", seed=0))
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("hicache") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> tuple[Any, Any]:
+    return load_model(tiny_dir)
 
 
 def _prompts() -> list[list[int]]:
@@ -177,3 +182,28 @@ def test_prefix_cache_options_conflict(tiny: tuple[Any, Any]) -> None:
         _engine(tiny, "fp32", prefix_cache=eng.prefix_cache, hicache_ratio=1.0)
     with pytest.raises(ConfigError, match="write policy 'lazy'"):
         _engine(tiny, "fp32", hicache_ratio=1.0, hicache_write_policy="lazy")
+
+
+def test_generate_cli_host_tier_and_disk_restart(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from dsakv.cli.main import main
+
+    prompts = [",".join(map(str, p)) for p in PROMPTS[:3]]  # A1 B1 A2
+    common = ["generate", "--model", str(tiny_dir), "--page-size", "4", "--max-tokens", str(DEVICE_TOKENS)]
+    common += ["--max-new-tokens", "3", "--json", "--stats", "--threads", "1"]
+    for p in prompts:
+        common += ["--prompt-ids", p]
+    assert main(common) == 0
+    plain = [r["output_ids"] for r in json.loads(capsys.readouterr().out)]
+    runs = []
+    for _ in range(2):  # the second run is a restarted server on the same disk dir
+        argv = common + ["--sequential", "--hicache-ratio", "2", "--hicache-write-policy", "write_back"]
+        assert main(argv + ["--hicache-disk-dir", str(tmp_path)]) == 0
+        out, err = capsys.readouterr()
+        assert [r["output_ids"] for r in json.loads(out)] == plain
+        runs.append(json.loads(err.strip().splitlines()[-1])["prefix_cache"])
+    assert runs[0]["host_hit_tokens"] == 44 and runs[0]["disk_hit_tokens"] == 0
+    assert runs[1]["disk_hit_tokens"] > 0 and runs[1]["disk_write_pages"] == 0

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dsakv.errors import ConfigError
+from dsakv.plan.units import parse_size
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -30,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7 --no-elide --kv-format fp8-656 --index-format fp8-132\n"
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7 --temperature 0.8 --top-p 0.95 --seed 1\n"
         "  dsakv generate --model DIR_WITH_TOKENIZER --prompt 'Hello'   (text needs a tokenizer in DIR)\n"
+        "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8,9 --prompt-ids 5,6,7,8,10 --sequential \\\n"
+        "      --page-size 4 --hicache-ratio 2 --hicache-write-policy write_back --stats\n"
         "\n"
         "output: one line per prompt, '#i prompt=N finish=REASON ids=a,b,c' (plus 'text:' with a tokenizer);\n"
         "--json prints a list of {prompt_ids, output_ids, finish_reason[, text]} instead."
@@ -53,6 +56,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per page ({DEFAULT_PAGE_SIZE})")
     kv.add_argument("--num-pages", type=int, default=None, help="pool pages (default: enough for --max-tokens)")
     kv.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
+    hc = p.add_argument_group("prefix cache and host tier (HiCache); any --hicache-* option turns the cache on")
+    hc.add_argument("--prefix-cache", action="store_true", help="reuse cached prefixes (device pool only)")
+    hc.add_argument("--hicache-ratio", type=float, default=None, help="host tier = ratio x device pool bytes")
+    hc.add_argument("--hicache-size", default=None, metavar="SIZE", help="host tier bytes, e.g. 2GiB")
+    hc.add_argument("--hicache-layout", default="layer_first", help="host layout: layer_first (default), page_first")
+    hc.add_argument(
+        "--hicache-write-policy",
+        default="write_through",
+        help="write_through (default), write_back (offload on eviction), write_through_selective (after N hits)",
+    )
+    hc.add_argument("--hicache-selective-threshold", type=int, default=2, help="hits before a selective backup")
+    hc.add_argument("--hicache-disk-dir", default=None, metavar="DIR", help="disk tier (survives a restart)")
+    hc.add_argument(
+        "--sequential", action="store_true", help="run the prompts one after another (later ones reuse prefixes)"
+    )
     run_g = p.add_argument_group("engine")
     run_g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill budget)")
     run_g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)")
@@ -125,13 +143,22 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         dtype=getattr(torch, args.dtype),
         seed=args.seed,
+        enable_prefix_cache=args.prefix_cache,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
+        hicache_layout=args.hicache_layout,
+        hicache_write_policy=args.hicache_write_policy,
+        hicache_selective_threshold=args.hicache_selective_threshold,
+        hicache_disk_dir=args.hicache_disk_dir,
     )
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids: list[str] = []
     final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    for batch in [[p] for p in prompts] if args.sequential else [prompts]:
+        ids += [engine.add_request(p, params) for p in batch]
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
     engine.check_integrity()
     rows = []
     for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
@@ -152,4 +179,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
     if args.stats:
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
+        if engine.cache_stats() is not None:
+            print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0
