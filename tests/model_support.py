@@ -58,10 +58,25 @@ def greedy(
     seed: int = 0,
 ) -> tuple[list[SeqRun], DevicePool]:
     """Greedy-decode `steps` tokens for each prompt; prefill in chunks of `chunk` tokens (None: whole)."""
-    p = layout.page_size
+    runs, pools = greedy_pp(model, [layout], prompts, steps, chunk=chunk, num_pages=num_pages, seed=seed)
+    return runs, pools[0]
+
+
+def greedy_pp(
+    model: DSAModel,
+    layouts: list[KVLayout],
+    prompts: list[list[int]],
+    steps: int,
+    *,
+    chunk: int | None = None,
+    num_pages: int | None = None,
+    seed: int = 0,
+) -> tuple[list[SeqRun], list[DevicePool]]:
+    """greedy() over pipeline stages: one pool per layout, stage_forward chained (one layout: forward)."""
+    p = layouts[0].page_size
     need = [-(-(len(pr) + steps) // p) for pr in prompts]
     num_pages = num_pages or sum(need) + 3
-    pool = DevicePool(layout, num_pages)
+    pools = [DevicePool(lay, num_pages) for lay in layouts]
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
     runs, used = [], 0
     for pr, n in zip(prompts, need, strict=True):
@@ -99,7 +114,14 @@ def greedy(
             slot_table=table,
             out_slots=torch.cat(outs),
         )
-        logits = model(batch, pool)
+        if len(pools) == 1:
+            logits = model(batch, pools[0])
+        else:
+            carry = None
+            for pool in pools:
+                carry = model.stage_forward(batch, pool, carry)
+            assert carry is not None and carry.logits is not None
+            logits = carry.logits
         for i, r in enumerate(active):
             if r.done_prefill < len(r.prompt):
                 r.done_prefill += ext[i]
@@ -107,4 +129,4 @@ def greedy(
                     continue
             r.logits.append(logits[i])
             r.generated.append(int(logits[i].argmax()))
-    return runs, pool
+    return runs, pools

@@ -175,21 +175,26 @@ class MLAttention(nn.Module):
 
         out = x.new_empty(t, h, self.v_dim)
         for sq, sel in zip(ctx.seqs, topk, strict=True):
-            cached = ctx.pool.read(kv_key, sq.slots).to(x.dtype)  # [S, r + d]
             s_len = sq.seq_len
-            kvb = self.kv_b_proj(cached[:, : self.kv_lora_rank]).view(s_len, h, self.nope + self.v_dim)
-            key = torch.empty(s_len, h, self.qk_head_dim, dtype=x.dtype, device=x.device)
+            # read and expand only the cached tokens some query selected (decode reads <= index_topk rows)
+            cols = torch.unique(sel) if sel.numel() < s_len else None
+            slots = sq.slots if cols is None else sq.slots[cols]
+            n = int(slots.numel())
+            cached = ctx.pool.read(kv_key, slots).to(x.dtype)  # [n, r + d]
+            kvb = self.kv_b_proj(cached[:, : self.kv_lora_rank]).view(n, h, self.nope + self.v_dim)
+            key = torch.empty(n, h, self.qk_head_dim, dtype=x.dtype, device=x.device)
             key[..., : self.nope] = kvb[..., : self.nope]
             key[..., self.nope :] = cached[:, None, self.kv_lora_rank :]
-            value = kvb[..., self.nope :]
-            key_t = key.permute(1, 2, 0)  # [H, qk, S]
-            value_h = value.transpose(0, 1)  # [H, S, v]
+            key_t = key.permute(1, 2, 0)  # [H, qk, n]
+            value_h = kvb[..., self.nope :].transpose(0, 1)  # [H, n, v]
             for q0, q1 in _query_blocks(sq.num_new, s_len, h):
                 qb = query[sq.t0 + q0 : sq.t0 + q1].transpose(0, 1)  # [H, E, qk]
-                scores = torch.matmul(qb, key_t) * self.scaling  # [H, E, S]
+                scores = torch.matmul(qb, key_t) * self.scaling  # [H, E, n]
                 allowed = torch.zeros(q1 - q0, s_len, dtype=torch.bool, device=x.device)
                 allowed.scatter_(1, sel[q0:q1], True)
                 allowed &= _causal(sq.prefix, q0, q1, s_len, x.device)
+                if cols is not None:
+                    allowed = allowed[:, cols]
                 scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
                 probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
                 out[sq.t0 + q0 : sq.t0 + q1] = torch.matmul(probs, value_h).transpose(0, 1)

@@ -1,6 +1,7 @@
 """DSAModel: a GLM-5.x / DeepSeek-V3.2 causal LM whose KV and index-K live in a paged DevicePool.
 
     logits = model.forward(batch, pool)   # float32 [B, vocab], last new token of each sequence
+    carry = model.stage_forward(batch, stage_pool, carry)   # one PP stage: the layers its pool holds
 
 Parameter names match transformers' GlmMoeDsaForCausalLM / DeepseekV32ForCausalLM, so
 `load_state_dict` takes a checkpoint's tensors by name (see model/loader.py).
@@ -11,6 +12,8 @@ Imports torch, dsakv.spec, dsakv.cache and dsakv.model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,9 +84,19 @@ class DSAModel(nn.Module):
         kv_format: str = "fp8-656",
         index_format: str = "fp8-132",
         page_size: int = DEFAULT_PAGE_SIZE,
+        layer_start: int = 0,
+        layer_end: int | None = None,
     ) -> KVLayout:
-        """The layout of a pool this model can run on (all main layers, no draft layers)."""
-        return KVLayout(self.spec, elide=elide, kv_format=kv_format, index_format=index_format, page_size=page_size)
+        """The layout of a pool this model can run on: all main layers, or one PP stage's range; no draft layers."""
+        return KVLayout(
+            self.spec,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            elide=elide,
+            kv_format=kv_format,
+            index_format=index_format,
+            page_size=page_size,
+        )
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool) -> StepContext:
         _check_batch(batch)
@@ -110,15 +123,78 @@ class DSAModel(nn.Module):
         return StepContext(seqs, out_slots, cos, sin, PoolAccess(pool))
 
     def forward(self, batch: ForwardBatch, pool: DevicePool) -> torch.Tensor:  # type: ignore[override]
-        """Write the new tokens' KV (and producers' index-K) at batch.out_slots; logits [B, vocab] float32."""
+        """Write the new tokens' KV (and producers' index-K) at batch.out_slots; logits [B, vocab] float32.
+
+        The pool must hold every main layer (layout layers 0..num_layers-1); see stage_forward for PP stages.
+        """
+        lay = pool.layout
+        if lay.layer_start != 0 or lay.end != self.spec.num_layers:
+            raise ValueError(
+                f"forward() runs all {self.spec.num_layers} layers but the pool holds layers {lay.describe_range()}: "
+                "use stage_forward() for a pipeline stage"
+            )
+        out = self.stage_forward(batch, pool)
+        assert out.logits is not None
+        return out.logits
+
+    def stage_forward(self, batch: ForwardBatch, pool: DevicePool, carry: StageCarry | None = None) -> StageCarry:
+        """Run the layers the pool holds (pool.layout.layer_start..end) for one step: one pipeline stage.
+
+        The first stage (layer_start 0) embeds batch.input_ids and takes no carry; a later stage takes the
+        previous stage's carry (hidden states and the last producer's top-k, which its leading shared
+        layers reuse). The last stage also returns logits.
+        """
+        lay = pool.layout
         with torch.inference_mode():
             ctx = self.make_context(batch, pool)
-            x = self.model.embed_tokens(batch.input_ids.to(self.device))
             topk: TopK | None = None
-            for layer in self.model.layers:
-                x, topk = layer(x, ctx, topk)
-            last = torch.cumsum(batch.extend_lens.to(self.device), 0) - 1
-            return self.lm_head(self.model.norm(x[last])).float()
+            if lay.layer_start == 0:
+                if carry is not None:
+                    raise ValueError("the first pipeline stage (layer 0) embeds the tokens itself: pass carry=None")
+                x = self.model.embed_tokens(batch.input_ids.to(self.device))
+            else:
+                if carry is None:
+                    raise ValueError(
+                        f"stage {lay.describe_range()} starts after layer 0: pass the previous stage's StageCarry"
+                    )
+                x = carry.hidden.to(self.device, self.dtype)
+                if carry.topk is not None:
+                    topk = unpack_topk(carry.topk.to(self.device), ctx, self.spec.index_topk)
+            for i in lay.main_layers:
+                x, topk = self.model.layers[i](x, ctx, topk)
+            logits = None
+            if lay.end == self.spec.num_layers:
+                last = torch.cumsum(batch.extend_lens.to(self.device), 0) - 1
+                logits = self.lm_head(self.model.norm(x[last])).float()
+            packed = pack_topk(topk, ctx, self.spec.index_topk) if topk is not None else None
+            return StageCarry(hidden=x, topk=packed, logits=logits)
+
+
+@dataclass
+class StageCarry:
+    """What one pipeline stage hands the next for one step."""
+
+    hidden: torch.Tensor  # [T, hidden_size], model dtype: residual stream after the stage's last layer
+    topk: torch.Tensor | None  # int64 [T, index_topk]: last producer's top-k key indices per token, -1 padded
+    logits: torch.Tensor | None = None  # float32 [B, vocab], last stage only
+
+
+def pack_topk(topk: TopK, ctx: StepContext, index_topk: int) -> torch.Tensor:
+    """Per-sequence [E, k] top-k lists -> one int64 [T, index_topk] tensor, -1 beyond each sequence's k."""
+    t = ctx.out_slots.numel()
+    out = torch.full((t, index_topk), -1, dtype=torch.int64, device=ctx.out_slots.device)
+    for sq, sel in zip(ctx.seqs, topk, strict=True):
+        out[sq.t0 : sq.t1, : sel.shape[1]] = sel
+    return out
+
+
+def unpack_topk(packed: torch.Tensor, ctx: StepContext, index_topk: int) -> TopK:
+    if packed.shape != (ctx.out_slots.numel(), index_topk):
+        raise ValueError(
+            f"carried top-k has shape {tuple(packed.shape)} but this step has {ctx.out_slots.numel()} tokens "
+            f"and index_topk {index_topk}: the carry must come from the same step's previous stage"
+        )
+    return [packed[sq.t0 : sq.t1, : min(index_topk, sq.seq_len)] for sq in ctx.seqs]
 
 
 def _check_batch(batch: ForwardBatch) -> None:
