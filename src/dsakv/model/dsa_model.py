@@ -98,13 +98,17 @@ class DSAModel(nn.Module):
             page_size=page_size,
         )
 
-    def make_context(self, batch: ForwardBatch, pool: DevicePool) -> StepContext:
-        _check_batch(batch)
+    def check_pool(self, pool: DevicePool) -> None:
+        """Raise ValueError unless the pool's layout was built for this model."""
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
                 f"not this model {self.spec.name!r} ({self.spec.identity_hash()}): build it with model.layout_for()"
             )
+
+    def make_context(self, batch: ForwardBatch, pool: DevicePool) -> StepContext:
+        _check_batch(batch)
+        self.check_pool(pool)
         dev = self.device
         ext = batch.extend_lens.tolist()
         pre = batch.prefix_lens.tolist()
@@ -127,6 +131,7 @@ class DSAModel(nn.Module):
 
         The pool must hold every main layer (layout layers 0..num_layers-1); see stage_forward for PP stages.
         """
+        self.check_pool(pool)
         lay = pool.layout
         if lay.layer_start != 0 or lay.end != self.spec.num_layers:
             raise ValueError(

@@ -25,7 +25,7 @@ GAIN = 1.0
 LM_HEAD_GAIN = 4.0
 
 
-def tiny_config(arch: str = "glm_moe_dsa", layers: int = 12) -> dict[str, Any]:
+def tiny_config(arch: str = "glm_moe_dsa", layers: int = 12, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json dict of a tiny checkpoint (before transformers adds its derived fields)."""
     if arch not in ARCHS:
         raise ConfigError(f"unknown tiny arch {arch!r}: use one of {', '.join(ARCHS)}")
@@ -39,6 +39,7 @@ def tiny_config(arch: str = "glm_moe_dsa", layers: int = 12) -> dict[str, Any]:
         cfg["architectures"] = ["DeepseekV32ForCausalLM"]
         cfg.pop("index_topk_freq", None)
         cfg.pop("index_skip_topk_offset", None)
+    cfg.update(overrides or {})
     return cfg
 
 
@@ -61,9 +62,11 @@ def _init_(model: torch.nn.Module, seed: int) -> None:
                 t.copy_(noise * (gain / fan_in**0.5))
 
 
-def build_tiny_hf(arch: str = "glm_moe_dsa", seed: int = 0, layers: int = 12) -> torch.nn.Module:
+def build_tiny_hf(
+    arch: str = "glm_moe_dsa", seed: int = 0, layers: int = 12, overrides: dict[str, Any] | None = None
+) -> torch.nn.Module:
     """The transformers model of a tiny checkpoint, initialised (float32, eval mode)."""
-    cfg = tiny_config(arch, layers)
+    cfg = tiny_config(arch, layers, overrides)
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "_name_or_path", "model_type", "torch_dtype")}
     if arch == "glm_moe_dsa":
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -77,11 +80,20 @@ def build_tiny_hf(arch: str = "glm_moe_dsa", seed: int = 0, layers: int = 12) ->
     return model.float().eval()
 
 
-def make_tiny(path: str | Path, arch: str = "glm_moe_dsa", seed: int = 0, layers: int = 12) -> Path:
-    """Write the tiny checkpoint (config.json + model.safetensors) to directory `path`; returns it."""
+def make_tiny(
+    path: str | Path,
+    arch: str = "glm_moe_dsa",
+    seed: int = 0,
+    layers: int = 12,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write the tiny checkpoint (config.json + model.safetensors) to directory `path`; returns it.
+
+    `overrides` replaces config fields (e.g. rope_parameters for a yarn variant) before the model is built.
+    """
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_hf(arch, seed, layers)
+    model = build_tiny_hf(arch, seed, layers, overrides)
     model.save_pretrained(str(out))
     log.info("wrote tiny %s checkpoint (seed %d, %d layers) to %s", arch, seed, layers, out)
     return out
