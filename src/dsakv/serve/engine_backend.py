@@ -1,0 +1,223 @@
+"""EngineBackend: the colocated GenerationBackend, one Engine driven by one background thread.
+
+    backend = EngineBackend(Engine("ckpt", ...))
+    backend.start()
+    backend.submit("cmpl-1", [5, 6, 7], SamplingParams(max_new_tokens=8))
+    for ev in backend.events("cmpl-1", timeout=60):   # TokenEvent(new_token_ids, finished, finish_reason, error)
+        ...
+
+The stepping thread sleeps until a request arrives, then loops `engine.step()` while any request is unfinished
+and fans each RequestOutput out to that request's queue. Engine methods take the engine's lock, so submit/abort
+from HTTP threads interleave safely with stepping. If a step raises (the engine's books are broken), every
+request in flight ends with finish_reason "error", and health() reports not ok from then on.
+Imports dsakv.engine and dsakv.serve.backend; must not import disagg or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import RequestOutput, SamplingParams
+from dsakv.errors import ConfigError
+from dsakv.serve.backend import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+def _event(out: RequestOutput) -> TokenEvent:
+    reason = str(out.finish_reason) if out.finish_reason is not None else None
+    return TokenEvent(tuple(out.new_token_ids), bool(out.finished), reason if out.finished else None, out.error)
+
+
+class EngineBackend:
+    """GenerationBackend over one in-process Engine (see module docstring)."""
+
+    name = "colocated"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._queues: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+        self._qlock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fatal: str | None = None
+        self._step_seconds = 0.0
+        self._busy_steps = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="dsakv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._qlock:
+            ids = list(self._queues)
+        for rid in ids:
+            self.abort(rid)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if self._fatal is not None:
+            raise ConfigError(f"the engine is stopped after an internal error ({self._fatal}): restart the server")
+        if self._thread is None:
+            raise ConfigError("the backend is not started: call start() before submit()")
+        with self._qlock:
+            if request_id in self._queues:
+                raise ConfigError(f"request id {request_id!r} is already in flight: give each request a unique id")
+            self._queues[request_id] = queue.SimpleQueue()
+        try:
+            self.engine.add_request(prompt_ids, params, request_id=request_id)
+        except BaseException:
+            with self._qlock:
+                self._queues.pop(request_id, None)
+            raise
+        self._wake.set()
+
+    def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
+        with self._qlock:
+            q = self._queues.get(request_id)
+        if q is None:
+            raise KeyError(f"unknown request id {request_id!r}: submit() it first")
+        finished = False
+        try:
+            while True:
+                try:
+                    ev = q.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"request {request_id}: no token within {timeout:g} s (engine busy or stalled)"
+                    ) from None
+                finished = ev.finished
+                yield ev
+                if finished:
+                    return
+        finally:
+            with self._qlock:
+                self._queues.pop(request_id, None)
+            if not finished:  # the reader gave up (timeout, closed iterator): free the request's pages
+                self.engine.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._put(out)  # the final 'abort' event now; the copy step() reports later finds no queue
+        self._wake.set()
+
+    # ---- state -----------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        st = self.engine.stats()
+        return {
+            "ok": self._fatal is None and self._thread is not None and self._thread.is_alive(),
+            "backend": self.name,
+            "error": self._fatal,
+            "model": self.engine.spec.name,
+            "elide": self.engine.layout.elide,
+            "pages_total": st.pages_total,
+            "pages_used": st.pages_used,
+            "pages_free": st.pages_free,
+            "capacity_tokens": st.capacity_tokens,
+            "running": st.num_running,
+            "waiting": st.num_waiting,
+        }
+
+    def metrics(self) -> dict[str, float]:
+        st = self.engine.stats()
+        lay = self.engine.layout
+        m: dict[str, float] = {
+            "pool_pages_total": st.pages_total,
+            "pool_pages_used": st.pages_used,
+            "pool_pages_free": st.pages_free,
+            "pool_page_size_tokens": st.page_size,
+            "pool_bytes": st.pool_bytes,
+            "capacity_tokens": st.capacity_tokens,
+            "kv_bytes_per_token": st.bytes_per_token,
+            "elide": 1.0 if lay.elide else 0.0,
+            "engine_running": st.num_running,
+            "engine_waiting": st.num_waiting,
+            "engine_preemptions_total": st.num_preemptions,
+            "engine_steps_total": st.steps,
+            "engine_prefill_tokens_total": st.prefill_tokens,
+            "engine_decode_tokens_total": st.decode_tokens,
+            "engine_generated_tokens_total": st.generated_tokens,
+            "engine_step_seconds_total": self._step_seconds,
+        }
+        cache = self.engine.cache_stats()
+        if cache is not None:
+            for k, v in cache.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    m[f"prefix_cache_{k}"] = float(v)
+            hit = sum(float(cache.get(k, 0)) for k in ("device_hit_tokens", "host_hit_tokens", "disk_hit_tokens"))
+            looked = float(cache.get("lookup_tokens", 0))
+            m["prefix_cache_hit_tokens_total"] = hit
+            m["prefix_cache_hit_rate"] = hit / looked if looked else 0.0
+        return m
+
+    def max_prompt_tokens(self) -> int:
+        cap = self.engine.stats().capacity_tokens
+        if self.engine.max_seq_len is not None:
+            cap = min(cap, self.engine.max_seq_len)
+        return max(cap - 1, 0)  # room for at least one new token
+
+    # ---- the stepping thread ------------------------------------------------------------
+
+    def _put(self, out: RequestOutput) -> None:
+        with self._qlock:
+            q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put(_event(out))
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stopping.is_set():
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
+            while not self._stopping.is_set():
+                if not eng.has_unfinished():
+                    for out in eng.step():  # drain aborts reported after the last request left
+                        self._put(out)
+                    break
+                t0 = time.perf_counter()
+                try:
+                    outs = eng.step()
+                except Exception as e:  # broken books: fail everything in flight, report unhealthy
+                    self._fail_all(f"{type(e).__name__}: {e}")
+                    return
+                self._step_seconds += time.perf_counter() - t0
+                for out in outs:
+                    self._put(out)
+
+    def _fail_all(self, message: str) -> None:
+        log.exception("engine step failed; failing every request in flight: %s", message)
+        self._fatal = message
+        with self._qlock:
+            ids = list(self._queues)
+        for rid in ids:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine is already broken; the client still gets its error below
+                log.debug("abort of %s after the failure raised", rid, exc_info=True)
+            with self._qlock:
+                q = self._queues.get(rid)
+            if q is not None:
+                q.put(TokenEvent((), True, "error", f"engine step failed: {message}"))
+
+
+__all__ = ["EngineBackend"]

@@ -1,0 +1,176 @@
+"""Text <-> token ids for the HTTP layer: a checkpoint's HF tokenizer, or the byte-level fallback.
+
+Byte fallback (checkpoints without a tokenizer, e.g. `dsakv make-tiny`): text is UTF-8 encoded and byte b
+becomes token id b + 2 (ids 2..257; 0 and 1 are the tiny checkpoint's bos and eos). Decoding maps ids 2..257
+back to bytes (invalid UTF-8 becomes U+FFFD) and renders every other id as `<|id|>`, e.g. `<|1|>` for eos:
+
+    "hi" -> [106, 107]          [106, 107, 1, 300] -> "hi<|1|><|300|>"
+
+Chat messages are rendered with the checkpoint's chat template when it has one, else with this template
+(then encoded as above):
+
+    <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
+
+`Detokenizer` turns a stream of new ids into text deltas (never splitting a UTF-8 character).
+Imports the standard library (transformers only inside load_tokenizer); must not import torch, engine or disagg.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+BYTE_OFFSET = 2  # byte b <-> token id b + BYTE_OFFSET
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
+
+    def detokenizer(self) -> Detokenizer: ...
+
+
+class Detokenizer(Protocol):
+    def feed(self, ids: Sequence[int]) -> str:
+        """Text of `ids` appended to what was fed before (may hold back an incomplete character)."""
+        ...
+
+    def flush(self) -> str: ...
+
+
+def simple_chat_text(messages: Sequence[dict[str, str]]) -> str:
+    """The fallback chat template (module docstring), ending with the assistant's header."""
+    parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+class ByteTokenizer:
+    """The byte-level fallback (module docstring)."""
+
+    name = "bytes"
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        if vocab_size is not None and vocab_size < 256 + BYTE_OFFSET:
+            raise ValueError(
+                f"the byte tokenizer needs a vocabulary of >= {256 + BYTE_OFFSET} ids, the model has {vocab_size}: "
+                "send prompts as token-id lists"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        d = self.detokenizer()
+        return d.feed(ids) + d.flush()
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return self.encode(simple_chat_text(messages))
+
+    def detokenizer(self) -> ByteDetokenizer:
+        return ByteDetokenizer()
+
+
+class ByteDetokenizer:
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: Sequence[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for t in ids:
+            if BYTE_OFFSET <= t < 256 + BYTE_OFFSET:
+                run.append(t - BYTE_OFFSET)
+                continue
+            out.append(self._utf8.decode(bytes(run), final=True))
+            run.clear()
+            out.append(f"<|{t}|>")
+        out.append(self._utf8.decode(bytes(run)))
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+class HFTokenizer:
+    """A transformers tokenizer (tokenizer.json / tokenizer_config.json in the checkpoint directory)."""
+
+    def __init__(self, tok: Any, name: str) -> None:
+        self.tok = tok
+        self.name = name
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=False))
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        if getattr(self.tok, "chat_template", None):
+            ids = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return list(self.tok.encode(simple_chat_text(messages), add_special_tokens=True))
+
+    def detokenizer(self) -> HFDetokenizer:
+        return HFDetokenizer(self)
+
+
+class HFDetokenizer:
+    """Decodes all ids so far and emits the new suffix; holds back text ending in U+FFFD (a split character)."""
+
+    def __init__(self, tok: HFTokenizer) -> None:
+        self.tok = tok
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def feed(self, ids: Sequence[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        delta, self.sent = text[self.sent :], len(text)
+        return delta
+
+
+def load_tokenizer(model_dir: str | Path | None, vocab_size: int | None = None) -> Tokenizer:
+    """The checkpoint's HF tokenizer if it has one, else the byte fallback (logged)."""
+    if model_dir is not None:
+        root = Path(model_dir)
+        if (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(root))
+            log.info("tokenizer: %s from %s", type(tok).__name__, root)
+            return HFTokenizer(tok, type(tok).__name__)
+    log.info("tokenizer: none in the checkpoint; text uses the byte fallback (byte b <-> token id b + 2)")
+    return ByteTokenizer(vocab_size)
+
+
+__all__ = [
+    "BYTE_OFFSET",
+    "ByteTokenizer",
+    "CHAT_ROLES",
+    "Detokenizer",
+    "HFTokenizer",
+    "Tokenizer",
+    "load_tokenizer",
+    "simple_chat_text",
+]
