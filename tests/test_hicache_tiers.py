@@ -55,6 +55,11 @@ class Harness:
         need = -(-len(toks) // PS) - m.page_ids.size
         if self.alloc.num_free < need:
             self.cache.evict(need - self.alloc.num_free)
+        if self.alloc.num_free < need:  # not admitted (other requests hold the pages): give everything back
+            self.cache.release(m)
+            self.alloc.release(rid)
+            self.cache.check_integrity()
+            return m
         own = self.alloc.alloc(need)
         self.alloc.hold(rid, own)
         pages = np.concatenate([m.page_ids, own])
@@ -190,3 +195,52 @@ def test_disk_tier_corrupt_page_reads_as_miss(tmp_path: Path) -> None:
     assert h2.alloc.num_free == 6
     h2.cache.release(m)
     h2.cache.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(int(__import__("os").environ.get("HC_SEEDS", 6))))
+def test_random_workload_keeps_books_and_bytes(seed: int, tmp_path: Path) -> None:
+    """Random requests over shared prefixes, deferred loads held across other requests, aborts mid-load,
+    explicit evictions of both tiers: books balance and every hit's bytes are exact after every operation."""
+    rng = np.random.default_rng(seed)
+    policy = ["write_through", "write_back", "write_through_selective"][seed % 3]
+    layout = ["layer_first", "page_first"][seed % 2]
+    disk = str(tmp_path) if seed >= 3 else None
+    h = Harness(
+        device_pages=16, hicache_ratio=1.5, write_policy=policy, layout=layout, selective_threshold=1, disk_dir=disk
+    )
+    roots = [_toks(100 + i, 24) for i in range(3)]
+
+    def prompt() -> list[int]:
+        base = roots[int(rng.integers(3))][: int(rng.integers(4, 25))]
+        return base + rng.integers(2, 500, int(rng.integers(1, 12))).tolist()
+
+    held: list[tuple[PrefixMatch, np.ndarray]] = []
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.55:
+            h.run(prompt())
+        elif op < 0.75 and len(held) < 2:
+            toks = np.asarray(prompt(), dtype=np.int64)
+            m = h.cache.match_prefix(toks, load=False)
+            if rng.random() < 0.5:
+                h.cache.complete(m, max_loads=int(rng.integers(0, 2)))
+            held.append((m, toks))
+        elif op < 0.9 and held:
+            m, toks = held.pop(int(rng.integers(len(held))))
+            if rng.random() < 0.5:
+                h.cache.complete(m)
+                assert m.ready
+                if m.num_tokens:
+                    assert torch.equal(gather_rows(h.dev, m.page_ids), _expected_rows(toks[: m.num_tokens]))
+            h.cache.release(m)  # an abort when not complete: reserved pages come back
+        elif op < 0.95:
+            h.cache.evict(int(rng.integers(1, 8)))
+        else:
+            h.cache.evict_host(int(rng.integers(1, 8)))
+        h.cache.check_integrity()
+    for m, _ in held:
+        h.cache.release(m)
+    h.cache.clear()
+    h.cache.check_integrity()
+    assert h.alloc.num_free == 16 and h.cache.radix.root.lock_ref == 1
+    assert h.cache.host_alloc is not None and h.cache.host_alloc.num_free == h.cache.host_alloc.num_pages

@@ -310,19 +310,35 @@ class HiCache:
             raise
 
     def _load_host(self, m: PrefixMatch, step: _Load) -> bool:
-        node = step.node
-        if node.on_device:  # another request loaded or re-inserted it meanwhile
-            self.allocator.free(step.dev_ids)
-            return True
-        assert self.host is not None and node.host is not None
-        t0 = time.perf_counter()
-        nbytes = self.host.load(self.device, node.host, step.dev_ids)
-        self._sync()
-        self.stats.load_seconds += time.perf_counter() - t0
-        self.stats.load_pages += int(step.dev_ids.size)
-        self.stats.load_bytes += nbytes
-        self.radix.set_device(node, step.dev_ids)
-        m.host_pages += node.num_pages
+        # The step was planned for one host-only node; other requests may since have split it (its first pages
+        # are then in new host-only ancestors) or put part of it on the device. Load the host-only tail of the
+        # path down to it: at most the pages reserved.
+        chain: list[RadixNode] = []
+        n: RadixNode | None = step.node
+        while n is not None and n is not self.radix.root and not n.on_device:
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        pages = sum(c.num_pages for c in chain)
+        if pages > step.dev_ids.size:
+            raise IntegrityError(f"match {m.id}: {pages} host pages to load but {step.dev_ids.size} reserved")
+        if chain:
+            assert self.host is not None
+            host_ids = np.concatenate([c.host for c in chain if c.host is not None])
+            dev_ids = step.dev_ids[:pages]
+            t0 = time.perf_counter()
+            nbytes = self.host.load(self.device, host_ids, dev_ids)
+            self._sync()
+            self.stats.load_seconds += time.perf_counter() - t0
+            self.stats.load_pages += pages
+            self.stats.load_bytes += nbytes
+            off = 0
+            for c in chain:
+                self.radix.set_device(c, dev_ids[off : off + c.num_pages])
+                off += c.num_pages
+            m.host_pages += pages
+        if pages < step.dev_ids.size:
+            self.allocator.free(step.dev_ids[pages:])
         return True
 
     def _load_disk(self, m: PrefixMatch, step: _Load) -> bool:
