@@ -9,7 +9,7 @@ from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache, HiCacheConfig
 from dsakv.cache.host_pool import HOST_LAYOUTS, host_pages_for, make_host_pool
-from dsakv.cache.page_copy import gather_rows, row_offsets, scatter_rows
+from dsakv.cache.page_copy import copy_pages, gather_rows, row_offsets, run_start, scatter_rows
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.spec.layout import BufferKey, Kind, KVLayout
@@ -137,3 +137,23 @@ def test_plan_cli_host_tokens_equal_host_pool(capsys: pytest.CaptureFixture[str]
     assert cache.host is not None
     assert (cache.host_tokens, cache.host_budget_bytes) == (stage["host_tokens_elided"], stage["host_bytes"])
     assert cache.host.nbytes == stage["host_tokens_elided"] * stage["bytes_per_token_elided"]
+
+
+@pytest.mark.parametrize(
+    "src_ids,dst_ids",
+    [([2, 3, 4], [7, 1, 5]), ([6, 0, 3], [2, 3, 4]), ([5, 6, 7], [0, 1, 2]), ([7, 2, 5], [4, 0, 6]), ([], [])],
+)
+@pytest.mark.parametrize("strided", [False, True])
+def test_copy_pages_every_path_matches_indexing(src_ids: list[int], dst_ids: list[int], strided: bool) -> None:
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (8, 48), dtype=torch.uint8, generator=g)
+    whole = torch.randint(0, 256, (8, 80), dtype=torch.uint8, generator=g)
+    before = whole.clone()
+    dst = whole[:, 16:64] if strided else whole[:, :48].clone()  # a page_first column slice, or a plain tensor
+    want = dst.clone()
+    want[dst_ids] = src[src_ids]
+    copy_pages(dst, torch.tensor(dst_ids, dtype=torch.int64), src, torch.tensor(src_ids, dtype=torch.int64))
+    assert torch.equal(dst, want)
+    if strided:  # bytes outside the slice are untouched
+        assert torch.equal(whole[:, :16], before[:, :16]) and torch.equal(whole[:, 64:], before[:, 64:])
+    assert run_start(torch.tensor([3, 4, 5])) == 3 and run_start(torch.tensor([3, 5])) is None

@@ -29,7 +29,7 @@ import numpy.typing as npt
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.cache.page_copy import as_index, copy_pages, gather_rows, put, row_offsets, scatter_rows, take
+from dsakv.cache.page_copy import as_index, copy_pages, gather_rows, put, row_offsets, run_start, scatter_rows, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, KVLayout
 
@@ -150,22 +150,14 @@ class LayerFirstHostPool(HostPool):
 
     def offload(self, device: DevicePool, dev_ids: npt.ArrayLike, host_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(dev_ids, host_ids, "offload")
-        src_dev = src.to(device.device)
         for key, t in self._tensors.items():
-            if device.device.type == "cpu":
-                copy_pages(t, dst, device.tensor(key), src)
-            else:
-                put(t, dst, take(device.tensor(key), src_dev).to("cpu"))
+            copy_pages(t, dst, device.tensor(key), src)
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(host_ids, dev_ids, "load")
-        dst_dev = dst.to(device.device)
         for key, t in self._tensors.items():
-            if device.device.type == "cpu":
-                copy_pages(device.tensor(key), dst, t, src)
-            else:
-                put(device.tensor(key), dst_dev, take(t, src).to(device.device))
+            copy_pages(device.tensor(key), dst, t, src)
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def read_rows(self, host_ids: npt.ArrayLike) -> torch.Tensor:
@@ -206,8 +198,8 @@ class PageFirstHostPool(HostPool):
     def nbytes(self) -> int:
         return self.buffer.numel()
 
-    # A CUDA device gathers whole page rows on the device and moves them in one copy; a CPU "device" copies
-    # each key straight into its column slice (no staging copy).
+    # A GPU gathers whole page rows on the device and moves them in one copy; a CPU "device" copies each key
+    # straight into / out of its column slice (no staging copy).
 
     def offload(self, device: DevicePool, dev_ids: npt.ArrayLike, host_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(dev_ids, host_ids, "offload")
@@ -215,7 +207,7 @@ class PageFirstHostPool(HostPool):
             for key in self.keys:
                 copy_pages(self.view(key), dst, device.tensor(key), src)
         else:
-            put(self.buffer, dst, gather_rows(device, src).to("cpu"))
+            copy_pages(self.buffer, dst, gather_rows(device, src), torch.arange(src.numel()))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
@@ -224,7 +216,9 @@ class PageFirstHostPool(HostPool):
             for key in self.keys:
                 copy_pages(device.tensor(key), dst, self.view(key), src)
         else:
-            scatter_rows(device, dst, take(self.buffer, src).to(device.device))
+            s0 = run_start(src)
+            rows = self.buffer[s0 : s0 + src.numel()] if s0 is not None else take(self.buffer, src)
+            scatter_rows(device, dst, rows.to(device.device))
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def read_rows(self, host_ids: npt.ArrayLike) -> torch.Tensor:

@@ -73,7 +73,7 @@ def put(dst: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> None:
         dst.view(dtype).index_copy_(0, idx, src.view(dtype))
 
 
-def _run_start(idx: torch.Tensor) -> int | None:
+def run_start(idx: torch.Tensor) -> int | None:
     """The first id when `idx` (a CPU index) is a run of consecutive page ids, else None."""
     n = idx.numel()
     if n == 0 or idx.device.type != "cpu":
@@ -85,20 +85,28 @@ def _run_start(idx: torch.Tensor) -> int | None:
 
 
 def copy_pages(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """dst[dst_idx] = src[src_idx] for uint8 [pages, bytes] tensors on one device: a single copy when either
-    side is a run of consecutive pages (and the destination run is contiguous), else a gather and a scatter."""
+    """dst[dst_idx] = src[src_idx] for uint8 [pages, bytes] tensors, on one device or across devices (host <->
+    GPU); `dst_idx` / `src_idx` are CPU int64 indices. A side that is a run of consecutive pages is copied as one
+    slice (one copy, straight into or out of pinned host memory), otherwise pages are gathered and scattered."""
     n = src_idx.numel()
-    s0 = _run_start(src_idx)
-    if s0 is not None:
-        put(dst, dst_idx, src[s0 : s0 + n])
+    if n != dst_idx.numel():
+        raise ValueError(f"copy_pages: {n} source pages but {dst_idx.numel()} destination pages")
+    if n == 0:
         return
-    d0 = _run_start(dst_idx)
-    if d0 is not None and dst[d0 : d0 + n].is_contiguous():
+    s0, d0 = run_start(src_idx), run_start(dst_idx)
+    if s0 is not None:
+        rows = src[s0 : s0 + n]
+    elif d0 is not None and dst.device == src.device and dst[d0 : d0 + n].is_contiguous():
         out = dst[d0 : d0 + n]
         dtype = _widest(out, src)
-        torch.index_select(src.view(dtype), 0, src_idx, out=out.view(dtype))
+        torch.index_select(src.view(dtype), 0, src_idx.to(src.device), out=out.view(dtype))
         return
-    put(dst, dst_idx, take(src, src_idx))
+    else:
+        rows = take(src, src_idx.to(src.device))
+    if d0 is not None:
+        dst[d0 : d0 + n].copy_(rows)
+    else:
+        put(dst, dst_idx.to(dst.device), rows.to(dst.device))
 
 
 def gather_rows(pool: DevicePool, ids: npt.ArrayLike | torch.Tensor) -> torch.Tensor:
