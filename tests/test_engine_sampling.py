@@ -27,11 +27,13 @@ def test_sample_greedy_ties_and_seeded_rows() -> None:
     greedy = Request("g", (2,), SamplingParams())
     a = Request("a", (2,), SamplingParams(temperature=1.0, seed=7), sampling_seed=7)
     assert sample(logits, [greedy, greedy]) == [1, 0]  # first index on ties, as torch.argmax / transformers
-    draws_a = [sample(logits[1:], [a])[0] for _ in range(20)]
     b = Request("b", (2,), SamplingParams(temperature=1.0, seed=7), sampling_seed=7)
-    draws_b = [sample(logits[[0, 1]], [greedy, b])[1] for _ in range(20)]
-    assert draws_a == draws_b  # same seed, same draws, whatever shares the batch
-    assert len(set(draws_a)) == 3
+    for _ in range(20):
+        a.output_ids.append(sample(logits[1:], [a])[0])
+        b.output_ids.append(sample(logits[[0, 1]], [greedy, b])[1])
+    assert a.output_ids == b.output_ids  # same seed, same draws, whatever shares the batch
+    assert len(set(a.output_ids)) == 3
+    assert sample(logits[1:], [a]) == sample(logits[1:], [a])  # token i's draw depends on (seed, i) only
     with pytest.raises(ValueError, match=r"logits of shape \(2, 3\) for 1 requests"):
         sample(logits, [a])
 

@@ -318,3 +318,67 @@ def test_prefix_cache_hook() -> None:
     while s.has_unfinished():
         step(s)
     assert alloc.num_free + alloc.held_by(PagePrefixCache.OWNER).size == 6
+
+
+def test_prealloc_start_decode_and_abort_while_waiting_for_kv() -> None:
+    s = make(6, budget=8)
+    a = req("a", 7, 3)
+    pages = s.prealloc(a)
+    assert pages.tolist() == [0, 1]  # 7 prompt tokens + the first token's KV slot: 8 tokens, 2 pages
+    assert a.status is RequestStatus.WAITING_KV and s.pages_of("a").tolist() == [0, 1]
+    s.check_integrity()
+    assert s.schedule().is_empty  # nothing runs while its KV is in flight
+    s.check_integrity()
+    b = req("b", 8, 2, first=50)
+    assert s.prealloc(b).tolist() == [2, 3, 4]  # 8 + 1 tokens: 3 pages
+    with pytest.raises(
+        CapacityError,
+        match=r"request c: its 5 prompt tokens need 2 pages but only 1 of 6 are free "
+        r"now: retry when requests finish",
+    ):
+        s.prealloc(req("c", 5, 1))
+    assert s.abort("b") is b and b.finish_reason is FinishReason.ABORT
+    s.check_integrity()
+    s.start_decode("a", 99)
+    assert a.output_ids == [99] and a.num_computed_tokens == 7 and a.status is RequestStatus.WAITING
+    s.check_integrity()
+    out = step(s, 100)
+    assert plan(out) == [("a", 7, 1)] and a.page_ids == [0, 1]  # the first decode token needs no new page
+    out = step(s, 101)
+    assert plan(out) == [("a", 8, 1)] and a.is_finished and a.output_ids == [99, 100, 101]
+    assert s.allocator.num_free == 6
+    with pytest.raises(ConfigError, match="'a' is not waiting for its KV"):
+        s.start_decode("a", 1)
+
+
+def test_start_decode_with_a_stop_token_finishes_at_once() -> None:
+    s = make(4)
+    a = req("a", 3, 5)
+    s.prealloc(a)
+    s.start_decode("a", 1)  # eos
+    assert a.finish_reason is FinishReason.STOP and a.output_ids == [1]
+    assert s.allocator.num_free == 4
+    s.check_integrity()
+
+
+def test_keep_pages_holds_them_until_release() -> None:
+    s = make(6, budget=16)
+    a = req("a", 9, 1)
+    a.keep_pages = True
+    s.add(a)
+    step(s, 42)
+    assert a.is_finished and a.output_ids == [42] and a.page_ids == [0, 1, 2]
+    assert s.pages_of("a").tolist() == [0, 1, 2] and s.allocator.num_free == 3
+    s.check_integrity()
+    with pytest.raises(ConfigError, match="'a' is already in use"):
+        s.add(req("a", 2, 1))
+    assert s.release("a") is a and s.allocator.num_free == 6
+    assert s.release("a") is None
+    with pytest.raises(ConfigError, match="'a' is unknown or finished without keep_pages"):
+        s.pages_of("a")
+    b = req("b", 3, 1)
+    b.keep_pages = True
+    s.add(b)
+    step(s)
+    assert s.abort("b") is b and s.allocator.num_free == 6  # abort of a kept request releases it
+    s.check_integrity()

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from dsakv.cache.allocator import IntegrityError, PageAllocator
@@ -33,7 +35,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.model_runner import ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from dsakv.engine.sampling import sample
-from dsakv.engine.scheduler import PrefixCache, Scheduler
+from dsakv.engine.scheduler import NoFreePages, PrefixCache, Scheduler
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -191,41 +193,90 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
-        """Queue a request; returns its id. Raises CapacityError (queuing nothing) if it can never fit."""
+    def _new_request(
+        self, request_id: str | None, prompt_ids: Sequence[int], params: SamplingParams | None, keep_pages: bool
+    ) -> Request:
         params = params or SamplingParams()
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        vocab = self.spec.vocab_size
+        bad = [t for t in prompt_ids if isinstance(t, int) and not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
+        return Request(
+            request_id=rid,
+            prompt_ids=tuple(prompt_ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival=next(self._arrivals),
+            sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
+            keep_pages=keep_pages,
+        )
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        keep_pages: bool = False,
+    ) -> str:
+        """Queue a request; returns its id. Raises CapacityError (queuing nothing) if it can never fit.
+
+        keep_pages=True (a prefill worker): when it finishes (stop/length) its pages stay held until
+        release(request_id), so its KV can be read (pages_of) and transferred first."""
         with self._lock:
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            vocab = self.spec.vocab_size
-            bad = [t for t in prompt_ids if isinstance(t, int) and not 0 <= t < vocab]
-            if bad:
-                raise ConfigError(
-                    f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}"
-                )
-            req = Request(
-                request_id=rid,
-                prompt_ids=tuple(prompt_ids),
-                params=params,
-                eos_token_ids=self.eos_token_ids,
-                arrival=next(self._arrivals),
-                sampling_seed=params.seed if params.seed is not None else self._rng.getrandbits(63),
-            )
+            req = self._new_request(request_id, prompt_ids, params, keep_pages)
             self.scheduler.add(req)
             log.debug("queued %s", req)
-            return rid
+            return req.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Abort a waiting or running request and free its pages; its final output (reason 'abort') is returned
-        and also reported by the next step(). None if the id is unknown or already finished."""
+        """Abort a request (waiting, running, or waiting for its KV) and free its pages; its final output (reason
+        'abort') is returned and also reported by the next step(). None if the id is unknown or finished (a
+        finished request's kept pages are released)."""
         with self._lock:
+            if request_id in self.scheduler.kept:
+                self.scheduler.release(request_id)
+                return None
             req = self.scheduler.abort(request_id)
             if req is None:
                 return None
             out = RequestOutput.of(req, 0)
             self._pending.append(out)
             return out
+
+    # ---- disaggregated serving --------------------------------------------------------------
+
+    def prealloc(
+        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> npt.NDArray[np.int64]:
+        """Decode worker: reserve the pages of a request whose prompt is prefilled elsewhere (prompt + its first
+        token), held under request_id; returns their ids, in token order, for the prefill worker to write the KV
+        to (token t at slot page_ids[t // page_size] * page_size + t % page_size). Then start_decode() it, or
+        abort() it if the transfer fails. Raises CapacityError if it can never fit, NoFreePages if not now."""
+        with self._lock:
+            req = self._new_request(request_id, prompt_ids, params, False)
+            return self.scheduler.prealloc(req)
+
+    def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
+        """Decode worker: the prompt's KV is in the prealloc'd pages and the prefill sampled `first_token`; the
+        request now decodes. The returned output (first token; finished if that token stops it) is also
+        reported by the next step()."""
+        with self._lock:
+            req = self.scheduler.start_decode(request_id, first_token)
+            out = RequestOutput.of(req, 1)
+            self._pending.append(out)
+            return out
+
+    def pages_of(self, request_id: str) -> npt.NDArray[np.int64]:
+        """Page ids a request holds, in token order (running, waiting for KV, or finished with keep_pages)."""
+        with self._lock:
+            return self.scheduler.pages_of(request_id)
+
+    def release(self, request_id: str) -> bool:
+        """Prefill worker: free the pages a finished keep_pages request holds. False if it holds none."""
+        with self._lock:
+            return self.scheduler.release(request_id) is not None
 
     def get_request(self, request_id: str) -> Request | None:
         with self._lock:
@@ -243,7 +294,10 @@ class Engine:
             outputs, self._pending = self._pending, []
             sched = self.scheduler.schedule()
             if sched.is_empty:
-                if self.scheduler.has_unfinished() and not sched.preempted:
+                sch = self.scheduler
+                # requests waiting on pages that only an outside event frees (a KV transfer, a release) are not
+                # stalled; anything else that cannot run with nothing running is a bug: fail loudly, never spin
+                if sch.has_unfinished() and not (sched.preempted or sch.awaiting_kv or sch.kept):
                     raise IntegrityError(
                         f"scheduler stalled: {self.scheduler.num_waiting} waiting and {self.scheduler.num_running} "
                         f"running requests but nothing could be scheduled ({self.allocator.num_free} pages free)"
@@ -362,4 +416,4 @@ class Engine:
             )
 
 
-__all__ = ["CapacityError", "Engine", "EngineStats", "GenerationError", "read_eos_token_ids"]
+__all__ = ["CapacityError", "Engine", "EngineStats", "GenerationError", "NoFreePages", "read_eos_token_ids"]

@@ -25,9 +25,10 @@ from dsakv.errors import ConfigError
 
 
 class RequestStatus(enum.StrEnum):
-    WAITING = "waiting"  # queued (new, or preempted): holds no pages
+    WAITING = "waiting"  # queued: new or preempted (no pages), or prefilled elsewhere and ready (holds its pages)
+    WAITING_KV = "waiting_kv"  # disaggregated decode: pages reserved, its KV is being transferred in
     RUNNING = "running"  # admitted: holds the pages of its computed tokens
-    FINISHED = "finished"  # done (see finish_reason): holds no pages
+    FINISHED = "finished"  # done (see finish_reason): holds no pages, unless kept (keep_pages) until release
 
 
 class FinishReason(enum.StrEnum):
@@ -107,6 +108,8 @@ class Request:
     page_ids: list[int] = field(default_factory=list)  # pages of the sequence, in token order
     prefix_match: Any = None  # the prefix cache's match at admission, released when the request leaves
     num_preemptions: int = 0
+    kv_from_peer: bool = False  # its prompt KV was written by a prefill worker (prealloc/start_decode)
+    keep_pages: bool = False  # on finishing (stop/length) keep the pages held until Scheduler.release()
     sampling_seed: int = 0  # params.seed, or one the engine drew
     generator: Any = None  # torch.Generator, created by the sampler on first use
 

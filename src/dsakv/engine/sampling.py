@@ -1,10 +1,10 @@
 """Token sampling (greedy, temperature / top-k / top-p) and stop conditions.
 
-Each sampled request draws from its own torch.Generator, seeded once with the
-request's seed and advanced by one draw per generated token, so a seed gives the
-same tokens whatever else shares the batch (and across preemption: recomputing a
-preempted request's tokens draws nothing). Greedy rows take the argmax, as
-transformers' generate(do_sample=False) does (first index on ties).
+Output token i of a sampled request is drawn with a torch.Generator seeded from
+(request seed, i) alone, so a seed gives the same tokens whatever else shares the
+batch, after a preemption (recomputing draws nothing), and when the request moves
+from a prefill worker (token 0) to a decode worker (tokens 1..). Greedy rows take
+the argmax, as transformers' generate(do_sample=False) does (first index on ties).
 Imports torch and dsakv.engine.request; must not import model, disagg, serve or cli.
 """
 
@@ -16,12 +16,21 @@ import torch
 
 from dsakv.engine.request import FinishReason, Request, SamplingParams
 
+MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for output token `index` of a request seeded with `seed` (splitmix64)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (z ^ (z >> 31)) >> 1
+
 
 def _generator(req: Request, device: torch.device) -> torch.Generator:
-    if req.generator is None:
-        g = torch.Generator(device=device)
-        g.manual_seed(req.sampling_seed)
-        req.generator = g
+    if req.generator is None or req.generator.device != device:
+        req.generator = torch.Generator(device=device)
+    req.generator.manual_seed(token_seed(req.sampling_seed, req.num_output_tokens))
     return req.generator
 
 

@@ -46,6 +46,18 @@ Prefix-cache hook (None by default; dsakv.cache.hicache.HiCache implements it):
         many went back to the free list. Called before preempting, and before admitting.
     check_integrity()   (optional) called by Scheduler.check_integrity().
 
+Disaggregated serving:
+
+    decode side   prealloc(req) -> page ids     reserve pages for the prompt + 1 token (status
+                                               WAITING_KV) for a prefill worker to write into;
+                  start_decode(rid, first)     the KV has arrived: num_computed = prompt, output
+                                               = [first]; the request joins the running set at the
+                                               next admission (it needs no new page) and decodes.
+    prefill side  Request.keep_pages=True      on finishing (stop/length) its pages stay held under
+                  release(rid)                 its id (pages_of(rid)) until release(rid), so they can
+                                               be transferred first.
+    WAITING_KV requests and kept pages are never preempted; abort(rid) frees them at any point.
+
 Imports numpy, dsakv.cache.allocator, dsakv.errors and dsakv.engine.{request,sampling};
 must not import torch models, disagg, serve or cli.
 """
@@ -125,6 +137,10 @@ def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+class NoFreePages(CapacityError):
+    """The pool has too few free pages right now (it would fit later): retry after requests finish."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -157,6 +173,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
+        self.ready: deque[Request] = deque()  # prefilled elsewhere, KV in place: wait for a running slot
+        self.awaiting_kv: dict[str, Request] = {}  # pages reserved, KV being transferred in
+        self.kept: dict[str, Request] = {}  # finished with keep_pages: pages held until release()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
 
@@ -186,7 +205,7 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------------------
 
     def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.request_id in self.kept:
             raise ConfigError(f"request id {req.request_id!r} is already in use: give each request a unique id")
         if req.status is not RequestStatus.WAITING or req.page_ids or req.num_computed_tokens:
             raise ConfigError(f"request {req.request_id!r} is not new ({req!r})")
@@ -195,17 +214,76 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
-        """Finish `request_id` with reason 'abort' and free its pages; None if it is unknown or finished."""
+        """Finish `request_id` with reason 'abort' and free its pages; None if it is unknown or finished.
+        A finished request whose pages are kept is released instead (and returned)."""
+        if request_id in self.kept:
+            return self.release(request_id)
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._leave(req, keep_in_cache=True)
+        elif req.status is RequestStatus.WAITING_KV:
+            del self.awaiting_kv[request_id]
+        elif req in self.ready:
+            self.ready.remove(req)
         else:
             self.waiting.remove(req)
+        self._leave(req, keep_in_cache=True)  # only computed tokens go to the cache: none while WAITING_KV
         req.finish(FinishReason.ABORT)
         log.debug("aborted %s", req)
+        return req
+
+    # ---- disaggregation -------------------------------------------------------------------
+
+    def prealloc(self, req: Request) -> IntArray:
+        """Decode side: reserve pages for req's prompt and its first generated token (held under its id) and
+        return them; its KV is written there by a prefill worker, then start_decode() lets it run.
+        Raises CapacityError if it can never fit, NoFreePages if it does not fit now."""
+        if req.request_id in self.requests or req.request_id in self.kept:
+            raise ConfigError(f"request id {req.request_id!r} is already in use: give each request a unique id")
+        self.check_fits(req.request_id, req.num_prompt_tokens, req.params.max_new_tokens)
+        need = _pages_for(req.num_prompt_tokens + 1, self.page_size)
+        if not self._reserve(need):
+            raise NoFreePages(
+                f"request {req.request_id}: its {req.num_prompt_tokens} prompt tokens need {need} pages but only "
+                f"{self.allocator.num_free} of {self.allocator.num_pages} are free now: retry when requests finish"
+            )
+        req.page_ids = self.allocator.alloc(need, owner=req.request_id).tolist()
+        req.status = RequestStatus.WAITING_KV
+        req.kv_from_peer = True
+        self.requests[req.request_id] = req
+        self.awaiting_kv[req.request_id] = req
+        return np.asarray(req.page_ids, dtype=np.int64)
+
+    def start_decode(self, request_id: str, first_token: int) -> Request:
+        """Decode side: req's prompt KV is in its pages and the prefill sampled `first_token`. The request is
+        queued to run (or finishes at once if that token stops it)."""
+        req = self.awaiting_kv.pop(request_id, None)
+        if req is None:
+            raise ConfigError(f"request {request_id!r} is not waiting for its KV: prealloc() it first")
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_ids.append(int(first_token))
+        reason = stop_reason(req, int(first_token), self.max_seq_len)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            req.status = RequestStatus.WAITING
+            self.ready.append(req)
+        return req
+
+    def pages_of(self, request_id: str) -> IntArray:
+        """The page ids a request holds, in token order (running, ready, WAITING_KV or kept)."""
+        req = self.requests.get(request_id) or self.kept.get(request_id)
+        if req is None:
+            raise ConfigError(f"request {request_id!r} is unknown or finished without keep_pages")
+        return np.asarray(req.page_ids, dtype=np.int64)
+
+    def release(self, request_id: str) -> Request | None:
+        """Prefill side: free the pages a finished keep_pages request still holds (after transferring them)."""
+        req = self.kept.pop(request_id, None)
+        if req is not None:
+            self._leave(req, keep_in_cache=True)
         return req
 
     def has_unfinished(self) -> bool:
@@ -213,7 +291,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.ready) + len(self.awaiting_kv)
 
     @property
     def num_running(self) -> int:
@@ -255,6 +333,15 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.ready and budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.ready[0]
+            if self._grow(req, 1, partial=False) == 0:
+                break
+            self.ready.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
+            budget -= 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             cached_pages: IntArray = np.zeros(0, dtype=np.int64)
@@ -331,15 +418,20 @@ class Scheduler:
         self._leave(req, keep_in_cache=True)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        req.kv_from_peer = False  # it recomputes its own KV from now on
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         log.info("preempted %s: out of KV pages (%d free)", req.request_id, self.allocator.num_free)
 
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        self.running.remove(req)
-        self._leave(req, keep_in_cache=reason is not FinishReason.ERROR)
+        if req in self.running:
+            self.running.remove(req)
         del self.requests[req.request_id]
+        if req.keep_pages and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            self.kept[req.request_id] = req
+        else:
+            self._leave(req, keep_in_cache=reason is not FinishReason.ERROR)
         req.finish(reason, error)
 
     # ---- after the model step ------------------------------------------------------------------
@@ -384,25 +476,32 @@ class Scheduler:
         cache_check = getattr(self.prefix_cache, "check_integrity", None)
         if cache_check is not None:
             cache_check()
-        running = {r.request_id for r in self.running}
-        for req in self.running:
-            held = np.sort(self.allocator.held_by(req.request_id))
+        holders: dict[str, Request] = {r.request_id: r for r in self.running}
+        holders |= {r.request_id: r for r in self.ready} | self.awaiting_kv | self.kept
+        for rid, req in holders.items():
+            held = np.sort(self.allocator.held_by(rid))
             if not np.array_equal(held, np.sort(np.asarray(req.page_ids, dtype=np.int64))):
                 raise IntegrityError(
-                    f"{req.request_id}: allocator holds {held.tolist()} for it but it lists {sorted(req.page_ids)}"
+                    f"{rid}: allocator holds {held.tolist()} for it but it lists {sorted(req.page_ids)}"
                 )
-            if len(req.page_ids) != _pages_for(req.num_computed_tokens, self.page_size):
+            lo = _pages_for(req.num_computed_tokens, self.page_size)
+            hi = _pages_for(max(req.num_computed_tokens, req.num_prompt_tokens) + 1, self.page_size)
+            if not lo <= len(req.page_ids) <= hi:
                 raise IntegrityError(
-                    f"{req.request_id}: holds {len(req.page_ids)} pages for {req.num_computed_tokens} computed tokens"
+                    f"{rid}: holds {len(req.page_ids)} pages for {req.num_computed_tokens} computed tokens "
+                    f"(expected {lo}..{hi})"
                 )
         for req in self.waiting:
             if req.page_ids or self.allocator.held_by(req.request_id).size or req.num_computed_tokens:
                 raise IntegrityError(f"waiting request {req!r} holds pages")
         for owner in self.allocator.owners:
-            if isinstance(owner, str) and owner not in running:
-                raise IntegrityError(f"pages held by {owner!r}, which is not a running request")
-        if len(self.requests) != len(self.running) + len(self.waiting):
+            if isinstance(owner, str) and owner not in holders:
+                raise IntegrityError(
+                    f"pages held by {owner!r}, which is not a running, ready, kept or WAITING_KV request"
+                )
+        queued = len(self.running) + len(self.waiting) + len(self.ready) + len(self.awaiting_kv)
+        if len(self.requests) != queued:
             raise IntegrityError(
-                f"{len(self.requests)} unfinished requests but {len(self.running)} running + "
-                f"{len(self.waiting)} waiting"
+                f"{len(self.requests)} unfinished requests but {len(self.running)} running + {len(self.waiting)} "
+                f"waiting + {len(self.ready)} ready + {len(self.awaiting_kv)} waiting for KV"
             )
