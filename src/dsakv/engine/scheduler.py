@@ -68,7 +68,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -85,8 +85,11 @@ DEFAULT_MAX_RUNNING = 64
 
 
 class PrefixMatch(Protocol):
-    page_ids: IntArray
-    num_tokens: int
+    @property
+    def page_ids(self) -> IntArray: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class PrefixCache(Protocol):
@@ -94,9 +97,9 @@ class PrefixCache(Protocol):
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch: ...
 
-    def insert(self, token_ids: Sequence[int], page_ids: IntArray) -> None: ...
+    def insert(self, token_ids: Sequence[int], page_ids: IntArray) -> object: ...
 
-    def release(self, match: PrefixMatch) -> None: ...
+    def release(self, match: Any) -> None: ...  # the object match_prefix returned
 
     def evict(self, num_pages: int) -> int: ...
 
@@ -358,7 +361,7 @@ class Scheduler:
             n = min(req.num_tokens - cached, budget)
             need = _pages_for(cached + n, self.page_size) - cached_pages.size
             if not self._reserve(need):
-                if self.prefix_cache is not None:
+                if self.prefix_cache is not None and match is not None:
                     self.prefix_cache.release(match)
                 break
             self.waiting.popleft()
