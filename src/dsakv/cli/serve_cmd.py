@@ -166,7 +166,11 @@ def serve_http(app: Any, args: argparse.Namespace) -> int:
     import uvicorn
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    log.info("serve: stopped")
     return 0
 
 

@@ -111,8 +111,10 @@ class ServerMetrics:
             metric(
                 "dsakv_requests_failed_total", "counter", "Requests ended by an error or timeout.", self.requests_failed
             )
-            lines += ["# HELP dsakv_requests_finished_total Requests finished, by reason.",
-                      "# TYPE dsakv_requests_finished_total counter"]  # fmt: skip
+            lines += [
+                "# HELP dsakv_requests_finished_total Requests finished, by reason.",
+                "# TYPE dsakv_requests_finished_total counter",
+            ]
             for reason in sorted(set(self.finished) | {"stop", "length"}):
                 lines.append(f'dsakv_requests_finished_total{{reason="{reason}"}} {self.finished.get(reason, 0)}')
             metric("dsakv_prompt_tokens_total", "counter", "Prompt tokens of submitted requests.", self.prompt_tokens)

@@ -1,0 +1,99 @@
+"""Test support for the serve tests: a live uvicorn server on 127.0.0.1 (a thread of this process) over a real
+Engine on the tiny checkpoint, and helpers to read /metrics and /health."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from dsakv.engine.engine import Engine
+from dsakv.serve.app import create_app
+from dsakv.serve.engine_backend import EngineBackend
+from dsakv.serve.tokenizer import ByteTokenizer
+from engine_support import tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
+
+MODEL = "tiny"
+PAGE_SIZE = 16
+NUM_PAGES = 64  # 1024 tokens: small, so "prompt too long" cases stay cheap
+
+
+def make_engine(**kw: object) -> Engine:
+    kw.setdefault("page_size", PAGE_SIZE)
+    kw.setdefault("num_pages", NUM_PAGES)
+    kw.setdefault("check_every_step", True)
+    return Engine(tiny_model("glm_moe_dsa"), **kw)  # type: ignore[arg-type]
+
+
+class LiveServer:
+    """uvicorn serving `app` on a 127.0.0.1 socket bound to a free port, in a background thread."""
+
+    def __init__(self, app: object) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url} within {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.sock.close()
+
+
+@contextmanager
+def live_server(engine: Engine, **kw: object) -> Iterator[tuple[LiveServer, EngineBackend]]:
+    backend = EngineBackend(engine)
+    srv = LiveServer(create_app(backend, MODEL, ByteTokenizer(), **kw)).start()  # type: ignore[arg-type]
+    try:
+        yield srv, backend
+    finally:
+        srv.stop()
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {name or name{labels}: value}; asserts every line is valid exposition text."""
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"bad exposition line: {line!r}"
+        out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict:
+    """Poll /health until no request runs or waits and no page is used; the last health body."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(f"{url}/health", timeout=10).json()
+        if h["pages_used"] == 0 and h["running"] == 0 and h["waiting"] == 0:
+            return h
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout} s: {h}")
+        time.sleep(0.02)
