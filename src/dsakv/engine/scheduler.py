@@ -11,10 +11,10 @@ Every step mixes decode tokens and prefill chunks in one batch of at most
    NEWEST running request is preempted: its pages are freed and it goes back to the
    front of the waiting queue with its output kept (it recomputes later). A
    prefilling request shrinks its chunk to the pages it can get before preempting.
-2. Waiting requests, first come first served (preempted ones first), while there
-   is budget and fewer than `max_running_requests` run: a request is admitted only
-   when every page its next chunk needs is free. No admission in a step that
-   preempted.
+2. Ready requests (prefilled by another worker, see below), then waiting requests,
+   first come first served (preempted ones first), while there is budget and fewer
+   than `max_running_requests` run: a request is admitted only when every page its
+   next chunk needs is free. No admission in a step that preempted.
 
 A request that can never fit (prompt + max_new_tokens above the pool's capacity or
 the model's max positions) is rejected by `add` with CapacityError; nothing is
