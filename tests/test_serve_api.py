@@ -255,3 +255,23 @@ def test_client_disconnect_aborts_and_frees_pages(server):
     aborted = m.get('dsakv_requests_finished_total{reason="abort"}', 0)
     assert aborted == before.get('dsakv_requests_finished_total{reason="abort"}', 0) + 1
     assert m["dsakv_generation_tokens_total"] - before["dsakv_generation_tokens_total"] < 900
+
+
+def test_prefix_cache_counters_on_metrics(reference):
+    first = list(range(100, 140))  # 40 tokens: 2 full pages of 16 + 8
+    second = first + list(range(200, 210))
+    want = reference([first, second], 5, ignore_eos=True)
+    with live_server(make_engine(enable_prefix_cache=True)) as (srv, _):
+        got = []
+        for p in (first, second):
+            body = {"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            got.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"])
+        assert got == want
+        m = scrape(srv.url)
+    # the second request found the first's 2 full pages (first + 4 outputs = 44 tokens cached as 32)
+    assert m["dsakv_prefix_cache_lookups"] == 2
+    assert m["dsakv_prefix_cache_lookup_tokens"] == 39 + 49
+    assert m["dsakv_prefix_cache_hit_tokens_total"] == 32 and m["dsakv_prefix_cache_device_hit_tokens"] == 32
+    assert m["dsakv_prefix_cache_hit_rate"] == 32 / 88
+    assert m["dsakv_pool_pages_used"] > 0  # the cache holds its pages; no request does
+    assert m["dsakv_requests_running"] == 0 and m["dsakv_engine_running"] == 0
