@@ -35,6 +35,8 @@ from dsakv.spec.layout import BufferKey, Kind
 
 # Bound on elements of one [heads, queries, keys] score block; longer prefills are split by query.
 SCORE_BLOCK_ELEMS = 1 << 24
+# Read and expand only the KV rows some query selected (False: every cached row, as a dense baseline).
+SPARSE_KV_READS = True
 
 
 @dataclass
@@ -177,7 +179,7 @@ class MLAttention(nn.Module):
         for sq, sel in zip(ctx.seqs, topk, strict=True):
             s_len = sq.seq_len
             # read and expand only the cached tokens some query selected (decode reads <= index_topk rows)
-            cols = torch.unique(sel) if sel.numel() < s_len else None
+            cols = torch.unique(sel) if SPARSE_KV_READS and sel.numel() < s_len else None
             slots = sq.slots if cols is None else sq.slots[cols]
             n = int(slots.numel())
             cached = ctx.pool.read(kv_key, slots).to(x.dtype)  # [n, r + d]
