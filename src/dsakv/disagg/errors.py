@@ -1,0 +1,38 @@
+"""Errors of the KV transfer layer. Imports only dsakv.errors.
+
+DsakvError
+├── ManifestError      a manifest is malformed, foreign or inconsistent with its layout
+├── IncompatiblePeer   two manifests cannot be paired (handshake refused)
+└── TransferError      an engine refused a registration or a transfer (carries the engine's code)
+    ├── RegistrationError
+    └── TransferTimeout  a transfer did not finish before its deadline
+"""
+
+from __future__ import annotations
+
+from dsakv.errors import DsakvError
+
+
+class ManifestError(DsakvError, ValueError):
+    """A manifest could not be read, or describes buffers its layout does not hold."""
+
+
+class IncompatiblePeer(DsakvError):
+    """Handshake refused: the peers disagree on model, page size, format, layers or buffer sizes."""
+
+
+class TransferError(DsakvError):
+    """A transfer-engine call failed. `code` is the engine's own return code (int) or error name (str)."""
+
+    def __init__(self, message: str, *, backend: str = "", code: int | str | None = None) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.code = code
+
+
+class RegistrationError(TransferError):
+    """A memory registration was refused (by dsakv before the engine, or by the engine)."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer was still unfinished at its deadline; it has been cancelled."""
