@@ -1,0 +1,210 @@
+"""Bootstrap handshake between a prefill stage (sender) and a decode worker (receiver), over the control RPC.
+
+    stage k ── rpc "handshake" {manifest, prefill, stage, num_stages, rpc} ──► decode
+            ◄── {manifest (decode's), boot} ─────────────────────────────────
+    both sides run compat.check_pair(stage manifest, decode manifest): buffers pair by BufferKey, a key held
+    by one side only is skipped only if it is the INDEX_K of a shared layer; anything else is refused with
+    IncompatiblePeer naming layer, kind and both sizes (the stage's connect fails loudly).
+    stage k then connects its TransferBackend to the decode's (backend meta in the manifest) and keeps a
+    DecodeLink (peer + PairTable) per decode address, keyed by the decode's boot id: a restarted decode
+    (new boot id) is handshaken again on the next request.
+
+The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their RPC
+address, layer range, what was skipped), so it can check a request's prefill is complete and ping the
+stages a request still waits for.
+
+Imports disagg.{rpc, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.disagg.backends.base import Peer, TransferBackend
+from dsakv.disagg.compat import Pairing, check_pair
+from dsakv.disagg.errors import IncompatiblePeer
+from dsakv.disagg.manifest import Manifest
+from dsakv.disagg.rpc import RpcClient, RpcError
+from dsakv.disagg.transfer_plan import PairTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecodeLink:
+    """A handshaken decode worker, as one prefill stage sees it."""
+
+    addr: str
+    boot: str
+    manifest: Manifest
+    pairing: Pairing
+    table: PairTable
+    peer: Peer
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "addr": self.addr,
+            "boot": self.boot,
+            "pairs": len(self.pairing.pairs),
+            "skipped": [str(s.key) for s in self.pairing.skipped],
+            "bytes_per_page": self.pairing.bytes_per_page,
+        }
+
+
+class DecodeLinks:
+    """Prefill stage side: handshake with decode workers on demand and cache the result per address."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        manifest: Manifest,
+        hello: dict[str, Any],
+        rpc_timeout: float = 5.0,
+    ) -> None:
+        self.backend = backend
+        self.manifest = manifest
+        self.hello = dict(hello)
+        self.rpc_timeout = rpc_timeout
+        self._links: dict[str, DecodeLink] = {}
+        self._lock = threading.Lock()
+        self._addr_locks: dict[str, threading.Lock] = {}
+
+    def cached(self, addr: str) -> DecodeLink | None:
+        with self._lock:
+            return self._links.get(addr)
+
+    def links(self) -> list[DecodeLink]:
+        with self._lock:
+            return list(self._links.values())
+
+    def forget(self, addr: str) -> None:
+        with self._lock:
+            self._links.pop(addr, None)
+
+    def get(self, addr: str, boot: str | None = None, timeout: float | None = None) -> DecodeLink:
+        """The link to decode `addr`; handshake first if there is none or the decode restarted (boot differs)."""
+        link = self.cached(addr)
+        if link is not None and (boot is None or link.boot == boot):
+            return link
+        with self._lock:
+            lock = self._addr_locks.setdefault(addr, threading.Lock())
+        with lock:
+            link = self.cached(addr)
+            if link is not None and (boot is None or link.boot == boot):
+                return link
+            link = self._handshake(addr, self.rpc_timeout if timeout is None else timeout)
+            with self._lock:
+                self._links[addr] = link
+            return link
+
+    def _handshake(self, addr: str, timeout: float) -> DecodeLink:
+        t0 = time.monotonic()
+        client = RpcClient(addr, timeout=timeout)
+        try:
+            reply = client.call("handshake", {**self.hello, "manifest": self.manifest.to_bytes()}, timeout=timeout)
+        except RpcError as e:
+            if e.kind == "IncompatiblePeer":
+                raise IncompatiblePeer(str(e)) from None
+            raise
+        finally:
+            client.close()
+        theirs = Manifest.from_bytes(reply["manifest"])
+        pairing = check_pair(self.manifest, theirs)
+        peer = self.backend.connect(theirs)
+        link = DecodeLink(addr, str(reply["boot"]), theirs, pairing, PairTable.of(pairing.pairs), peer)
+        log.info(
+            "%s -> decode %s (boot %s): handshake ok in %.3fs, %d buffers paired, %d one-sided index-K skipped",
+            self.manifest.worker,
+            addr,
+            link.boot,
+            time.monotonic() - t0,
+            len(pairing.pairs),
+            len(pairing.skipped),
+        )
+        return link
+
+
+@dataclass
+class StageEntry:
+    """One handshaken prefill stage, as the decode worker sees it."""
+
+    prefill: str
+    stage: int
+    num_stages: int
+    rpc: str
+    layer_start: int
+    layer_end: int
+    elide: bool
+    skipped: list[str]
+    at: float = field(default_factory=time.monotonic)
+
+
+class StageRegistry:
+    """Decode side: the prefill stages that handshook, by (prefill name, stage)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._stages: dict[tuple[str, int], StageEntry] = {}
+        self._lock = threading.Lock()
+
+    def accept(self, hello: dict[str, Any]) -> tuple[StageEntry, Pairing]:
+        """Check a stage's hello; raise IncompatiblePeer (or ManifestError) naming what differs."""
+        theirs = Manifest.from_bytes(hello["manifest"])
+        pairing = check_pair(theirs, self.manifest)
+        entry = StageEntry(
+            prefill=str(hello["prefill"]),
+            stage=int(hello["stage"]),
+            num_stages=int(hello["num_stages"]),
+            rpc=str(hello["rpc"]),
+            layer_start=theirs.layer_start,
+            layer_end=theirs.layer_end,
+            elide=theirs.elide,
+            skipped=[str(s.key) for s in pairing.skipped],
+        )
+        with self._lock:
+            self._stages[(entry.prefill, entry.stage)] = entry
+        log.info(
+            "decode: prefill %s stage %d/%d (layers %d-%d, elide %s, rpc %s) handshook; skipped %s",
+            entry.prefill,
+            entry.stage,
+            entry.num_stages,
+            entry.layer_start,
+            entry.layer_end - 1,
+            entry.elide,
+            entry.rpc,
+            entry.skipped or "nothing",
+        )
+        return entry, pairing
+
+    def stages_of(self, prefill: str, num_stages: int) -> list[StageEntry]:
+        """Every stage of `prefill`, checked to cover all main layers once; raise IncompatiblePeer otherwise."""
+        with self._lock:
+            found = [self._stages.get((prefill, k)) for k in range(num_stages)]
+        missing = [k for k, e in enumerate(found) if e is None]
+        if missing:
+            raise IncompatiblePeer(
+                f"prefill {prefill}: stage(s) {missing} of {num_stages} have not handshaken with this decode worker: "
+                "connect the prefill worker to this decode first (the router does it when it pairs them)"
+            )
+        entries = [e for e in found if e is not None]
+        want = 0
+        for e in entries:
+            if e.layer_start != want or e.num_stages != num_stages:
+                raise IncompatiblePeer(
+                    f"prefill {prefill}: stage {e.stage} holds layers {e.layer_start}-{e.layer_end - 1} of a "
+                    f"{e.num_stages}-stage pipeline, expected layers from {want} of a {num_stages}-stage pipeline"
+                )
+            want = e.layer_end
+        if want != self.manifest.num_main_layers:
+            raise IncompatiblePeer(
+                f"prefill {prefill}: its stages cover layers 0-{want - 1}, not all {self.manifest.num_main_layers}"
+            )
+        return entries
+
+    def entries(self) -> list[StageEntry]:
+        with self._lock:
+            return list(self._stages.values())

@@ -1,0 +1,67 @@
+"""PageMirror: the page books of a PP stage other than stage 0.
+
+Stage 0's PageAllocator decides page ids for every stage of a prefill worker (all stage pools
+have the same page count); a later stage only mirrors who holds which page, so its own
+`check_integrity()` can prove no page leaked and no page is held twice:
+
+    mirror.hold(rid, pages)     the request's page list as of this step (grows chunk by chunk)
+    mirror.release(rid)         after its transfer finished or failed, or when stage 0 dropped it
+Imports numpy and dsakv.cache.allocator only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from dsakv.cache.allocator import IntegrityError
+
+
+class PageMirror:
+    def __init__(self, num_pages: int, name: str = "stage pool") -> None:
+        self.num_pages = num_pages
+        self.name = name
+        self._held: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, rid: str, pages: Iterable[int]) -> None:
+        ids = [int(p) for p in pages]
+        bad = [p for p in ids if not 0 <= p < self.num_pages]
+        if bad:
+            raise IntegrityError(f"{self.name}: request {rid} got page(s) {bad[:8]} outside 0..{self.num_pages - 1}")
+        with self._lock:
+            self._held[rid] = ids
+
+    def release(self, rid: str) -> list[int]:
+        with self._lock:
+            return self._held.pop(rid, [])
+
+    def held_by(self, rid: str) -> list[int]:
+        with self._lock:
+            return list(self._held.get(rid, []))
+
+    @property
+    def owners(self) -> list[str]:
+        with self._lock:
+            return list(self._held)
+
+    @property
+    def num_used(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._held.values())
+
+    @property
+    def num_free(self) -> int:
+        return self.num_pages - self.num_used
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if a page is held twice (by one request or two)."""
+        with self._lock:
+            if not self._held:
+                return
+            allp = np.concatenate([np.asarray(v, dtype=np.int64) for v in self._held.values()])
+        vals, counts = np.unique(allp, return_counts=True)
+        if np.any(counts > 1):
+            raise IntegrityError(f"{self.name}: page(s) {vals[counts > 1][:8].tolist()} are held twice")

@@ -1,0 +1,836 @@
+"""PrefillStage: one pipeline-parallel stage of a prefill worker (one process per stage).
+
+    router ──rpc submit(rid, prompt, decode addr, decode pages, deadline)──► stage 0
+    stage 0: Scheduler (chunked prefill, keep_pages) ─ step ─► stage 1 ─► ... ─► stage N-1 (norm + lm_head:
+             first token)            hidden [T, H] + top-k [T, K] + step metadata over gloo (stage_comm)
+    every stage, when a request's last prompt chunk ran: TransferPlan(its own layers' paired keys,
+             its pages -> the decode's pages) on its TransferBackend, bounded by the request's deadline,
+             then rpc decode.stage_done(rid, stage, ok, error, first token (last stage)).
+    every stage k > 0 then tells stage 0 `released(rid)`; stage 0 frees the request's pages once all N
+             stages released them, so a page is never reused while a stage still reads it.
+
+Stage 0's PageAllocator decides page ids for every stage (all stage pools have the same page count);
+later stages mirror the books (PageMirror). Failure handling:
+- a send/receive between stages that fails or times out (stage_timeout) breaks the pipeline: every
+  stage fails the requests it has not finished computing (decode is told `kv_failed`), lets running
+  transfers finish (bounded by their deadlines), and the stages re-form a new epoch; a restarted stage
+  joins it. While broken, stage 0 refuses submissions (the router routes elsewhere).
+- a request whose deadline passes while queued or computing is dropped and decode told.
+- transfers fail at the deadline (TransferTimeout); decode is told with the backend's quarantine.
+
+Imports torch, dsakv.{spec,cache,model,engine} and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsakv.cache.allocator import PageAllocator
+from dsakv.cache.device_pool import DevicePool
+from dsakv.disagg.backends import make_backend
+from dsakv.disagg.backends.base import TransferHandle
+from dsakv.disagg.bootstrap import DecodeLinks
+from dsakv.disagg.errors import TransferTimeout
+from dsakv.disagg.manifest import Manifest
+from dsakv.disagg.page_mirror import PageMirror
+from dsakv.disagg.rpc import RpcClient, RpcError, RpcServer
+from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
+from dsakv.disagg.transfer_plan import TransferPlan
+from dsakv.disagg.wire import new_boot_id, page_list, pages_for, params_from_dict
+from dsakv.engine.model_runner import build_batch
+from dsakv.engine.request import Request, SamplingParams
+from dsakv.engine.sampling import sample
+from dsakv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from dsakv.errors import CapacityError, ConfigError, DsakvError
+from dsakv.model.batch import ForwardBatch
+from dsakv.model.dsa_model import DSAModel, StageCarry
+from dsakv.spec.layout import DEFAULT_PAGE_SIZE
+from dsakv.spec.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16384
+
+
+class Unavailable(DsakvError):
+    """This worker cannot take requests now (pipeline not formed, stopping): route elsewhere."""
+
+
+def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each stage: `partition` (layers per stage) or an even split, earlier stages larger."""
+    if pp_size < 1:
+        raise ConfigError(f"--pp-size {pp_size} must be >= 1")
+    if partition is None:
+        base, extra = divmod(num_layers, pp_size)
+        partition = tuple(base + (1 if k < extra else 0) for k in range(pp_size))
+    if len(partition) != pp_size:
+        raise ConfigError(f"--pp-partition {list(partition)} has {len(partition)} stages but --pp-size is {pp_size}")
+    if any(n < 1 for n in partition) or sum(partition) != num_layers:
+        raise ConfigError(
+            f"--pp-partition {','.join(map(str, partition))} must give every stage >= 1 layer and sum to the "
+            f"model's {num_layers} layers (sums to {sum(partition)})"
+        )
+    out, start = [], 0
+    for n in partition:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One stage of a prefill worker. Stage k listens for control RPC on port + k."""
+
+    model: str
+    pp_size: int = 1
+    pp_rank: int = 0
+    partition: tuple[int, ...] | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # base port (stage k: port + k); 0 = any free port (pp_size 1 only)
+    stage0_host: str | None = None  # where stage 0 runs (the gloo rendezvous); default host
+    dist_port: int | None = None  # gloo rendezvous (TCPStore) on stage 0; default port + pp_size
+    name: str | None = None  # worker name; default prefill@<stage0 host>:<port>
+    elide: bool = True
+    kv_format: str = "fp32"
+    index_format: str = "fp32"
+    page_size: int = DEFAULT_PAGE_SIZE
+    num_pages: int | None = None
+    max_batch_tokens: int = 512
+    max_running_requests: int | None = None
+    dtype: str = "float32"
+    backend: str = "mooncake"
+    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    stage_timeout: float = 10.0
+    rpc_timeout: float = 5.0
+    decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
+    debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
+        if self.port == 0 and self.pp_size > 1:
+            raise ConfigError("a pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
+        if self.stage_timeout <= 0 or self.rpc_timeout <= 0:
+            raise ConfigError(
+                f"--stage-timeout {self.stage_timeout} and --rpc-timeout {self.rpc_timeout} must be > 0 seconds"
+            )
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError(f"--num-pages {self.num_pages} must be >= 1")
+
+    @property
+    def worker_name(self) -> str:
+        return self.name or f"prefill@{self.stage0_host or self.host}:{self.port}"
+
+
+@dataclass
+class Job:
+    """A request at one stage: where its KV goes and when it must have arrived."""
+
+    rid: str
+    prompt_len: int
+    decode: str
+    decode_boot: str
+    dst_pages: list[int]
+    deadline: float  # this process's time.monotonic()
+    params: dict[str, Any]
+    seed: int
+    prompt_ids: list[int] | None = None  # stage 0 only
+    transferring: bool = False
+
+    def wire(self) -> dict[str, Any]:
+        return {
+            "rid": self.rid,
+            "prompt_len": self.prompt_len,
+            "decode": self.decode,
+            "decode_boot": self.decode_boot,
+            "dst_pages": self.dst_pages,
+            "left": max(0.0, self.deadline - time.monotonic()),
+            "params": self.params,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Job:
+        return cls(
+            rid=str(d["rid"]),
+            prompt_len=int(d["prompt_len"]),
+            decode=str(d["decode"]),
+            decode_boot=str(d["decode_boot"]),
+            dst_pages=[int(p) for p in d["dst_pages"]],
+            deadline=time.monotonic() + float(d["left"]),
+            params=dict(d["params"]),
+            seed=int(d["seed"]),
+        )
+
+
+@dataclass
+class _Xfer:
+    job: Job
+    src_pages: list[int]
+    first_token: int | None
+    gen_state: bytes | None
+
+
+def encode_batch(b: ForwardBatch) -> dict[str, Any]:
+    def arr(t: torch.Tensor) -> list[Any]:
+        a = t.to(torch.int64).contiguous().numpy()
+        return [list(a.shape), a.tobytes()]
+
+    return {
+        k: arr(getattr(b, k))
+        for k in ("input_ids", "positions", "prefix_lens", "extend_lens", "slot_table", "out_slots")
+    }
+
+
+def decode_batch(d: dict[str, Any]) -> ForwardBatch:
+    def t(v: list[Any]) -> torch.Tensor:
+        shape, raw = v
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.int64).reshape(shape).copy())
+
+    return ForwardBatch(**{k: t(v) for k, v in d.items()})
+
+
+class _Notifier:
+    """Fire-and-forget control RPCs (bounded each) on one background thread, in order."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._q: queue.Queue[tuple[str, str, dict[str, Any]] | None] = queue.Queue()
+        self._clients: dict[str, RpcClient] = {}
+        self._t = threading.Thread(target=self._loop, name="notifier", daemon=True)
+        self._t.start()
+
+    def client(self, addr: str) -> RpcClient:
+        c = self._clients.get(addr)
+        if c is None:
+            c = self._clients[addr] = RpcClient(addr, timeout=self.timeout, connect_timeout=min(2.0, self.timeout))
+        return c
+
+    def post(self, addr: str, method: str, params: dict[str, Any]) -> None:
+        self._q.put((addr, method, params))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            addr, method, params = item
+            try:
+                self.client(addr).call(method, params)
+            except RpcError as e:
+                log.info("notify %s %s(%s) failed: %s", addr, method, params.get("rid", ""), e)
+
+    def stop(self) -> None:
+        self._q.put(None)
+
+
+class PrefillStage:
+    """One stage process. start() serves RPC and runs the stage loop; stop() ends both."""
+
+    def __init__(self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.rank = cfg.pp_rank
+        self.size = cfg.pp_size
+        if model is None:
+            from dsakv.model.loader import load_model
+
+            model = load_model(Path(cfg.model), dtype=getattr(torch, cfg.dtype))
+        spec, mdl = model
+        self.spec: ModelSpec = spec
+        self.model: DSAModel = mdl
+        self.model.eval()
+        self.ranges = split_layers(self.spec.num_layers, cfg.pp_size, cfg.partition)
+        self.layer_start, self.layer_end = self.ranges[self.rank]
+        self.last = self.rank == self.size - 1
+        self.layout = self.model.layout_for(
+            elide=cfg.elide,
+            kv_format=cfg.kv_format,
+            index_format=cfg.index_format,
+            page_size=cfg.page_size,
+            layer_start=self.layer_start,
+            layer_end=self.layer_end,
+        )
+        self.page_size = cfg.page_size
+        self.num_pages = cfg.num_pages or pages_for(DEFAULT_MAX_TOKENS, cfg.page_size)
+        self.pool = DevicePool(self.layout, self.num_pages, device=self.model.device)
+        self.name = cfg.worker_name
+        self.boot = new_boot_id()
+        self.backend = make_backend(cfg.backend, **cfg.backend_options)
+        self.backend.register(self.pool.regions())
+        self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
+        handlers: dict[str, Callable[[Any], Any]] = {
+            "ping": self._rpc_ping,
+            "health": self._rpc_health,
+            "connect": self._rpc_connect,
+            "check_integrity": self._rpc_check_integrity,
+        }
+        if self.rank == 0:
+            handlers |= {"submit": self._rpc_submit, "abort": self._rpc_abort, "released": self._rpc_released}
+        self.rpc = RpcServer(handlers, cfg.host, cfg.port + self.rank if cfg.port else 0, name=f"prefill{self.rank}")
+        self.links = DecodeLinks(
+            self.backend,
+            self.manifest,
+            {"prefill": self.name, "stage": self.rank, "num_stages": self.size, "rpc": self.rpc.address},
+            rpc_timeout=cfg.rpc_timeout,
+        )
+        stage0_host = cfg.stage0_host or cfg.host
+        self.group = StageGroup(
+            self.rank,
+            self.size,
+            stage0_host,
+            cfg.dist_port or default_dist_port(cfg.port, self.size),
+            cfg.stage_timeout,
+            hidden_dtype=self.model.dtype,
+            hidden_size=self.spec.hidden_size,
+        )
+        self.tick_s = min(1.0, cfg.stage_timeout / 4)
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.jobs: dict[str, Job] = {}
+        self.notifier = _Notifier(cfg.rpc_timeout)
+        self._xfers: queue.Queue[_Xfer] = queue.Queue()
+        self._xfer_busy = 0
+        self._xfer_lock = threading.Lock()
+        self.down_reason: str | None = "pipeline not formed yet" if self.size > 1 else None
+        self.counters = {"submitted": 0, "transferred": 0, "transfer_failed": 0, "dropped": 0, "steps": 0}
+        if self.rank == 0:
+            self.allocator = PageAllocator(self.num_pages, name=f"{self.name} stage 0 pool")
+            max_pos = self.spec.raw.get("max_position_embeddings")
+            self.scheduler = Scheduler(
+                self.allocator,
+                cfg.page_size,
+                max_batch_tokens=cfg.max_batch_tokens,
+                max_running_requests=cfg.max_running_requests,
+                max_seq_len=int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None,
+            )
+            self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, why): abort / released
+            self._pending_release: dict[str, set[int]] = {}
+            self._drops: list[str] = []
+        else:
+            self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
+        self._threads: list[threading.Thread] = []
+        self._step = 0
+        self._last_send = 0.0
+        log.info(
+            "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
+            self.name,
+            self.rank,
+            self.size,
+            self.layer_start,
+            self.layer_end - 1,
+            self.num_pages,
+            cfg.page_size,
+            self.layout.bytes_per_token,
+            cfg.elide,
+            cfg.backend,
+            self.rpc.address,
+        )
+
+    # ---- lifetime --------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return self.rpc.address
+
+    def start(self) -> PrefillStage:
+        self.rpc.start()
+        for target, name in ((self._loop, "stage-loop"), (self._xfer_loop, "stage-xfer")):
+            t = threading.Thread(target=target, name=f"{name}{self.rank}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        for addr in self.cfg.decode:
+            self.links.get(addr)  # raises IncompatiblePeer / PeerUnavailable: startup fails loudly
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout=self.cfg.stage_timeout + 2)
+        self.group.close()
+        self.rpc.stop()
+        self.notifier.stop()
+        self.backend.close()
+
+    def serve_forever(self) -> None:
+        while not self._stop.is_set():
+            self._stop.wait(1.0)
+
+    # ---- RPC --------------------------------------------------------------------------------------
+
+    def _rpc_ping(self, _: Any) -> dict[str, Any]:
+        return {"pid": os.getpid(), "boot": self.boot, "stage": self.rank, "epoch": self.group.epoch}
+
+    def _integrity(self) -> str:
+        try:
+            with self._lock:
+                if self.rank == 0:
+                    self.scheduler.check_integrity()
+                    missing = [r for r in self._pending_release if not self.allocator.held_by(r).size]
+                    if missing:
+                        return f"requests {missing[:4]} await releases but hold no pages"
+                else:
+                    self.mirror.check_integrity()
+        except AssertionError as e:
+            return str(e)
+        return "ok"
+
+    def _rpc_check_integrity(self, _: Any) -> str:
+        return self._integrity()
+
+    def pages_used(self) -> int:
+        with self._lock:
+            return self.allocator.num_used if self.rank == 0 else self.mirror.num_used
+
+    def _rpc_health(self, _: Any) -> dict[str, Any]:
+        with self._lock:
+            used = self.pages_used()
+            out: dict[str, Any] = {
+                "ok": self.group.formed and self.down_reason is None and not self._stop.is_set(),
+                "role": "prefill",
+                "name": self.name,
+                "stage": self.rank,
+                "num_stages": self.size,
+                "pid": os.getpid(),
+                "boot": self.boot,
+                "epoch": self.group.epoch,
+                "down": self.down_reason,
+                "layers": [self.layer_start, self.layer_end - 1],
+                "elide": self.cfg.elide,
+                "backend": self.cfg.backend,
+                "page_size": self.page_size,
+                "pages_total": self.num_pages,
+                "pages_used": used,
+                "pages_free": self.num_pages - used,
+                "capacity_tokens": self.num_pages * self.page_size,
+                "jobs": len(self.jobs),
+                "transfers_in_flight": self._xfer_busy + self._xfers.qsize(),
+                "links": [link.summary() for link in self.links.links()],
+                "counters": dict(self.counters),
+                "integrity": self._integrity(),
+            }
+            if self.rank == 0:
+                out["stages"] = [
+                    {"stage": r, **info} for r, info in sorted(self.group.peer_info.items()) if self.group.formed
+                ]
+                out["waiting"] = self.scheduler.num_waiting
+                out["running"] = self.scheduler.num_running
+                out["awaiting_release"] = len(self._pending_release)
+            t = self.backend.stats.totals()
+            out["transfer"] = {"count": t.transfers, "failures": t.failures, "bytes": t.bytes, "seconds": t.seconds}
+            return out
+
+    def _rpc_connect(self, p: Any) -> dict[str, Any]:
+        """Handshake with decode p["decode"] (stage 0: on every stage). Raises if refused or unreachable."""
+        addr = str(p["decode"])
+        timeout = float(p.get("timeout", self.cfg.rpc_timeout))
+        link = self.links.get(addr, p.get("boot"), timeout=timeout)
+        stages = [link.summary()]
+        if self.rank == 0 and self.size > 1:
+            if not self.group.formed:
+                raise Unavailable(f"prefill {self.name}: pipeline not formed ({self.down_reason})")
+            for r in range(1, self.size):
+                info = self.group.peer_info.get(r)
+                if info is None:
+                    raise Unavailable(f"prefill {self.name}: stage {r} is not in the pipeline")
+                c = RpcClient(str(info["rpc"]), timeout=timeout)
+                try:
+                    stages.append(c.call("connect", {"decode": addr, "boot": link.boot, "timeout": timeout}))
+                finally:
+                    c.close()
+        return (
+            {"decode": addr, "boot": link.boot, "epoch": self.group.epoch, "stages": stages}
+            if self.rank == 0
+            else (link.summary())
+        )
+
+    def _rpc_submit(self, p: Any) -> dict[str, Any]:
+        rid = str(p["rid"])
+        prompt = [int(t) for t in p["prompt_ids"]]
+        with self._lock:
+            if self._stop.is_set() or not self.group.formed or self.down_reason is not None:
+                raise Unavailable(f"prefill {self.name} is unavailable: {self.down_reason or 'stopping'}")
+            if rid in self.jobs:
+                raise ConfigError(f"request id {rid!r} is already in use on prefill {self.name}")
+            params_from_dict(p["params"])  # validate before queuing
+            vocab = self.spec.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ConfigError(
+                    f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}"
+                )
+            dst = [int(x) for x in p["dst_pages"]]
+            if len(dst) < pages_for(len(prompt), self.page_size):
+                raise CapacityError(
+                    f"request {rid}: {len(dst)} decode pages for a {len(prompt)}-token prompt, need "
+                    f"{pages_for(len(prompt), self.page_size)} of {self.page_size} tokens"
+                )
+            req = Request(
+                request_id=rid,
+                prompt_ids=tuple(prompt),
+                params=SamplingParams(max_new_tokens=1, ignore_eos=True),
+                keep_pages=True,
+            )
+            self.scheduler.add(req)  # CapacityError if it can never fit this pool
+            self.jobs[rid] = Job(
+                rid=rid,
+                prompt_len=len(prompt),
+                decode=str(p["decode"]),
+                decode_boot=str(p["decode_boot"]),
+                dst_pages=dst,
+                deadline=time.monotonic() + float(p["kv_timeout"]),
+                params=dict(p["params"]),
+                seed=int(p["seed"]),
+                prompt_ids=prompt,
+            )
+            self.counters["submitted"] += 1
+        self._wake.set()
+        return {"accepted": True, "epoch": self.group.epoch}
+
+    def _rpc_abort(self, p: Any) -> bool:
+        with self._lock:
+            self._control.append(("abort", str(p["rid"]), str(p.get("why", "aborted by the router"))))
+        self._wake.set()
+        return True
+
+    def _rpc_released(self, p: Any) -> bool:
+        with self._lock:
+            self._control.append(("released", str(p["rid"]), str(int(p["stage"]))))
+        self._wake.set()
+        return True
+
+    # ---- stage loop ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        info = {"rpc": self.rpc.address, "pid": os.getpid(), "boot": self.boot}
+        while not self._stop.is_set():
+            try:
+                if not self.group.formed:
+                    self._wait_transfers_drained()
+                    if self.group.form(info):
+                        self._on_formed()
+                    continue
+                if self.rank == 0:
+                    self._stage0_iteration()
+                else:
+                    self._stagek_iteration()
+            except StageLinkError as e:
+                self._on_break(str(e))
+            except Exception as e:
+                # stage 0 already failed the step's requests; a later stage's failed step leaves the stages
+                # after it without that step, so the pipeline re-forms (its requests fail, nothing is kept)
+                log.exception("prefill %s stage %d: step failed", self.name, self.rank)
+                if self.rank > 0:
+                    why = f"prefill stage {self.rank} step failed: {type(e).__name__}: {e}"
+                    self.group.break_(why)
+                    self._on_break(why)
+
+    def _on_formed(self) -> None:
+        with self._lock:
+            if self.rank == 0:
+                for rid in list(self._pending_release):  # every stage drained its transfers before joining
+                    self._free(rid)
+            self.down_reason = None
+        log.info("prefill %s stage %d: serving (epoch %s)", self.name, self.rank, self.group.epoch)
+
+    def _on_break(self, reason: str) -> None:
+        why = f"prefill {self.name}: pipeline broke ({reason})"
+        with self._lock:
+            if self.size > 1:
+                self.down_reason = reason
+            if self.rank == 0:
+                sch = self.scheduler
+                for req in list(sch.running) + list(sch.waiting):
+                    sch.abort(req.request_id)
+                    self._fail_job(req.request_id, why)
+                for rid in list(self._pending_release):
+                    job = self.jobs.get(rid)
+                    if job is not None:
+                        self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+                self._drops.clear()
+            else:
+                for rid, job in list(self.jobs.items()):
+                    if not job.transferring:
+                        self.mirror.release(rid)
+                        self.jobs.pop(rid, None)
+                        self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+        log.warning("%s", why)
+
+    def _fail_job(self, rid: str, why: str) -> None:
+        job = self.jobs.pop(rid, None)
+        if job is not None:
+            self.counters["dropped"] += 1
+            self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+
+    def _free(self, rid: str) -> None:
+        """Stage 0: every stage is done with rid's pages."""
+        self._pending_release.pop(rid, None)
+        self.jobs.pop(rid, None)
+        self.scheduler.release(rid)
+
+    def _apply_control(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            while self._control:
+                op, rid, arg = self._control.popleft()
+                if op == "released":
+                    left = self._pending_release.get(rid)
+                    if left is not None:
+                        left.discard(int(arg))
+                        if not left:
+                            self._free(rid)
+                elif op == "abort" and rid not in self._pending_release and rid in self.scheduler.requests:
+                    self.scheduler.abort(rid)
+                    self._drops.append(rid)
+                    self._fail_job(rid, f"prefill {self.name}: {arg}")
+            for rid, job in list(self.jobs.items()):
+                if job.deadline <= now and rid in self.scheduler.requests:
+                    self.scheduler.abort(rid)
+                    self._drops.append(rid)
+                    self._fail_job(
+                        rid,
+                        f"prefill {self.name}: request {rid} was not prefilled before its KV deadline "
+                        f"({job.prompt_len} prompt tokens; queue or pipeline too slow)",
+                    )
+
+    def _stage0_iteration(self) -> None:
+        self._apply_control()
+        with self._lock:
+            sched = self.scheduler.schedule()
+            drops, self._drops = self._drops, []
+            drops += [r.request_id for r in sched.preempted]
+        if sched.is_empty:
+            if self.size > 1 and (drops or time.monotonic() - self._last_send >= self.tick_s):
+                self._send(StageMessage(self._step, {"kind": "tick", "drop": drops}))
+            self._wake.wait(self.tick_s / 4 if self.size > 1 else 0.05)
+            self._wake.clear()
+            return
+        try:
+            self._run_step0(sched, drops)
+        except StageLinkError:
+            with self._lock:
+                self._fail_sched(sched, "the pipeline broke during its step")
+            raise
+        except Exception as e:
+            with self._lock:
+                self._fail_sched(sched, f"prefill step failed: {type(e).__name__}: {e}")
+            raise
+
+    def _fail_sched(self, sched: SchedulerOutput, why: str) -> None:
+        for req in self.scheduler.fail(sched, why):
+            self._fail_job(req.request_id, f"prefill {self.name}: {why}")
+
+    def _run_step0(self, sched: SchedulerOutput, drops: list[str]) -> None:
+        self._step += 1
+        chunks = sched.chunks
+        batch = build_batch(chunks, self.page_size)
+        seqs, new_jobs = [], {}
+        with self._lock:
+            for c in chunks:
+                rid = c.request.request_id
+                seqs.append(
+                    [rid, c.start, c.num_tokens, list(c.request.page_ids), c.end == c.request.num_prompt_tokens]
+                )
+                if c.start == 0:
+                    new_jobs[rid] = self.jobs[rid].wire()
+        meta = {"kind": "step", "batch": encode_batch(batch), "seqs": seqs, "jobs": new_jobs, "drop": drops}
+        carry = self.model.stage_forward(batch, self.pool)
+        if self.size > 1:
+            self._send(StageMessage(self._step, meta, carry.hidden, carry.topk))
+        firsts = self._sample(carry, seqs) if self.last else {}
+        with self._lock:
+            self.scheduler.update(sched, [0 if c.samples else None for c in chunks])
+            self.counters["steps"] += 1
+            for c in chunks:
+                rid = c.request.request_id
+                if c.end == c.request.num_prompt_tokens:
+                    job = self.jobs[rid]
+                    job.transferring = True
+                    self._pending_release[rid] = set(range(self.size))
+                    src = page_list(self.scheduler.pages_of(rid))[: pages_for(job.prompt_len, self.page_size)]
+                    tok, gen = firsts.get(rid, (None, None))
+                    self._queue_xfer(_Xfer(job, src, tok, gen))
+
+    def _send(self, msg: StageMessage) -> None:
+        self.group.send_next(msg)
+        self._last_send = time.monotonic()
+
+    def _stagek_iteration(self) -> None:
+        msg = self.group.recv_prev(timeout=self.cfg.stage_timeout)
+        meta = msg.meta
+        with self._lock:
+            for rid in meta.get("drop", []):
+                job = self.jobs.get(rid)
+                if job is not None and not job.transferring:
+                    self.jobs.pop(rid, None)
+                    self.mirror.release(rid)
+        if meta["kind"] == "tick":
+            if not self.last:
+                self.group.send_next(msg)
+            return
+        seqs = meta["seqs"]
+        with self._lock:
+            for rid, d in meta["jobs"].items():
+                self.jobs[rid] = Job.from_wire(d)
+            for rid, _start, _n, pages, _last in seqs:
+                self.mirror.hold(rid, pages)
+        batch = decode_batch(meta["batch"])
+        if msg.hidden is None:
+            raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without hidden states")
+        carry = self.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
+        if not self.last:
+            self.group.send_next(StageMessage(msg.step, meta, carry.hidden, carry.topk))
+        firsts = self._sample(carry, seqs) if self.last else {}
+        with self._lock:
+            self.counters["steps"] += 1
+            for rid, _start, _n, pages, last in seqs:
+                if last:
+                    job = self.jobs[rid]
+                    job.transferring = True
+                    tok, gen = firsts.get(rid, (None, None))
+                    self._queue_xfer(_Xfer(job, pages[: pages_for(job.prompt_len, self.page_size)], tok, gen))
+
+    def _sample(self, carry: StageCarry, seqs: list[Any]) -> dict[str, tuple[int, bytes | None]]:
+        """Last stage: the first generated token of every sequence whose prompt completed this step."""
+        assert carry.logits is not None
+        rows, reqs = [], []
+        with self._lock:
+            for i, (rid, _s, _n, _p, last) in enumerate(seqs):
+                if last:
+                    job = self.jobs[rid]
+                    rows.append(i)
+                    reqs.append(
+                        Request(
+                            request_id=rid, prompt_ids=(0,), params=params_from_dict(job.params), sampling_seed=job.seed
+                        )
+                    )
+        if not rows:
+            return {}
+        toks = sample(carry.logits[rows], reqs)
+        out = {}
+        for req, tok in zip(reqs, toks, strict=True):
+            gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
+            out[req.request_id] = (int(tok), gen)
+        return out
+
+    # ---- transfers -----------------------------------------------------------------------------------
+
+    def _queue_xfer(self, x: _Xfer) -> None:
+        with self._xfer_lock:
+            self._xfer_busy += 1
+        self._xfers.put(x)
+
+    def _wait_transfers_drained(self) -> None:
+        while not self._stop.is_set():
+            with self._xfer_lock:
+                if self._xfer_busy == 0:
+                    return
+            time.sleep(0.01)
+
+    def _xfer_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._xfers.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._xfers.get_nowait())
+                except queue.Empty:
+                    break
+            started: list[tuple[_Xfer, TransferHandle | None, str | None]] = []
+            for x in batch:
+                started.append(self._submit_xfer(x))
+            for x, h, err in started:
+                quarantine = 0.0
+                nbytes = 0
+                if h is not None:
+                    try:
+                        m = self.backend.wait(h)
+                        nbytes = m.nbytes
+                    except DsakvError as e:
+                        err = f"transfer of prefill stage {self.rank}'s layers failed: {e}"
+                        if isinstance(e, TransferTimeout):
+                            quarantine = self.backend.quarantine_s
+                self._report(x, err, quarantine, nbytes)
+
+    def _submit_xfer(self, x: _Xfer) -> tuple[_Xfer, TransferHandle | None, str | None]:
+        job = x.job
+        left = job.deadline - time.monotonic()
+        if left <= 0:
+            return x, None, f"prefill stage {self.rank}: the KV deadline passed before the transfer started"
+        try:
+            link = self.links.get(job.decode, job.decode_boot, timeout=min(self.cfg.rpc_timeout, left))
+            if link.boot != job.decode_boot:
+                raise DsakvError(
+                    f"decode {job.decode} restarted (boot {link.boot}, request was for boot {job.decode_boot}): "
+                    "its pages are gone"
+                )
+            if self.cfg.debug_transfer_delay > 0:
+                time.sleep(min(self.cfg.debug_transfer_delay, max(0.0, job.deadline - time.monotonic())))
+            plan = TransferPlan.build(
+                link.table, np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
+            )
+            return x, self.backend.submit(link.peer, plan.blocks, job.deadline), None
+        except (DsakvError, ValueError) as e:
+            return x, None, f"prefill stage {self.rank} could not start the transfer: {e}"
+
+    def _report(self, x: _Xfer, err: str | None, quarantine: float, nbytes: int) -> None:
+        job = x.job
+        params: dict[str, Any] = {
+            "rid": job.rid,
+            "prefill": self.name,
+            "stage": self.rank,
+            "ok": err is None,
+            "error": err,
+            "quarantine_s": quarantine,
+            "bytes": nbytes,
+        }
+        if x.first_token is not None:
+            params["first_token"] = x.first_token
+            params["gen_state"] = x.gen_state
+        try:
+            c = self.notifier.client(job.decode)
+            c.call(
+                "stage_done", params, timeout=max(0.5, min(self.cfg.rpc_timeout, job.deadline - time.monotonic() + 1))
+            )
+        except RpcError as e:
+            log.warning(
+                "prefill %s stage %d: could not report %s to decode %s: %s",
+                self.name,
+                self.rank,
+                job.rid,
+                job.decode,
+                e,
+            )
+        with self._lock:
+            self.counters["transferred" if err is None else "transfer_failed"] += 1
+            if self.rank == 0:
+                self._control.append(("released", job.rid, "0"))
+            else:
+                self.jobs.pop(job.rid, None)
+                self.mirror.release(job.rid)
+                stage0 = self.group.peer_info.get(0, {}).get("rpc")
+                if stage0:
+                    self.notifier.post(str(stage0), "released", {"rid": job.rid, "stage": self.rank})
+        with self._xfer_lock:
+            self._xfer_busy -= 1
+        self._wake.set()
+
+
+def scheduled_rids(chunks: list[ScheduledChunk]) -> list[str]:
+    return [c.request.request_id for c in chunks]

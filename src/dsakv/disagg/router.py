@@ -1,0 +1,595 @@
+"""RouterBackend: the GenerationBackend of disaggregated serving. Pairs a prefill and a decode per request.
+
+    backend = RouterBackend(RouterConfig(prefill=("127.0.0.1:9200",), decode=("127.0.0.1:9100",)))
+    backend.start(); backend.wait_ready(60)
+    backend.submit("r1", prompt_ids, SamplingParams(max_new_tokens=16))
+    for ev in backend.events("r1", timeout=60): ...      # TokenEvent(new_token_ids, finished, reason, error)
+
+Per request (one dispatcher thread):
+  1. pick a pair: a healthy decode and a healthy prefill that have handshaken (the health thread asks
+     prefill.connect(decode) for every pair, again whenever a decode restarts or a prefill re-forms);
+     the least loaded decode, then the least loaded prefill paired with it.
+  2. decode.prealloc(rid#n, prompt, params, prefill, stages, kv_timeout) -> decode page ids
+     (NoFreePages: the request waits in the router's queue, up to queue_timeout);
+  3. prefill.submit(rid#n, prompt, decode, pages, kv_timeout); a refused submit (prefill down) aborts the
+     decode reservation and tries again (a new attempt id rid#n+1, so late events of the old one are ignored).
+  4. tokens come from decode.events (one long-poll thread per decode, every request's events at once).
+A decode that stops answering fails all its requests at once with an error naming it; everything else
+(prefill stage loss, transfer timeouts, deadlines) is failed by the decode worker and arrives as an event.
+
+Imports dsakv.disagg.{rpc, wire}, dsakv.engine.request and the serving contract dsakv.serve.backend
+(TokenEvent; standard library only) -- no torch: a router process is light.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
+from dsakv.disagg.wire import params_to_dict
+from dsakv.engine.request import SamplingParams
+from dsakv.errors import CapacityError, ConfigError
+from dsakv.serve.backend import TokenEvent
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PROMPT_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    kv_timeout: float = 30.0  # prefill + KV transfer of one request, from dispatch
+    rpc_timeout: float = 5.0
+    health_interval: float = 0.5
+    queue_timeout: float = 60.0  # how long a request may wait for a free pair / decode pages
+    poll_wait: float = 0.5
+    connect_retry: float = 2.0  # seconds between handshake attempts of a pair that failed
+    max_prompt_tokens: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ConfigError(
+                f"a router needs at least one prefill and one decode worker (got prefill={list(self.prefill)}, "
+                f"decode={list(self.decode)}): pass --prefill HOST:PORT and --decode HOST:PORT"
+            )
+        for v, name in ((self.kv_timeout, "kv_timeout"), (self.rpc_timeout, "rpc_timeout")):
+            if v <= 0:
+                raise ConfigError(f"{name} = {v} must be > 0 seconds")
+
+
+@dataclass
+class _Peer:
+    addr: str
+    role: str
+    client: RpcClient
+    ok: bool = False
+    boot: str | None = None
+    epoch: str | None = None
+    num_stages: int = 1
+    health: dict[str, Any] = field(default_factory=dict)
+    error: str | None = "not contacted yet"
+    inflight: int = 0
+    ready: bool = False  # decode: its event cursor is known for this boot
+    cursor: int = 0
+    orphans: list[str] = field(default_factory=list)  # decode: attempts failed here while it was unreachable
+
+
+@dataclass
+class _Pair:
+    ok: bool = False
+    key: tuple[str | None, str | None] = (None, None)  # (prefill epoch, decode boot) it was made for
+    error: str | None = None
+    tried: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    queue_deadline: float
+    q: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
+    attempt: int = 0
+    wire: str | None = None
+    decode: str | None = None
+    prefill: str | None = None
+    state: str = "queued"  # queued | dispatched | decoding | done
+    tokens: int = 0
+    t_submit: float = field(default_factory=time.monotonic)
+    t_first: float | None = None
+
+
+class RouterBackend:
+    name = "disaggregated"
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        timeout = cfg.rpc_timeout
+        self.decodes = {a: _Peer(a, "decode", RpcClient(a, timeout=timeout)) for a in cfg.decode}
+        self.prefills = {a: _Peer(a, "prefill", RpcClient(a, timeout=timeout)) for a in cfg.prefill}
+        self.pairs: dict[tuple[str, str], _Pair] = {(p, d): _Pair() for p in cfg.prefill for d in cfg.decode}
+        self._reqs: dict[str, _Req] = {}
+        self._by_wire: dict[str, _Req] = {}
+        self._queue: deque[str] = deque()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._rng = random.Random(cfg.seed)
+        self._side: queue.Queue[tuple[str, str, dict[str, Any]] | None] = queue.Queue()  # best-effort RPCs
+        self._side_clients: dict[str, RpcClient] = {}
+        self.counters = dict.fromkeys(
+            ("requests_total", "finished_total", "failed_total", "aborted_total", "retries_total", "tokens_total"), 0
+        )
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        self._poll_health()
+        targets = [(self._health_loop, "router-health"), (self._dispatch_loop, "router-dispatch")]
+        targets += [(self._side_loop, "router-side")]
+        for addr in self.decodes:
+            targets.append((functools.partial(self._events_loop, addr), f"router-events-{addr}"))
+        for fn, name in targets:
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            live = [r for r in self._reqs.values() if r.state != "done"]
+        for r in live:
+            self.abort(r.rid)
+        self._side.put(None)
+        for t in self._threads:
+            t.join(timeout=self.cfg.rpc_timeout + 1)
+        for p in list(self.decodes.values()) + list(self.prefills.values()):
+            p.client.close()
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """True once at least one prefill-decode pair is handshaken (False after `timeout`)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self._usable_pairs():
+                return True
+            time.sleep(0.05)
+        return False
+
+    # ---- GenerationBackend ----------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ConfigError(f"request {request_id}: the prompt is empty: give at least one token id")
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise ConfigError(f"request {request_id}: prompt token(s) {bad[:8]} are not token ids (integers >= 0)")
+        limit = self.max_prompt_tokens()
+        if len(prompt_ids) > limit:
+            raise CapacityError(
+                f"request {request_id}: the prompt has {len(prompt_ids)} tokens but the decode workers take at most "
+                f"{limit}: shorten the prompt"
+            )
+        if params.seed is None and not params.greedy:
+            params = replace(params, seed=self._rng.getrandbits(63))  # prefill and decode must draw alike
+        with self._lock:
+            if request_id in self._reqs:
+                raise ConfigError(f"request id {request_id!r} is already in use: give each request a unique id")
+            self._reqs[request_id] = _Req(
+                request_id, list(prompt_ids), params, time.monotonic() + self.cfg.queue_timeout
+            )
+            self._queue.append(request_id)
+            self.counters["requests_total"] += 1
+        self._wake.set()
+
+    def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
+        with self._lock:
+            req = self._reqs.get(request_id)
+        if req is None:
+            raise ConfigError(f"unknown request id {request_id!r}")
+        return self._iter_events(req, timeout)
+
+    def _iter_events(self, req: _Req, timeout: float) -> Iterator[TokenEvent]:
+        while True:
+            try:
+                ev = req.q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"request {req.rid}: no token within {timeout:g}s (state {req.state}, decode {req.decode}, "
+                    f"prefill {req.prefill})"
+                ) from None
+            yield ev
+            if ev.finished:
+                with self._lock:
+                    self._reqs.pop(req.rid, None)
+                return
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            req = self._reqs.get(request_id)
+            if req is None or req.state == "done":
+                return
+            wire, decode, prefill, state = req.wire, req.decode, req.prefill, req.state
+            self._finish(req, "abort", None)
+            self.counters["aborted_total"] += 1
+        if wire is not None and decode is not None:
+            self._side.put((decode, "abort", {"rid": wire, "why": "aborted by the client"}))
+            if prefill is not None and state == "dispatched":
+                self._side.put((prefill, "abort", {"rid": wire, "why": "aborted by the client"}))
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            pairs = self._usable_pairs()
+            used = sum(int(p.health.get("pages_used", 0)) for p in self.decodes.values() if p.ok)
+            total = sum(int(p.health.get("pages_total", 0)) for p in self.decodes.values() if p.ok)
+            return {
+                "ok": bool(pairs),
+                "backend": self.name,
+                "pages_used": used,
+                "pages_total": total,
+                "in_flight": sum(1 for r in self._reqs.values() if r.state != "done"),
+                "queued": len(self._queue),
+                "decode": [self._peer_view(p) for p in self.decodes.values()],
+                "prefill": [self._peer_view(p) for p in self.prefills.values()],
+                "pairs": [
+                    {"prefill": p, "decode": d, "ok": s.ok, "error": s.error, "skipped": s.skipped}
+                    for (p, d), s in self.pairs.items()
+                ],
+            }
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+            out["router_in_flight"] = float(sum(1 for r in self._reqs.values() if r.state != "done"))
+            out["router_queued"] = float(len(self._queue))
+            out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
+            out["prefill_workers_up"] = float(sum(p.ok for p in self.prefills.values()))
+            out["pairs_ready"] = float(len(self._usable_pairs()))
+            out["pool_pages_total"] = float(sum(int(p.health.get("pages_total", 0)) for p in self.decodes.values()))
+            out["pool_pages_used"] = float(sum(int(p.health.get("pages_used", 0)) for p in self.decodes.values()))
+            out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
+            return out
+
+    def max_prompt_tokens(self) -> int:
+        if self.cfg.max_prompt_tokens is not None:
+            return self.cfg.max_prompt_tokens
+        with self._lock:
+            caps = [
+                int(p.health["max_prompt_tokens"]) for p in self.decodes.values() if "max_prompt_tokens" in p.health
+            ]
+            caps += [
+                int(p.health["capacity_tokens"]) - 1 for p in self.prefills.values() if "capacity_tokens" in p.health
+            ]
+        return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
+
+    # ---- bookkeeping -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _peer_view(p: _Peer) -> dict[str, Any]:
+        return {
+            "addr": p.addr,
+            "ok": p.ok,
+            "boot": p.boot,
+            "epoch": p.epoch,
+            "error": p.error,
+            "in_flight": p.inflight,
+            "pages_used": p.health.get("pages_used"),
+            "pages_total": p.health.get("pages_total"),
+            "integrity": p.health.get("integrity"),
+        }
+
+    def _usable_pairs(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [
+                (p, d)
+                for (p, d), s in self.pairs.items()
+                if s.ok and self.prefills[p].ok and self.decodes[d].ok and self.decodes[d].ready
+            ]
+
+    def _push(self, req: _Req, tokens: list[int], finished: bool, reason: str | None, error: str | None) -> None:
+        if req.state == "done":
+            return
+        if tokens:
+            req.tokens += len(tokens)
+            self.counters["tokens_total"] += len(tokens)
+            if req.t_first is None:
+                req.t_first = time.monotonic()
+        if finished:
+            self._release_slot(req)
+            req.state = "done"
+            if reason == "error":
+                self.counters["failed_total"] += 1
+            elif reason != "abort":
+                self.counters["finished_total"] += 1
+        req.q.put(TokenEvent(tuple(tokens), finished, reason, error))
+
+    def _finish(self, req: _Req, reason: str, error: str | None) -> None:
+        self._push(req, [], True, reason, error)
+
+    def _release_slot(self, req: _Req) -> None:
+        if req.wire is not None:
+            self._by_wire.pop(req.wire, None)
+        if req.decode is not None and req.decode in self.decodes and req.state in ("dispatched", "decoding"):
+            self.decodes[req.decode].inflight -= 1
+        if req.prefill is not None and req.prefill in self.prefills and req.state == "dispatched":
+            self.prefills[req.prefill].inflight -= 1
+
+    # ---- dispatch ----------------------------------------------------------------------------------------
+
+    def _pick(self, req: _Req) -> tuple[str, str] | None:
+        pairs = self._usable_pairs()
+        if not pairs:
+            return None
+        return min(pairs, key=lambda pd: (self.decodes[pd[1]].inflight, self.prefills[pd[0]].inflight))
+
+    def _why_no_pair(self) -> str:
+        bad = [f"{p.role} {p.addr}: {p.error}" for p in list(self.decodes.values()) + list(self.prefills.values())]
+        bad += [f"pair {p}->{d}: {s.error}" for (p, d), s in self.pairs.items() if s.error]
+        return "; ".join(x for x in bad if not x.endswith(": None")) or "no pair handshaken yet"
+
+    def _dispatch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                rid = self._queue.popleft() if self._queue else None
+            if rid is None:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            with self._lock:
+                req = self._reqs.get(rid)
+            if req is None or req.state != "queued":
+                continue
+            if not self._dispatch(req):
+                with self._lock:
+                    if req.state == "queued":
+                        if time.monotonic() >= req.queue_deadline:
+                            self._finish(
+                                req,
+                                "error",
+                                f"request {req.rid}: no prefill/decode pair could take it within "
+                                f"{self.cfg.queue_timeout:g}s ({self._why_no_pair()})",
+                            )
+                        else:
+                            self._queue.append(rid)
+                time.sleep(0.01 if len(self._queue) > 1 else 0.02)
+
+    def _dispatch(self, req: _Req) -> bool:
+        """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
+        pick = self._pick(req)
+        if pick is None:
+            return False
+        p_addr, d_addr = pick
+        dec, pre = self.decodes[d_addr], self.prefills[p_addr]
+        with self._lock:
+            req.attempt += 1
+            wire = f"{req.rid}#{req.attempt}"
+        params = params_to_dict(req.params)
+        try:
+            res = dec.client.call(
+                "prealloc",
+                {
+                    "rid": wire,
+                    "prompt_ids": req.prompt,
+                    "params": params,
+                    "prefill": pre.health.get("name", p_addr),
+                    "num_stages": pre.num_stages,
+                    "kv_timeout": self.cfg.kv_timeout,
+                },
+            )
+        except PeerUnavailable as e:
+            self._peer_down(dec, str(e))
+            return False
+        except RpcError as e:
+            if e.kind == "NoFreePages":
+                return False
+            if e.kind == "IncompatiblePeer":  # the prefill re-formed and has not handshaken again yet
+                with self._lock:
+                    self.pairs[(p_addr, d_addr)].ok = False
+                return False
+            with self._lock:
+                self._finish(req, "error", f"decode {d_addr} refused request {req.rid}: {e}")
+            return True
+        with self._lock:
+            if req.state != "queued":  # aborted meanwhile
+                self._side.put((d_addr, "abort", {"rid": wire, "why": "aborted"}))
+                return True
+            req.wire, req.decode, req.prefill, req.state = wire, d_addr, p_addr, "dispatched"
+            self._by_wire[wire] = req
+            dec.inflight += 1
+            pre.inflight += 1
+        try:
+            pre.client.call(
+                "submit",
+                {
+                    "rid": wire,
+                    "prompt_ids": req.prompt,
+                    "params": params,
+                    "seed": int(req.params.seed or 0),
+                    "decode": d_addr,
+                    "decode_boot": res["boot"],
+                    "dst_pages": res["pages"],
+                    "kv_timeout": self.cfg.kv_timeout,
+                },
+            )
+        except RpcError as e:
+            self._side.put((d_addr, "abort", {"rid": wire, "why": f"prefill {p_addr} refused it: {e}"}))
+            with self._lock:
+                if req.state == "dispatched":
+                    self._release_slot(req)
+                    req.state, req.wire, req.decode, req.prefill = "queued", None, None, None
+                retry = isinstance(e, PeerUnavailable) or e.kind == "Unavailable"
+                if not retry:
+                    self._finish(req, "error", f"prefill {p_addr} refused request {req.rid}: {e}")
+                    return True
+                self.counters["retries_total"] += 1
+            if isinstance(e, PeerUnavailable):
+                self._peer_down(pre, str(e))
+            else:
+                with self._lock:
+                    pre.ok, pre.error = False, str(e)
+            return False
+        return True
+
+    # ---- events ---------------------------------------------------------------------------------------------
+
+    def _events_loop(self, addr: str) -> None:
+        dec = self.decodes[addr]
+        client = RpcClient(addr, timeout=self.cfg.poll_wait + self.cfg.rpc_timeout)
+        while not self._stop.is_set():
+            if not dec.ok:
+                self._stop.wait(0.05)
+                continue
+            try:
+                if not dec.ready:
+                    res = client.call("events", {"since": 1 << 62, "wait": 0})
+                    with self._lock:
+                        self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
+                        if res["boot"] == dec.boot:  # the same process came back: free what it still runs
+                            for wire in dec.orphans:
+                                self._side.put((addr, "abort", {"rid": wire, "why": "failed by the router"}))
+                        dec.orphans.clear()
+                        dec.boot, dec.cursor, dec.ready = res["boot"], int(res["cursor"]), True
+                    continue
+                res = client.call("events", {"since": dec.cursor, "wait": self.cfg.poll_wait})
+            except PeerUnavailable as e:
+                self._peer_down(dec, str(e))
+                continue
+            except RpcError as e:
+                log.warning("router: events from %s failed: %s", addr, e)
+                self._stop.wait(0.1)
+                continue
+            with self._lock:
+                if res["boot"] != dec.boot:
+                    dec.ready = False
+                    continue
+                for _seq, wire, tokens, finished, reason, error in res["events"]:
+                    req = self._by_wire.get(wire)
+                    if req is None or req.decode != addr:
+                        continue
+                    if req.state == "dispatched":
+                        pre = self.prefills.get(req.prefill or "")
+                        if pre is not None:
+                            pre.inflight -= 1
+                        req.state = "decoding"
+                    self._push(req, list(tokens), bool(finished), reason, error)
+                dec.cursor = int(res["cursor"])
+
+    def _fail_decode_requests(self, dec: _Peer, why: str) -> None:
+        for req in list(self._by_wire.values()):
+            if req.decode == dec.addr and req.state in ("dispatched", "decoding"):
+                if req.wire is not None:
+                    dec.orphans.append(req.wire)
+                self._finish(req, "error", f"request {req.rid}: {why}")
+
+    def _peer_down(self, peer: _Peer, why: str) -> None:
+        with self._lock:
+            was = peer.ok
+            peer.ok, peer.error = False, why
+            if peer.role == "decode":
+                peer.ready = False
+                self._fail_decode_requests(peer, f"decode {peer.addr} is unavailable ({why})")
+            for (p, d), s in self.pairs.items():
+                if peer.addr in (p, d):
+                    s.ok = False
+        if was:
+            log.warning("router: %s %s is down: %s", peer.role, peer.addr, why)
+
+    # ---- health -------------------------------------------------------------------------------------------
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.cfg.health_interval):
+            try:
+                self._poll_health()
+            except Exception:
+                log.exception("router: health poll failed")
+
+    def _poll_health(self) -> None:
+        for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
+            try:
+                h = peer.client.call("health", timeout=min(self.cfg.rpc_timeout, 2.0))
+            except PeerUnavailable as e:
+                self._peer_down(peer, str(e))
+                continue
+            except RpcError as e:
+                with self._lock:
+                    peer.ok, peer.error = False, str(e)
+                continue
+            with self._lock:
+                if peer.role == "decode" and peer.boot is not None and h.get("boot") != peer.boot:
+                    peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
+                peer.health = h
+                peer.epoch = h.get("epoch")
+                peer.num_stages = int(h.get("num_stages", 1))
+                if peer.role == "prefill":
+                    peer.boot = h.get("boot")
+                ok = bool(h.get("ok"))
+                if ok and not peer.ok:
+                    log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.get("name"))
+                peer.ok, peer.error = ok, (None if ok else str(h.get("down") or "not ok"))
+        now = time.monotonic()
+        for (p, d), s in list(self.pairs.items()):
+            pre, dec = self.prefills[p], self.decodes[d]
+            key = (f"{pre.boot}/{pre.epoch}", dec.health.get("boot"))
+            if not (pre.ok and dec.ok):
+                continue
+            if s.ok and s.key == key:
+                continue
+            if s.key == key and s.error and now - s.tried < self.cfg.connect_retry:
+                continue
+            s.tried = now
+            try:
+                res = pre.client.call(
+                    "connect",
+                    {"decode": d, "boot": key[1], "timeout": self.cfg.rpc_timeout},
+                    timeout=self.cfg.rpc_timeout * 2,
+                )
+            except RpcError as e:
+                with self._lock:
+                    s.ok, s.key, s.error = False, key, str(e)
+                log.warning("router: pairing prefill %s with decode %s failed: %s", p, d, e)
+                continue
+            with self._lock:
+                s.ok, s.key, s.error = True, key, None
+                s.skipped = sorted({k for st in res.get("stages", []) for k in st.get("skipped", [])})
+            log.info("router: prefill %s paired with decode %s (skipped one-sided: %s)", p, d, s.skipped or "none")
+
+    # ---- side RPCs ------------------------------------------------------------------------------------------
+
+    def _side_loop(self) -> None:
+        while True:
+            item = self._side.get()
+            if item is None:
+                return
+            addr, method, params = item
+            c = self._side_clients.get(addr)
+            if c is None:
+                c = self._side_clients[addr] = RpcClient(addr, timeout=min(2.0, self.cfg.rpc_timeout))
+            try:
+                c.call(method, params)
+            except RpcError as e:
+                log.info("router: %s %s(%s) failed: %s", addr, method, params.get("rid"), e)
+
+
+__all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
