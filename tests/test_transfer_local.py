@@ -151,3 +151,15 @@ def test_closed_peer_fails_and_backend_mismatch_is_refused(tiny) -> None:
     foreign = dataclasses.replace(dm, backend_meta=BackendMeta("nixl", b"agent"))
     with pytest.raises(TransferError, match="uses transfer backend 'nixl'; both peers must use the same"):
         sb.connect(foreign)
+
+
+def test_mooncake_batch_limit_follows_both_env_vars(monkeypatch) -> None:
+    from dsakv.disagg.backends import mooncake_batch_limit
+
+    monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
+    monkeypatch.delenv("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", raising=False)
+    assert mooncake_batch_limit() == 1024
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "8192")
+    assert mooncake_batch_limit() == 1024  # one raised is not enough
+    monkeypatch.setenv("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "4096")
+    assert mooncake_batch_limit() == 4096
