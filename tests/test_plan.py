@@ -79,18 +79,17 @@ def test_balance_beats_even_split() -> None:
     assert part is not None and sum(part) == 78 and len(part) == 4
     assert res.balanced.tokens_elided > res.baseline.tokens_elided
     # brute force over all 4-way partitions confirms the DP's optimum
+    budget = d.kv_budget or 0
+    tok = {
+        (lo, hi): max_total_num_tokens(budget, KVLayout(spec, lo, hi, draft_layers=1))
+        for lo in range(78)
+        for hi in range(lo + 1, 79)
+    }
     best = 0
-    layout_cache: dict[tuple[int, int], int] = {}
     for a in range(1, 76):
         for b in range(a + 1, 77):
             for c in range(b + 1, 78):
-                worst = min(
-                    layout_cache.setdefault(
-                        (lo, hi), max_total_num_tokens(d.kv_budget or 0, KVLayout(spec, lo, hi, draft_layers=1))
-                    )
-                    for lo, hi in ((0, a), (a, b), (b, c), (c, 78))
-                )
-                best = max(best, worst)
+                best = max(best, min(tok[0, a], tok[a, b], tok[b, c], tok[c, 78]))
     assert res.balanced.tokens_elided == best
 
 
