@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
@@ -52,6 +53,32 @@ class _NixlJob:
     pending: list[Any] = field(default_factory=list)
 
 
+_AGENT_LOCK = threading.Lock()
+
+
+def _make_agent(nixl: Any, name: str, cfg: Any, progress_delay_us: int) -> Any:
+    """nixl_agent(name, cfg) with its progress thread sleeping `progress_delay_us` between passes.
+
+    nixl_cu12 1.5.1 hard-codes pthrDelay = 0: the progress thread of every agent then spins a whole core
+    (measured: ~100% of a CPU per idle worker process). The agent config is built inside nixl_agent(), so its
+    pthrDelay assignment is intercepted with a subclass of the config type while the agent is created. 1 ms
+    keeps a 64 KiB write at ~0.1 ms (the initiator progresses its own transfers when it polls them).
+    """
+    api = nixl._api
+    orig = api.nixlBind.nixlAgentConfig
+
+    class _Config(orig):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, int(progress_delay_us) if key == "pthrDelay" else value)
+
+    with _AGENT_LOCK:
+        api.nixlBind.nixlAgentConfig = _Config
+        try:
+            return nixl.nixl_agent(name, cfg)
+        finally:
+            api.nixlBind.nixlAgentConfig = orig
+
+
 @register_backend
 class NixlBackend(TransferBackend):
     name = "nixl"
@@ -67,6 +94,7 @@ class NixlBackend(TransferBackend):
         max_blocks_per_batch: int | None = None,
         env: Mapping[str, str] | None = None,
         quiet: bool = True,
+        progress_delay_us: int = 1000,
     ) -> None:
         super().__init__(max_blocks_per_batch)
         for k, v in (env or {}).items():
@@ -87,7 +115,7 @@ class NixlBackend(TransferBackend):
             backends=list(plugins), sync_mode=nixl_cu12.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         )
         try:
-            self._agent = nixl_cu12.nixl_agent(self.agent_name, cfg)
+            self._agent = _make_agent(nixl_cu12, self.agent_name, cfg, progress_delay_us)
         except Exception as e:
             raise TransferError(
                 f"nixl: creating agent {self.agent_name!r} failed: {e}", backend=self.name, code=_code(e)
