@@ -127,6 +127,15 @@ def _install_sigterm(stop: Any) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def _exit_now(rc: int) -> int:
+    """Leave without interpreter finalization: nixl-cu12 1.5.1 segfaults in its agent's teardown at exit
+    (even a bare nixl_agent does), which would turn a clean stop into exit code 139."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
 def _threads(args: argparse.Namespace) -> None:
     import torch
 
@@ -159,7 +168,7 @@ def run_decode(args: argparse.Namespace) -> int:
         worker.serve_forever()
     finally:
         worker.stop()
-    return 0
+    return _exit_now(0)
 
 
 def _stage_pages(args: argparse.Namespace, spec: Any, ranges: list[tuple[int, int]]) -> int | None:
@@ -245,7 +254,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         stage.serve_forever()
     finally:
         stage.stop()
-    return 0
+    return _exit_now(0)
 
 
 def run_router(args: argparse.Namespace) -> int:

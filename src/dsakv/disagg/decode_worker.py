@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.events import EventLog
@@ -65,7 +63,6 @@ class Inbound:
     deadline: float  # monotonic: fail unless complete by then
     reported: dict[int, bool] = field(default_factory=dict)
     first_token: int | None = None
-    gen_state: bytes | None = None
     failed: str | None = None
     hold_until: float = 0.0  # a timed-out transfer may still write until then
     dead: set[int] = field(default_factory=set)
@@ -265,8 +262,6 @@ class DecodeWorker:
                 inb.hold_until = max(inb.hold_until, time.monotonic() + q)
             if p.get("first_token") is not None:
                 inb.first_token = int(p["first_token"])
-                gs = p.get("gen_state")
-                inb.gen_state = bytes(gs) if gs else None
             if inb.failed is None and not ok:
                 self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.get('error') or 'failed'}")
             elif inb.failed is None and len(inb.reported) == inb.num_stages and inb.first_token is not None:
@@ -307,12 +302,6 @@ class DecodeWorker:
     # ---- inbound requests ------------------------------------------------------------------------------
 
     def _start(self, inb: Inbound) -> None:
-        if inb.gen_state:
-            req = self.engine.get_request(inb.rid)
-            if req is not None:
-                g = torch.Generator(device=self.engine.model.device)
-                g.set_state(torch.frombuffer(bytearray(inb.gen_state), dtype=torch.uint8))
-                req.generator = g
         self.engine.start_decode(inb.rid, inb.first_token if inb.first_token is not None else 0)
         del self.inbound[inb.rid]
         self.counters["started"] += 1

@@ -180,7 +180,6 @@ class _Xfer:
     job: Job
     src_pages: list[int]
     first_token: int | None
-    gen_state: bytes | None
 
 
 def encode_batch(b: ForwardBatch) -> dict[str, Any]:
@@ -540,9 +539,6 @@ class PrefillStage:
 
     def _on_formed(self) -> None:
         with self._lock:
-            if self.rank == 0:
-                for rid in list(self._pending_release):  # every stage drained its transfers before joining
-                    self._free(rid)
             self.down_reason = None
         log.info("prefill %s stage %d: serving (epoch %s)", self.name, self.rank, self.group.epoch)
 
@@ -556,10 +552,12 @@ class PrefillStage:
                 for req in list(sch.running) + list(sch.waiting):
                     sch.abort(req.request_id)
                     self._fail_job(req.request_id, why)
+                # computed requests: every stage that computed its part still transfers and reports it (a
+                # stage that did not tells decode itself; a dead one is noticed by decode). Their pages are
+                # free now: nothing is scheduled again before the pipeline re-forms, and every stage drains
+                # its transfers before it joins a new epoch.
                 for rid in list(self._pending_release):
-                    job = self.jobs.get(rid)
-                    if job is not None:
-                        self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+                    self._free(rid)
                 self._drops.clear()
             else:
                 for rid, job in list(self.jobs.items()):
@@ -661,8 +659,7 @@ class PrefillStage:
                     job.transferring = True
                     self._pending_release[rid] = set(range(self.size))
                     src = page_list(self.scheduler.pages_of(rid))[: pages_for(job.prompt_len, self.page_size)]
-                    tok, gen = firsts.get(rid, (None, None))
-                    self._queue_xfer(_Xfer(job, src, tok, gen))
+                    self._queue_xfer(_Xfer(job, src, firsts.get(rid)))
 
     def _send(self, msg: StageMessage) -> None:
         self.group.send_next(msg)
@@ -700,11 +697,12 @@ class PrefillStage:
                 if last:
                     job = self.jobs[rid]
                     job.transferring = True
-                    tok, gen = firsts.get(rid, (None, None))
-                    self._queue_xfer(_Xfer(job, pages[: pages_for(job.prompt_len, self.page_size)], tok, gen))
+                    src = pages[: pages_for(job.prompt_len, self.page_size)]
+                    self._queue_xfer(_Xfer(job, src, firsts.get(rid)))
 
-    def _sample(self, carry: StageCarry, seqs: list[Any]) -> dict[str, tuple[int, bytes | None]]:
-        """Last stage: the first generated token of every sequence whose prompt completed this step."""
+    def _sample(self, carry: StageCarry, seqs: list[Any]) -> dict[str, int]:
+        """Last stage: the first generated token of every sequence whose prompt completed this step (token 0 of
+        the request's seeded stream: the decode worker draws tokens 1.. from the same seed)."""
         assert carry.logits is not None
         rows, reqs = [], []
         with self._lock:
@@ -712,19 +710,12 @@ class PrefillStage:
                 if last:
                     job = self.jobs[rid]
                     rows.append(i)
-                    reqs.append(
-                        Request(
-                            request_id=rid, prompt_ids=(0,), params=params_from_dict(job.params), sampling_seed=job.seed
-                        )
-                    )
+                    params = params_from_dict(job.params)
+                    reqs.append(Request(request_id=rid, prompt_ids=(0,), params=params, sampling_seed=job.seed))
         if not rows:
             return {}
         toks = sample(carry.logits[rows], reqs)
-        out = {}
-        for req, tok in zip(reqs, toks, strict=True):
-            gen = req.generator.get_state().numpy().tobytes() if req.generator is not None else None
-            out[req.request_id] = (int(tok), gen)
-        return out
+        return {req.request_id: int(tok) for req, tok in zip(reqs, toks, strict=True)}
 
     # ---- transfers -----------------------------------------------------------------------------------
 
@@ -802,7 +793,6 @@ class PrefillStage:
         }
         if x.first_token is not None:
             params["first_token"] = x.first_token
-            params["gen_state"] = x.gen_state
         try:
             c = self.notifier.client(job.decode)
             c.call(

@@ -1,0 +1,220 @@
+"""Test support for the disaggregated-serving tests: real `dsakv serve --role ...` processes on 127.0.0.1.
+
+Every process runs in its own session (process group), logs to a file, and is killed with its group by
+`Cluster.close()` (a fixture finalizer), so nothing outlives a test even when it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.rpc import RpcClient, RpcError
+from dsakv.engine.request import SamplingParams
+
+PAGE_SIZE = 16
+NUM_PAGES = 96  # 1536 tokens per pool: small pools register fast
+
+
+def free_ports(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1 (best effort: checked by binding each)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for k in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + k))
+                socks.append(t)
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    log: Path
+    addr: str
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
+        with open(self.log, "ab") as f:
+            self.popen = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            try:
+                self.popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def call(addr: str, method: str, params: Any = None, timeout: float = 5.0) -> Any:
+    c = RpcClient(addr, timeout=timeout, connect_timeout=min(2.0, timeout))
+    try:
+        return c.call(method, params)
+    finally:
+        c.close()
+
+
+def wait_for(pred: Callable[[], Any], timeout: float, what: str, procs: Sequence[Proc] = ()) -> Any:
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        try:
+            last = pred()
+            if last:
+                return last
+        except (RpcError, OSError) as e:
+            last = e
+        for p in procs:
+            if not p.alive():
+                raise AssertionError(f"{p.name} exited while waiting for {what}:\n{p.tail()}")
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {p.name}\n{p.tail(25)}" for p in procs)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})\n{logs}")
+
+
+@dataclass
+class Cluster:
+    """Worker processes of one test module; close() kills them all."""
+
+    model: Path
+    logdir: Path
+    procs: list[Proc] = field(default_factory=list)
+    routers: list[RouterBackend] = field(default_factory=list)
+
+    def _serve(self, name: str, addr: str, args: list[str]) -> Proc:
+        cmd = [sys.executable, "-m", "dsakv", "serve", "--model", str(self.model), *args]
+        p = Proc(name, cmd, self.logdir / f"{name}.log", addr).start()
+        self.procs.append(p)
+        return p
+
+    def decode(self, name: str, backend: str, elide: bool, port: int | None = None, extra: Sequence[str] = ()) -> Proc:
+        port = port or free_ports(1)
+        args = ["--role", "decode", "--port", str(port), "--transfer-backend", backend]
+        args += ["--elide" if elide else "--no-elide", "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES)]
+        args += ["--max-batch-tokens", "256", "--kv-format", "fp32", "--index-format", "fp32", *extra]
+        return self._serve(name, f"127.0.0.1:{port}", args)
+
+    def prefill(
+        self,
+        name: str,
+        backend: str,
+        elide: bool,
+        partition: Sequence[int],
+        port: int | None = None,
+        ranks: Sequence[int] | None = None,
+        extra: Sequence[str] = (),
+    ) -> list[Proc]:
+        n = len(partition)
+        port = port or free_ports(n + 1)
+        args = ["--role", "prefill", "--port", str(port), "--transfer-backend", backend, "--pp-size", str(n)]
+        args += ["--pp-partition", ",".join(map(str, partition)), "--worker-name", name]
+        args += ["--elide" if elide else "--no-elide", "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES)]
+        args += ["--max-batch-tokens", "256", "--kv-format", "fp32", "--index-format", "fp32", *extra]
+        out = []
+        for k in ranks if ranks is not None else range(n):
+            out.append(self._serve(f"{name}-s{k}", f"127.0.0.1:{port + k}", [*args, "--pp-rank", str(k)]))
+        return out
+
+    def router(self, prefill: Sequence[str], decode: Sequence[str], **kw: Any) -> RouterBackend:
+        kw.setdefault("kv_timeout", 20.0)
+        kw.setdefault("rpc_timeout", 3.0)
+        kw.setdefault("health_interval", 0.2)
+        r = RouterBackend(RouterConfig(prefill=tuple(prefill), decode=tuple(decode), **kw))
+        r.start()
+        self.routers.append(r)
+        return r
+
+    def wait_healthy(self, procs: Sequence[Proc], timeout: float = 120.0) -> None:
+        for p in procs:
+            wait_for(lambda p=p: call(p.addr, "health", timeout=2.0).get("ok"), timeout, f"{p.name} healthy", procs)
+
+    def close(self) -> None:
+        for r in self.routers:
+            try:
+                r.stop()
+            except Exception:
+                pass
+        for p in self.procs:
+            p.signal(signal.SIGKILL)
+        for p in self.procs:
+            p.kill()
+
+
+def run_requests(
+    router: RouterBackend,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    prefix: str,
+    timeout: float = 60.0,
+) -> list[tuple[list[int], str | None, str | None]]:
+    """Submit all, then collect (tokens, finish_reason, error) of each, in order."""
+    rids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        router.submit(rid, list(p), params)
+    out = []
+    for rid in rids:
+        toks: list[int] = []
+        reason = error = None
+        for ev in router.events(rid, timeout):
+            toks += ev.new_token_ids
+            if ev.finished:
+                reason, error = ev.finish_reason, ev.error
+        out.append((toks, reason, error))
+    return out
+
+
+def pages_and_integrity(addr: str) -> tuple[int, str]:
+    h = call(addr, "health", timeout=3.0)
+    return int(h["pages_used"]), str(h["integrity"])
+
+
+def assert_clean(addrs: Sequence[str], timeout: float = 20.0, procs: Sequence[Proc] = ()) -> None:
+    """Every worker at addrs holds no page and its books balance (waits for in-flight work to settle)."""
+    for a in addrs:
+        wait_for(lambda a=a: pages_and_integrity(a) == (0, "ok"), timeout, f"{a}: no page held, integrity ok", procs)
