@@ -1,16 +1,17 @@
 """Serving benchmark: does index-K elision's extra KV capacity become throughput when the KV pool binds?
 
-    python bench/serve.py                      # defaults below; ~5 minutes on 2 CPU cores
+    python bench/serve.py                      # defaults: budgets 20MiB (KV-bound) and 128MiB (KV-ample), ~4 min
     python bench/serve.py --runs 3 --window 10 --warmup 4 --concurrency 16 --budgets 20MiB,24MiB,128MiB
 
 For each configuration (KV-bound: a small KV byte budget; KV-ample: a large one) and each arm (elision on, off),
 it starts `dsakv serve` (tiny checkpoint, prefix cache on, 1 torch thread) as a subprocess on 127.0.0.1 with the
 SAME --kv-budget: the pool's page count comes from the planner's bytes per token, so the elided arm gets more pages.
 A closed-loop load generator (asyncio + httpx, streaming completions) keeps --concurrency agentic sessions going
-for --window seconds: session turn t's prompt = turn t-1's prompt + its output + new user tokens, after a system
-prefix shared by every session. Runs alternate on/off (--runs per arm, fresh server each). Reported per arm, as
-min/mean/max over runs: requests/s and output tokens/s inside the window, TTFT and TPOT p50/p90/p99 (client
-side), pool usage, running/waiting requests (sampled from /health), prefix-cache hit rate and preemptions (from
+(--warmup seconds, then a measured --window): session turn t's prompt = turn t-1's prompt + its output + new
+user tokens, after a system prefix shared by every session. Runs alternate on/off (--runs per arm, fresh server
+each). Reported per arm, as min/mean/max over runs: requests/s and output tokens/s inside the window, output
+tokens per server CPU-second (robust to other load on the machine), TTFT and TPOT p50/p90/p99 (client side),
+pool usage, running/waiting requests (sampled from /health), prefix-cache hit rate and preemptions (from
 /metrics). The planner's predicted capacity gain is printed and plotted beside the measured throughput gain.
 Writes bench/results/serve.{json,md,png} (the markdown holds the exact command). Never asserts on time.
 This process imports no torch (the checkpoint is made by `dsakv make-tiny` in a subprocess).
@@ -264,7 +265,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def wait_for_quiet(max_load: float | None, max_wait: float) -> None:
+    """Wait (up to max_wait s) until the 1-minute load average is below max_load: other work skews wall-clock
+    throughput on a shared machine."""
+    if max_load is None:
+        return
+    end = time.monotonic() + max_wait
+    while os.getloadavg()[0] > max_load and time.monotonic() < end:
+        time.sleep(2)
+
+
 def one_run(model: Path, budget: str, elide: bool, w: Workload, args: argparse.Namespace, tag: str) -> dict:
+    wait_for_quiet(args.max_load, args.max_wait)
+    load0 = os.getloadavg()[0]
     srv = Server(model, budget, elide, args, Path(args.log_dir) / f"{tag}.log")
     try:
         h0 = srv.wait_ready()
@@ -283,6 +296,7 @@ def one_run(model: Path, budget: str, elide: bool, w: Workload, args: argparse.N
     looked = delta("dsakv_prefix_cache_lookup_tokens")
     return {
         "elide": elide,
+        "load_1m": (load0 + os.getloadavg()[0]) / 2,
         "pages_total": h0["pages_total"],
         "capacity_tokens": h0["capacity_tokens"],
         "req_per_s": st.completed / st.window,
@@ -325,6 +339,7 @@ METRICS = [
     ("prefix_hit_rate", "prefix hit rate", "{:.0%}"),
     ("preemptions", "preemptions", "{:.0f}"),
     ("prefill_tokens", "prefill tokens computed", "{:.0f}"),
+    ("load_1m", "machine load avg (1 min)", "{:.1f}"),
 ]
 
 
@@ -366,7 +381,8 @@ def run_config(name: str, budget: str, model: Path, spec: ModelSpec, w: Workload
             print(
                 f"  run {i} elide={arm:3s}: {r['pages_total']} pages, {r['out_tok_per_s']:.1f} tok/s, "
                 f"{r['req_per_s']:.2f} req/s, TTFT p50 {r['ttft_p50']:.3f}s, pool {r['pool_used_mean']:.0%}, "
-                f"hit {r['prefix_hit_rate']:.0%}, preempt {r['preemptions']:.0f}, errors {r['num_errors']}",
+                f"hit {r['prefix_hit_rate']:.0%}, preempt {r['preemptions']:.0f}, errors {r['num_errors']}, "
+                f"{r['out_tok_per_cpu_s']:.1f} tok/CPU-s, load {r['load_1m']:.1f}",
                 flush=True,
             )
     summary = {arm: {k: spread(rs, k) for k, _, _ in METRICS} for arm, rs in runs.items()}
@@ -523,9 +539,16 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=12)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-load", type=float, default=None, help="before each run, wait for load average < this")
+    p.add_argument("--max-wait", type=float, default=120.0, help="at most this many seconds (default 120)")
     p.add_argument("--out", default=str(RESULTS), help="results directory (default bench/results)")
     p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     args = p.parse_args()
+
+    def _term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # so the running server is stopped by one_run's finally
+
+    signal.signal(signal.SIGTERM, _term)
     command = "python bench/serve.py" + "".join(" " + shlex.quote(a) for a in sys.argv[1:])
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="dsakv-bench-serve-"))

@@ -1,0 +1,328 @@
+"""`dsakv demo`: one command, the whole disaggregated system on 127.0.0.1, checked against a colocated engine.
+
+    dsakv demo                 # tiny checkpoint, 2 PP prefill stages + 1 decode + router on :8000; Ctrl-C stops
+    dsakv demo --once --json   # run the scripted requests, print a JSON summary, stop everything (CI)
+
+It makes a tiny GLM-5.2-shaped checkpoint (or uses --model), starts `dsakv serve --role decode`, `--role prefill
+--pp-size N` and `--role router` as child processes (each in its own process group, logs under --log-dir), waits
+for the router's /health, then sends: a greedy completion of token ids (its tokens must equal a colocated Engine's
+on the same checkpoint), a streamed chat completion, and reads /metrics. Every child is stopped on exit.
+Imports torch only inside run() (for make-tiny and the colocated reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dsakv.errors import ConfigError
+
+DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = (
+        "Start a tiny disaggregated deployment on 127.0.0.1 (PP prefill stages, a decode worker, an OpenAI-"
+        "compatible router), send a few requests through it, and check its tokens against a colocated engine."
+    )
+    p.epilog = (
+        "examples:\n"
+        "  dsakv demo\n"
+        "  dsakv demo --once --json --port 0\n"
+        "  dsakv demo --pp-size 3 --transfer-backend nixl --no-elide\n"
+        "\n"
+        "while it runs:  curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\\n"
+        '                  -d \'{"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}\''
+    )
+    p.add_argument("--model", metavar="DIR", help="checkpoint (default: `dsakv make-tiny` into --log-dir)")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port (default 8000; 0 = any free port)")
+    p.add_argument("--pp-size", type=int, default=2, help="prefill pipeline stages, one process each (default 2)")
+    p.add_argument("--transfer-backend", default="mooncake", help="mooncake (default), nixl or local")
+    p.add_argument("--elide", action=argparse.BooleanOptionalAction, default=True, help="index-K elision (on)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    p.add_argument("--num-pages", type=int, default=256, help="pages per worker pool (default 256)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per demo request (default 16)")
+    p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for the workers (180)")
+    p.add_argument("--log-dir", default=None, help="child logs and the tiny checkpoint (default: a temp dir)")
+    p.add_argument("--once", action="store_true", help="stop after the scripted requests (exit 1 if a check fails)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+
+
+def _free_ports(n: int) -> int:
+    """The first of n consecutive free ports on 127.0.0.1."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for k in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + k))
+                socks.append(t)
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise ConfigError(f"found no {n} consecutive free ports on 127.0.0.1")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class _Child:
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name, self.cmd, self.log = name, cmd, log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def _wait_ready(url: str, children: list[_Child], timeout: float) -> dict[str, Any]:
+    import httpx
+
+    end = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < end:
+        for c in children:
+            if not c.alive():
+                raise ConfigError(f"the {c.name} process exited during startup; its log ({c.log}):\n{c.tail()}")
+        try:
+            r = httpx.get(f"{url}/health", timeout=5)
+            last = r.json()
+            if r.status_code == 200 and last.get("ok"):
+                return dict(last)
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.25)
+    logs = "\n".join(f"--- {c.name} ({c.log})\n{c.tail()}" for c in children)
+    raise ConfigError(f"the deployment was not ready within {timeout:g} s (last /health: {last!r})\n{logs}")
+
+
+def _script(args: argparse.Namespace, url: str, model_dir: Path) -> dict[str, Any]:
+    """The scripted requests; returns the summary (checks included)."""
+    import httpx
+
+    from dsakv.engine.engine import Engine
+    from dsakv.engine.request import SamplingParams
+
+    out: dict[str, Any] = {"router": url}
+    body = {"prompt": DEMO_PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    c = r.json()["choices"][0]
+    ids = list(c["token_ids"])
+    _say(args, f"[1] POST /v1/completions prompt={DEMO_PROMPT} max_tokens={args.max_tokens} (greedy)")
+    _say(args, f"    -> {len(ids)} tokens in {time.perf_counter() - t0:.2f} s, finish={c['finish_reason']}: {ids}")
+    ref_engine = Engine(model_dir, elide=args.elide, page_size=args.page_size, num_pages=args.num_pages)
+    ref = ref_engine.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True))[0]
+    same = ids == ref
+    _say(args, f"    colocated engine on the same checkpoint: {'identical tokens' if same else f'DIFFERENT: {ref}'}")
+    out.update(completion_ids=ids, reference_ids=ref, tokens_equal_colocated=same)
+
+    _say(args, f"[2] POST /v1/chat/completions (stream) {DEMO_CHAT[0]['content']!r}")
+    chat = {"messages": DEMO_CHAT, "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    chunks, text, chat_ids, done = 0, "", [], False
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat, timeout=120) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    raise ConfigError(f"the streamed chat failed: {ev['error']}")
+                ch = ev["choices"][0]
+                chunks += 1
+                text += ch["delta"].get("content") or ""
+                chat_ids += ch.get("token_ids", [])
+    _say(args, f"    -> {chunks} SSE chunks, {len(chat_ids)} tokens, [DONE]={done}: {text!r}")
+    out.update(chat_ids=chat_ids, chat_text=text, chat_stream_done=done)
+
+    metrics = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            metrics[k] = float(v)
+    keep = (
+        "dsakv_requests_total",
+        "dsakv_generation_tokens_total",
+        "dsakv_pool_pages_total",
+        "dsakv_pool_pages_used",
+        "dsakv_pairs_ready",
+        "dsakv_decode_workers_up",
+        "dsakv_prefill_workers_up",
+    )
+    shown = {k: metrics[k] for k in keep if k in metrics}
+    _say(args, "[3] GET /metrics: " + ", ".join(f"{k[6:]}={v:g}" for k, v in shown.items()))
+    out["metrics"] = shown
+    out["ok"] = bool(same and done and len(chat_ids) == args.max_tokens)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.pp_size < 1:
+        raise ConfigError(f"--pp-size {args.pp_size} must be >= 1")
+    if args.port == 0:
+        args.port = _free_ports(1)
+    elif not _port_free(args.port):
+        raise ConfigError(f"port {args.port} on 127.0.0.1 is taken: pass --port N (or --port 0 for any free port)")
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dsakv-demo-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model_dir = Path(args.model)
+        if not (model_dir / "config.json").is_file():
+            raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    else:
+        from dsakv.model.tiny import make_tiny
+
+        model_dir = make_tiny(log_dir / "tiny", seed=0)
+    from dsakv.spec.layout import KVLayout
+    from dsakv.spec.model import ModelSpec
+
+    spec = ModelSpec.from_path(model_dir)
+    lay = {e: KVLayout(spec, elide=e, kv_format="fp32", index_format="fp32", page_size=args.page_size) for e in (1, 0)}
+    prefill_port = _free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
+    decode_port = _free_ports(1)
+    url = f"http://127.0.0.1:{args.port}"
+    pool = [
+        "--page-size",
+        str(args.page_size),
+        "--num-pages",
+        str(args.num_pages),
+        "--threads",
+        "1",
+        "--transfer-backend",
+        args.transfer_backend,
+        "--elide" if args.elide else "--no-elide",
+    ]
+    dsakv = [sys.executable, "-m", "dsakv", "serve", "--model", str(model_dir)]
+    specs = [
+        ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *pool]),
+        ("prefill", [*dsakv, "--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool]),
+        (
+            "router",
+            [
+                *dsakv,
+                "--role",
+                "router",
+                "--port",
+                str(args.port),
+                "--prefill",
+                f"127.0.0.1:{prefill_port}",
+                "--decode",
+                f"127.0.0.1:{decode_port}",
+            ],
+        ),
+    ]
+    _say(
+        args, f"dsakv demo: checkpoint {model_dir} ({spec.num_layers} layers, index-K producers {list(spec.producers)})"
+    )
+    _say(
+        args,
+        f"  KV bytes/token: {lay[1].bytes_per_token} elided vs {lay[0].bytes_per_token} dense "
+        f"(x{lay[0].bytes_per_token / lay[1].bytes_per_token:.3f} tokens in the same memory); elision "
+        f"{'on' if args.elide else 'off'}",
+    )
+    _say(
+        args,
+        f"  prefill: {args.pp_size} PP stage(s) on 127.0.0.1:{prefill_port}..{prefill_port + args.pp_size - 1}"
+        f"; decode on 127.0.0.1:{decode_port}; KV transfer: {args.transfer_backend}",
+    )
+    _say(args, f"  router (OpenAI API): {url}   logs: {log_dir}")
+    children: list[_Child] = []
+    summary: dict[str, Any] = {}
+    stopping: list[int] = []
+
+    def _on_term(signum: int, frame: Any) -> None:
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        for name, cmd in specs:
+            children.append(_Child(name, cmd, log_dir / f"{name}.log"))
+        t0 = time.monotonic()
+        health = _wait_ready(url, children, args.startup_timeout)
+        _say(
+            args,
+            f"ready in {time.monotonic() - t0:.1f} s: {len(health.get('pairs', []))} prefill-decode pair(s) "
+            f"handshaken, decode pool {health.get('pages_total')} pages",
+        )
+        summary = _script(args, url, model_dir)
+        summary["log_dir"] = str(log_dir)
+        if not args.once:
+            _say(args, "\nserving until Ctrl-C; try:")
+            _say(
+                args,
+                f"  curl -s {url}/v1/completions -H 'content-type: application/json' "
+                '-d \'{"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}\'',
+            )
+            _say(
+                args,
+                f"  curl -sN {url}/v1/chat/completions -H 'content-type: application/json' -d "
+                '\'{"messages": [{"role": "user", "content": "hi"}], "stream": true}\'',
+            )
+            _say(args, f"  curl -s {url}/metrics | grep dsakv_")
+            while all(c.alive() for c in children):
+                time.sleep(0.5)
+            dead = [c for c in children if not c.alive()]
+            raise ConfigError(f"the {dead[0].name} process exited; its log:\n{dead[0].tail()}")
+    except KeyboardInterrupt:
+        _say(args, "stopping")
+    finally:
+        for c in reversed(children):
+            c.stop()
+        signal.signal(signal.SIGTERM, old)
+    if args.json and summary:
+        print(json.dumps(summary), flush=True)
+    if args.once:
+        return 0 if summary.get("ok") else 1
+    return 0
