@@ -7,6 +7,7 @@ Every process runs in its own session (process group), logs to a file, and is ki
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,19 +27,18 @@ NUM_PAGES = 96  # 1536 tokens per pool: small pools register fast
 
 
 def free_ports(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1 (best effort: checked by binding each)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+    """The first of n consecutive free ports, below the kernel's ephemeral range (so engines that bind random
+    ports -- mooncake, UCX -- cannot take them between this check and our use)."""
+    lo, _hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    top = min(lo, 32768) - n - 1
+    for _ in range(500):
+        base = random.randint(20000, top)
         socks = []
         try:
             for k in range(n):
                 t = socket.socket()
-                t.bind(("127.0.0.1", base + k))
                 socks.append(t)
+                t.bind(("127.0.0.1", base + k))
             return base
         except OSError:
             continue
@@ -102,6 +102,7 @@ def call(addr: str, method: str, params: Any = None, timeout: float = 5.0) -> An
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, procs: Sequence[Proc] = ()) -> Any:
     end = time.monotonic() + timeout
+    procs = [p for p in procs if p.alive()]  # only those alive now must stay alive
     last: Any = None
     while time.monotonic() < end:
         try:

@@ -743,6 +743,9 @@ class PrefillStage:
                     batch.append(self._xfers.get_nowait())
                 except queue.Empty:
                     break
+            if self.cfg.debug_transfer_delay > 0:  # testing: a window in which the transfers are in flight
+                left = max(x.job.deadline for x in batch) - time.monotonic()
+                time.sleep(max(0.0, min(self.cfg.debug_transfer_delay, left)))
             started: list[tuple[_Xfer, TransferHandle | None, str | None]] = []
             for x in batch:
                 started.append(self._submit_xfer(x))
@@ -755,8 +758,8 @@ class PrefillStage:
                         nbytes = m.nbytes
                     except DsakvError as e:
                         err = f"transfer of prefill stage {self.rank}'s layers failed: {e}"
-                        if isinstance(e, TransferTimeout):
-                            quarantine = self.backend.quarantine_s
+                        if isinstance(e, TransferTimeout) and h.job is not None:  # the engine had it: it may
+                            quarantine = self.backend.quarantine_s  # still write the decode's pages a while
                 self._report(x, err, quarantine, nbytes)
 
     def _submit_xfer(self, x: _Xfer) -> tuple[_Xfer, TransferHandle | None, str | None]:
@@ -771,8 +774,6 @@ class PrefillStage:
                     f"decode {job.decode} restarted (boot {link.boot}, request was for boot {job.decode_boot}): "
                     "its pages are gone"
                 )
-            if self.cfg.debug_transfer_delay > 0:
-                time.sleep(min(self.cfg.debug_transfer_delay, max(0.0, job.deadline - time.monotonic())))
             plan = TransferPlan.build(
                 link.table, np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
             )
