@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="mooncake's own per-transfer timeout in seconds (MC_TRANSFER_TIMEOUT, min 5; default 30)",
     )
+    g.add_argument(
+        "--startup-wait",
+        type=float,
+        default=60.0,
+        help="prefill: how long the startup handshake with --decode workers waits for them to come up (60 s)",
+    )
     g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
@@ -136,6 +142,18 @@ def _exit_now(rc: int) -> int:
     os._exit(rc)
 
 
+def _start_or_exit(worker: Any, **kw: Any) -> None:
+    """worker.start(); on a startup error print it, stop what started and exit 2 (no finalization: see _exit_now)."""
+    try:
+        worker.start(**kw)
+    except Exception as e:
+        print(f"dsakv serve: error: {e}", file=sys.stderr)
+        try:
+            worker.stop()
+        finally:
+            _exit_now(2)
+
+
 def _threads(args: argparse.Namespace) -> None:
     import torch
 
@@ -160,8 +178,9 @@ def run_decode(args: argparse.Namespace) -> int:
         backend_options=_backend_options(args),
         rpc_timeout=args.rpc_timeout,
     )
-    worker = DecodeWorker(cfg).start()
+    worker = DecodeWorker(cfg)
     _install_sigterm(worker._stop.set)
+    _start_or_exit(worker)
     log.info("decode worker %s ready on %s", worker.name, worker.address)
     print(f"dsakv decode ready on {worker.address}", flush=True)
     try:
@@ -185,18 +204,36 @@ def _stage_pages(args: argparse.Namespace, spec: Any, ranges: list[tuple[int, in
 
 
 def _launch_stages(args: argparse.Namespace) -> int:
-    """Start every stage of the prefill worker as a child process; stop them all on SIGTERM / SIGINT."""
-    argv = [a for a in sys.argv[1:]]
-    procs = []
-    for k in range(args.pp_size):
-        cmd = [sys.executable, "-m", "dsakv", *argv, "--pp-rank", str(k)]
-        procs.append(subprocess.Popen(cmd))
-        log.info("prefill: started stage %d (pid %d)", k, procs[-1].pid)
-    stopping = []
+    """Start every stage of the prefill worker as a child process and supervise them: a stage that dies is
+    started again (it rejoins the pipeline), unless it dies again within 30 s three times in a row (then all
+    stop and the exit code is its). SIGTERM / SIGINT stop them all."""
+    argv = list(sys.argv[1:])
+    cmds = [[sys.executable, "-m", "dsakv", *argv, "--pp-rank", str(k)] for k in range(args.pp_size)]
+    procs = [subprocess.Popen(c) for c in cmds]
+    for k, p in enumerate(procs):
+        log.info("prefill: started stage %d (pid %d)", k, p.pid)
+    started = [time.monotonic()] * len(procs)
+    quick_deaths = [0] * len(procs)
+    stopping: list[bool] = []
     _install_sigterm(lambda: stopping.append(True))
+    rc = 0
     try:
-        while not stopping and any(p.poll() is None for p in procs):
+        while not stopping:
             time.sleep(0.2)
+            for k, p in enumerate(procs):
+                code = p.poll()
+                if code is None:
+                    continue
+                quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - started[k] < 30 else 1
+                if quick_deaths[k] >= 3:
+                    log.error("prefill: stage %d exited with code %s three times in a row: stopping", k, code)
+                    rc = code or 1
+                    stopping.append(True)
+                    break
+                log.warning("prefill: stage %d (pid %d) exited with code %s: starting it again", k, p.pid, code)
+                time.sleep(1.0)
+                procs[k] = subprocess.Popen(cmds[k])
+                started[k] = time.monotonic()
     finally:
         for p in procs:
             if p.poll() is None:
@@ -206,7 +243,7 @@ def _launch_stages(args: argparse.Namespace) -> int:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
-    return max((p.returncode or 0) for p in procs) if not stopping else 0
+    return rc
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -248,7 +285,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     )
     stage = PrefillStage(cfg)
     _install_sigterm(stage._stop.set)
-    stage.start()
+    _start_or_exit(stage, startup_wait=args.startup_wait)
     print(f"dsakv prefill stage {cfg.pp_rank}/{cfg.pp_size} ready on {stage.address} (pid {os.getpid()})", flush=True)
     try:
         stage.serve_forever()

@@ -45,7 +45,7 @@ from dsakv.disagg.bootstrap import DecodeLinks
 from dsakv.disagg.errors import TransferTimeout
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.page_mirror import PageMirror
-from dsakv.disagg.rpc import RpcClient, RpcError, RpcServer
+from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
 from dsakv.disagg.transfer_plan import TransferPlan
 from dsakv.disagg.wire import new_boot_id, page_list, pages_for, params_from_dict
@@ -344,14 +344,24 @@ class PrefillStage:
     def address(self) -> str:
         return self.rpc.address
 
-    def start(self) -> PrefillStage:
+    def start(self, startup_wait: float = 60.0) -> PrefillStage:
+        """Serve; then handshake with cfg.decode (waiting up to startup_wait for each to come up). An
+        incompatible decode raises IncompatiblePeer naming layer, kind and sizes: startup fails loudly."""
         self.rpc.start()
         for target, name in ((self._loop, "stage-loop"), (self._xfer_loop, "stage-xfer")):
             t = threading.Thread(target=target, name=f"{name}{self.rank}", daemon=True)
             t.start()
             self._threads.append(t)
         for addr in self.cfg.decode:
-            self.links.get(addr)  # raises IncompatiblePeer / PeerUnavailable: startup fails loudly
+            end = time.monotonic() + startup_wait
+            while True:
+                try:
+                    self.links.get(addr)
+                    break
+                except PeerUnavailable:
+                    if time.monotonic() >= end:
+                        raise
+                    time.sleep(0.5)
         return self
 
     def stop(self) -> None:

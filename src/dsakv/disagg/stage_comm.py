@@ -37,6 +37,7 @@ from dsakv.errors import DsakvError
 log = logging.getLogger(__name__)
 
 MAGIC = 0x44534B56  # "DSKV"
+CLOSED = "-"  # the epoch key while stage 0 has no group
 _HDR = 6
 
 
@@ -123,7 +124,7 @@ class StageGroup:
             else:
                 store = self._client_store()
                 name = store.get("epoch").decode()
-                if name == self._last_joined:
+                if name in (CLOSED, self._last_joined):
                     time.sleep(0.05)
                     return False
             self._last_joined = name
@@ -161,6 +162,11 @@ class StageGroup:
         if self._pg is not None:
             log.warning("stage %d: pipeline broken: %s", self.rank, why)
         self.close()
+        if self.rank == 0 and self._store is not None:
+            try:  # a stage (re)starting now must wait for the next epoch, not join the broken one
+                self._store.set("epoch", CLOSED)
+            except Exception as e:  # the store is this process's own server: only a shutdown gets here
+                log.debug("stage 0: could not close the epoch: %s", e)
         if self.rank != 0:
             self._drop_store()
 

@@ -1,0 +1,226 @@
+"""Disaggregated serving pieces in one process (local transfer backend, workers as threads): layer partitions,
+the event log, stage page books, the handshake refusing incompatible peers, KV deadlines and aborts freeing
+pages, the router's queue deadline, and a PP=2 round trip equal to colocated serving."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from disagg_support import free_ports
+from dsakv.cache.allocator import IntegrityError
+from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.errors import IncompatiblePeer
+from dsakv.disagg.events import EventLog
+from dsakv.disagg.page_mirror import PageMirror
+from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage, split_layers
+from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.wire import params_from_dict, params_to_dict
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from dsakv.errors import ConfigError
+from engine_support import tiny_model
+
+pytestmark = [pytest.mark.timeout(120)]
+
+ENGINE = dict(kv_format="fp32", index_format="fp32", page_size=16, num_pages=64)
+
+
+def test_split_layers_even_and_given():
+    assert split_layers(12, 1) == [(0, 12)]
+    assert split_layers(12, 5) == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12)]
+    assert split_layers(12, 4, (5, 3, 2, 2)) == [(0, 5), (5, 8), (8, 10), (10, 12)]
+    with pytest.raises(ConfigError, match="sum to the model's 12 layers"):
+        split_layers(12, 2, (7, 4))
+    with pytest.raises(ConfigError, match="has 3 stages but --pp-size is 2"):
+        split_layers(12, 2, (4, 4, 4))
+
+
+def test_event_log_cursor_wait_and_trim():
+    log = EventLog(keep=3)
+    assert log.since(0, 0.05) == {"cursor": 0, "events": [], "lost": False}
+    log.append("a", [5], False)
+    log.append("a", [6], True, "length")
+    got = log.since(0)
+    assert got["cursor"] == 2 and [e[2] for e in got["events"]] == [[5], [6]] and not got["lost"]
+    assert log.since(2)["events"] == []
+    for i in range(3):
+        log.append("b", [i], False)
+    got = log.since(1)
+    assert got["lost"] and [e[0] for e in got["events"]] == [3, 4, 5]
+    t0 = time.monotonic()
+    assert log.since(5, 0.2)["events"] == [] and time.monotonic() - t0 >= 0.19
+
+
+def test_page_mirror_books():
+    m = PageMirror(8, "stage 1 pool")
+    m.hold("r1", [0, 1])
+    m.hold("r1", [0, 1, 2])  # the page list as of a later chunk
+    m.hold("r2", [3])
+    assert (m.num_used, m.num_free) == (4, 4)
+    m.check_integrity()
+    m.hold("r3", [3])
+    with pytest.raises(IntegrityError, match=r"page\(s\) \[3\] are held twice"):
+        m.check_integrity()
+    assert m.release("r3") == [3] and m.release("nope") == []
+    with pytest.raises(IntegrityError, match="outside 0..7"):
+        m.hold("r4", [8])
+
+
+def test_params_round_trip():
+    p = SamplingParams(max_new_tokens=3, temperature=0.5, top_k=4, seed=9, stop_token_ids=(1, 2))
+    assert params_from_dict(params_to_dict(p)) == p
+    with pytest.raises(ConfigError, match="unknown sampling parameter"):
+        params_from_dict({"max_new_tokens": 2, "beams": 4})
+
+
+def _decode(**kw) -> DecodeWorker:
+    eng = {**ENGINE, **kw.pop("engine", {})}
+    return DecodeWorker(DecodeConfig(model="", engine=eng, backend="local", **kw), model=tiny_model("glm_moe_dsa"))
+
+
+def _prefill(**kw) -> PrefillStage:
+    kw.setdefault("kv_format", "fp32")
+    kw.setdefault("index_format", "fp32")
+    kw.setdefault("page_size", 16)
+    kw.setdefault("num_pages", 64)
+    return PrefillStage(PrefillConfig(model="", backend="local", **kw), model=tiny_model("glm_moe_dsa"))
+
+
+@pytest.mark.parametrize(
+    ("prefill_kw", "match"),
+    [
+        ({"page_size": 32}, "page size differs: sender 32 tokens/page, receiver 16 tokens/page"),
+        ({"index_format": "bf16"}, r"L0/index_k \(layer 0, kind index_k\): format differs, sender bf16"),
+    ],
+)
+def test_handshake_refuses_incompatible_peer(prefill_kw, match):
+    dec = _decode().start()
+    stage = _prefill(**prefill_kw)
+    try:
+        with pytest.raises(IncompatiblePeer, match=match):
+            stage.links.get(dec.address)
+        stage.rpc.start()
+        with pytest.raises(Exception, match=match):  # the router's connect gets the same message
+            RpcClient(stage.address).call("connect", {"decode": dec.address})
+    finally:
+        stage.rpc.stop()
+        stage.backend.close()
+        dec.stop()
+
+
+def test_kv_deadline_fails_request_and_frees_pages():
+    dec = _decode(kv_grace=0.2, liveness_interval=0.1).start()
+    stage = _prefill().start()
+    try:
+        c = RpcClient(dec.address)
+        RpcClient(stage.address).call("connect", {"decode": dec.address})
+        params = params_to_dict(SamplingParams(max_new_tokens=4))
+        res = c.call(
+            "prealloc",
+            {
+                "rid": "late",
+                "prompt_ids": list(range(2, 40)),
+                "params": params,
+                "prefill": stage.name,
+                "num_stages": 1,
+                "kv_timeout": 0.3,
+            },
+        )
+        assert res["pages"] == [0, 1, 2] and c.call("health")["pages_used"] == 3
+        t0 = time.monotonic()
+        ev = c.call("events", {"since": 0, "wait": 3.0})["events"]
+        assert time.monotonic() - t0 < 2.0
+        _seq, rid, toks, finished, reason, error = ev[0]
+        assert (rid, toks, finished, reason) == ("late", [], True, "error")
+        assert "did not arrive within 0.3s (+0.2s grace): stage(s) [0] of 1 never reported" in error
+        # no stage can still write (the only stage answers pings and never got the request): pages are freed
+        deadline = time.monotonic() + 3
+        while c.call("health")["pages_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        h = c.call("health")
+        assert (h["pages_used"], h["integrity"], h["inbound"]) == (0, "ok", 0)
+    finally:
+        stage.stop()
+        dec.stop()
+
+
+def test_router_queue_deadline_names_the_reason():
+    dec = _decode().start()
+    try:
+        r = RouterBackend(
+            RouterConfig(
+                prefill=(f"127.0.0.1:{free_ports(1)}",), decode=(dec.address,), queue_timeout=0.5, health_interval=0.1
+            )
+        )
+        r.start()
+        r.submit("q1", [3, 4, 5], SamplingParams(max_new_tokens=2))
+        evs = list(r.events("q1", 5.0))
+        assert evs[-1].finished and evs[-1].finish_reason == "error"
+        assert "no prefill/decode pair could take it within 0.5s" in evs[-1].error
+        assert "unavailable" in evs[-1].error
+        assert r.metrics()["router_in_flight"] == 0
+        r.submit("q2", [1], SamplingParams())
+        with pytest.raises(ConfigError, match="already in use"):
+            r.submit("q2", [1], SamplingParams())
+        r.stop()
+    finally:
+        dec.stop()
+
+
+def test_pp2_round_trip_one_sided_elision_and_abort():
+    """PP=2 (4 + 8 layers, elision off) -> decode (elision on), local backend: colocated tokens; an aborted
+    request gives a prompt abort event; no page is held anywhere afterwards."""
+    dec = _decode().start()
+    port = free_ports(3)
+    stages = [
+        _prefill(pp_size=2, pp_rank=k, partition=(4, 8), port=port, elide=False, stage_timeout=3.0) for k in (0, 1)
+    ]
+    for s in stages:
+        s.start()
+    r = RouterBackend(RouterConfig(prefill=(stages[0].address,), decode=(dec.address,), health_interval=0.1))
+    try:
+        r.start()
+        assert r.wait_ready(30), r.health()
+        assert r.health()["pairs"][0]["skipped"] == [
+            "L11/index_k",
+            "L3/index_k",
+            "L4/index_k",
+            "L5/index_k",
+            "L7/index_k",
+            "L8/index_k",
+            "L9/index_k",
+        ]
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 20, 47)]
+        sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
+        want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
+        for i, p in enumerate(prompts):
+            r.submit(f"r{i}", p, sp)
+        r.submit("gone", prompts[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        r.abort("gone")
+        got = []
+        for i in range(3):
+            toks = []
+            for ev in r.events(f"r{i}", 20):
+                toks += ev.new_token_ids
+            got.append(toks)
+        assert got == want
+        evs = list(r.events("gone", 5))
+        assert evs == [(tuple(), True, "abort", None)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            used = [dec.engine.stats().pages_used] + [s.pages_used() for s in stages]
+            if used == [0, 0, 0]:
+                break
+            time.sleep(0.05)
+        assert used == [0, 0, 0]
+        assert dec._integrity() == "ok" and [s._integrity() for s in stages] == ["ok", "ok"]
+    finally:
+        r.stop()
+        for s in stages:
+            s.stop()
+        dec.stop()
