@@ -21,7 +21,7 @@ from dsakv.disagg.rpc import RpcClient
 from dsakv.disagg.wire import params_from_dict, params_to_dict
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from dsakv.errors import ConfigError
+from dsakv.errors import CapacityError, ConfigError
 from engine_support import tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -166,6 +166,11 @@ def test_router_queue_deadline_names_the_reason():
         r.submit("q2", [1], SamplingParams())
         with pytest.raises(ConfigError, match="already in use"):
             r.submit("q2", [1], SamplingParams())
+        assert r.max_prompt_tokens() == 64 * 16 - 1
+        with pytest.raises(CapacityError, match="1000 tokens \\+ max_new_tokens 100 = 1100 tokens can never fit"):
+            r.submit("q3", [2] * 1000, SamplingParams(max_new_tokens=100))
+        with pytest.raises(CapacityError, match="the prompt has 1100 tokens but the decode workers take at most 1023"):
+            r.submit("q4", [2] * 1100, SamplingParams())
         r.stop()
     finally:
         dec.stop()

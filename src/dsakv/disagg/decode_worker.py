@@ -33,6 +33,7 @@ from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer, sp
 from dsakv.disagg.wire import new_boot_id, page_list, params_from_dict
 from dsakv.engine.engine import Engine
 from dsakv.engine.scheduler import NoFreePages
+from dsakv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,8 @@ class DecodeWorker:
             inb = self.inbound.get(rid)
             if inb is None:
                 return {"accepted": False}
+            if not 0 <= stage < inb.num_stages:
+                raise ConfigError(f"request {rid}: stage {stage} reported, but its prefill has {inb.num_stages} stages")
             inb.reported[stage] = ok
             inb.bytes += int(p.get("bytes") or 0)
             q = float(p.get("quarantine_s") or 0.0)

@@ -85,6 +85,7 @@ class _Peer:
     ready: bool = False  # decode: its event cursor is known for this boot
     cursor: int = 0
     orphans: list[str] = field(default_factory=list)  # decode: attempts failed here while it was unreachable
+    busy_until: float = 0.0  # decode: said NoFreePages; not asked again before then
 
 
 @dataclass
@@ -191,6 +192,15 @@ class RouterBackend:
             raise CapacityError(
                 f"request {request_id}: the prompt has {len(prompt_ids)} tokens but the decode workers take at most "
                 f"{limit}: shorten the prompt"
+            )
+        with self._lock:
+            caps = [int(p.health["capacity_tokens"]) for p in self.decodes.values() if "capacity_tokens" in p.health]
+        total = len(prompt_ids) + params.max_new_tokens
+        if caps and total > max(caps):
+            raise CapacityError(
+                f"request {request_id}: prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"= {total} tokens can never fit a decode worker's KV pool (largest: {max(caps)} tokens): shorten "
+                "the prompt or lower max_new_tokens"
             )
         if params.seed is None and not params.greedy:
             params = replace(params, seed=self._rng.getrandbits(63))  # prefill and decode must draw alike
@@ -308,6 +318,10 @@ class RouterBackend:
                 if s.ok and self.prefills[p].ok and self.decodes[d].ok and self.decodes[d].ready
             ]
 
+    def _pickable(self) -> list[tuple[str, str]]:
+        now = time.monotonic()
+        return [(p, d) for p, d in self._usable_pairs() if self.decodes[d].busy_until <= now]
+
     def _push(self, req: _Req, tokens: list[int], finished: bool, reason: str | None, error: str | None) -> None:
         if req.state == "done":
             return
@@ -339,7 +353,7 @@ class RouterBackend:
     # ---- dispatch ----------------------------------------------------------------------------------------
 
     def _pick(self, req: _Req) -> tuple[str, str] | None:
-        pairs = self._usable_pairs()
+        pairs = self._pickable()
         if not pairs:
             return None
         return min(pairs, key=lambda pd: (self.decodes[pd[1]].inflight, self.prefills[pd[0]].inflight))
@@ -403,6 +417,7 @@ class RouterBackend:
             return False
         except RpcError as e:
             if e.kind == "NoFreePages":
+                dec.busy_until = time.monotonic() + 0.02
                 return False
             if e.kind == "IncompatiblePeer":  # the prefill re-formed and has not handshaken again yet
                 with self._lock:
