@@ -15,8 +15,12 @@ later stages mirror the books (PageMirror). Failure handling:
   stage fails the requests it has not finished computing (decode is told `kv_failed`), lets running
   transfers finish (bounded by their deadlines), and the stages re-form a new epoch; a restarted stage
   joins it. While broken, stage 0 refuses submissions (the router routes elsewhere).
+  Stage 0 frees every page at once: nothing is scheduled before the group re-forms, and a stage joins
+  a new epoch only after its own transfers drained.
 - a request whose deadline passes while queued or computing is dropped and decode told.
 - transfers fail at the deadline (TransferTimeout); decode is told with the backend's quarantine.
+Every stage process loads the whole checkpoint and runs only its layers (fine for the tiny model; a
+large model would load only its layer range).
 
 Imports torch, dsakv.{spec,cache,model,engine} and dsakv.disagg; never serve or cli.
 """
@@ -52,7 +56,7 @@ from dsakv.disagg.wire import new_boot_id, page_list, pages_for, params_from_dic
 from dsakv.engine.model_runner import build_batch
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.sampling import sample
-from dsakv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from dsakv.engine.scheduler import Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel, StageCarry
@@ -460,11 +464,9 @@ class PrefillStage:
                     stages.append(c.call("connect", {"decode": addr, "boot": link.boot, "timeout": timeout}))
                 finally:
                     c.close()
-        return (
-            {"decode": addr, "boot": link.boot, "epoch": self.group.epoch, "stages": stages}
-            if self.rank == 0
-            else (link.summary())
-        )
+        if self.rank > 0:
+            return link.summary()
+        return {"decode": addr, "boot": link.boot, "epoch": self.group.epoch, "stages": stages}
 
     def _rpc_submit(self, p: Any) -> dict[str, Any]:
         rid = str(p["rid"])
@@ -831,7 +833,3 @@ class PrefillStage:
         with self._xfer_lock:
             self._xfer_busy -= 1
         self._wake.set()
-
-
-def scheduled_rids(chunks: list[ScheduledChunk]) -> list[str]:
-    return [c.request.request_id for c in chunks]
