@@ -374,17 +374,25 @@ def run_config(name: str, budget: str, model: Path, spec: ModelSpec, w: Workload
         flush=True,
     )
     runs: dict[str, list[dict]] = {"on": [], "off": []}
+    discarded: list[dict] = []
     for i in range(args.runs):
         for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
-            r = one_run(model, budget, arm == "on", w, args, f"{name}-{arm}-{i}")
+            for attempt in range(args.retries + 1):
+                r = one_run(model, budget, arm == "on", w, args, f"{name}-{arm}-{i}-{attempt}")
+                r["attempt"] = attempt
+                r["disturbed"] = r["server_cpu_util"] < args.min_cpu
+                print(
+                    f"  run {i} elide={arm:3s}: {r['pages_total']} pages, {r['out_tok_per_s']:.1f} tok/s, "
+                    f"{r['req_per_s']:.2f} req/s, TTFT p50 {r['ttft_p50']:.3f}s, pool {r['pool_used_mean']:.0%}, "
+                    f"hit {r['prefix_hit_rate']:.0%}, preempt {r['preemptions']:.0f}, errors {r['num_errors']}, "
+                    f"{r['out_tok_per_cpu_s']:.1f} tok/CPU-s, server {r['server_cpu_util']:.2f} cores, "
+                    f"load {r['load_1m']:.1f}" + (" -> DISTURBED" if r["disturbed"] else ""),
+                    flush=True,
+                )
+                if not r["disturbed"] or attempt == args.retries:
+                    break
+                discarded.append({"run": i, "arm": arm, **r})
             runs[arm].append(r)
-            print(
-                f"  run {i} elide={arm:3s}: {r['pages_total']} pages, {r['out_tok_per_s']:.1f} tok/s, "
-                f"{r['req_per_s']:.2f} req/s, TTFT p50 {r['ttft_p50']:.3f}s, pool {r['pool_used_mean']:.0%}, "
-                f"hit {r['prefix_hit_rate']:.0%}, preempt {r['preemptions']:.0f}, errors {r['num_errors']}, "
-                f"{r['out_tok_per_cpu_s']:.1f} tok/CPU-s, load {r['load_1m']:.1f}",
-                flush=True,
-            )
     summary = {arm: {k: spread(rs, k) for k, _, _ in METRICS} for arm, rs in runs.items()}
     on, off = runs["on"], runs["off"]
     tput = [a["out_tok_per_s"] / b["out_tok_per_s"] for a, b in zip(on, off, strict=True)]
@@ -406,7 +414,15 @@ def run_config(name: str, budget: str, model: Path, spec: ModelSpec, w: Workload
         f"{measured['cpu_paired_min']:.3f}..{measured['cpu_paired_max']:.3f}); planner capacity x{pred['gain']:.3f}",
         flush=True,
     )
-    return {"name": name, "budget": budget, "predicted": pred, "measured": measured, "summary": summary, "runs": runs}
+    return {
+        "name": name,
+        "budget": budget,
+        "predicted": pred,
+        "measured": measured,
+        "summary": summary,
+        "runs": runs,
+        "discarded": discarded,
+    }
 
 
 # ---- report --------------------------------------------------------------------------------------------
@@ -429,8 +445,10 @@ def markdown(results: list[dict], w: Workload, args: argparse.Namespace, command
         "",
         "Values are min / mean / max over runs. `out tok/s` counts tokens received inside the window (wall "
         "clock; sensitive to other load on the machine); `out tok per server CPU-s` divides them by the server "
-        "process's CPU time in the window (the work each token cost: insensitive to other load). TTFT/TPOT are "
-        "measured by the client on streamed chunks.",
+        "process's CPU time in the window (the work each token cost: less sensitive to other load). TTFT/TPOT are "
+        "measured by the client on streamed chunks. A run whose server process got less than "
+        f"{args.min_cpu:g} of a CPU core (other work on the shared machine) is disturbed and rerun, up to "
+        f"{args.retries} times; disturbed runs that were replaced are listed in serve.json (`discarded`).",
         "",
         "| budget | planner capacity gain | measured tok/s gain | measured tok per CPU-s gain | req/s gain |",
         "| --- | --- | --- | --- | --- |",
@@ -452,6 +470,12 @@ def markdown(results: list[dict], w: Workload, args: argparse.Namespace, command
             "| --- | --- | --- |",
         ]
         pages = {arm: res["runs"][arm][0]["pages_total"] for arm in ("on", "off")}
+        dist = {arm: sum(r["disturbed"] for r in res["runs"][arm]) for arm in ("on", "off")}
+        lines.append(
+            f"| runs kept still disturbed / replaced | {dist['on']} / "
+            f"{sum(d['arm'] == 'on' for d in res['discarded'])} | {dist['off']} / "
+            f"{sum(d['arm'] == 'off' for d in res['discarded'])} |"
+        )
         lines.append(
             f"| pool pages (tokens) | {pages['on']} ({pages['on'] * args.page_size}) | "
             f"{pages['off']} ({pages['off'] * args.page_size}) |"
@@ -539,6 +563,14 @@ def main() -> int:
     p.add_argument("--output-tokens", type=int, default=12)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--min-cpu",
+        type=float,
+        default=0.9,
+        help="a run whose server got fewer CPU cores than this (other work on the machine) is disturbed: "
+        "rerun it (default 0.9)",
+    )
+    p.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (default 3)")
     p.add_argument("--max-load", type=float, default=None, help="before each run, wait for load average < this")
     p.add_argument("--max-wait", type=float, default=120.0, help="at most this many seconds (default 120)")
     p.add_argument("--out", default=str(RESULTS), help="results directory (default bench/results)")
