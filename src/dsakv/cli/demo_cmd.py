@@ -228,7 +228,10 @@ def run(args: argparse.Namespace) -> int:
     from dsakv.spec.model import ModelSpec
 
     spec = ModelSpec.from_path(model_dir)
-    lay = {e: KVLayout(spec, elide=e, kv_format="fp32", index_format="fp32", page_size=args.page_size) for e in (1, 0)}
+    lay = {
+        e: KVLayout(spec, elide=e, kv_format="fp32", index_format="fp32", page_size=args.page_size)
+        for e in (True, False)
+    }
     prefill_port = _free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
     decode_port = _free_ports(1)
     url = f"http://127.0.0.1:{args.port}"
@@ -267,8 +270,8 @@ def run(args: argparse.Namespace) -> int:
     )
     _say(
         args,
-        f"  KV bytes/token: {lay[1].bytes_per_token} elided vs {lay[0].bytes_per_token} dense "
-        f"(x{lay[0].bytes_per_token / lay[1].bytes_per_token:.3f} tokens in the same memory); elision "
+        f"  KV bytes/token: {lay[True].bytes_per_token} elided vs {lay[False].bytes_per_token} dense "
+        f"(x{lay[False].bytes_per_token / lay[True].bytes_per_token:.3f} tokens in the same memory); elision "
         f"{'on' if args.elide else 'off'}",
     )
     _say(

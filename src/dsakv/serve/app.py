@@ -27,9 +27,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv.errors import CapacityError, DsakvError
-from dsakv.serve.backend import GenerationBackend
+from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.metrics import ServerMetrics
 from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion, parse_json
 from dsakv.serve.tokenizer import ByteTokenizer, Tokenizer
@@ -141,7 +141,7 @@ class _Server:
                     await self.call(self.backend.abort, gen.rid)
                 return
 
-    async def run(self, request: Request, gen: _Generation) -> AsyncIterator[tuple[str, list[int]]]:
+    async def run(self, request: Request, gen: _Generation) -> AsyncGenerator[tuple[str, list[int]], None]:
         """(text delta, new token ids) pieces until gen.finish_reason is set."""
         stops = gen.g.stop
         hold = max((len(s) for s in stops), default=1) - 1
@@ -152,13 +152,14 @@ class _Server:
         try:
             while gen.finish_reason is None:
                 try:
-                    ev = await anyio.to_thread.run_sync(next, it, _END, limiter=self.limiter, abandon_on_cancel=True)
+                    got = await anyio.to_thread.run_sync(next, it, _END, limiter=self.limiter, abandon_on_cancel=True)
                 except TimeoutError as e:
                     gen.finish_reason, gen.error = "timeout", str(e)
                     break
-                if ev is _END:
+                if got is _END:
                     gen.finish_reason, gen.error = "error", "the backend ended the request without a final event"
                     break
+                ev = cast(TokenEvent, got)
                 now = time.perf_counter()
                 new = list(ev.new_token_ids)
                 if new:
