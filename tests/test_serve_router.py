@@ -15,8 +15,11 @@ import httpx
 import openai
 import pytest
 
+from dsakv.cli.demo_cmd import demo_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import ByteTokenizer
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
 from engine_support import tiny_path
 from serve_support import make_engine
 
@@ -45,6 +48,8 @@ def demo(tmp_path_factory):
         str(port),
         "--log-dir",
         str(log_dir),
+        "--serve",
+        "--no-host-tier",
     ]
     out = open(log_dir / "demo.out", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -66,7 +71,7 @@ def demo(tmp_path_factory):
         out.close()
     text = (log_dir / "demo.out").read_text()
     assert rc == 0, text
-    assert "identical tokens" in text and "stopping" in text
+    assert "outputs matched: 9/9" in text and "stopping" in text
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +162,6 @@ def test_demo_once_json(tmp_path):
         "-m",
         "dsakv",
         "demo",
-        "--once",
         "--json",
         "--port",
         "0",
@@ -171,11 +175,20 @@ def test_demo_once_json(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    want = make_engine().generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    want = make_engine().generate([demo_prompts(8)[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert summary["completion_ids"] == want[0] == summary["reference_ids"]
     assert summary["ok"] and summary["tokens_equal_colocated"] and summary["chat_stream_done"]
     assert len(summary["chat_ids"]) == 12
-    assert summary["metrics"]["dsakv_pool_pages_used"] == 0 and summary["metrics"]["dsakv_pairs_ready"] == 1
-    assert "identical tokens" in r.stderr and "ready in" in r.stderr
+    assert summary["requests"] == summary["requests_matched"] == 9
+    assert summary["decode_integrity"] == "ok" and summary["metrics"]["dsakv_pairs_ready"] == 1
+    # every stage moved exactly its layout's bytes: prompt pages x bytes per page (index-K on producers only)
+    spec = ModelSpec.from_path(model)
+    prompts = [*demo_prompts(8), summary["chat_prompt_ids"]]
+    pages = sum(-(-len(p) // 16) for p in prompts)
+    assert [(r["count"], r["bytes"]) for r in summary["transfer"]] == [
+        (9, pages * KVLayout(spec, 0, 6, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),
+        (9, pages * KVLayout(spec, 6, 12, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),
+    ]
+    assert "outputs matched: 9/9" in r.stderr and "ready in" in r.stderr and "shut down: 3/3" in r.stderr
     for name in ("decode", "prefill", "router"):
         assert (tmp_path / f"{name}.log").is_file()

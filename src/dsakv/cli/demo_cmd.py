@@ -1,12 +1,16 @@
 """`dsakv demo`: one command, the whole disaggregated system on 127.0.0.1, checked against a colocated engine.
 
-    dsakv demo                 # tiny checkpoint, 2 PP prefill stages + 1 decode + router on :8000; Ctrl-C stops
-    dsakv demo --once --json   # run the scripted requests, print a JSON summary, stop everything (CI)
+    dsakv demo            # tiny checkpoint, 2 PP prefill stages + decode (host tier) + router on :8000,
+                          # a checked batch of requests, capacity and transfer tables, then a clean shutdown
+    dsakv demo --serve    # the same, then keep serving until Ctrl-C
+    dsakv demo --json     # a JSON summary as the last stdout line (the narrative goes to stderr)
 
 It makes a tiny GLM-5.2-shaped checkpoint (or uses --model), starts `dsakv serve --role decode`, `--role prefill
 --pp-size N` and `--role router` as child processes (each in its own process group, logs under --log-dir), waits
-for the router's /health, then sends: a greedy completion of token ids (its tokens must equal a colocated Engine's
-on the same checkpoint), a streamed chat completion, and reads /metrics. Every child is stopped on exit.
+for the router's /health, then sends a batch of concurrent greedy completions and a streamed chat, checks every
+request's tokens against a colocated Engine (same checkpoint, layout and host tier), prints the capacity plan and
+the KV each PP stage moved to decode, reads /metrics and the decode worker's integrity. Every child is stopped
+on exit; the exit code is 0 iff every check passed.
 Imports torch only inside run() (for make-tiny and the colocated reference).
 """
 
@@ -28,6 +32,7 @@ from dsakv.errors import ConfigError
 
 DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
+HOST_TIER_RATIO = 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = (
         "examples:\n"
         "  dsakv demo\n"
-        "  dsakv demo --once --json --port 0\n"
+        "  dsakv demo --json --port 0\n"
+        "  dsakv demo --serve            # keep the deployment up after the checks\n"
         "  dsakv demo --pp-size 3 --transfer-backend nixl --no-elide\n"
         "\n"
-        "while it runs:  curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\\n"
+        "with --serve:   curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\\n"
         '                  -d \'{"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}\''
     )
     p.add_argument("--model", metavar="DIR", help="checkpoint (default: `dsakv make-tiny` into --log-dir)")
@@ -55,7 +61,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per demo request (default 16)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for the workers (180)")
     p.add_argument("--log-dir", default=None, help="child logs and the tiny checkpoint (default: a temp dir)")
-    p.add_argument("--once", action="store_true", help="stop after the scripted requests (exit 1 if a check fails)")
+    p.add_argument("--requests", type=int, default=8, help="concurrent completions in the checked batch (default 8)")
+    p.add_argument(
+        "--host-tier",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"host tier (HiCache, write_back, ratio {HOST_TIER_RATIO:g}) on the decode worker and the reference (on)",
+    )
+    p.add_argument("--serve", action="store_true", help="after the checks, keep serving until Ctrl-C")
+    p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the default since --serve exists
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
 
@@ -145,31 +159,86 @@ def _wait_ready(url: str, children: list[_Child], timeout: float) -> dict[str, A
     raise ConfigError(f"the deployment was not ready within {timeout:g} s (last /health: {last!r})\n{logs}")
 
 
-def _script(args: argparse.Namespace, url: str, model_dir: Path) -> dict[str, Any]:
+def demo_prompts(n: int) -> list[list[int]]:
+    """n deterministic prompts: half share a 32-token prefix, lengths 8..60 (longer than the tiny index_topk 16)."""
+    shared = [(7 * i + 3) % 500 + 2 for i in range(32)]
+    out = []
+    for i in range(n):
+        tail = [(13 * i + 5 * j + 11) % 500 + 2 for j in range(4 + 7 * i % 29)]
+        out.append(shared + tail if i % 2 == 0 else tail + [5, 6, 7, 8])
+    return out
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    r.raise_for_status()
+    return dict(r.json()["choices"][0])
+
+
+def _print_capacity(args: argparse.Namespace, spec: Any) -> None:
+    """The planner's tables for this deployment: same bytes for dense and elided, per role and stage."""
+    from dsakv.cli.plan_cmd import print_plan
+    from dsakv.plan import Deployment, plan
+    from dsakv.spec.layout import KVLayout
+
+    full = KVLayout(spec, elide=True, kv_format="fp32", index_format="fp32", page_size=args.page_size)
+    budget = args.num_pages * full.bytes_per_page
+    out = sys.stderr if args.json else sys.stdout
+    common = {"kv_format": "fp32", "index_format": "fp32", "page_size": args.page_size, "kv_budget": budget}
+    _say(args, f"capacity at the decode pool's {budget:,} bytes per worker ({args.num_pages} elided pages):")
+    print_plan(plan(Deployment(spec, role="decode", **common)), "decode", file=out)
+    print_plan(
+        plan(Deployment(spec, role="prefill", pp=args.pp_size, **common)), f"prefill, PP={args.pp_size}", file=out
+    )
+
+
+def _stage_health(addr: str) -> dict[str, Any]:
+    from dsakv.disagg.rpc import RpcClient
+
+    client = RpcClient(addr, timeout=10)
+    try:
+        return dict(client.call("health"))
+    finally:
+        client.close()
+
+
+def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str, int], status: Any) -> dict[str, Any]:
     """The scripted requests; returns the summary (checks included)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
 
     from dsakv.engine.engine import Engine
     from dsakv.engine.request import SamplingParams
 
     out: dict[str, Any] = {"router": url}
-    body = {"prompt": DEMO_PROMPT, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+    prompts = demo_prompts(args.requests)
+    status.update(f"sending {len(prompts)} concurrent completions through the router")
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    r.raise_for_status()
-    c = r.json()["choices"][0]
-    ids = list(c["token_ids"])
-    _say(args, f"[1] POST /v1/completions prompt={DEMO_PROMPT} max_tokens={args.max_tokens} (greedy)")
-    _say(args, f"    -> {len(ids)} tokens in {time.perf_counter() - t0:.2f} s, finish={c['finish_reason']}: {ids}")
-    ref_engine = Engine(model_dir, elide=args.elide, page_size=args.page_size, num_pages=args.num_pages)
-    ref = ref_engine.generate([DEMO_PROMPT], SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True))[0]
-    same = ids == ref
-    _say(args, f"    colocated engine on the same checkpoint: {'identical tokens' if same else f'DIFFERENT: {ref}'}")
-    out.update(completion_ids=ids, reference_ids=ref, tokens_equal_colocated=same)
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        choices = list(pool.map(lambda p: _complete(url, p, args.max_tokens), prompts))
+    dt = time.perf_counter() - t0
+    got = [list(c["token_ids"]) for c in choices]
+    _say(
+        args,
+        f"[1] {len(prompts)} concurrent POST /v1/completions (greedy, prompts of {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, half sharing a 32-token prefix)",
+    )
+    _say(args, f"    -> {sum(map(len, got))} tokens in {dt:.2f} s; first: {got[0]}")
 
+    status.update("streaming a chat completion")
     _say(args, f"[2] POST /v1/chat/completions (stream) {DEMO_CHAT[0]['content']!r}")
-    chat = {"messages": DEMO_CHAT, "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    chunks, text, chat_ids, done = 0, "", [], False
+    chat = {
+        "messages": DEMO_CHAT,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    chunks, text, chat_ids, chat_prompt, done = 0, "", [], [], False
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat, timeout=120) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -179,12 +248,50 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path) -> dict[str, An
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     raise ConfigError(f"the streamed chat failed: {ev['error']}")
+                chat_prompt = ev.get("prompt_token_ids") or chat_prompt
                 ch = ev["choices"][0]
                 chunks += 1
                 text += ch["delta"].get("content") or ""
                 chat_ids += ch.get("token_ids", [])
-    _say(args, f"    -> {chunks} SSE chunks, {len(chat_ids)} tokens, [DONE]={done}: {text!r}")
-    out.update(chat_ids=chat_ids, chat_text=text, chat_stream_done=done)
+    _say(args, f"    -> {chunks} SSE chunks, {len(chat_ids)} tokens, [DONE]={done}")
+    out.update(chat_ids=chat_ids, chat_prompt_ids=list(chat_prompt), chat_text=text, chat_stream_done=done)
+
+    status.update("running the same requests on a colocated engine")
+    ref_kwargs: dict[str, Any] = {"elide": args.elide, "page_size": args.page_size, "num_pages": args.num_pages}
+    if args.host_tier:
+        ref_kwargs.update(hicache_ratio=HOST_TIER_RATIO, hicache_write_policy="write_back")
+    ref_engine = Engine(model_dir, **ref_kwargs)
+    params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
+    ref = ref_engine.generate([*prompts, list(chat_prompt)], params)
+    matched = sum(a == b for a, b in zip([*got, chat_ids], ref, strict=True))
+    total = len(ref)
+    _say(
+        args,
+        f"[3] colocated engine, same checkpoint and layout{' + host tier' if args.host_tier else ''}: "
+        f"{matched}/{total} requests token-for-token identical",
+    )
+    out.update(
+        completion_ids=got[0],
+        reference_ids=ref[0],
+        tokens_equal_colocated=matched == total,
+        requests=total,
+        requests_matched=matched,
+    )
+    if ref_engine.cache_stats():
+        cs = ref_engine.cache_stats() or {}
+        out["colocated_cache"] = {k: cs[k] for k in ("hit_tokens", "host_hit_tokens", "offload_bytes") if k in cs}
+
+    status.update("reading transfer figures from the prefill stages")
+    prompt_pages = sum(-(-len(p) // args.page_size) for p in [*prompts, list(chat_prompt)])
+    rows = []
+    for k in range(args.pp_size):
+        h = _stage_health(f"127.0.0.1:{ports['prefill'] + k}")
+        t = h.get("transfer", {})
+        rows.append({"stage": k, "layers": h.get("layers"), **t})
+    _print_transfers(args, rows, model_dir, prompt_pages)
+    out["transfer"] = rows
+    dec = _stage_health(f"127.0.0.1:{ports['decode']}")
+    out["decode_integrity"] = dec.get("integrity")
 
     metrics = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
@@ -201,10 +308,47 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path) -> dict[str, An
         "dsakv_prefill_workers_up",
     )
     shown = {k: metrics[k] for k in keep if k in metrics}
-    _say(args, "[3] GET /metrics: " + ", ".join(f"{k[6:]}={v:g}" for k, v in shown.items()))
+    _say(args, "[5] GET /metrics: " + ", ".join(f"{k[6:]}={v:g}" for k, v in shown.items()))
+    _say(
+        args,
+        f"    decode worker integrity: {dec.get('integrity')} ({dec.get('pages_used')} of "
+        f"{dec.get('pages_total')} pages held{', by the prefix cache' if args.host_tier else ''})",
+    )
     out["metrics"] = shown
-    out["ok"] = bool(same and done and len(chat_ids) == args.max_tokens)
+    out["ok"] = bool(matched == total and done and len(chat_ids) == args.max_tokens and dec.get("integrity") == "ok")
     return out
+
+
+def _print_transfers(args: argparse.Namespace, rows: list[dict[str, Any]], model_dir: Path, pages: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsakv.spec.layout import KVLayout
+    from dsakv.spec.model import ModelSpec
+
+    spec = ModelSpec.from_path(model_dir)
+    t = Table(title="[4] KV moved prefill -> decode (each PP stage sends its own layers)", title_justify="left")
+    for col in ("stage", "layers", "index-K layers", "transfers", "bytes", "layout figure", "seconds", "MB/s"):
+        t.add_column(col, justify="left" if col in ("layers", "index-K layers") else "right")
+    for r in rows:
+        lo, hi = (r.get("layers") or [0, spec.num_layers - 1])[:2]
+        lay = KVLayout(
+            spec, lo, hi + 1, elide=args.elide, kv_format="fp32", index_format="fp32", page_size=args.page_size
+        )
+        idx = [k.layer for k in lay.keys if k.kind.value == "index_k"]
+        nbytes, secs = int(r.get("bytes", 0)), float(r.get("seconds", 0.0))
+        t.add_row(
+            str(r["stage"]),
+            f"{lo}-{hi}",
+            ",".join(map(str, idx)),
+            str(r.get("count", 0)),
+            f"{nbytes:,}",
+            f"{pages * lay.bytes_per_page:,}",
+            f"{secs:.3f}",
+            f"{nbytes / secs / 1e6:.1f}" if secs else "-",
+        )
+    Console(file=sys.stderr if args.json else sys.stdout, width=160).print(t)
+    _say(args, f"    layout figure = {pages} prompt pages x the stage's bytes per page (index-K only on producers)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -247,8 +391,9 @@ def run(args: argparse.Namespace) -> int:
         "--elide" if args.elide else "--no-elide",
     ]
     dsakv = [sys.executable, "-m", "dsakv", "serve", "--model", str(model_dir)]
+    host = ["--hicache-ratio", str(HOST_TIER_RATIO), "--hicache-write-policy", "write_back"] if args.host_tier else []
     specs = [
-        ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *pool]),
+        ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *pool, *host]),
         ("prefill", [*dsakv, "--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool]),
         (
             "router",
@@ -280,6 +425,7 @@ def run(args: argparse.Namespace) -> int:
         f"; decode on 127.0.0.1:{decode_port}; KV transfer: {args.transfer_backend}",
     )
     _say(args, f"  router (OpenAI API): {url}   logs: {log_dir}")
+    _print_capacity(args, spec)
     children: list[_Child] = []
     summary: dict[str, Any] = {}
     stopping: list[int] = []
@@ -288,20 +434,37 @@ def run(args: argparse.Namespace) -> int:
         stopping.append(signum)
         raise KeyboardInterrupt
 
+    from rich.console import Console
+
+    console = Console(file=sys.stderr)
     old = signal.signal(signal.SIGTERM, _on_term)
     try:
-        for name, cmd in specs:
-            children.append(_Child(name, cmd, log_dir / f"{name}.log"))
-        t0 = time.monotonic()
-        health = _wait_ready(url, children, args.startup_timeout)
-        _say(
-            args,
-            f"ready in {time.monotonic() - t0:.1f} s: {len(health.get('pairs', []))} prefill-decode pair(s) "
-            f"handshaken, decode pool {health.get('pages_total')} pages",
-        )
-        summary = _script(args, url, model_dir)
+        with console.status("starting decode, prefill stages and router") as status:
+            for name, cmd in specs:
+                children.append(_Child(name, cmd, log_dir / f"{name}.log"))
+            t0 = time.monotonic()
+            status.update("waiting for the prefill-decode handshake (router /health)")
+            health = _wait_ready(url, children, args.startup_timeout)
+            _say(
+                args,
+                f"ready in {time.monotonic() - t0:.1f} s: {len(health.get('pairs', []))} prefill-decode pair(s) "
+                f"handshaken, decode pool {health.get('pages_total')} pages",
+            )
+            summary = _script(args, url, model_dir, {"prefill": prefill_port, "decode": decode_port}, status)
         summary["log_dir"] = str(log_dir)
-        if not args.once:
+        if summary.get("ok"):
+            _say(
+                args,
+                f"outputs matched: {summary['requests_matched']}/{summary['requests']} requests through the "
+                "disaggregated deployment are identical to the colocated run",
+            )
+        else:
+            _say(
+                args,
+                f"CHECK FAILED: {summary.get('requests_matched')}/{summary.get('requests')} requests matched "
+                f"the colocated run; decode integrity {summary.get('decode_integrity')}; logs in {log_dir}",
+            )
+        if args.serve:
             _say(args, "\nserving until Ctrl-C; try:")
             _say(
                 args,
@@ -324,8 +487,15 @@ def run(args: argparse.Namespace) -> int:
         for c in reversed(children):
             c.stop()
         signal.signal(signal.SIGTERM, old)
+    if children:
+        left = [c.name for c in children if c.alive()]
+        _say(
+            args,
+            f"shut down: {len(children) - len(left)}/{len(children)} processes stopped"
+            + (f", still alive: {left}" if left else ""),
+        )
     if args.json and summary:
         print(json.dumps(summary), flush=True)
-    if args.once:
-        return 0 if summary.get("ok") else 1
-    return 0
+    if stopping or (args.serve and summary):
+        return 0 if summary.get("ok", True) else 1
+    return 0 if summary.get("ok") else 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TextIO
 
 from dsakv.errors import ConfigError
 from dsakv.plan import ROLES, Deployment, RolePlan, balance, fmt_bytes, parse_partition, parse_size, plan
@@ -72,12 +73,13 @@ def _pct(x: float) -> str:
     return f"{x * 100:+.1f}%"
 
 
-def _print_plan(rp: RolePlan, title: str) -> None:
+def print_plan(rp: RolePlan, title: str, file: TextIO | None = None) -> None:
+    """One row per PP stage (dense vs elided), the binding stage marked, then the worker's totals."""
     from rich.console import Console
     from rich.table import Table
 
     d = rp.deployment
-    console = Console(width=max(Console().width, 200))
+    console = Console(width=max(Console().width, 200), file=file)
     t = Table(title=title, title_justify="left")
     for col, just in (
         ("stage", "right"),
@@ -156,11 +158,11 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}"
             )
-    _print_plan(rp, f"{d.role} capacity")
+    print_plan(rp, f"{d.role} capacity")
     if bal is not None:
         print()
         part = ",".join(map(str, bal.balanced.deployment.partition or ()))
-        _print_plan(bal.balanced, f"balanced partition {part}")
+        print_plan(bal.balanced, f"balanced partition {part}")
         print(
             f"--balance: partition {part} gives {bal.balanced.tokens_elided:,} tokens vs "
             f"{bal.baseline.tokens_elided:,} with {','.join(map(str, d.partition or ()))}: "
