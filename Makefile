@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: install
-	$(BIN)/dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1
+	$(BIN)/dsakv demo
 
 plan: install
 	$(BIN)/dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1

@@ -101,7 +101,7 @@ def test_serve_process_end_to_end(tmp_path):
 
 
 def test_disagg_roles_dispatch_to_disagg_cli():
-    """--role router|prefill|decode go to dsakv.disagg.cli.run_role (its own errors come back as exit code 2)."""
+    """--role router|prefill|decode go to dsakv.cli.disagg_roles.run_role (its own errors come back as exit code 2)."""
     r = subprocess.run(
         [sys.executable, "-m", "dsakv", "serve", "--role", "router"], capture_output=True, text=True, timeout=60
     )

@@ -4,10 +4,10 @@
 
 Structure (so the disaggregated roles plug in without editing this file):
 - `add_arguments` adds the options every role shares (model, address, pool, engine, prefix cache) and, if the
-  module `dsakv.disagg.cli` exists, calls its `add_arguments(parser)` for role-specific options (it must not
+  module `dsakv.cli.disagg_roles` exists, calls its `add_arguments(parser)` for role-specific options (it must not
   re-add the shared ones).
 - `run` starts `--role colocated` itself (`run_colocated`) and hands prefill / decode / router to
-  `dsakv.disagg.cli.run_role(args)`.
+  `dsakv.cli.disagg_roles.run_role(args)`.
 - `engine_kwargs(args)` / `num_pages_for(args, spec)` turn the shared options into Engine keyword arguments, for
   any role that builds an Engine; `serve_http(app, args)` runs an ASGI app with uvicorn.
 Imports torch, the engine and uvicorn inside functions only (`dsakv --help` stays light).
@@ -30,7 +30,7 @@ from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 log = logging.getLogger("dsakv.serve")
 
 ROLES = ("colocated", "prefill", "decode", "router")
-DISAGG_CLI = "dsakv.disagg.cli"
+DISAGG_CLI = "dsakv.cli.disagg_roles"
 
 
 def _disagg_cli() -> ModuleType | None:

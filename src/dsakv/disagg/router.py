@@ -37,9 +37,9 @@ from typing import Any
 
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
 from dsakv.disagg.wire import params_to_dict
+from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
-from dsakv.serve.backend import TokenEvent
 
 log = logging.getLogger(__name__)
 

@@ -1,74 +1,9 @@
-"""The serving backend contract: what the HTTP layer (dsakv.serve.app) talks to.
+"""The serving backend contract, re-exported where the HTTP layer looks for it.
 
-The HTTP app never touches an Engine or a router directly; it drives a `GenerationBackend`:
-
-    backend.start()
-    backend.submit("cmpl-1", prompt_ids, SamplingParams(max_new_tokens=16))   # CapacityError/ConfigError -> 4xx
-    for ev in backend.events("cmpl-1", timeout=60.0):                           # TokenEvent, until ev.finished
-        ...
-    backend.abort("cmpl-1")                                                    # client went away
-    backend.stop()
-
-Implementations: `EngineBackend` (dsakv.serve.engine_backend, colocated: one Engine driven by a background
-thread) and `RouterBackend` (dsakv.disagg.router: prefill + decode workers behind a router).
-Imports only the standard library and dsakv.engine.request (SamplingParams, no torch); must not import
-dsakv.model, dsakv.disagg or dsakv.cli.
+The contract lives in dsakv.engine.backend so the disaggregated router (dsakv.disagg) can implement it without
+importing the serve layer above it.
 """
 
-from __future__ import annotations
-
-from collections.abc import Iterator
-from typing import Any, NamedTuple, Protocol, runtime_checkable
-
-from dsakv.engine.request import SamplingParams
-
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-class TokenEvent(NamedTuple):
-    """New tokens of one request since its last event; the last event has finished=True."""
-
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None (not finished)
-    error: str | None  # clear message when finish_reason == "error"
-
-
-@runtime_checkable
-class GenerationBackend(Protocol):
-    name: str  # "colocated" | "disaggregated"
-
-    def start(self) -> None:
-        """Start background work (threads, connections). Idempotent."""
-        ...
-
-    def stop(self) -> None:
-        """Abort what is in flight and stop background work. Idempotent."""
-        ...
-
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raise dsakv.errors.CapacityError / ConfigError for bad input (-> HTTP 413/400)."""
-        ...
-
-    def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
-        """Blocking iterator of events until finished; raises TimeoutError if nothing arrives within `timeout`."""
-        ...
-
-    def abort(self, request_id: str) -> None:
-        """Abort a queued or running request and free its pages; no-op if unknown or finished."""
-        ...
-
-    def health(self) -> dict[str, Any]:
-        """{"ok": bool, ...details}: /health returns 200 when ok, 503 otherwise."""
-        ...
-
-    def metrics(self) -> dict[str, float]:
-        """Flat name -> value, exported on /metrics as gauges prefixed `dsakv_` (names: [a-z0-9_]+)."""
-        ...
-
-    def max_prompt_tokens(self) -> int:
-        """The longest prompt the backend can ever take (for 4xx validation before submit)."""
-        ...
-
+from dsakv.engine.backend import FINISH_REASONS, GenerationBackend, TokenEvent
 
 __all__ = ["FINISH_REASONS", "GenerationBackend", "TokenEvent"]
