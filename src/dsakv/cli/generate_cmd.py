@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
 from dsakv.errors import ConfigError
-from dsakv.plan.units import parse_size
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -56,18 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per page ({DEFAULT_PAGE_SIZE})")
     kv.add_argument("--num-pages", type=int, default=None, help="pool pages (default: enough for --max-tokens)")
     kv.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
-    hc = p.add_argument_group("prefix cache and host tier (HiCache); any --hicache-* option turns the cache on")
-    hc.add_argument("--prefix-cache", action="store_true", help="reuse cached prefixes (device pool only)")
-    hc.add_argument("--hicache-ratio", type=float, default=None, help="host tier = ratio x device pool bytes")
-    hc.add_argument("--hicache-size", default=None, metavar="SIZE", help="host tier bytes, e.g. 2GiB")
-    hc.add_argument("--hicache-layout", default="layer_first", help="host layout: layer_first (default), page_first")
-    hc.add_argument(
-        "--hicache-write-policy",
-        default="write_through",
-        help="write_through (default), write_back (offload on eviction), write_through_selective (after N hits)",
-    )
-    hc.add_argument("--hicache-selective-threshold", type=int, default=2, help="hits before a selective backup")
-    hc.add_argument("--hicache-disk-dir", default=None, metavar="DIR", help="disk tier (survives a restart)")
+    hc = add_hicache_arguments(p)
     hc.add_argument(
         "--sequential", action="store_true", help="run the prompts one after another (later ones reuse prefixes)"
     )
@@ -143,13 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         dtype=getattr(torch, args.dtype),
         seed=args.seed,
-        enable_prefix_cache=args.prefix_cache,
-        hicache_ratio=args.hicache_ratio,
-        hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
-        hicache_layout=args.hicache_layout,
-        hicache_write_policy=args.hicache_write_policy,
-        hicache_selective_threshold=args.hicache_selective_threshold,
-        hicache_disk_dir=args.hicache_disk_dir,
+        **hicache_kwargs(args),
     )
     ids: list[str] = []
     final = {}

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
@@ -79,18 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--kv-budget", default=None, metavar="SIZE", help="pool bytes, e.g. 64MiB (pages = planner's)")
     size.add_argument("--num-pages", type=int, default=None, help="pool pages")
     size.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
-    hc = p.add_argument_group("prefix cache and host tier (HiCache); any --hicache-* option turns the cache on")
-    hc.add_argument("--prefix-cache", action="store_true", help="reuse cached prefixes (device pool only)")
-    hc.add_argument("--hicache-ratio", type=float, default=None, help="host tier = ratio x device pool bytes")
-    hc.add_argument("--hicache-size", default=None, metavar="SIZE", help="host tier bytes, e.g. 2GiB")
-    hc.add_argument("--hicache-layout", default="layer_first", help="host layout: layer_first (default), page_first")
-    hc.add_argument(
-        "--hicache-write-policy",
-        default="write_through",
-        help="write_through (default), write_back, write_through_selective",
-    )
-    hc.add_argument("--hicache-selective-threshold", type=int, default=2, help="hits before a selective backup")
-    hc.add_argument("--hicache-disk-dir", default=None, metavar="DIR", help="disk tier (survives a restart)")
+    add_hicache_arguments(p)
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill budget)")
     eng.add_argument("--max-running-requests", type=int, default=None, help="requests per batch (default 64)")
@@ -147,13 +137,7 @@ def engine_kwargs(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
         max_running_requests=args.max_running_requests,
         dtype=getattr(torch, args.dtype),
         seed=args.seed,
-        enable_prefix_cache=args.prefix_cache,
-        hicache_ratio=args.hicache_ratio,
-        hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
-        hicache_layout=args.hicache_layout,
-        hicache_write_policy=args.hicache_write_policy,
-        hicache_selective_threshold=args.hicache_selective_threshold,
-        hicache_disk_dir=args.hicache_disk_dir,
+        **hicache_kwargs(args),
     )
 
 
