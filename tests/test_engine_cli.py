@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from dsakv.cli.main import main
-from engine_support import hf_greedy, prompts_for, tiny_path
+from engine_support import engine, greedy_params, hf_greedy, prompts_for, tiny_path
 
 
 def test_generate_prints_greedy_ids(capsys: pytest.CaptureFixture[str]) -> None:
@@ -26,7 +26,10 @@ def test_generate_prints_greedy_ids(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv + ["--no-elide", "--kv-format", "fp8-656", "--index-format", "fp8-132"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].startswith("#0 prompt=20 finish=length ids=") and lines[1].startswith("#1 prompt=6 ")
-    assert len(lines[0].split("ids=")[1].split(",")) == 12
+    lossy = engine(
+        "glm_moe_dsa", elide=False, kv_format="fp8-656", index_format="fp8-132", page_size=4, max_tokens=512
+    ).generate([p0, p1], greedy_params(12))
+    assert [[int(t) for t in line.split("ids=")[1].split(",")] for line in lines] == lossy
 
 
 def test_generate_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,6 +94,7 @@ def test_sampled_decode_after_prefill_matches_colocated() -> None:
     (p,) = prompts_for([19], seed=8)
     sp = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, seed=77, ignore_eos=True)
     colocated = engine("glm_moe_dsa", page_size=4, max_tokens=128).generate([p], sp)[0]
+    assert len(colocated) == 12
     prefill = engine("glm_moe_dsa", page_size=4, max_tokens=128)
     prefill.add_request(p, SamplingParams(max_new_tokens=1, temperature=0.9, top_k=40, seed=77), "s", keep_pages=True)
     while prefill.has_unfinished():

@@ -207,7 +207,7 @@ def test_stop_token_ids_and_stop_strings(client, reference):
         assert got == want_text and reason == "stop"
 
 
-def test_models_health_metrics(client, server):
+def test_models_health_metrics(client, server, reference):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert models.data[0].model_extra["max_model_len"] == NUM_PAGES * PAGE_SIZE
@@ -218,7 +218,7 @@ def test_models_health_metrics(client, server):
     r = client.completions.create(
         model=MODEL, prompt=[4, 5, 6], max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
-    assert len(r.choices[0].model_extra["token_ids"]) == 5
+    assert r.choices[0].model_extra["token_ids"] == reference([[4, 5, 6]], 5, ignore_eos=True)[0]
     m = scrape(server.url)
     assert m["dsakv_requests_total"] == before["dsakv_requests_total"] + 1
     assert m["dsakv_prompt_tokens_total"] == before["dsakv_prompt_tokens_total"] + 3
@@ -273,5 +273,6 @@ def test_prefix_cache_counters_on_metrics(reference):
     assert m["dsakv_prefix_cache_lookup_tokens"] == 39 + 49
     assert m["dsakv_prefix_cache_hit_tokens_total"] == 32 and m["dsakv_prefix_cache_device_hit_tokens"] == 32
     assert m["dsakv_prefix_cache_hit_rate"] == 32 / 88
-    assert m["dsakv_pool_pages_used"] > 0  # the cache holds its pages; no request does
+    # the cache holds its full pages and no request does: second + 4 outputs = 54 tokens = 3 full pages, 2 shared
+    assert m["dsakv_pool_pages_used"] == 3
     assert m["dsakv_requests_running"] == 0 and m["dsakv_engine_running"] == 0

@@ -93,6 +93,7 @@ def test_serve_process_end_to_end(tmp_path):
             rc = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=10)
             raise
     text = log.read_text()
     assert rc == 0, text

@@ -32,6 +32,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (Linux /proc): the demo starts its workers in their own sessions, so killing the
+    demo alone would leave them running."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """`dsakv demo` serving (not --once) on a free port; SIGTERM stops it and its workers."""
@@ -66,9 +87,15 @@ def demo(tmp_path_factory):
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=10)
             raise
-        out.close()
+        finally:
+            out.close()
     text = (log_dir / "demo.out").read_text()
     assert rc == 0, text
     assert "outputs matched: 9/9" in text and "stopping" in text
@@ -178,7 +205,9 @@ def test_demo_once_json(tmp_path):
     want = make_engine().generate([demo_prompts(8)[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert summary["completion_ids"] == want[0] == summary["reference_ids"]
     assert summary["ok"] and summary["tokens_equal_colocated"] and summary["chat_stream_done"]
-    assert len(summary["chat_ids"]) == 12
+    chat_params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    (chat_want,) = make_engine().generate([summary["chat_prompt_ids"]], chat_params)
+    assert summary["chat_ids"] == chat_want and len(chat_want) == 12
     assert summary["requests"] == summary["requests_matched"] == 9
     assert summary["decode_integrity"] == "ok" and summary["metrics"]["dsakv_pairs_ready"] == 1
     # every stage moved exactly its layout's bytes: prompt pages x bytes per page (index-K on producers only)

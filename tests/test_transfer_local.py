@@ -135,6 +135,11 @@ def test_deadline_cancels_and_destination_stays_untouched(tiny) -> None:
     # the same transfer with room to finish succeeds
     m = sb.transfer(peer, plan.blocks, deadline_in(5))
     assert m.ok and m.seconds >= 0.5
+    keys = [p.key for p in check_pair(sm, dm).pairs]
+    assert page_checksums(dst_pool, np.array([2, 3]), keys) == page_checksums(src_pool, np.array([0, 1]), keys)
+    assert sum(int(dst_pool.tensor(k)[[0, 1]].count_nonzero()) for k in dst_pool.keys) == 0
+    t = sb.stats.totals()
+    assert (t.transfers, t.failures, t.bytes) == (2, 1, m.nbytes)
 
 
 def test_closed_peer_fails_and_backend_mismatch_is_refused(tiny) -> None:
