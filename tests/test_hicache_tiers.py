@@ -60,6 +60,7 @@ class Harness:
             self.alloc.release(rid)
             self.cache.check_integrity()
             return m
+        self.cache.admit(m)
         own = self.alloc.alloc(need)
         self.alloc.hold(rid, own)
         pages = np.concatenate([m.page_ids, own])

@@ -14,7 +14,12 @@ Tiers:
           policy (write_policy.py) decides when device copies are backed up; a hit on a host-only run is
           loaded back onto the device inside match_prefix, before the request computes
   disk    DiskTier (HiCacheConfig.disk_dir): every newly cached page is persisted once; after the tree runs
-          out, match_prefix continues on disk, so a restarted server still hits
+          out, match_prefix continues on disk, so a restarted server still hits. HiCacheConfig.disk_size caps
+          its bytes (LRU page files go first); None = unbounded
+
+Counting: a match's lookup and hits are counted by admit(m), when the request that asked actually starts
+with it; a match released without admit() (the scheduler retries admission later, or an abort) counts only
+in unadmitted_lookups, so a request that retries under memory pressure is counted once.
 
 match_prefix(tokens, load=False) reserves device pages and returns a match with pending loads; complete()
 runs them and release() before completion gives the reserved pages back (an abort mid-load leaks nothing).
@@ -72,6 +77,7 @@ class HiCacheConfig:
     write_policy: str = "write_through"  # write_through | write_back | write_through_selective
     selective_threshold: int = 2  # hits before write_through_selective backs a run up
     disk_dir: str | None = None  # third tier on local disk; None = off
+    disk_size: int | None = None  # disk tier cap in bytes (page files, headers included); None = unbounded
     model_hash: str | None = None  # checkpoint fingerprint for disk keys (weights change -> new keys)
     pin_memory: bool = True  # pin the host pool when the device is CUDA
 
@@ -86,6 +92,10 @@ class HiCacheConfig:
             raise ConfigError(f"host layout {self.layout!r} is unknown: use one of {', '.join(HOST_LAYOUTS)}")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write policy {self.write_policy!r} is unknown: use one of {', '.join(WRITE_POLICIES)}")
+        if self.disk_size is not None and self.disk_dir is None:
+            raise ConfigError(f"disk_size = {self.disk_size} B given without disk_dir: give a disk tier directory")
+        if self.disk_size is not None and self.disk_size <= 0:
+            raise ConfigError(f"disk_size = {self.disk_size} bytes must be > 0 (or None for no cap)")
         if self.selective_threshold < 1:
             raise ConfigError(f"selective_threshold = {self.selective_threshold} must be >= 1")
 
@@ -98,8 +108,9 @@ class HiCacheConfig:
 class HiCacheStats:
     """Counters since the cache was built. Tokens are whole pages x page_size."""
 
-    lookups: int = 0  # match_prefix calls
-    lookup_tokens: int = 0  # tokens passed to match_prefix
+    lookups: int = 0  # admitted matches (admit()): one per request admission that used the cache
+    lookup_tokens: int = 0  # tokens those matches looked up
+    unadmitted_lookups: int = 0  # match_prefix calls released without admit() (admission retries, aborts)
     device_hit_tokens: int = 0  # matched tokens that were already on the device
     host_hit_tokens: int = 0  # matched tokens loaded back from the host tier
     disk_hit_tokens: int = 0  # matched tokens loaded from the disk tier
@@ -115,6 +126,8 @@ class HiCacheStats:
     disk_write_bytes: int = 0
     disk_read_pages: int = 0  # disk -> device
     disk_read_bytes: int = 0
+    disk_evicted_pages: int = 0  # page files deleted to stay under disk_size (LRU)
+    disk_evicted_bytes: int = 0  # their bytes on disk (headers included)
     device_evicted_pages: int = 0  # device copies dropped (offloaded first under write_back)
     host_evicted_pages: int = 0  # host copies dropped
 
@@ -149,6 +162,7 @@ class _Load:
     dev_ids: IntArray
     tokens: npt.NDArray[np.int64] = field(default_factory=lambda: _EMPTY)
     hashes: list[str] = field(default_factory=list)
+    above: list[str] = field(default_factory=list)  # disk hashes of the pages before `hashes` (in the tree)
 
 
 @dataclass(eq=False)
@@ -165,6 +179,7 @@ class PrefixMatch:
     host_pages: int = 0  # loaded from the host tier
     disk_pages: int = 0  # loaded from disk
     released: bool = False
+    admitted: bool = False  # admit() counted it
 
     @property
     def ready(self) -> bool:
@@ -207,9 +222,14 @@ class HiCache:
         self.radix = RadixCache(self.page_size, allocator, self.host_alloc)
         self.policy = make_write_policy(self.config.write_policy, self.config.selective_threshold)
         self.disk = (
-            DiskTier(self.config.disk_dir, self.layout, self.config.model_hash) if self.config.disk_dir else None
+            DiskTier(self.config.disk_dir, self.layout, self.config.model_hash, self.config.disk_size)
+            if self.config.disk_dir
+            else None
         )
         self.stats = HiCacheStats()
+        if self.disk is not None:  # files over the cap at start-up (a smaller disk_size than last run)
+            self.stats.disk_evicted_pages = self.disk.evicted_pages
+            self.stats.disk_evicted_bytes = self.disk.evicted_bytes
         self._match_ids = itertools.count(1)
         self._open: dict[int, PrefixMatch] = {}
         log.info(
@@ -235,12 +255,11 @@ class HiCache:
 
     def match_prefix(self, tokens: Sequence[int] | npt.ArrayLike, load: bool = True) -> PrefixMatch:
         """Longest cached run of whole pages of `tokens`, locked. With load=True (the default) host and disk hits
-        are on the device when this returns; pass prompt[:-1] so that at least one token is left to compute."""
+        are on the device when this returns; pass prompt[:-1] so that at least one token is left to compute.
+        Nothing is counted as a lookup or hit until admit(m)."""
         toks = as_tokens(tokens)
         path = self.radix.match(toks)
         m = PrefixMatch(next(self._match_ids), self.page_size, int(toks.size), None, 0)
-        self.stats.lookups += 1
-        self.stats.lookup_tokens += int(toks.size)
         if path:
             self.radix.lock(path[-1])
             m.node = path[-1]
@@ -271,7 +290,8 @@ class HiCache:
         total = toks.size // ps
         if start >= total:
             return
-        hashes = self.disk.page_hashes(toks, total)[start:]
+        chain = self.disk.page_hashes(toks, total)
+        hashes = chain[start:]
         n = self.disk.count_present(hashes)
         while n > 0:
             ids = self._alloc_device(n)
@@ -282,7 +302,9 @@ class HiCache:
             return
         self.allocator.hold(m.owner, ids)
         parent = path[-1] if path else self.radix.root
-        m.pending.append(_Load("disk", parent, ids, toks[start * ps : (start + n) * ps].copy(), hashes[:n]))
+        m.pending.append(
+            _Load("disk", parent, ids, toks[start * ps : (start + n) * ps].copy(), hashes[:n], chain[:start])
+        )
 
     def complete(self, m: PrefixMatch, max_loads: int | None = None) -> None:
         """Run the match's pending loads (at most `max_loads` of them), in order; when none is left, the match's
@@ -349,6 +371,7 @@ class HiCache:
             self.allocator.free(step.dev_ids)
             return False
         rows = self.disk.read(step.hashes)
+        self.disk.touch(step.above)  # the chain's earlier pages stay more recent than the pages just read
         n = int(rows.shape[0])
         if n < step.dev_ids.size:
             self.allocator.free(step.dev_ids[n:])
@@ -375,7 +398,7 @@ class HiCache:
         m.pending.clear()
 
     def _finish(self, m: PrefixMatch) -> None:
-        """Move the lock to the deepest node on the device and fix page_ids; count hits."""
+        """Move the lock to the deepest node on the device and fix page_ids."""
         node = m.node
         while node is not None and node is not self.radix.root and not node.on_device:
             node = node.parent
@@ -389,13 +412,25 @@ class HiCache:
             m.node = node
         path = self.radix.path_to(m.node) if m.node is not None else []
         m.page_ids = np.concatenate([n.device for n in path if n.device is not None]) if path else _EMPTY
-        ps = self.page_size
         hit = int(m.page_ids.size)
         m.host_pages = min(m.host_pages, hit - min(m.device_pages, hit))
         m.device_pages = min(m.device_pages, hit)
+
+    def admit(self, m: PrefixMatch) -> None:
+        """The request that asked for `m` starts with its pages: count the lookup and its hits (once per match),
+        and let the write policy see the hit. The scheduler calls it on admission, never on a retry."""
+        if m.released or not m.ready:
+            raise IntegrityError(f"match {m.id}: admit() needs a complete, unreleased match (complete() it first)")
+        if m.admitted:
+            return
+        m.admitted = True
+        ps = self.page_size
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += m.lookup_tokens
         self.stats.device_hit_tokens += m.device_pages * ps
         self.stats.host_hit_tokens += m.host_pages * ps
         self.stats.disk_hit_tokens += m.disk_pages * ps
+        path = self.radix.path_to(m.node) if m.node is not None else []
         for n in path:
             n.hit_count += 1
         if path:
@@ -405,6 +440,8 @@ class HiCache:
         """Unlock the match (the request finished, or was aborted at any point, even mid-load)."""
         if m.released:
             return
+        if not m.admitted:
+            self.stats.unadmitted_lookups += 1
         self._cancel(m)
         if m.node is not None:
             self.radix.unlock(m.node)
@@ -432,12 +469,16 @@ class HiCache:
         first = total - sum(n.num_pages for n in new)
         todo = [(i, h) for i, h in enumerate(hashes[first:], start=first) if not self.disk.contains(h)]
         if not todo:
+            self.disk.touch(hashes)
             return
         dev_ids = np.concatenate([n.device for n in path if n.device is not None])
         rows = gather_rows(self.device, dev_ids[[i for i, _ in todo]])
-        written = self.disk.write([h for _, h in todo], rows)
+        ev_pages, ev_bytes = self.disk.evicted_pages, self.disk.evicted_bytes
+        written = self.disk.write([h for _, h in todo], rows, protect=hashes)
         self.stats.disk_write_pages += written
         self.stats.disk_write_bytes += written * self.layout.bytes_per_page
+        self.stats.disk_evicted_pages += self.disk.evicted_pages - ev_pages
+        self.stats.disk_evicted_bytes += self.disk.evicted_bytes - ev_bytes
 
     # ---- tier moves -------------------------------------------------------------------
 
@@ -551,4 +592,6 @@ class HiCache:
             "host_layout": self.config.layout if self.host else None,
             "write_policy": self.config.write_policy if self.host else None,
             "disk_dir": str(Path(self.disk.dir)) if self.disk else None,
+            "disk_size": self.disk.max_bytes if self.disk else None,
+            "disk_used_bytes": self.disk.used_bytes if self.disk else 0,
         }

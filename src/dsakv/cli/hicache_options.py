@@ -22,6 +22,12 @@ def add_hicache_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup
     )
     hc.add_argument("--hicache-selective-threshold", type=int, default=2, help="hits before a selective backup")
     hc.add_argument("--hicache-disk-dir", default=None, metavar="DIR", help="disk tier (survives a restart)")
+    hc.add_argument(
+        "--hicache-disk-size",
+        default=None,
+        metavar="SIZE",
+        help="cap on the disk tier's page files, e.g. 1GiB; least recently used pages are deleted (default: no cap)",
+    )
     return hc
 
 
@@ -35,4 +41,7 @@ def hicache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "hicache_write_policy": args.hicache_write_policy,
         "hicache_selective_threshold": args.hicache_selective_threshold,
         "hicache_disk_dir": args.hicache_disk_dir,
+        "hicache_disk_size": parse_size(args.hicache_disk_size, "--hicache-disk-size")
+        if args.hicache_disk_size
+        else None,
     }

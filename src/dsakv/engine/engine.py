@@ -116,6 +116,7 @@ class Engine:
         hicache_write_policy: str = "write_through",
         hicache_selective_threshold: int = 2,
         hicache_disk_dir: str | Path | None = None,
+        hicache_disk_size: int | None = None,
     ) -> None:
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
@@ -140,6 +141,8 @@ class Engine:
         self.allocator = PageAllocator(num_pages, name="device pool")
         # prefix cache (dsakv.cache.hicache): any host-tier or disk option turns it on
         self.prefix_cache: PrefixCache | None = prefix_cache
+        if hicache_disk_size is not None and not hicache_disk_dir:
+            raise ConfigError(f"hicache_disk_size = {hicache_disk_size} B needs hicache_disk_dir (the disk tier)")
         if enable_prefix_cache or hicache_ratio is not None or hicache_size is not None or hicache_disk_dir:
             if prefix_cache is not None:
                 raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
@@ -152,6 +155,7 @@ class Engine:
                 write_policy=hicache_write_policy,
                 selective_threshold=hicache_selective_threshold,
                 disk_dir=str(hicache_disk_dir) if hicache_disk_dir else None,
+                disk_size=hicache_disk_size,
                 model_hash=model_fingerprint(self.model) if hicache_disk_dir else None,
             )
             self.prefix_cache = HiCache(self.pool, self.allocator, hc)

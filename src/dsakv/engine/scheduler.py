@@ -39,6 +39,8 @@ Prefix-cache hook (None by default; dsakv.cache.hicache.HiCache implements it):
         reference (allocator.incref + allocator.hold under a non-str owner) of the pages
         it keeps; then the scheduler calls release(m) and releases the request's
         references, so pages the cache already had go back to the free list.
+    admit(m)   (optional) called once when the request starts with m (not on a retry), so a
+        cache counts lookups and hits per admission, never per match_prefix attempt.
     release(m)
         Ends the lock taken by match_prefix.
     evict(num_pages) -> int
@@ -365,6 +367,9 @@ class Scheduler:
                     self.prefix_cache.release(match)
                 break
             self.waiting.popleft()
+            admit = getattr(self.prefix_cache, "admit", None)
+            if match is not None and admit is not None:
+                admit(match)
             if cached_pages.size:
                 self.allocator.incref(cached_pages)
                 self.allocator.hold(req.request_id, cached_pages)
