@@ -17,7 +17,7 @@ from dsakv.disagg.events import EventLog
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage, split_layers
 from dsakv.disagg.router import RouterBackend, RouterConfig
-from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.rpc import RpcClient, RpcError
 from dsakv.disagg.wire import params_from_dict, params_to_dict
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
@@ -104,8 +104,9 @@ def test_handshake_refuses_incompatible_peer(prefill_kw, match):
         with pytest.raises(IncompatiblePeer, match=match):
             stage.links.get(dec.address)
         stage.rpc.start()
-        with pytest.raises(Exception, match=match):  # the router's connect gets the same message
+        with pytest.raises(RpcError, match=match) as remote:  # the router's connect gets the same message
             RpcClient(stage.address).call("connect", {"decode": dec.address})
+        assert remote.value.kind == "IncompatiblePeer"
     finally:
         stage.rpc.stop()
         stage.backend.close()

@@ -317,7 +317,10 @@ def test_prefix_cache_hook() -> None:
     assert alloc.held_by(PagePrefixCache.OWNER).tolist() == [0]
     while s.has_unfinished():
         step(s)
-    assert alloc.num_free + alloc.held_by(PagePrefixCache.OWNER).size == 6
+    # c's first decode token needs a 6th page: the cache gives up page 0 (a's); c's 20 + 3 computed tokens go back
+    # as 5 whole pages to the cache, and its last page is freed
+    assert c.output_ids == [7, 7, 7, 7] and cache.calls[-4:] == ["evict 1", "evict 1", "insert 20", "release"]
+    assert sorted(alloc.held_by(PagePrefixCache.OWNER).tolist()) == [1, 2, 3, 4, 5] and alloc.num_free == 1
 
 
 def test_prealloc_start_decode_and_abort_while_waiting_for_kv() -> None:
