@@ -41,7 +41,7 @@ def test_every_way_out_keeps_the_books() -> None:
         eng.check_integrity()
 
     final = drive(eng, on_step)
-    assert events[0][0] == "abort a" and events[0][1] < len(pa) and events[0][2] >= 1  # mid-prefill, held pages
+    assert events[0] == ("abort a", 8, 2)  # mid-prefill: its first 8-token chunk computed, on 2 pages of 4
     assert events[1] == ("abort c", len(pc) + 2, 3)  # mid-decode: 11 computed tokens on 3 pages
     assert final[a].finish_reason == "abort" and final[c].finish_reason == "abort"
     assert eng.abort("a") is None  # already finished
