@@ -210,6 +210,9 @@ def test_demo_once_json(tmp_path):
     assert summary["chat_ids"] == chat_want and len(chat_want) == 12
     assert summary["requests"] == summary["requests_matched"] == 9
     assert summary["decode_integrity"] == "ok" and summary["metrics"]["dsakv_pairs_ready"] == 1
+    # the PP prefill's prefix cache: request 0 again reuses its 2 whole cached pages (32 tokens) on every stage
+    pc = summary["prefill_prefix_cache"]
+    assert (pc["repeat_hit_tokens"], pc["repeat_equal"], pc["integrity"]) == (32, True, "ok")
     # every stage moved exactly its layout's bytes: prompt pages x bytes per page (index-K on producers only)
     spec = ModelSpec.from_path(model)
     prompts = [*demo_prompts(8), summary["chat_prompt_ids"]]

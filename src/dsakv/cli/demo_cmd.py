@@ -9,8 +9,9 @@ It makes a tiny GLM-5.2-shaped checkpoint (or uses --model), starts `dsakv serve
 --pp-size N` and `--role router` as child processes (each in its own process group, logs under --log-dir), waits
 for the router's /health, then sends a batch of concurrent greedy completions and a streamed chat, checks every
 request's tokens against a colocated Engine (same checkpoint, layout and host tier), prints the capacity plan and
-the KV each PP stage moved to decode, reads /metrics and the decode worker's integrity. Every child is stopped
-on exit; the exit code is 0 iff every check passed.
+the KV each PP stage moved to decode, sends request 0 again and prints the prefill's prefix-cache hits (the
+prefill runs with --prefix-cache unless --no-prefill-prefix-cache), reads /metrics and the decode worker's
+integrity. Every child is stopped on exit; the exit code is 0 iff every check passed.
 Imports torch only inside run() (for make-tiny and the colocated reference).
 """
 
@@ -67,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help=f"host tier (HiCache, write_back, ratio {HOST_TIER_RATIO:g}) on the decode worker and the reference (on)",
+    )
+    p.add_argument(
+        "--prefill-prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefix cache on the PP prefill worker (serve --role prefill --prefix-cache; on)",
     )
     p.add_argument("--serve", action="store_true", help="after the checks, keep serving until Ctrl-C")
     p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the default since --serve exists
@@ -290,6 +297,8 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
         rows.append({"stage": k, "layers": h.get("layers"), **t})
     _print_transfers(args, rows, model_dir, prompt_pages)
     out["transfer"] = rows
+    if args.prefill_prefix_cache:
+        out["prefill_prefix_cache"] = pc = _prefill_cache_check(args, url, ports["prefill"], prompts[0], got[0])
     dec = _stage_health(f"127.0.0.1:{ports['decode']}")
     out["decode_integrity"] = dec.get("integrity")
 
@@ -316,6 +325,35 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     )
     out["metrics"] = shown
     out["ok"] = bool(matched == total and done and len(chat_ids) == args.max_tokens and dec.get("integrity") == "ok")
+    if args.prefill_prefix_cache:
+        out["ok"] = out["ok"] and pc["repeat_equal"] and pc["integrity"] == "ok"
+    return out
+
+
+def _prefill_cache_check(
+    args: argparse.Namespace, url: str, port: int, prompt: list[int], want: list[int]
+) -> dict[str, Any]:
+    """Send request 0 again (its prefix is in the prefill's cache by now) and read stage 0's prefix-cache counters
+    (the prefill "health" RPC) before and after."""
+    before = (_stage_health(f"127.0.0.1:{port}").get("prefix_cache") or {}).get("hit_tokens", 0)
+    again = list(_complete(url, prompt, args.max_tokens)["token_ids"])
+    h = _stage_health(f"127.0.0.1:{port}")
+    stats = h.get("prefix_cache") or {}
+    out = {
+        "hit_tokens": stats.get("hit_tokens", 0),
+        "lookup_tokens": stats.get("lookup_tokens", 0),
+        "inserted_tokens": stats.get("inserted_tokens", 0),
+        "repeat_hit_tokens": stats.get("hit_tokens", 0) - before,
+        "repeat_equal": again == want,
+        "cache_pages": h.get("cache_pages", 0),
+        "integrity": h.get("integrity"),
+    }
+    _say(
+        args,
+        f"    prefill prefix cache (stage 0): {out['hit_tokens']} of {out['lookup_tokens']} looked-up prompt tokens "
+        f"hit, {out['cache_pages']} pages cached; request 0 again: {out['repeat_hit_tokens']} of {len(prompt)} "
+        f"prompt tokens reused on every stage, tokens {'identical' if again == want else 'DIFFERENT'}",
+    )
     return out
 
 
@@ -394,7 +432,14 @@ def run(args: argparse.Namespace) -> int:
     host = ["--hicache-ratio", str(HOST_TIER_RATIO), "--hicache-write-policy", "write_back"] if args.host_tier else []
     specs = [
         ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *pool, *host]),
-        ("prefill", [*dsakv, "--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool]),
+        (
+            "prefill",
+            [
+                *dsakv,
+                *("--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool),
+                *(["--prefix-cache"] if args.prefill_prefix_cache else []),
+            ],
+        ),
         (
             "router",
             [

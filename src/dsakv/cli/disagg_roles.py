@@ -246,7 +246,29 @@ def _launch_stages(args: argparse.Namespace) -> int:
     return rc
 
 
+def _prefill_prefix_cache(args: argparse.Namespace) -> bool:
+    """--prefix-cache turns on the prefill worker's device-only prefix cache; the host and disk tiers are
+    refused (every stage would have to replay stage 0's page copies)."""
+    tiers = [
+        flag
+        for flag, val in (
+            ("--hicache-ratio", getattr(args, "hicache_ratio", None)),
+            ("--hicache-size", getattr(args, "hicache_size", None)),
+            ("--hicache-disk-dir", getattr(args, "hicache_disk_dir", None)),
+            ("--hicache-disk-size", getattr(args, "hicache_disk_size", None)),
+        )
+        if val is not None
+    ]
+    if tiers:
+        raise ConfigError(
+            f"--role prefill does not support {', '.join(tiers)} (the host/disk tier of the prefix cache) yet: "
+            "use --prefix-cache alone (device-only prefix cache on every pipeline stage)"
+        )
+    return bool(getattr(args, "prefix_cache", False))
+
+
 def run_prefill(args: argparse.Namespace) -> int:
+    prefix_cache = _prefill_prefix_cache(args)
     if args.pp_size > 1 and args.pp_rank is None:
         return _launch_stages(args)
     from dsakv.cli.serve_cmd import model_dir_of
@@ -282,6 +304,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         rpc_timeout=args.rpc_timeout,
         decode=tuple(args.decode),
         debug_transfer_delay=args.debug_transfer_delay,
+        prefix_cache=prefix_cache,
     )
     stage = PrefillStage(cfg)
     _install_sigterm(stage._stop.set)

@@ -6,6 +6,9 @@ have the same page count); a later stage only mirrors who holds which page, so i
 
     mirror.hold(rid, pages)     the request's page list as of this step (grows chunk by chunk)
     mirror.release(rid)         after its transfer finished or failed, or when stage 0 dropped it
+    mirror.set_cached(pages)    the pages stage 0's prefix cache holds (sent with the step metadata when they
+                                change): a cache hit on stage 0 reuses them, so they hold this stage's KV too.
+                                Requests may share cached pages; any other page held twice is an error.
 Imports numpy and dsakv.cache.allocator only.
 """
 
@@ -24,6 +27,7 @@ class PageMirror:
         self.num_pages = num_pages
         self.name = name
         self._held: dict[str, list[int]] = {}
+        self._cached: frozenset[int] = frozenset()
         self._lock = threading.Lock()
 
     def hold(self, rid: str, pages: Iterable[int]) -> None:
@@ -38,6 +42,24 @@ class PageMirror:
         with self._lock:
             return self._held.pop(rid, [])
 
+    def set_cached(self, pages: Iterable[int]) -> None:
+        ids = frozenset(int(p) for p in pages)
+        bad = sorted(p for p in ids if not 0 <= p < self.num_pages)
+        if bad:
+            raise IntegrityError(f"{self.name}: prefix cache page(s) {bad[:8]} outside 0..{self.num_pages - 1}")
+        with self._lock:
+            self._cached = ids
+
+    @property
+    def cached(self) -> list[int]:
+        with self._lock:
+            return sorted(self._cached)
+
+    @property
+    def num_cached(self) -> int:
+        with self._lock:
+            return len(self._cached)
+
     def held_by(self, rid: str) -> list[int]:
         with self._lock:
             return list(self._held.get(rid, []))
@@ -49,19 +71,26 @@ class PageMirror:
 
     @property
     def num_used(self) -> int:
+        """Distinct pages held by requests or by the prefix cache."""
         with self._lock:
-            return sum(len(v) for v in self._held.values())
+            used = set(self._cached)
+            for v in self._held.values():
+                used.update(v)
+            return len(used)
 
     @property
     def num_free(self) -> int:
         return self.num_pages - self.num_used
 
     def check_integrity(self) -> None:
-        """Raise IntegrityError if a page is held twice (by one request or two)."""
+        """Raise IntegrityError if a page that the prefix cache does not hold is held twice (by one request or
+        two); cached pages may be shared by the requests that hit them."""
         with self._lock:
             if not self._held:
                 return
             allp = np.concatenate([np.asarray(v, dtype=np.int64) for v in self._held.values()])
+            cached = np.fromiter(self._cached, dtype=np.int64, count=len(self._cached))
         vals, counts = np.unique(allp, return_counts=True)
-        if np.any(counts > 1):
-            raise IntegrityError(f"{self.name}: page(s) {vals[counts > 1][:8].tolist()} are held twice")
+        twice = vals[(counts > 1) & ~np.isin(vals, cached)]
+        if twice.size:
+            raise IntegrityError(f"{self.name}: page(s) {twice[:8].tolist()} are held twice")

@@ -10,7 +10,12 @@
              stages released them, so a page is never reused while a stage still reads it.
 
 Stage 0's PageAllocator decides page ids for every stage (all stage pools have the same page count);
-later stages mirror the books (PageMirror). Failure handling:
+later stages mirror the books (PageMirror). Prefix cache (cfg.prefix_cache, device only): stage 0's
+Scheduler runs a HiCache over its pool; a hit reuses page ids that every stage wrote in an earlier step
+(steps reach every stage in order, and a cached page is never reallocated while cached), so each stage
+computes only the rest and still transfers every prompt page. Stage 0 sends the cache's page set with
+the step/tick metadata whenever it changes (later stages' mirrors book it); a broken pipeline clears the
+cache (a restarted stage lost its KV). Failure handling:
 - a send/receive between stages that fails or times out (stage_timeout) breaks the pipeline: every
   stage fails the requests it has not finished computing (decode is told `kv_failed`), lets running
   transfers finish (bounded by their deadlines), and the stages re-form a new epoch; a restarted stage
@@ -43,6 +48,7 @@ import torch
 
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hicache import HiCache, HiCacheConfig
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.backends.base import TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
@@ -120,6 +126,7 @@ class PrefillConfig:
     rpc_timeout: float = 5.0
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+    prefix_cache: bool = False  # device-only prefix cache on stage 0's books (every stage keeps the pages)
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -311,6 +318,8 @@ class PrefillStage:
         self.counters = {"submitted": 0, "transferred": 0, "transfer_failed": 0, "dropped": 0, "steps": 0}
         if self.rank == 0:
             self.allocator = PageAllocator(self.num_pages, name=f"{self.name} stage 0 pool")
+            self.cache = HiCache(self.pool, self.allocator, HiCacheConfig()) if cfg.prefix_cache else None
+            self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
             max_pos = self.spec.raw.get("max_position_embeddings")
             self.scheduler = Scheduler(
                 self.allocator,
@@ -318,6 +327,7 @@ class PrefillStage:
                 max_batch_tokens=cfg.max_batch_tokens,
                 max_running_requests=cfg.max_running_requests,
                 max_seq_len=int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None,
+                prefix_cache=self.cache,
             )
             self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, why): abort / released
             self._pending_release: dict[str, set[int]] = {}
@@ -405,8 +415,25 @@ class PrefillStage:
         return self._integrity()
 
     def pages_used(self) -> int:
+        """Pages held by requests or by the prefix cache (stage 0's books, or this stage's mirror of them)."""
         with self._lock:
             return self.allocator.num_used if self.rank == 0 else self.mirror.num_used
+
+    def cached_pages(self) -> list[int]:
+        """Sorted page ids the prefix cache holds (stage 0: its radix tree; later stages: the mirrored set)."""
+        with self._lock:
+            if self.rank > 0:
+                return self.mirror.cached
+            if self.cache is None:
+                return []
+            ids = [n.device for n in self.cache.radix.nodes() if n.device is not None]
+            return sorted(int(p) for p in np.concatenate(ids)) if ids else []
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        """Stage 0's prefix-cache counters (HiCacheStats.to_dict()); None when the cache is off or on stage k."""
+        with self._lock:
+            cache = self.cache if self.rank == 0 else None
+            return cache.stats.to_dict() if cache is not None else None
 
     def _rpc_health(self, _: Any) -> dict[str, Any]:
         with self._lock:
@@ -434,6 +461,8 @@ class PrefillStage:
                 "links": [link.summary() for link in self.links.links()],
                 "counters": dict(self.counters),
                 "integrity": self._integrity(),
+                "prefix_cache_enabled": self.cfg.prefix_cache,
+                "cache_pages": len(self.cached_pages()),
             }
             if self.rank == 0:
                 out["stages"] = [
@@ -442,6 +471,7 @@ class PrefillStage:
                 out["waiting"] = self.scheduler.num_waiting
                 out["running"] = self.scheduler.num_running
                 out["awaiting_release"] = len(self._pending_release)
+                out["prefix_cache"] = self.prefix_cache_stats()
             t = self.backend.stats.totals()
             out["transfer"] = {"count": t.transfers, "failures": t.failures, "bytes": t.bytes, "seconds": t.seconds}
             return out
@@ -571,7 +601,11 @@ class PrefillStage:
                 for rid in list(self._pending_release):
                     self._free(rid)
                 self._drops.clear()
+                if self.cache is not None:  # a restarted stage lost its KV: no cached page is valid anywhere
+                    self.cache.clear()
+                self._cache_sent = None  # the next epoch starts with the full set
             else:
+                self.mirror.set_cached(())
                 for rid, job in list(self.jobs.items()):
                     if not job.transferring:
                         self.mirror.release(rid)
@@ -624,7 +658,7 @@ class PrefillStage:
             drops += [r.request_id for r in sched.preempted]
         if sched.is_empty:
             if self.size > 1 and (drops or time.monotonic() - self._last_send >= self.tick_s):
-                self._send(StageMessage(self._step, {"kind": "tick", "drop": drops}))
+                self._send(StageMessage(self._step, {"kind": "tick", "drop": drops, **self._cache_meta()}))
             self._wake.wait(self.tick_s / 4 if self.size > 1 else 0.05)
             self._wake.clear()
             return
@@ -654,9 +688,17 @@ class PrefillStage:
                 seqs.append(
                     [rid, c.start, c.num_tokens, list(c.request.page_ids), c.end == c.request.num_prompt_tokens]
                 )
-                if c.start == 0:
+                if c.start == c.request.num_cached_tokens:  # its first chunk since admission
                     new_jobs[rid] = self.jobs[rid].wire()
-        meta = {"kind": "step", "batch": encode_batch(batch), "seqs": seqs, "jobs": new_jobs, "drop": drops}
+            cache_meta = self._cache_meta()
+        meta = {
+            "kind": "step",
+            "batch": encode_batch(batch),
+            "seqs": seqs,
+            "jobs": new_jobs,
+            "drop": drops,
+            **cache_meta,
+        }
         carry = self.model.stage_forward(batch, self.pool)
         if self.size > 1:
             self._send(StageMessage(self._step, meta, carry.hidden, carry.topk))
@@ -673,6 +715,18 @@ class PrefillStage:
                     src = page_list(self.scheduler.pages_of(rid))[: pages_for(job.prompt_len, self.page_size)]
                     self._queue_xfer(_Xfer(job, src, firsts.get(rid)))
 
+    def _cache_meta(self) -> dict[str, Any]:
+        """Stage 0: {"cache": packed int32 page ids} when the prefix cache's page set changed since the last
+        message (always in the first message of an epoch), else {}."""
+        if self.cache is None or self.size == 1:
+            return {}
+        with self._lock:
+            now = tuple(self.cached_pages())
+            if now == self._cache_sent:
+                return {}
+            self._cache_sent = now
+        return {"cache": np.asarray(now, dtype=np.int32).tobytes()}
+
     def _send(self, msg: StageMessage) -> None:
         self.group.send_next(msg)
         self._last_send = time.monotonic()
@@ -686,6 +740,8 @@ class PrefillStage:
                 if job is not None and not job.transferring:
                     self.jobs.pop(rid, None)
                     self.mirror.release(rid)
+            if "cache" in meta:
+                self.mirror.set_cached(np.frombuffer(meta["cache"], dtype=np.int32).tolist())
         if meta["kind"] == "tick":
             if not self.last:
                 self.group.send_next(msg)

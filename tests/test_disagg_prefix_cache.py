@@ -1,0 +1,162 @@
+"""Prefix cache on a pipeline-parallel prefill worker (mooncake, in-process workers): prompts sharing a prefix,
+sent one after another, hit stage 0's cache (exact hit tokens), every stage reuses the cached pages and still
+transfers the full prompt to decode (exact bytes), tokens equal a colocated engine, and every stage's books
+balance afterwards (free + held by requests + held by the cache == total; the mirror books stage 0's cache)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from disagg_support import free_ports
+from dsakv.cache.allocator import IntegrityError
+from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.page_mirror import PageMirror
+from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
+from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.wire import pages_for
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from engine_support import tiny_model
+
+pytestmark = [pytest.mark.timeout(180)]
+
+ENGINE = dict(kv_format="fp32", index_format="fp32", page_size=16, num_pages=64)
+
+
+def test_page_mirror_books_cached_pages():
+    m = PageMirror(8, name="s1")
+    m.set_cached([1, 2])
+    m.hold("a", [1, 2, 3])
+    m.hold("b", [1, 2, 4])
+    m.check_integrity()  # cached pages may be shared by the requests that hit them
+    assert (m.num_cached, m.num_used, m.num_free, m.cached) == (2, 4, 4, [1, 2])
+    m.hold("c", [3])
+    with pytest.raises(IntegrityError, match=r"page\(s\) \[3\] are held twice"):
+        m.check_integrity()
+    m.release("c")
+    m.set_cached([])
+    with pytest.raises(IntegrityError, match=r"page\(s\) \[1, 2\] are held twice"):
+        m.check_integrity()
+    with pytest.raises(IntegrityError, match="outside 0..7"):
+        m.set_cached([8])
+
+
+def _settle(stages: list[PrefillStage], timeout: float = 10.0) -> None:
+    """Wait until stage 0 freed every request (all stages released) and the mirrors got its cache set."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s0 = stages[0]
+        with s0._lock:
+            idle = not s0._pending_release and not s0.scheduler.has_unfinished() and not s0.jobs
+        if idle and all(s.cached_pages() == s0.cached_pages() and not s.jobs for s in stages[1:]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"prefill did not settle: {[s._rpc_health(None) for s in stages]}")
+
+
+def test_pp2_prefix_cache_hits_and_full_transfer():
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(2, 512, (32,), generator=g).tolist()
+    tail = torch.randint(2, 512, (43,), generator=g).tolist()
+    prompts = [prefix + tail[:8], prefix + tail[:13], prefix + tail, prefix + tail]  # 40, 45, 75, 75 tokens
+    want_hits = [0, 32, 32, 64]  # p1, p2 reuse p0's 2 pages; p3 reuses p2's 4 whole pages
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
+
+    dec = DecodeWorker(
+        DecodeConfig(model="", engine=dict(ENGINE), backend="mooncake"), model=tiny_model("glm_moe_dsa")
+    ).start()
+    port = free_ports(3)
+    stages = [
+        PrefillStage(
+            PrefillConfig(
+                model="",
+                backend="mooncake",
+                pp_size=2,
+                pp_rank=k,
+                partition=(7, 5),
+                port=port,
+                page_size=16,
+                num_pages=64,
+                stage_timeout=3.0,
+                prefix_cache=True,
+            ),
+            model=tiny_model("glm_moe_dsa"),
+        )
+        for k in (0, 1)
+    ]
+    for s in stages:
+        s.start()
+    r = RouterBackend(RouterConfig(prefill=(stages[0].address,), decode=(dec.address,), health_interval=0.1))
+    try:
+        r.start()
+        assert r.wait_ready(60), r.health()
+        got, hits = [], []
+        for i, p in enumerate(prompts):
+            before = stages[0].prefix_cache_stats()
+            assert before is not None
+            r.submit(f"r{i}", p, sp)
+            toks = []
+            for ev in r.events(f"r{i}", 30):
+                toks += ev.new_token_ids
+            got.append(toks)
+            _settle(stages)
+            after = stages[0].prefix_cache_stats()
+            assert after is not None
+            hits.append(after["hit_tokens"] - before["hit_tokens"])
+        assert got == want
+        assert hits == want_hits
+        stats = stages[0].prefix_cache_stats()
+        assert stats is not None
+        assert (stats["lookups"], stats["lookup_tokens"], stats["device_hit_tokens"]) == (4, 39 + 44 + 74 + 74, 128)
+        assert stats["inserted_tokens"] == 64  # p0's 2 pages, then p2's pages 3 and 4
+        # every stage moved the full prompt pages of its own layers, cache hits included
+        pages = sum(pages_for(len(p), 16) for p in prompts)
+        for s in stages:
+            assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
+            assert s.counters["transferred"] == 4
+        # books: 4 cached pages (p2's run), no request holds any; the mirror books the same set
+        cached = stages[0].cached_pages()
+        assert len(cached) == 4 and stages[1].cached_pages() == cached
+        a = stages[0].allocator
+        assert (a.num_free, a.num_used) == (60, 4)
+        assert a.num_free + stages[0].cache.cached_device_pages == 64
+        m = stages[1].mirror
+        assert (m.num_free, m.num_used, m.num_cached, m.owners) == (60, 4, 4, [])
+        health = [RpcClientCall(s.address) for s in stages]
+        assert [h["integrity"] for h in health] == ["ok", "ok"]
+        assert [h["cache_pages"] for h in health] == [4, 4]
+        assert health[0]["prefix_cache"]["hit_tokens"] == 128 and health[1].get("prefix_cache") is None
+        assert [s.pages_used() for s in stages] == [4, 4] and dec.engine.stats().pages_used == 0
+    finally:
+        r.stop()
+        for s in stages:
+            s.stop()
+        dec.stop()
+
+
+def RpcClientCall(addr: str) -> dict:
+    from dsakv.disagg.rpc import RpcClient
+
+    c = RpcClient(addr, timeout=5.0)
+    try:
+        return c.call("health", {})
+    finally:
+        c.close()
+
+
+def test_prefill_role_honors_prefix_cache_and_refuses_host_tier():
+    import argparse
+
+    from dsakv.cli.disagg_roles import _prefill_prefix_cache
+    from dsakv.errors import ConfigError
+
+    base = dict.fromkeys(("hicache_ratio", "hicache_size", "hicache_disk_dir", "hicache_disk_size"), None)
+    base["prefix_cache"] = False
+    assert _prefill_prefix_cache(argparse.Namespace(**base)) is False
+    assert _prefill_prefix_cache(argparse.Namespace(**{**base, "prefix_cache": True})) is True
+    with pytest.raises(ConfigError, match="--role prefill does not support --hicache-ratio, --hicache-disk-dir"):
+        _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_ratio": 0.5, "hicache_disk_dir": "/tmp/x"}))
