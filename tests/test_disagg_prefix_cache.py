@@ -57,6 +57,90 @@ def _settle(stages: list[PrefillStage], timeout: float = 10.0) -> None:
     raise AssertionError(f"prefill did not settle: {[s._rpc_health(None) for s in stages]}")
 
 
+def _pipeline(num_pages: int, **kw) -> tuple[DecodeWorker, list[PrefillStage], RouterBackend]:
+    dec = DecodeWorker(
+        DecodeConfig(model="", engine=dict(ENGINE), backend="mooncake"), model=tiny_model("glm_moe_dsa")
+    ).start()
+    port = free_ports(3)
+    stages = [
+        PrefillStage(
+            PrefillConfig(
+                model="",
+                backend="mooncake",
+                pp_size=2,
+                pp_rank=k,
+                partition=(7, 5),
+                port=port,
+                page_size=16,
+                num_pages=num_pages,
+                stage_timeout=3.0,
+                prefix_cache=True,
+                **kw,
+            ),
+            model=tiny_model("glm_moe_dsa"),
+        )
+        for k in (0, 1)
+    ]
+    for s in stages:
+        s.start()
+    r = RouterBackend(RouterConfig(prefill=(stages[0].address,), decode=(dec.address,), health_interval=0.1))
+    return dec, stages, r
+
+
+def _run_one(r: RouterBackend, stages: list[PrefillStage], rid: str, prompt: list[int], sp: SamplingParams):
+    """Send one request, wait for its tokens and for the prefill to settle; (tokens, stage 0 counters delta)."""
+    before = stages[0].prefix_cache_stats()
+    assert before is not None
+    r.submit(rid, prompt, sp)
+    toks = []
+    for ev in r.events(rid, 30):
+        toks += ev.new_token_ids
+    _settle(stages)
+    after = stages[0].prefix_cache_stats()
+    assert after is not None
+    return toks, {k: after[k] - before[k] for k in ("hit_tokens", "device_hit_tokens", "host_hit_tokens")}
+
+
+def test_pp2_host_tier_write_back_replayed_on_every_stage():
+    """12 pages per stage, host tier (ratio 1, write_back): p0's 2 cached pages are offloaded when a 170-token
+    prompt needs 11 pages; p1 (same 32-token prefix) loads them back from the host on every stage."""
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(2, 512, (32,), generator=g).tolist()
+    p0 = prefix + torch.randint(2, 512, (8,), generator=g).tolist()
+    big = torch.randint(2, 512, (170,), generator=g).tolist()
+    p1 = prefix + torch.randint(2, 512, (13,), generator=g).tolist()
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate([p0, big, p1], sp)
+    dec, stages, r = _pipeline(12, hicache_ratio=1.0, hicache_write_policy="write_back")
+    try:
+        r.start()
+        assert r.wait_ready(60), r.health()
+        got, deltas = [], []
+        for i, p in enumerate((p0, big, p1)):
+            toks, d = _run_one(r, stages, f"h{i}", p, sp)
+            got.append(toks)
+            deltas.append(d)
+        assert got == want
+        assert deltas[2] == {"hit_tokens": 32, "device_hit_tokens": 0, "host_hit_tokens": 32}
+        stats = stages[0].prefix_cache_stats()
+        assert stats is not None
+        assert stats["load_pages"] == 2 and stats["offload_pages"] >= 2
+        replayed = stages[1].replayed
+        assert replayed == {"offload_pages": stats["offload_pages"], "load_pages": 2}
+        pages = sum(pages_for(len(p), 16) for p in (p0, big, p1))
+        for s in stages:
+            assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
+        assert stages[1].cached_pages() == stages[0].cached_pages()
+        assert [s._integrity() for s in stages] == ["ok", "ok"]
+        assert stages[0].cache.host_alloc is not None and stages[1].host_pool is not None
+        assert stages[1].host_pool.num_pages == stages[0].cache.host.num_pages == 12
+    finally:
+        r.stop()
+        for s in stages:
+            s.stop()
+        dec.stop()
+
+
 def test_pp2_prefix_cache_hits_and_full_transfer():
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(2, 512, (32,), generator=g).tolist()
@@ -148,15 +232,23 @@ def RpcClientCall(addr: str) -> dict:
         c.close()
 
 
-def test_prefill_role_honors_prefix_cache_and_refuses_host_tier():
+def test_prefill_role_prefix_cache_options():
     import argparse
 
     from dsakv.cli.disagg_roles import _prefill_prefix_cache
     from dsakv.errors import ConfigError
 
     base = dict.fromkeys(("hicache_ratio", "hicache_size", "hicache_disk_dir", "hicache_disk_size"), None)
-    base["prefix_cache"] = False
-    assert _prefill_prefix_cache(argparse.Namespace(**base)) is False
-    assert _prefill_prefix_cache(argparse.Namespace(**{**base, "prefix_cache": True})) is True
-    with pytest.raises(ConfigError, match="--role prefill does not support --hicache-ratio, --hicache-disk-dir"):
+    base |= {"prefix_cache": True, "hicache_layout": "page_first", "hicache_write_policy": "write_back"}
+    base["hicache_selective_threshold"] = 2
+    kw = _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_size": "1MiB"}))
+    assert kw == {
+        "prefix_cache": True,
+        "hicache_ratio": None,
+        "hicache_size": 1 << 20,
+        "hicache_layout": "page_first",
+        "hicache_write_policy": "write_back",
+        "hicache_selective_threshold": 2,
+    }
+    with pytest.raises(ConfigError, match="--role prefill does not support --hicache-disk-dir"):
         _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_ratio": 0.5, "hicache_disk_dir": "/tmp/x"}))

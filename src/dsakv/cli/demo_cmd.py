@@ -10,8 +10,8 @@ It makes a tiny GLM-5.2-shaped checkpoint (or uses --model), starts `dsakv serve
 for the router's /health, then sends a batch of concurrent greedy completions and a streamed chat, checks every
 request's tokens against a colocated Engine (same checkpoint, layout and host tier), prints the capacity plan and
 the KV each PP stage moved to decode, sends request 0 again and prints the prefill's prefix-cache hits (the
-prefill runs with --prefix-cache unless --no-prefill-prefix-cache), reads /metrics and the decode worker's
-integrity. Every child is stopped on exit; the exit code is 0 iff every check passed.
+prefill runs with --prefix-cache, and the host tier with --host-tier, unless --no-prefill-prefix-cache), reads
+/metrics and the decode worker's integrity. Every child is stopped on exit; the exit code is 0 iff every check passed.
 Imports torch only inside run() (for make-tiny and the colocated reference).
 """
 
@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--prefill-prefix-cache",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="prefix cache on the PP prefill worker (serve --role prefill --prefix-cache; on)",
+        help="prefix cache on the PP prefill worker (serve --role prefill --prefix-cache, plus the host tier with "
+        "--host-tier; on)",
     )
     p.add_argument("--serve", action="store_true", help="after the checks, keep serving until Ctrl-C")
     p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the default since --serve exists
@@ -437,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
             [
                 *dsakv,
                 *("--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool),
-                *(["--prefix-cache"] if args.prefill_prefix_cache else []),
+                *(["--prefix-cache", *host] if args.prefill_prefix_cache else []),
             ],
         ),
         (

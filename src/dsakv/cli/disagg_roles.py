@@ -246,25 +246,34 @@ def _launch_stages(args: argparse.Namespace) -> int:
     return rc
 
 
-def _prefill_prefix_cache(args: argparse.Namespace) -> bool:
-    """--prefix-cache turns on the prefill worker's device-only prefix cache; the host and disk tiers are
-    refused (every stage would have to replay stage 0's page copies)."""
-    tiers = [
+def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage) and the host
+    tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy, --hicache-selective-threshold:
+    stage 0's page copies are replayed on every stage). The disk tier is refused."""
+    from dsakv.plan.units import parse_size
+
+    disk = [
         flag
         for flag, val in (
-            ("--hicache-ratio", getattr(args, "hicache_ratio", None)),
-            ("--hicache-size", getattr(args, "hicache_size", None)),
             ("--hicache-disk-dir", getattr(args, "hicache_disk_dir", None)),
             ("--hicache-disk-size", getattr(args, "hicache_disk_size", None)),
         )
         if val is not None
     ]
-    if tiers:
+    if disk:
         raise ConfigError(
-            f"--role prefill does not support {', '.join(tiers)} (the host/disk tier of the prefix cache) yet: "
-            "use --prefix-cache alone (device-only prefix cache on every pipeline stage)"
+            f"--role prefill does not support {', '.join(disk)} (the disk tier of the prefix cache) yet: "
+            "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier)"
         )
-    return bool(getattr(args, "prefix_cache", False))
+    size = getattr(args, "hicache_size", None)
+    return {
+        "prefix_cache": bool(getattr(args, "prefix_cache", False)),
+        "hicache_ratio": getattr(args, "hicache_ratio", None),
+        "hicache_size": parse_size(size, "--hicache-size") if size else None,
+        "hicache_layout": getattr(args, "hicache_layout", "layer_first"),
+        "hicache_write_policy": getattr(args, "hicache_write_policy", "write_through"),
+        "hicache_selective_threshold": getattr(args, "hicache_selective_threshold", 2),
+    }
 
 
 def run_prefill(args: argparse.Namespace) -> int:
@@ -304,7 +313,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         rpc_timeout=args.rpc_timeout,
         decode=tuple(args.decode),
         debug_transfer_delay=args.debug_transfer_delay,
-        prefix_cache=prefix_cache,
+        **prefix_cache,
     )
     stage = PrefillStage(cfg)
     _install_sigterm(stage._stop.set)

@@ -15,7 +15,10 @@ Scheduler runs a HiCache over its pool; a hit reuses page ids that every stage w
 (steps reach every stage in order, and a cached page is never reallocated while cached), so each stage
 computes only the rest and still transfers every prompt page. Stage 0 sends the cache's page set with
 the step/tick metadata whenever it changes (later stages' mirrors book it); a broken pipeline clears the
-cache (a restarted stage lost its KV). Failure handling:
+cache (a restarted stage lost its KV). Host tier (cfg.hicache_ratio / hicache_size): every stage has a
+HostPool of stage 0's page count; stage 0 records each offload/load its HiCache performs (host_replay)
+and sends them with the next step/tick; later stages replay them on their own pools before computing.
+Failure handling:
 - a send/receive between stages that fails or times out (stage_timeout) breaks the pipeline: every
   stage fails the requests it has not finished computing (decode is told `kv_failed`), lets running
   transfers finish (bounded by their deadlines), and the stages re-form a new epoch; a restarted stage
@@ -49,10 +52,12 @@ import torch
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache, HiCacheConfig
+from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.backends.base import TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
 from dsakv.disagg.errors import TransferTimeout
+from dsakv.disagg.host_replay import RecordingHostPool, replay
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer
@@ -127,6 +132,11 @@ class PrefillConfig:
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
     prefix_cache: bool = False  # device-only prefix cache on stage 0's books (every stage keeps the pages)
+    hicache_ratio: float | None = None  # host tier (turns the prefix cache on): ratio x stage 0's pool bytes
+    hicache_size: int | None = None  # or stage 0's host tier bytes (every stage gets the same page count)
+    hicache_layout: str = "layer_first"
+    hicache_write_policy: str = "write_through"
+    hicache_selective_threshold: int = 2
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -139,6 +149,23 @@ class PrefillConfig:
             )
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"--num-pages {self.num_pages} must be >= 1")
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.prefix_cache or self.host_tier
+
+    @property
+    def host_tier(self) -> bool:
+        return self.hicache_ratio is not None or self.hicache_size is not None
+
+    def hicache_config(self) -> HiCacheConfig:
+        return HiCacheConfig(
+            hicache_ratio=self.hicache_ratio,
+            hicache_size=self.hicache_size,
+            layout=self.hicache_layout,
+            write_policy=self.hicache_write_policy,
+            selective_threshold=self.hicache_selective_threshold,
+        )
 
     @property
     def worker_name(self) -> str:
@@ -318,7 +345,11 @@ class PrefillStage:
         self.counters = {"submitted": 0, "transferred": 0, "transfer_failed": 0, "dropped": 0, "steps": 0}
         if self.rank == 0:
             self.allocator = PageAllocator(self.num_pages, name=f"{self.name} stage 0 pool")
-            self.cache = HiCache(self.pool, self.allocator, HiCacheConfig()) if cfg.prefix_cache else None
+            self.cache = HiCache(self.pool, self.allocator, cfg.hicache_config()) if cfg.cache_enabled else None
+            self._recorder: RecordingHostPool | None = None
+            if self.cache is not None and self.cache.host is not None and self.size > 1:
+                self._recorder = RecordingHostPool(self.cache.host)
+                self.cache.host = self._recorder  # type: ignore[assignment]  # same API, logs each copy
             self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
             max_pos = self.spec.raw.get("max_position_embeddings")
             self.scheduler = Scheduler(
@@ -334,6 +365,22 @@ class PrefillStage:
             self._drops: list[str] = []
         else:
             self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
+            self.host_pool: HostPool | None = None
+            if cfg.host_tier:
+                cfg.hicache_config()  # validates
+                a, b = self.ranges[0]
+                stage0 = self.model.layout_for(
+                    elide=cfg.elide,
+                    kv_format=cfg.kv_format,
+                    index_format=cfg.index_format,
+                    page_size=cfg.page_size,
+                    layer_start=a,
+                    layer_end=b,
+                )
+                _, host_pages = host_pages_for(stage0, self.num_pages, cfg.hicache_ratio, cfg.hicache_size)
+                self.host_pool = make_host_pool(cfg.hicache_layout, self.layout, host_pages)
+                self.host_pool.check_compatible(self.pool)
+            self.replayed = {"offload_pages": 0, "load_pages": 0}
         self._threads: list[threading.Thread] = []
         self._step = 0
         self._last_send = 0.0
@@ -461,7 +508,8 @@ class PrefillStage:
                 "links": [link.summary() for link in self.links.links()],
                 "counters": dict(self.counters),
                 "integrity": self._integrity(),
-                "prefix_cache_enabled": self.cfg.prefix_cache,
+                "prefix_cache_enabled": self.cfg.cache_enabled,
+                "host_tier": self.cfg.host_tier,
                 "cache_pages": len(self.cached_pages()),
             }
             if self.rank == 0:
@@ -472,6 +520,8 @@ class PrefillStage:
                 out["running"] = self.scheduler.num_running
                 out["awaiting_release"] = len(self._pending_release)
                 out["prefix_cache"] = self.prefix_cache_stats()
+            else:
+                out["host_replayed"] = dict(self.replayed)
             t = self.backend.stats.totals()
             out["transfer"] = {"count": t.transfers, "failures": t.failures, "bytes": t.bytes, "seconds": t.seconds}
             return out
@@ -604,6 +654,8 @@ class PrefillStage:
                 if self.cache is not None:  # a restarted stage lost its KV: no cached page is valid anywhere
                     self.cache.clear()
                 self._cache_sent = None  # the next epoch starts with the full set
+                if self._recorder is not None:
+                    self._recorder.drain()  # copies of the old epoch: nothing cached survives it
             else:
                 self.mirror.set_cached(())
                 for rid, job in list(self.jobs.items()):
@@ -720,12 +772,17 @@ class PrefillStage:
         message (always in the first message of an epoch), else {}."""
         if self.cache is None or self.size == 1:
             return {}
+        out: dict[str, Any] = {}
         with self._lock:
+            if self._recorder is not None:
+                ops = self._recorder.drain()
+                if ops:
+                    out["host_ops"] = ops
             now = tuple(self.cached_pages())
-            if now == self._cache_sent:
-                return {}
-            self._cache_sent = now
-        return {"cache": np.asarray(now, dtype=np.int32).tobytes()}
+            if now != self._cache_sent:
+                self._cache_sent = now
+                out["cache"] = np.asarray(now, dtype=np.int32).tobytes()
+        return out
 
     def _send(self, msg: StageMessage) -> None:
         self.group.send_next(msg)
@@ -740,6 +797,15 @@ class PrefillStage:
                 if job is not None and not job.transferring:
                     self.jobs.pop(rid, None)
                     self.mirror.release(rid)
+            if "host_ops" in meta:
+                if self.host_pool is None:
+                    raise StageLinkError(
+                        f"stage {self.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
+                        "every stage with the same --hicache-* options"
+                    )
+                off, loaded = replay(meta["host_ops"], self.host_pool, self.pool)
+                self.replayed["offload_pages"] += off
+                self.replayed["load_pages"] += loaded
             if "cache" in meta:
                 self.mirror.set_cached(np.frombuffer(meta["cache"], dtype=np.int32).tolist())
         if meta["kind"] == "tick":
