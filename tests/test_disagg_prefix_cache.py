@@ -150,47 +150,15 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
 
-    dec = DecodeWorker(
-        DecodeConfig(model="", engine=dict(ENGINE), backend="mooncake"), model=tiny_model("glm_moe_dsa")
-    ).start()
-    port = free_ports(3)
-    stages = [
-        PrefillStage(
-            PrefillConfig(
-                model="",
-                backend="mooncake",
-                pp_size=2,
-                pp_rank=k,
-                partition=(7, 5),
-                port=port,
-                page_size=16,
-                num_pages=64,
-                stage_timeout=3.0,
-                prefix_cache=True,
-            ),
-            model=tiny_model("glm_moe_dsa"),
-        )
-        for k in (0, 1)
-    ]
-    for s in stages:
-        s.start()
-    r = RouterBackend(RouterConfig(prefill=(stages[0].address,), decode=(dec.address,), health_interval=0.1))
+    dec, stages, r = _pipeline(64)
     try:
         r.start()
         assert r.wait_ready(60), r.health()
         got, hits = [], []
         for i, p in enumerate(prompts):
-            before = stages[0].prefix_cache_stats()
-            assert before is not None
-            r.submit(f"r{i}", p, sp)
-            toks = []
-            for ev in r.events(f"r{i}", 30):
-                toks += ev.new_token_ids
+            toks, delta = _run_one(r, stages, f"r{i}", p, sp)
             got.append(toks)
-            _settle(stages)
-            after = stages[0].prefix_cache_stats()
-            assert after is not None
-            hits.append(after["hit_tokens"] - before["hit_tokens"])
+            hits.append(delta["hit_tokens"])
         assert got == want
         assert hits == want_hits
         stats = stages[0].prefix_cache_stats()
