@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 from dsakv.errors import DsakvError
@@ -15,26 +14,14 @@ from dsakv.errors import DsakvError
 # name -> (module, one-line help); each module has add_arguments(parser) and run(args) -> int
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("dsakv.cli.plan_cmd", "KV capacity per role and PP stage, with and without index-K elision"),
+    "make-tiny": ("dsakv.cli.make_tiny_cmd", "write a small deterministic GLM-5.2-shaped checkpoint"),
+    "generate": ("dsakv.cli.generate_cmd", "run the reference DSA engine on a checkpoint"),
+    "serve": ("dsakv.cli.serve_cmd", "serve a model: colocated, or as prefill / decode / router"),
+    "demo": ("dsakv.cli.demo_cmd", "one-command demo: tiny model, PP prefill + decode + router on 127.0.0.1"),
 }
 
 
-def register(name: str, module: str, help_text: str) -> None:
-    COMMANDS[name] = (module, help_text)
-
-
-def _load_optional_commands() -> None:
-    for name, module, help_text in (
-        ("make-tiny", "dsakv.cli.make_tiny_cmd", "write a small deterministic GLM-5.2-shaped checkpoint"),
-        ("generate", "dsakv.cli.generate_cmd", "run the reference DSA engine on a checkpoint"),
-        ("serve", "dsakv.cli.serve_cmd", "serve a model: colocated, or as prefill / decode / router"),
-        ("demo", "dsakv.cli.demo_cmd", "one-command demo: tiny model, PP prefill + decode + router on 127.0.0.1"),
-    ):
-        if importlib.util.find_spec(module) is not None:
-            register(name, module, help_text)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    _load_optional_commands()
     parser = argparse.ArgumentParser(
         prog="dsakv",
         description=(

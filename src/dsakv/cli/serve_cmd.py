@@ -1,11 +1,10 @@
-"""`dsakv serve`: the OpenAI-compatible HTTP server, colocated here; prefill / decode / router roles in disagg.
+"""`dsakv serve`: the OpenAI-compatible HTTP server, colocated here; prefill / decode / router in disagg_roles.
 
     dsakv serve --model DIR [--host 127.0.0.1] [--port 8000] [--no-elide] [--kv-budget 64MiB | --num-pages N]
 
-Structure (so the disaggregated roles plug in without editing this file):
-- `add_arguments` adds the options every role shares (model, address, pool, engine, prefix cache) and, if the
-  module `dsakv.cli.disagg_roles` exists, calls its `add_arguments(parser)` for role-specific options (it must not
-  re-add the shared ones).
+Structure:
+- `add_arguments` adds the options every role shares (model, address, pool, engine, prefix cache), then
+  `dsakv.cli.disagg_roles.add_arguments(parser)` adds the role-specific ones (it must not re-add shared ones).
 - `run` starts `--role colocated` itself (`run_colocated`) and hands prefill / decode / router to
   `dsakv.cli.disagg_roles.run_role(args)`.
 - `engine_kwargs(args)` / `num_pages_for(args, spec)` turn the shared options into Engine keyword arguments, for
@@ -16,13 +15,11 @@ Imports torch, the engine and uvicorn inside functions only (`dsakv --help` stay
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+from dsakv.cli import disagg_roles
 from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
@@ -31,16 +28,6 @@ from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 log = logging.getLogger("dsakv.serve")
 
 ROLES = ("colocated", "prefill", "decode", "router")
-DISAGG_CLI = "dsakv.cli.disagg_roles"
-
-
-def _disagg_cli() -> ModuleType | None:
-    try:
-        if importlib.util.find_spec(DISAGG_CLI) is None:
-            return None
-    except ModuleNotFoundError:
-        return None
-    return importlib.import_module(DISAGG_CLI)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -87,9 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)")
     eng.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     eng.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
-    disagg = _disagg_cli()
-    if disagg is not None and hasattr(disagg, "add_arguments"):
-        disagg.add_arguments(p)
+    disagg_roles.add_arguments(p)
 
 
 def model_dir_of(args: argparse.Namespace) -> Path:
@@ -199,10 +184,4 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.role == "colocated":
         return run_colocated(args)
-    disagg = _disagg_cli()
-    if disagg is None or not hasattr(disagg, "run_role"):
-        raise ConfigError(
-            f"--role {args.role} needs the disaggregated workers ({DISAGG_CLI}), which this build lacks: "
-            "use --role colocated"
-        )
-    return int(disagg.run_role(args) or 0)
+    return int(disagg_roles.run_role(args) or 0)
