@@ -19,7 +19,6 @@ from dsakv.model.tiny import make_tiny
 
 # Tiny shapes: one thread is faster, and far faster when other processes share the 2 cores
 # (multi-threaded kernels on busy cores spin: a 32-token greedy run went from ~25 s to 0.3 s).
-torch.set_num_threads(1)
 
 ARCHS = ("glm_moe_dsa", "deepseek_v32")
 INDEX_TOPK = 16  # of the tiny checkpoints

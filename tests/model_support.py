@@ -6,8 +6,6 @@ mixing prefill chunks and decode tokens in one batch when prompt lengths differ.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -16,17 +14,6 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
 from dsakv.spec.layout import KVLayout
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Tiny matmuls gain nothing from threads, and 2 OpenMP threads stall when other tests share the cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @dataclass

@@ -8,14 +8,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
-
-torch.set_num_threads(1)
 
 PS = 4
 SP = SamplingParams(max_new_tokens=3)

@@ -19,8 +19,6 @@ from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.spec.layout import BufferKey, Kind
 
-torch.set_num_threads(1)  # tiny shapes: one thread is faster, and much faster on shared cores
-
 PS = 4
 DEVICE_TOKENS = 80  # 20 pages: one session's prefix (13 pages) fits, two do not
 SP = SamplingParams(max_new_tokens=3)

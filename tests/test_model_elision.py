@@ -10,7 +10,8 @@ from dsakv.cache.kv_access import PoolAccess, read_tokens, write_tokens
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.spec.layout import BufferKey, Kind, index_bytes_per_token, kv_bytes_per_token
-from model_support import greedy, prompts_for, single_thread
+from engine_support import tiny_model
+from model_support import greedy, prompts_for
 
 PRODUCERS = (0, 1, 2, 6, 10)
 SHARED = (3, 4, 5, 7, 8, 9, 11)
@@ -18,16 +19,9 @@ STEPS = 12
 FORMATS = [("fp32", "fp32"), ("fp8-656", "fp8-132"), ("fp8-576", "fp4-68"), ("bf16", "bf16")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    _, m = load_model(make_tiny(tmp_path_factory.mktemp("glm"), seed=0))
-    return m
+def model():
+    return tiny_model("glm_moe_dsa")[1]  # the suite's one cached tiny GLM checkpoint (seed 0)
 
 
 @pytest.mark.parametrize("kv_format,index_format", FORMATS)

@@ -7,18 +7,12 @@ import torch
 
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
-from model_support import greedy, prompts_for, single_thread
+from model_support import greedy, prompts_for
 
 transformers = pytest.importorskip("transformers")
 
 STEPS = 32
 LENGTHS = [5, 17, 40]  # index_topk is 16: the last two really prune during prefill, all three during decode
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module", params=["glm_moe_dsa", "deepseek_v32"])

@@ -7,22 +7,14 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.model.batch import ForwardBatch
-from dsakv.model.loader import load_model
-from dsakv.model.tiny import make_tiny
 from dsakv.spec.layout import BufferKey, Kind
-from model_support import greedy, greedy_pp, prompts_for, single_thread
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
+from engine_support import tiny_model
+from model_support import greedy, greedy_pp, prompts_for
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    _, m = load_model(make_tiny(tmp_path_factory.mktemp("glm"), seed=0))
-    return m
+def model():
+    return tiny_model("glm_moe_dsa")[1]  # the suite's one cached tiny GLM checkpoint (seed 0)
 
 
 # (0..3 | 4..7 | 8..11): layers 4 and 8 are shared and reuse producers 2 and 6 of the previous stage

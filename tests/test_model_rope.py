@@ -8,7 +8,7 @@ import torch
 from dsakv.model.loader import load_model
 from dsakv.model.rope import Rope, apply_half_split, apply_interleaved, rope_inv_freq
 from dsakv.model.tiny import make_tiny
-from model_support import greedy, prompts_for, single_thread
+from model_support import greedy, prompts_for
 
 transformers = pytest.importorskip("transformers")
 glm = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")
@@ -49,9 +49,8 @@ def test_yarn_checkpoint_matches_transformers(tmp_path, arch):
     assert model.cfg.softmax_scale == pytest.approx(32**-0.5 * (0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompt = prompts_for([30], seed=2)[0]
-    with single_thread():
-        runs, _ = greedy(model, model.layout_for(kv_format="fp32", index_format="fp32", page_size=8), [prompt], 4)
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt + runs[0].generated[:-1]])).logits[0, len(prompt) - 1 :]
+    runs, _ = greedy(model, model.layout_for(kv_format="fp32", index_format="fp32", page_size=8), [prompt], 4)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + runs[0].generated[:-1]])).logits[0, len(prompt) - 1 :]
     assert runs[0].generated == ref.argmax(-1).tolist()
     assert (torch.stack(runs[0].logits) - ref).abs().max().item() < 1e-4
