@@ -132,18 +132,25 @@ def _survivors_serve(cluster, prefill: str, decode: str, reference, tag: str) ->
         r.stop()
 
 
+def _kill_during_transfer(cluster, procs, router, victim: str, seed: int, tag: str, reference) -> tuple[list, float]:
+    """Submit a batch, kill `victim` while stage 1 of P2 is transferring, check the survivors keep serving;
+    returns the killed batch's (tokens, reason, error, t_end) and the kill time."""
+    rids = _submit(router, _prompts(seed), tag)
+    _wait_transferring(procs["P2s1"].addr, cluster.procs)
+    t_kill = time.monotonic()
+    procs[victim].kill()
+    collector = _Collector(router, rids)
+    _survivors_serve(cluster, procs["P1"].addr, procs["D"].addr, reference, f"{tag}-survivor")
+    got = collector.result()
+    print("failed as expected:", [(g[1], g[2], round(g[3] - t_kill, 2)) for g in got])
+    return got, t_kill
+
+
 def test_decode_killed_mid_transfer(world, reference):
     cluster, procs, ports = world
     router = cluster.router([procs["P2s0"].addr], [procs["V"].addr], kv_timeout=KV_TIMEOUT)
     assert router.wait_ready(60), router.health()
-    rids = _submit(router, _prompts(1), "dkill")
-    _wait_transferring(procs["P2s1"].addr, cluster.procs)
-    t_kill = time.monotonic()
-    procs["V"].kill()
-    collector = _Collector(router, rids)
-    _survivors_serve(cluster, procs["P1"].addr, procs["D"].addr, reference, "dkill-survivor")
-    got = collector.result()
-    print("failed as expected:", [(g[1], g[2], round(g[3] - time.monotonic(), 2)) for g in got])
+    got, t_kill = _kill_during_transfer(cluster, procs, router, "V", 1, "dkill", reference)
     for toks, reason, error, t_end in got:
         assert reason == "error" and toks == [], got
         assert f"decode {procs['V'].addr}" in error and "unavailable" in error, error
@@ -165,14 +172,7 @@ def test_prefill_stage_killed_mid_transfer(world, reference):
     cluster, procs, ports = world
     router = cluster.router([procs["P2s0"].addr], [procs["D"].addr], kv_timeout=KV_TIMEOUT)
     assert router.wait_ready(60), router.health()
-    rids = _submit(router, _prompts(3), "skill")
-    _wait_transferring(procs["P2s1"].addr, cluster.procs)
-    t_kill = time.monotonic()
-    procs["P2s1"].kill()
-    collector = _Collector(router, rids)
-    _survivors_serve(cluster, procs["P1"].addr, procs["D"].addr, reference, "skill-survivor")
-    got = collector.result()
-    print("failed as expected:", [(g[1], g[2], round(g[3] - time.monotonic(), 2)) for g in got])
+    got, t_kill = _kill_during_transfer(cluster, procs, router, "P2s1", 3, "skill", reference)
     for toks, reason, error, t_end in got:
         assert reason == "error" and toks == [], got
         assert "stage 1" in error and ("is dead" in error or "pipeline broke" in error), error
