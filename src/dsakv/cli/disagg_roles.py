@@ -102,14 +102,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _partition(args: argparse.Namespace) -> tuple[int, ...] | None:
-    if not args.pp_partition:
-        return None
-    try:
-        return tuple(int(x) for x in str(args.pp_partition).split(","))
-    except ValueError:
-        raise ConfigError(
-            f"--pp-partition {args.pp_partition!r} must be comma-separated layer counts, e.g. 5,3,2,2"
-        ) from None
+    from dsakv.plan.capacity import parse_partition
+
+    return parse_partition(str(args.pp_partition)) if args.pp_partition else None
 
 
 def _backend_options(args: argparse.Namespace) -> dict[str, Any]:

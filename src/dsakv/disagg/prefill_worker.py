@@ -71,6 +71,7 @@ from dsakv.engine.scheduler import Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel, StageCarry
+from dsakv.plan.capacity import even_partition
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE
 from dsakv.spec.model import ModelSpec
 
@@ -88,8 +89,7 @@ def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
     if pp_size < 1:
         raise ConfigError(f"--pp-size {pp_size} must be >= 1")
     if partition is None:
-        base, extra = divmod(num_layers, pp_size)
-        partition = tuple(base + (1 if k < extra else 0) for k in range(pp_size))
+        partition = even_partition(num_layers, pp_size)
     if len(partition) != pp_size:
         raise ConfigError(f"--pp-partition {list(partition)} has {len(partition)} stages but --pp-size is {pp_size}")
     if any(n < 1 for n in partition) or sum(partition) != num_layers:
