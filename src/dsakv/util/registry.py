@@ -1,11 +1,11 @@
 """One generic registry: name -> object (a class, a factory, a codec), filled by a decorator or a call.
 
-    BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend", flag="--transfer-backend")
+BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend", flag="--transfer-backend")
 
-    @BACKENDS.register("mooncake")
-    class MooncakeBackend(TransferBackend): ...
+@BACKENDS.register("mooncake")
+class MooncakeBackend(TransferBackend): ...
 
-    BACKENDS.get("nixl")   # ConfigError naming the value, the flag and the choices when unknown
+BACKENDS.get("nixl")   # ConfigError naming the value, the flag and the choices when unknown
 """
 
 from __future__ import annotations
