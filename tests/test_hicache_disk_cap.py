@@ -26,7 +26,7 @@ from dsakv.spec.presets import load_spec
 
 PS = 4
 LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
-FILE = 96 + LAYOUT.bytes_per_page  # header + one page row
+FILE = 104 + LAYOUT.bytes_per_page  # header + one page row
 
 
 def _rows(tokens: np.ndarray) -> torch.Tensor:

@@ -13,9 +13,17 @@ Tiers:
   host    a HostPool (HiCacheConfig.hicache_ratio / hicache_size), same keys as the device pool; a write
           policy (write_policy.py) decides when device copies are backed up; a hit on a host-only run is
           loaded back onto the device inside match_prefix, before the request computes
-  disk    DiskTier (HiCacheConfig.disk_dir): every newly cached page is persisted once; after the tree runs
-          out, match_prefix continues on disk, so a restarted server still hits. HiCacheConfig.disk_size caps
-          its bytes (LRU page files go first); None = unbounded
+  storage the L3 tier, a StorageBackend from cache/storage (HiCacheConfig.storage, or disk_dir for `file`):
+          `file` (local page files; disk_size caps them, LRU) or `mooncake` (a Mooncake Store shared by every
+          instance on one master). After the tree runs out, match_prefix asks the store for the longest stored
+          run of the prompt's pages (every object of a page present) and loads it, so another instance's or a
+          restarted server's pages are hits. With a host tier, storage reads and writes go straight to and from
+          host-pool pages (zero-copy, registered with the store); without one (file only) through a staging copy.
+          When pages are written follows the write policy: write_through at insert, write_back when the device
+          copy is evicted, write_through_selective when a run is backed up to the host. Every page carries a
+          checksum; a corrupt page, or an object of another identity or size, is dropped and counted, never
+          loaded. A store call that fails or takes longer than StorageConfig.timeout is abandoned (its host pages
+          stay reserved until it returns, and the store is skipped meanwhile): the request computes instead.
 
 Counting: a match's lookup and hits are counted by admit(m), when the request that asked actually starts
 with it; a match released without admit() (the scheduler retries admission later, or an abort) counts only
@@ -28,11 +36,12 @@ Imports torch, numpy and dsakv.spec/cache; must not import model or engine.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +52,11 @@ import torch
 
 from dsakv.cache.allocator import IntArray, IntegrityError, PageAllocator
 from dsakv.cache.device_pool import DevicePool
-from dsakv.cache.disk_tier import DiskTier
+from dsakv.cache.fingerprint import weights_fingerprint
 from dsakv.cache.host_pool import HOST_LAYOUTS, HostPool, host_pages_for, make_host_pool
-from dsakv.cache.page_copy import gather_rows, scatter_rows
+from dsakv.cache.page_copy import gather_rows, row_offsets, scatter_rows
 from dsakv.cache.radix import RadixCache, RadixNode, as_tokens
+from dsakv.cache.storage import ReadResult, Segments, StorageBackend, StorageConfig, StorageError, make_storage
 from dsakv.cache.write_policy import WRITE_POLICIES, make_write_policy
 from dsakv.errors import ConfigError
 
@@ -55,16 +65,14 @@ log = logging.getLogger(__name__)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
-def model_fingerprint(model: torch.nn.Module) -> str:
-    """16 hex chars identifying a model's weights (names, shapes, dtypes and the first and last 64 values of each
-    tensor): the disk tier's `model_hash`, so pages written by other weights are never read."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        sample = torch.cat([flat[:64], flat[-64:]]) if flat.numel() > 128 else flat
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(sample.to("cpu", torch.float64).numpy().tobytes())
-    return h.hexdigest()[:16]
+def model_fingerprint(model: torch.nn.Module, model_dir: str | Path | None = None) -> str:
+    """The weights fingerprint that names stored pages (fingerprint.weights_fingerprint: every byte of every
+    tensor, cached by checkpoint file identity)."""
+    return weights_fingerprint(model, model_dir)
+
+
+# when the write policy sends pages to the storage tier
+_STORAGE_WHEN = {"write_through": "insert", "write_back": "evict", "write_through_selective": "backup"}
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,8 @@ class HiCacheConfig:
     selective_threshold: int = 2  # hits before write_through_selective backs a run up
     disk_dir: str | None = None  # third tier on local disk; None = off
     disk_size: int | None = None  # disk tier cap in bytes (page files, headers included); None = unbounded
-    model_hash: str | None = None  # checkpoint fingerprint for disk keys (weights change -> new keys)
+    model_hash: str | None = None  # weights fingerprint for storage keys (weights change -> new keys)
+    storage: StorageConfig | None = None  # the L3 tier (file or mooncake); disk_dir is the `file` shorthand
     pin_memory: bool = True  # pin the host pool when the device is CUDA
 
     def __post_init__(self) -> None:
@@ -96,12 +105,22 @@ class HiCacheConfig:
             raise ConfigError(f"disk_size = {self.disk_size} B given without disk_dir: give a disk tier directory")
         if self.disk_size is not None and self.disk_size <= 0:
             raise ConfigError(f"disk_size = {self.disk_size} bytes must be > 0 (or None for no cap)")
+        if self.storage is not None and self.disk_dir is not None:
+            raise ConfigError("give disk_dir (the file tier) or a storage backend, not both")
         if self.selective_threshold < 1:
             raise ConfigError(f"selective_threshold = {self.selective_threshold} must be >= 1")
 
     @property
     def host_enabled(self) -> bool:
         return self.hicache_ratio is not None or self.hicache_size is not None
+
+    @property
+    def storage_config(self) -> StorageConfig | None:
+        if self.storage is not None:
+            return self.storage
+        if self.disk_dir is not None:
+            return StorageConfig(backend="file", dir=self.disk_dir, max_bytes=self.disk_size)
+        return None
 
 
 @dataclass
@@ -113,7 +132,7 @@ class HiCacheStats:
     unadmitted_lookups: int = 0  # match_prefix calls released without admit() (admission retries, aborts)
     device_hit_tokens: int = 0  # matched tokens that were already on the device
     host_hit_tokens: int = 0  # matched tokens loaded back from the host tier
-    disk_hit_tokens: int = 0  # matched tokens loaded from the disk tier
+    disk_hit_tokens: int = 0  # matched tokens loaded from the storage (L3) tier: file or mooncake
     inserted_tokens: int = 0  # tokens newly cached by insert
     offload_pages: int = 0  # device -> host
     offload_bytes: int = 0
@@ -122,12 +141,23 @@ class HiCacheStats:
     load_pages: int = 0  # host -> device
     load_bytes: int = 0
     load_seconds: float = 0.0
-    disk_write_pages: int = 0
+    disk_write_pages: int = 0  # pages written to the storage tier (disk_* = the storage tier, any backend)
     disk_write_bytes: int = 0
-    disk_read_pages: int = 0  # disk -> device
+    disk_read_pages: int = 0  # storage -> device
     disk_read_bytes: int = 0
     disk_evicted_pages: int = 0  # page files deleted to stay under disk_size (LRU)
     disk_evicted_bytes: int = 0  # their bytes on disk (headers included)
+    storage_queries: int = 0  # longest-prefix existence queries sent to the store
+    storage_query_seconds: float = 0.0
+    storage_read_seconds: float = 0.0  # store -> host (or staging) pages, verification included
+    storage_write_seconds: float = 0.0
+    storage_failures: int = 0  # store calls that failed (a dead master, an I/O error): computed instead
+    storage_timeouts: int = 0  # store calls abandoned at the deadline: computed instead
+    storage_skipped: int = 0  # store calls not made while the store was failing or a call was still stuck
+    storage_corrupt_pages: int = 0  # pages whose checksum failed on read (dropped)
+    storage_refused_pages: int = 0  # objects of another identity or size (never loaded)
+    storage_missing_pages: int = 0  # pages gone between the existence query and the read
+    storage_unstaged_pages: int = 0  # pages not written: no host copy to put from (zero-copy backends)
     device_evicted_pages: int = 0  # device copies dropped (offloaded first under write_back)
     host_evicted_pages: int = 0  # host copies dropped
 
@@ -147,22 +177,28 @@ class HiCacheStats:
     def load_gbps(self) -> float:
         return self.load_bytes / self.load_seconds / 1e9 if self.load_seconds else 0.0
 
+    @property
+    def storage_read_gbps(self) -> float:
+        return self.disk_read_bytes / self.storage_read_seconds / 1e9 if self.storage_read_seconds else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(hit_tokens=self.hit_tokens, hit_rate=round(self.hit_rate, 6))
+        d.update(storage_hit_tokens=self.disk_hit_tokens)
         return d
 
 
 @dataclass
 class _Load:
-    """One pending load of a match: a host-only node, or a run of disk pages under `node`."""
+    """One pending load of a match: a host-only node, or a run of storage pages under `node`."""
 
-    kind: str  # "host" | "disk"
+    kind: str  # "host" | "disk" (the storage tier)
     node: RadixNode
     dev_ids: IntArray
     tokens: npt.NDArray[np.int64] = field(default_factory=lambda: _EMPTY)
     hashes: list[str] = field(default_factory=list)
     above: list[str] = field(default_factory=list)  # disk hashes of the pages before `hashes` (in the tree)
+    host_ids: IntArray = field(default_factory=lambda: _EMPTY)  # storage loads through the host tier land here
 
 
 @dataclass(eq=False)
@@ -177,7 +213,7 @@ class PrefixMatch:
     pending: list[_Load] = field(default_factory=list)
     page_ids: IntArray = field(default_factory=lambda: _EMPTY)
     host_pages: int = 0  # loaded from the host tier
-    disk_pages: int = 0  # loaded from disk
+    disk_pages: int = 0  # loaded from the storage tier
     released: bool = False
     admitted: bool = False  # admit() counted it
 
@@ -221,15 +257,35 @@ class HiCache:
             self.host_budget_bytes = budget
         self.radix = RadixCache(self.page_size, allocator, self.host_alloc)
         self.policy = make_write_policy(self.config.write_policy, self.config.selective_threshold)
-        self.disk = (
-            DiskTier(self.config.disk_dir, self.layout, self.config.model_hash, self.config.disk_size)
-            if self.config.disk_dir
-            else None
-        )
         self.stats = HiCacheStats()
-        if self.disk is not None:  # files over the cap at start-up (a smaller disk_size than last run)
-            self.stats.disk_evicted_pages = self.disk.evicted_pages
-            self.stats.disk_evicted_bytes = self.disk.evicted_bytes
+        self.storage: StorageBackend | None = None
+        self._storage_when = _STORAGE_WHEN.get(self.config.write_policy, "insert")
+        self._io: ThreadPoolExecutor | None = None
+        self._stuck: Future[Any] | None = None  # a store call past its deadline, still running
+        self._down_until = 0.0  # after a failure the store is skipped until then (monotonic seconds)
+        self._quarantine: list[tuple[Future[Any], IntArray]] = []  # host pages an abandoned read may still write
+        self._host_segs: list[tuple[int, int, int]] = []  # per buffer: (address of page 0, page stride, bytes)
+        sc = self.config.storage_config
+        if sc is not None:
+            self.storage = make_storage(self.layout, self.config.model_hash, sc)
+            if self.storage.needs_registration:
+                if self.host is None:
+                    self.storage.close()
+                    raise ConfigError(
+                        f"--hicache-storage {sc.backend} reads and writes pages straight from host-pool memory: "
+                        "give a host tier too (--hicache-ratio R or --hicache-size SIZE)"
+                    )
+                for t in self._host_tensors():
+                    self.storage.register(t.data_ptr(), t.numel() * t.element_size())
+            if not self.storage.synchronous:
+                self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsakv-storage")
+            # files over the cap at start-up (a smaller disk_size than last run)
+            self.stats.disk_evicted_pages = self.storage.evicted_pages
+            self.stats.disk_evicted_bytes = self.storage.evicted_bytes
+        if self.host is not None:
+            for b in self.layout.buffers:
+                v = self.host.view(b.key)
+                self._host_segs.append((v.data_ptr(), v.stride(0), b.page_bytes))
         self._match_ids = itertools.count(1)
         self._open: dict[int, PrefixMatch] = {}
         log.info(
@@ -238,8 +294,90 @@ class HiCache:
             f", host {self.host.num_pages} pages ({self.config.layout}, {self.config.write_policy})"
             if self.host
             else "",
-            f", disk {self.disk.dir}" if self.disk else "",
+            f", storage {self.storage.describe()}" if self.storage else "",
         )
+
+    @property
+    def disk(self) -> StorageBackend | None:
+        """The storage tier (its historical name: the disk tier was the first backend)."""
+        return self.storage
+
+    def _host_tensors(self) -> list[torch.Tensor]:
+        assert self.host is not None
+        buf = getattr(self.host, "buffer", None)
+        if isinstance(buf, torch.Tensor):
+            return [buf]
+        tensors: dict[Any, torch.Tensor] = getattr(self.host, "_tensors", {})
+        return list(tensors.values())
+
+    def _host_pages(self, ids: IntArray) -> list[Segments]:
+        """Segments (one per buffer, layout order) of host pages `ids`."""
+        return [[(base + int(i) * stride, n) for base, stride, n in self._host_segs] for i in ids]
+
+    def _staged_pages(self, rows: torch.Tensor) -> list[Segments]:
+        """Segments of contiguous page rows [n, bytes_per_page] (staging copies, no host tier)."""
+        base, bpp = rows.data_ptr(), self.layout.bytes_per_page
+        offs = list(row_offsets(self.layout).values())
+        return [[(base + i * bpp + off, n) for off, n in offs] for i in range(int(rows.shape[0]))]
+
+    def close(self) -> None:
+        """Wait for the store's in-flight calls (bounded) and close its connection."""
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
+        if self.storage is not None:
+            self.storage.close()
+
+    # ---- storage calls -----------------------------------------------------------------
+
+    def _store_call(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, Future[Any] | None]:
+        """(result, None) of a store call, or (None, future) when it was abandoned at the deadline, or (None,
+        None) when it failed or was skipped (the store is failing / a call is stuck). Counted in stats."""
+        assert self.storage is not None
+        if self._io is None:
+            try:
+                return fn(*args), None
+            except (StorageError, OSError) as e:
+                self.stats.storage_failures += 1
+                log.warning("storage %s: %s; computing instead", self.storage.describe(), e)
+                return None, None
+        now = time.monotonic()
+        if (self._stuck is not None and not self._stuck.done()) or now < self._down_until:
+            self.stats.storage_skipped += 1
+            return None, None
+        self._stuck = None
+        fut = self._io.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.storage.config.timeout), None
+        except FutureTimeout:
+            self._stuck = fut
+            self.stats.storage_timeouts += 1
+            log.warning(
+                "storage %s: a call took over %.1f s; computing instead and skipping the store until it returns",
+                self.storage.describe(),
+                self.storage.config.timeout,
+            )
+            return None, fut
+        except (StorageError, OSError) as e:
+            self.stats.storage_failures += 1
+            self._down_until = time.monotonic() + min(1.0, self.storage.config.timeout)
+            forget = getattr(self.storage, "forget_known", None)
+            if forget is not None:
+                forget()
+            log.warning("storage %s: %s; computing instead", self.storage.describe(), e)
+            return None, None
+
+    def _reap(self) -> None:
+        """Give back the host pages of abandoned reads that have returned since."""
+        if not self._quarantine:
+            return
+        assert self.host_alloc is not None
+        keep = []
+        for fut, ids in self._quarantine:
+            if fut.done():
+                self.host_alloc.drop(("storage-io", id(fut)), ids)
+            else:
+                keep.append((fut, ids))
+        self._quarantine = keep
 
     # ---- sizes ----------------------------------------------------------------------
 
@@ -258,6 +396,7 @@ class HiCache:
         are on the device when this returns; pass prompt[:-1] so that at least one token is left to compute.
         Nothing is counted as a lookup or hit until admit(m)."""
         toks = as_tokens(tokens)
+        self._reap()
         path = self.radix.match(toks)
         m = PrefixMatch(next(self._match_ids), self.page_size, int(toks.size), None, 0)
         if path:
@@ -277,22 +416,30 @@ class HiCache:
             m.pending.append(_Load("host", node, ids))
         else:
             reachable = True
-        if self.disk is not None and reachable:
-            self._plan_disk(m, toks, path)
+        if self.storage is not None and reachable:
+            self._plan_storage(m, toks, path)
         if load:
             self.complete(m)
         return m
 
-    def _plan_disk(self, m: PrefixMatch, toks: npt.NDArray[np.int64], path: list[RadixNode]) -> None:
-        assert self.disk is not None
+    def _plan_storage(self, m: PrefixMatch, toks: npt.NDArray[np.int64], path: list[RadixNode]) -> None:
+        """Reserve device (and host) pages for the longest run of the prompt's pages the store holds whole."""
+        assert self.storage is not None
         ps = self.page_size
         start = sum(n.num_pages for n in path)
         total = toks.size // ps
         if start >= total:
             return
-        chain = self.disk.page_hashes(toks, total)
+        chain = self.storage.page_hashes(toks, total)
         hashes = chain[start:]
-        n = self.disk.count_present(hashes)
+        if self.storage.synchronous:
+            n = self.storage.count_present(hashes)
+        else:
+            t0 = time.perf_counter()
+            got, _ = self._store_call(self.storage.count_present, hashes)
+            self.stats.storage_queries += 1
+            self.stats.storage_query_seconds += time.perf_counter() - t0
+            n = int(got or 0)
         while n > 0:
             ids = self._alloc_device(n)
             if ids is not None:
@@ -300,10 +447,21 @@ class HiCache:
             n = min(n - 1, self.allocator.num_free)
         if n <= 0 or ids is None:
             return
+        host_ids = _EMPTY
+        if self.host_alloc is not None:
+            if self.host_alloc.num_free < n:
+                self.evict_host(n - self.host_alloc.num_free)
+            k = min(n, self.host_alloc.num_free)
+            if k < n:
+                self.allocator.free(ids[k:])
+                ids, n = ids[:k], k
+            if n == 0:
+                return
+            host_ids = self.host_alloc.alloc(n, owner=m.owner)
         self.allocator.hold(m.owner, ids)
         parent = path[-1] if path else self.radix.root
         m.pending.append(
-            _Load("disk", parent, ids, toks[start * ps : (start + n) * ps].copy(), hashes[:n], chain[:start])
+            _Load("disk", parent, ids, toks[start * ps : (start + n) * ps].copy(), hashes[:n], chain[:start], host_ids)
         )
 
     def complete(self, m: PrefixMatch, max_loads: int | None = None) -> None:
@@ -323,12 +481,18 @@ class HiCache:
 
     def _run_load(self, m: PrefixMatch, step: _Load) -> bool:
         self.allocator.unhold(m.owner, step.dev_ids)
+        if step.host_ids.size:
+            assert self.host_alloc is not None
+            self.host_alloc.unhold(m.owner, step.host_ids)
         try:
             if step.kind == "host":
                 return self._load_host(m, step)
-            return self._load_disk(m, step)
+            return self._load_storage(m, step)
         except BaseException:
             self.allocator.free(step.dev_ids)
+            if step.host_ids.size:
+                assert self.host_alloc is not None
+                self.host_alloc.free(step.host_ids)
             raise
 
     def _load_host(self, m: PrefixMatch, step: _Load) -> bool:
@@ -363,24 +527,62 @@ class HiCache:
             self.allocator.free(step.dev_ids[pages:])
         return True
 
-    def _load_disk(self, m: PrefixMatch, step: _Load) -> bool:
-        assert self.disk is not None
+    def _load_storage(self, m: PrefixMatch, step: _Load) -> bool:
+        """Read the step's pages from the store (into its host pages, or a staging copy), verified, onto the
+        device; the intact prefix becomes a new node. False when fewer pages than reserved came back."""
+        assert self.storage is not None
         parent = step.node
         ps = self.page_size
+        host = step.host_ids
+
+        def give_back(n: int) -> None:
+            self.allocator.free(step.dev_ids[n:])
+            if host.size > n:
+                assert self.host_alloc is not None
+                self.host_alloc.free(host[n:])
+
         if not parent.on_device or self.radix._page_key(step.tokens, 0) in parent.children:
+            give_back(0)
+            return False
+        staging: torch.Tensor | None = None
+        if host.size:
+            pages = self._host_pages(host)
+        else:
+            staging = torch.empty((len(step.hashes), self.layout.bytes_per_page), dtype=torch.uint8)
+            pages = self._staged_pages(staging)
+        t0 = time.perf_counter()
+        res, stuck = self._store_call(self.storage.get, step.hashes, pages)
+        self.stats.storage_read_seconds += time.perf_counter() - t0
+        self.storage.touch(step.above)  # the chain's earlier pages stay more recent than the pages just read
+        if stuck is not None and host.size:  # the read may still write these host pages: keep them until it ends
+            assert self.host_alloc is not None
+            self.host_alloc.hold(("storage-io", id(stuck)), host)
+            self._quarantine.append((stuck, host))
             self.allocator.free(step.dev_ids)
             return False
-        rows = self.disk.read(step.hashes)
-        self.disk.touch(step.above)  # the chain's earlier pages stay more recent than the pages just read
-        n = int(rows.shape[0])
-        if n < step.dev_ids.size:
-            self.allocator.free(step.dev_ids[n:])
+        if not isinstance(res, ReadResult):
+            give_back(0)
+            return False
+        self.stats.storage_corrupt_pages += res.corrupt
+        self.stats.storage_refused_pages += res.refused
+        self.stats.storage_missing_pages += res.missing
+        if res.corrupt or res.refused:
+            log.warning("storage %s: page refused (%s); computing it instead", self.storage.describe(), res.reason)
+        n = res.n
+        give_back(n)
         if n == 0:
             return False
         ids = step.dev_ids[:n]
-        scatter_rows(self.device, ids, rows)
+        if host.size:
+            assert self.host is not None
+            self.host.load(self.device, host[:n], ids)
+        else:
+            assert staging is not None
+            scatter_rows(self.device, ids, staging[:n])
         self._sync()
         child = self.radix.add_child(parent, step.tokens[: n * ps], ids)
+        if host.size:
+            self.radix.set_host(child, host[:n])
         self.radix.lock(child)
         if m.node is not None:
             self.radix.unlock(m.node)
@@ -395,6 +597,9 @@ class HiCache:
         for step in m.pending:
             self.allocator.unhold(m.owner, step.dev_ids)
             self.allocator.free(step.dev_ids)
+            if step.host_ids.size:
+                assert self.host_alloc is not None
+                self.host_alloc.drop(m.owner, step.host_ids)
         m.pending.clear()
 
     def _finish(self, m: PrefixMatch) -> None:
@@ -458,27 +663,70 @@ class HiCache:
         self.stats.inserted_tokens += n_new * self.page_size
         if new:
             self.policy.on_insert(self, new)
-            if self.disk is not None:
-                self._persist(toks, path, new)
+            if self.storage is not None and (self._storage_when == "insert" or self.host is None):
+                self._persist(path, new)
         return n_new
 
-    def _persist(self, toks: npt.NDArray[np.int64], path: list[RadixNode], new: list[RadixNode]) -> None:
-        assert self.disk is not None
-        total = sum(n.num_pages for n in path)
-        hashes = self.disk.page_hashes(toks, total)
-        first = total - sum(n.num_pages for n in new)
-        todo = [(i, h) for i, h in enumerate(hashes[first:], start=first) if not self.disk.contains(h)]
-        if not todo:
-            self.disk.touch(hashes)
+    def _persist(self, path: list[RadixNode], nodes: list[RadixNode]) -> None:
+        """Write the pages of `nodes` (all under the chain `path` ends with, or each under its own path when
+        `path` is empty) that the store does not hold yet: from their host pages, else a staging copy."""
+        assert self.storage is not None
+        if not path:
+            for n in nodes:
+                if n.parent is not None:
+                    self._persist(self.radix.path_to(n), [n])
             return
-        dev_ids = np.concatenate([n.device for n in path if n.device is not None])
-        rows = gather_rows(self.device, dev_ids[[i for i, _ in todo]])
-        ev_pages, ev_bytes = self.disk.evicted_pages, self.disk.evicted_bytes
-        written = self.disk.write([h for _, h in todo], rows, protect=hashes)
+        toks = np.concatenate([n.key for n in path])
+        total = toks.size // self.page_size
+        hashes = self.storage.page_hashes(toks, total)
+        want = {id(n) for n in nodes}
+        todo: list[tuple[str, RadixNode, int]] = []  # (hash, node, page within node)
+        off = 0
+        for n in path:
+            if id(n) in want:
+                todo += [(hashes[off + k], n, k) for k in range(n.num_pages)]
+            off += n.num_pages
+        todo = [t for t in todo if not self.storage.contains(t[0])]
+        if not todo:
+            self.storage.touch(hashes)
+            return
+        pages: list[Segments] = []
+        staged: list[int] = []
+        for _, n, k in todo:
+            if n.host is not None:
+                pages.append(self._host_pages(n.host[k : k + 1])[0])
+            elif n.device is not None and not self.storage.needs_registration:
+                staged.append(len(pages))
+                pages.append([])
+            else:
+                pages.append([])
+        rows = None
+        if staged:
+            dev = np.array([int(todo[i][1].device[todo[i][2]]) for i in staged], dtype=np.int64)  # type: ignore[index]
+            rows = gather_rows(self.device, dev).to("cpu").contiguous()
+            for j, seg in zip(staged, self._staged_pages(rows), strict=True):
+                pages[j] = seg
+        ok = [i for i, p in enumerate(pages) if p]
+        self.stats.storage_unstaged_pages += len(pages) - len(ok)
+        if len(ok) < len(pages):  # a run of one chain: stop at the first page that cannot be written
+            first_bad = next(i for i, p in enumerate(pages) if not p)
+            ok = [i for i in ok if i < first_bad]
+        if not ok:
+            return
+        ev_pages, ev_bytes = self.storage.evicted_pages, self.storage.evicted_bytes
+        t0 = time.perf_counter()
+        put_hashes = [todo[i][0] for i in ok]
+        if self.storage.synchronous:
+            written, _ = self._store_call(self.storage.put, put_hashes, [pages[i] for i in ok], hashes)
+        else:
+            written, _ = self._store_call(self.storage.put, put_hashes, [pages[i] for i in ok])
+        self.stats.storage_write_seconds += time.perf_counter() - t0
+        del rows
+        written = int(written or 0)
         self.stats.disk_write_pages += written
         self.stats.disk_write_bytes += written * self.layout.bytes_per_page
-        self.stats.disk_evicted_pages += self.disk.evicted_pages - ev_pages
-        self.stats.disk_evicted_bytes += self.disk.evicted_bytes - ev_bytes
+        self.stats.disk_evicted_pages += self.storage.evicted_pages - ev_pages
+        self.stats.disk_evicted_bytes += self.storage.evicted_bytes - ev_bytes
 
     # ---- tier moves -------------------------------------------------------------------
 
@@ -524,6 +772,8 @@ class HiCache:
         for n in fit:
             self.radix.set_host(n, host_ids[off : off + n.num_pages])
             off += n.num_pages
+        if self.storage is not None and self._storage_when == "backup":
+            self._persist([], fit)
         return got
 
     def evict(self, num_pages: int) -> int:
@@ -536,6 +786,8 @@ class HiCache:
                 break
             if self.policy.offload_on_evict:
                 self.backup([v for v in victims if not v.on_host])
+            if self.storage is not None and self.host is not None and self._storage_when == "evict":
+                self._persist([], [v for v in victims if v.device is not None and v.parent is not None])
             for v in victims:
                 if v.device is None or v.parent is None:  # removed while making host room
                     continue
@@ -579,9 +831,12 @@ class HiCache:
         self.allocator.check_integrity()
         if self.host_alloc is not None:
             self.host_alloc.check_integrity()
-            if self.host_alloc.num_used != self.radix.host_pages:
+            reserved = sum(int(s.host_ids.size) for m in self._open.values() for s in m.pending)
+            reserved += sum(int(ids.size) for _, ids in self._quarantine)
+            if self.host_alloc.num_used != self.radix.host_pages + reserved:
                 raise IntegrityError(
-                    f"host: {self.host_alloc.num_used} pages in use but the tree holds {self.radix.host_pages}"
+                    f"host: {self.host_alloc.num_used} pages in use but the tree holds {self.radix.host_pages} "
+                    f"and loads reserve {reserved}"
                 )
         self.radix.check_integrity()
 
@@ -591,7 +846,8 @@ class HiCache:
             "host_pages": self.host.num_pages if self.host else 0,
             "host_layout": self.config.layout if self.host else None,
             "write_policy": self.config.write_policy if self.host else None,
-            "disk_dir": str(Path(self.disk.dir)) if self.disk else None,
-            "disk_size": self.disk.max_bytes if self.disk else None,
-            "disk_used_bytes": self.disk.used_bytes if self.disk else 0,
+            "storage": self.storage.describe() if self.storage else None,
+            "disk_dir": str(Path(d)) if (d := getattr(self.storage, "dir", None)) else None,
+            "disk_size": getattr(self.storage, "max_bytes", None),
+            "disk_used_bytes": getattr(self.storage, "used_bytes", 0),
         }

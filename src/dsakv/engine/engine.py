@@ -156,7 +156,7 @@ class Engine:
                 selective_threshold=hicache_selective_threshold,
                 disk_dir=str(hicache_disk_dir) if hicache_disk_dir else None,
                 disk_size=hicache_disk_size,
-                model_hash=model_fingerprint(self.model) if hicache_disk_dir else None,
+                model_hash=model_fingerprint(self.model, self.model_dir) if hicache_disk_dir else None,
             )
             self.prefix_cache = HiCache(self.pool, self.allocator, hc)
         max_pos = self.spec.raw.get("max_position_embeddings")

@@ -1,0 +1,272 @@
+"""`file` storage backend: one file per page on local disk (the disk tier), surviving a restart.
+
+    <dir>/<layout_id>/<h[:2]>/<h>.page
+    | magic "DSAKVPG2" | layout_id (16 B) | h (64 B) | payload bytes (u64) | checksum (u64) | page payload |
+
+The payload is the page's buffers in layout order (page_copy's page row). Writes go to a temporary file renamed
+into place, so a crash never leaves a torn page. A read opens the file non-blocking, refuses anything that is not
+a regular file of exactly `file_bytes`, checks the header (identity, size) and the payload checksum; a page that
+fails is deleted and counted (corrupt_pages / junk_deleted), and reads as a miss.
+
+Size cap (max_bytes, None = unbounded): the page files of this layout directory never total more than max_bytes;
+a write evicts the least recently used files first. A use (write or read) touches a file's mtime, the earlier
+pages of a chain last, so a chain loses its deepest pages first; a restart rebuilds the LRU order from mtimes.
+Start-up deletes junk (temporaries, files of another size or format, FIFOs and other non-regular files named
+like pages); a directory named like a page is skipped and never counted. Imports numpy and dsakv.spec/cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+from dsakv.cache.storage.base import (
+    META,
+    STORAGE_BACKENDS,
+    ReadResult,
+    Segments,
+    StorageBackend,
+    StorageConfig,
+    mview,
+    page_checksum,
+)
+from dsakv.errors import ConfigError
+from dsakv.spec.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+_OPEN_READ = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+
+
+@STORAGE_BACKENDS.register("file")
+class FileStore(StorageBackend):
+    name = "file"
+    synchronous = True
+
+    def __init__(self, layout: KVLayout, model_hash: str | None, config: StorageConfig) -> None:
+        super().__init__(layout, model_hash, config)
+        assert config.dir is not None
+        self.dir = Path(config.dir) / self.layout_id
+        self.file_bytes = META.size + self.page_bytes  # one page file on disk
+        max_bytes = config.max_bytes
+        if max_bytes is not None and max_bytes < self.file_bytes:
+            raise ConfigError(
+                f"disk tier size cap {max_bytes} B cannot hold one page file of {self.file_bytes} B "
+                f"({layout.page_size} tokens x {layout.bytes_per_token} B/token + {META.size} B header): "
+                f"give at least {self.file_bytes} B, or no cap"
+            )
+        self.max_bytes = max_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.corrupt_pages = 0  # pages whose header or checksum failed on read (deleted)
+        self.junk_deleted = 0  # files that were not page files of this layout (deleted)
+        self._last_ns = 0
+        self._lru: OrderedDict[str, int] = OrderedDict()  # hash -> file bytes, least recently used first
+        self._used = 0
+        self._rebuild_index()
+
+    # ---- index ---------------------------------------------------------------------
+
+    def _unlink(self, p: Path) -> bool:
+        try:
+            p.unlink(missing_ok=True)
+            return True
+        except OSError as e:  # a directory, a permission problem: never fatal
+            log.warning("disk tier: cannot delete %s (%s)", p, e)
+            return False
+
+    def _rebuild_index(self) -> None:
+        """Index the page files already on disk, oldest mtime first; delete junk."""
+        found: list[tuple[int, str, int]] = []
+        for p in self.dir.glob("*/.*.tmp"):
+            if self._unlink(p):
+                self.junk_deleted += 1
+        for p in self.dir.glob("*/*.page"):
+            try:
+                st = p.lstat()
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                log.warning("disk tier: %s is a directory, not a page file: skipped", p)
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_bytes or len(p.stem) != 64:
+                log.warning("disk tier: %s is not a page file of this layout (%d B): deleted", p, st.st_size)
+                if self._unlink(p):
+                    self.junk_deleted += 1
+                continue
+            found.append((st.st_mtime_ns, p.stem, st.st_size))
+        found.sort()
+        for mtime, h, size in found:
+            self._lru[h] = size
+            self._used += size
+            self._last_ns = max(self._last_ns, mtime)
+        if found:
+            log.info("disk tier %s: %d pages, %d B on disk", self.dir, len(found), self.used_bytes)
+        if self.max_bytes is not None and self.used_bytes > self.max_bytes:
+            self._evict(self.used_bytes - self.max_bytes, protect=set())
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the indexed page files (what the cap limits)."""
+        return self._used
+
+    def _forget(self, h: str) -> None:
+        self._used -= self._lru.pop(h, 0)
+
+    def _stamp(self, h: str) -> None:
+        self._lru.move_to_end(h)
+        self._last_ns = max(time.time_ns(), self._last_ns + 1)
+        try:
+            os.utime(self.path(h), ns=(self._last_ns, self._last_ns), follow_symlinks=False)
+        except OSError:
+            self._forget(h)
+
+    def touch(self, hashes: list[str]) -> None:
+        for h in reversed(hashes):
+            if h in self._lru:
+                self._stamp(h)
+
+    def _evict(self, nbytes: int, protect: set[str]) -> int:
+        freed = 0
+        for h in list(self._lru):
+            if freed >= nbytes:
+                break
+            if h in protect:
+                continue
+            size = self._lru[h]
+            self._forget(h)
+            self._unlink(self.path(h))
+            freed += size
+            self.evicted_pages += 1
+            self.evicted_bytes += size
+        if freed:
+            log.debug("disk tier: evicted %d B to stay under %s B", freed, self.max_bytes)
+        return freed
+
+    def path(self, h: str) -> Path:
+        return self.dir / h[:2] / f"{h}.page"
+
+    def contains(self, h: str) -> bool:
+        return h in self._lru
+
+    def count_present(self, hashes: list[str]) -> int:
+        for i, h in enumerate(hashes):
+            if not self.contains(h):
+                return i
+        return len(hashes)
+
+    # ---- data ----------------------------------------------------------------------
+
+    def put(self, hashes: list[str], pages: list[Segments], protect: list[str] | None = None) -> int:
+        """Write pages (skipping those already on disk); `protect` (the chain's earlier pages) is never evicted to
+        make room. Under the cap, a page that only fits by evicting the chain's own pages is not written, nor are
+        the pages after it."""
+        if len(pages) != len(hashes):
+            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        keep = set(protect or ()) | set(hashes)
+        written = 0
+        for h, segs in zip(hashes, pages, strict=True):
+            if h in self._lru:
+                continue
+            if self.max_bytes is not None:
+                over = self.used_bytes + self.file_bytes - self.max_bytes
+                if over > 0 and self._evict(over, keep) < over:
+                    log.debug("disk tier full of this chain's pages: pages not written")
+                    break
+            p = self.path(h)
+            try:
+                p.parent.mkdir(exist_ok=True)
+                tmp = p.with_name(f".{h}.{uuid.uuid4().hex[:8]}.tmp")
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    bufs: list[bytes | memoryview] = [self.meta(h, page_checksum(segs))]
+                    bufs += [mview(a, n) for a, n in segs]
+                    want = sum(len(b) for b in bufs)
+                    if os.writev(fd, bufs) != want:
+                        raise OSError(f"short write of {tmp}")
+                finally:
+                    os.close(fd)
+                os.replace(tmp, p)
+            except OSError as e:
+                log.warning("disk tier: cannot write %s (%s)", p, e)
+                break
+            self._lru[h] = self.file_bytes
+            self._used += self.file_bytes
+            written += 1
+        self.touch(list(protect or ()) + hashes)
+        return written
+
+    def get(self, hashes: list[str], pages: list[Segments]) -> ReadResult:
+        res = ReadResult(0)
+        for h, segs in zip(hashes, pages, strict=True):
+            why = self._read_one(h, segs)
+            if why:
+                self._forget(h)
+                res.reason = why
+                if why.startswith("checksum"):
+                    res.corrupt = 1
+                    self.corrupt_pages += 1
+                elif why != "missing":
+                    res.refused = 1
+                else:
+                    res.missing = 1
+                break
+            res.n += 1
+        self.touch(hashes[: res.n])
+        return res
+
+    def _read_one(self, h: str, segs: Segments) -> str:
+        p = self.path(h)
+        try:
+            fd = os.open(p, _OPEN_READ)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:  # a symlink (O_NOFOLLOW), a directory opened for writing, permissions
+            why = f"cannot open: {e.strerror}"
+            self._junk(p, why)
+            return why
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                why = "not a regular file"
+            elif st.st_size != self.file_bytes:
+                why = f"size {st.st_size} B, not {self.file_bytes}"
+            else:
+                head = os.read(fd, META.size)
+                why, checksum = self.check_meta(h, head)
+                if not why:
+                    got = os.readv(fd, [mview(a, n) for a, n in segs])
+                    if got != self.page_bytes:
+                        why = f"short read ({got} of {self.page_bytes} B)"
+                    elif page_checksum(segs) != checksum:
+                        why = "checksum mismatch"
+        except OSError as e:
+            why = f"read error: {e.strerror}"
+        finally:
+            os.close(fd)
+        if why:
+            self._junk(p, why)
+        return why
+
+    def _junk(self, p: Path, why: str) -> None:
+        log.warning("disk tier: %s is corrupt or not a page file (%s); deleting it and reading a miss", p, why)
+        if not p.is_dir() and self._unlink(p):
+            self.junk_deleted += 1
+
+    # ---- directory figures ------------------------------------------------------------
+
+    def num_pages(self) -> int:
+        """Page files on disk (counted from the directory, not the index)."""
+        return sum(1 for p in self.dir.glob("*/*.page") if p.is_file())
+
+    def disk_bytes(self) -> int:
+        """Bytes of the page files on disk (from the directory, not the index)."""
+        return sum(p.stat().st_size for p in self.dir.glob("*/*.page") if p.is_file())
+
+    def describe(self) -> str:
+        cap = f", cap {self.max_bytes} B" if self.max_bytes is not None else ""
+        return f"file {self.dir}{cap}"
