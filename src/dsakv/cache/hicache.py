@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,6 +75,38 @@ def model_fingerprint(model: torch.nn.Module, model_dir: str | Path | None = Non
 
 # when the write policy sends pages to the storage tier
 _STORAGE_WHEN = {"write_through": "insert", "write_back": "evict", "write_through_selective": "backup"}
+
+
+class _DaemonExecutor:
+    """Runs store calls on daemon threads (a call stuck in a dead store must not hold up interpreter exit, as
+    concurrent.futures' joined workers would)."""
+
+    def __init__(self, workers: int = 2) -> None:
+        self._q: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"dsakv-storage-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while (item := self._q.get()) is not None:
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._q.put((fut, fn, args))
+        return fut
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
 
 
 @dataclass(frozen=True)
@@ -260,7 +294,7 @@ class HiCache:
         self.stats = HiCacheStats()
         self.storage: StorageBackend | None = None
         self._storage_when = _STORAGE_WHEN.get(self.config.write_policy, "insert")
-        self._io: ThreadPoolExecutor | None = None
+        self._io: _DaemonExecutor | None = None
         self._stuck: Future[Any] | None = None  # a store call past its deadline, still running
         self._down_until = 0.0  # after a failure the store is skipped until then (monotonic seconds)
         self._quarantine: list[tuple[Future[Any], IntArray]] = []  # host pages an abandoned read may still write
@@ -278,7 +312,7 @@ class HiCache:
                 for t in self._host_tensors():
                     self.storage.register(t.data_ptr(), t.numel() * t.element_size())
             if not self.storage.synchronous:
-                self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsakv-storage")
+                self._io = _DaemonExecutor(2)
             # files over the cap at start-up (a smaller disk_size than last run)
             self.stats.disk_evicted_pages = self.storage.evicted_pages
             self.stats.disk_evicted_bytes = self.storage.evicted_bytes
@@ -323,7 +357,7 @@ class HiCache:
     def close(self) -> None:
         """Wait for the store's in-flight calls (bounded) and close its connection."""
         if self._io is not None:
-            self._io.shutdown(wait=False, cancel_futures=True)
+            self._io.shutdown()
         if self.storage is not None:
             self.storage.close()
 

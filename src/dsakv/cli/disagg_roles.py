@@ -252,6 +252,7 @@ def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
         for flag, val in (
             ("--hicache-disk-dir", getattr(args, "hicache_disk_dir", None)),
             ("--hicache-disk-size", getattr(args, "hicache_disk_size", None)),
+            ("--hicache-storage", getattr(args, "hicache_storage", None)),
         )
         if val is not None
     ]

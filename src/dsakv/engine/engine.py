@@ -117,6 +117,7 @@ class Engine:
         hicache_selective_threshold: int = 2,
         hicache_disk_dir: str | Path | None = None,
         hicache_disk_size: int | None = None,
+        hicache_storage: Any = None,
     ) -> None:
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
@@ -143,7 +144,8 @@ class Engine:
         self.prefix_cache: PrefixCache | None = prefix_cache
         if hicache_disk_size is not None and not hicache_disk_dir:
             raise ConfigError(f"hicache_disk_size = {hicache_disk_size} B needs hicache_disk_dir (the disk tier)")
-        if enable_prefix_cache or hicache_ratio is not None or hicache_size is not None or hicache_disk_dir:
+        on = enable_prefix_cache or hicache_ratio is not None or hicache_size is not None or hicache_disk_dir
+        if on or hicache_storage is not None:
             if prefix_cache is not None:
                 raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
             from dsakv.cache.hicache import HiCache, HiCacheConfig, model_fingerprint
@@ -156,7 +158,10 @@ class Engine:
                 selective_threshold=hicache_selective_threshold,
                 disk_dir=str(hicache_disk_dir) if hicache_disk_dir else None,
                 disk_size=hicache_disk_size,
-                model_hash=model_fingerprint(self.model, self.model_dir) if hicache_disk_dir else None,
+                model_hash=model_fingerprint(self.model, self.model_dir)
+                if hicache_disk_dir or hicache_storage is not None
+                else None,
+                storage=hicache_storage,  # a StorageConfig (cache/storage): the mooncake tier
             )
             self.prefix_cache = HiCache(self.pool, self.allocator, hc)
         max_pos = self.spec.raw.get("max_position_embeddings")

@@ -20,7 +20,9 @@ the request computes instead. Imports numpy, mooncake and dsakv.spec/cache; must
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import urllib.parse
 
 import numpy as np
 
@@ -86,6 +88,7 @@ class MooncakeStore(StorageBackend):
         self.master = config.master
         self.metadata = config.metadata or default_metadata_url(config.master)
         self.prefix = f"dsakv/{self.layout_id}/"
+        self._probe()
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             config.local_hostname,
@@ -107,6 +110,22 @@ class MooncakeStore(StorageBackend):
         self.register(self._meta.ctypes.data, self._meta.nbytes)
         self._known: set[str] = set()  # pages this client wrote or saw stored (skips a re-put)
         log.info("storage: mooncake master %s, metadata %s, objects %s*", config.master, self.metadata, self.prefix)
+
+    def _probe(self) -> None:
+        """Refuse an unreachable master at once (the client's own setup retries for ~90 s before failing)."""
+        host, port = parse_address(self.master)
+        targets = [(host, port, "master")]
+        murl = urllib.parse.urlparse(self.metadata)
+        if murl.scheme == "http" and murl.hostname:
+            targets.append((murl.hostname, murl.port or 80, "metadata server"))
+        for h, p, what in targets:
+            try:
+                socket.create_connection((h, p), timeout=2.0).close()
+            except OSError as e:
+                raise ConfigError(
+                    f"cannot reach the Mooncake {what} at {h}:{p} ({e.strerror or e}): start one with "
+                    f"`dsakv store-master --port {port}` or fix --mooncake-master / --mooncake-metadata"
+                ) from None
 
     def key(self, h: str) -> str:
         return self.prefix + h
