@@ -25,7 +25,7 @@ pytest.importorskip("mooncake.store")
 from dsakv.cache.hicache import HiCache, HiCacheConfig  # noqa: E402
 from dsakv.cache.storage import StorageConfig  # noqa: E402
 from dsakv.cache.storage.base import META, META_MAGIC, chain_hashes  # noqa: E402
-from dsakv.cache.storage.master import MasterProcess, StoreHolder, free_port  # noqa: E402
+from dsakv.cache.storage.master import MasterProcess, free_port  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.errors import ConfigError  # noqa: E402
@@ -294,6 +294,6 @@ def test_store_holder_keeps_pages_after_the_writer_exits(store: str) -> None:
     from dsakv.cache.page_copy import gather_rows
 
     assert torch.equal(gather_rows(h2.dev, m.page_ids), _expected_rows(np.asarray(a[:8])))
+    assert h2.cache.storage is not None
+    assert chain_hashes(h2.cache.storage.layout_id, a, PS) == h2.cache.storage.page_hashes(a)
     h2.cache.close()
-    assert chain_hashes(h2.cache.storage.layout_id, a, PS)[0] == h2.cache.storage.page_hashes(a)[0]  # type: ignore[union-attr]
-    assert StoreHolder is not None
