@@ -3,6 +3,7 @@
     python bench/hicache.py                        # both parts, CPU (or CUDA when present)
     python bench/hicache.py --part transfer --model glm-5.2 --pages 64 --batch 32
     python bench/hicache.py --part workload --sessions 4 --turns 4 --device-tokens 256
+    python bench/hicache.py --part l3 --l3-pages 32 --l3-prompt-tokens 512
 
 Part 1 (transfer): a DevicePool of the model's elided layout; `--batch` scattered pages are offloaded to
 scattered pages of a HostPool (each layout) and loaded back, and the same number of bytes is copied as one
@@ -13,6 +14,14 @@ conversations of `--turns` turns each, round robin; every turn's prompt is the s
 new user tokens, so prefixes are long and shared, and the device pool is too small to keep every session.
 Runs with the prefix cache off, on (device only), and on with the host tier; prints the prefix hit rate,
 mean time to first token, and the ratio of TTFT against the cache-off run. Never asserts on time.
+
+Part 3 (l3, not in "both": it starts a mooncake_master): a Mooncake Store on loopback (master + store memory in
+this process). Bandwidth: `--l3-pages` pages of the model's elided layout are written from a page_first host
+pool, then loaded back into other host pages through dsakv (longest-prefix existence query, identity records,
+one zero-copy multi-buffer get per page object, checksum of every page, the deadline thread) and, in the same
+process, by the raw store's batch_get_into of the same objects into the same registered memory: GB/s of each and
+the ratio. TTFT: instance A (its own store client) computes a `--l3-prompt-tokens` prompt on the tiny checkpoint;
+instance B (another client, fresh device and host tiers) serves it from the store, against B recomputing it.
 """
 
 from __future__ import annotations
@@ -168,9 +177,113 @@ def workload(args: argparse.Namespace) -> None:
         tmp.cleanup()
 
 
+def l3(args: argparse.Namespace) -> None:
+    from dsakv.cache.allocator import PageAllocator
+    from dsakv.cache.hicache import HiCache, HiCacheConfig
+    from dsakv.cache.storage import StorageConfig
+    from dsakv.cache.storage.master import MasterProcess, StoreHolder
+
+    spec = load_spec(args.model)
+    layout = KVLayout(spec, kv_format=args.kv_format, index_format=args.index_format, page_size=args.page_size)
+    n = args.l3_pages
+    nbytes = n * layout.bytes_per_page
+    master = MasterProcess().start()
+    holder = StoreHolder(master.address, max(4 * nbytes, 64 << 20))
+    try:
+        cfg = StorageConfig(backend="mooncake", master=master.address, timeout=30.0)
+        # a device pool of 1 page: the bandwidth part moves host <-> store only
+        hc = HiCache(
+            DevicePool(layout, 1),
+            PageAllocator(1),
+            HiCacheConfig(hicache_size=2 * nbytes, layout="page_first", storage=cfg),
+        )
+        assert hc.host is not None and hc.storage is not None
+        hc.host.view(layout.buffers[0].key)  # noqa: B018 - the pool exists
+        buf = hc._host_tensors()[0]
+        buf.random_(0, 256)
+        toks = np.random.default_rng(1).integers(2, 500, n * layout.page_size)
+        hashes = hc.storage.page_hashes(toks)
+        src = np.arange(n)
+        dst = np.arange(n, 2 * n)
+        assert hc.storage.put(hashes, hc._host_pages(src)) == n
+        print(
+            f"l3: mooncake store on loopback (tcp), {spec.name} {layout.bytes_per_page:,} B/page "
+            f"(== planner {layout.bytes_per_token} B/token x {layout.page_size}), {n} pages = {nbytes / 2**20:.1f} MiB"
+        )
+
+        def through_dsakv() -> None:
+            got, _ = hc._store_call(hc.storage.count_present, hashes)  # type: ignore[union-attr]
+            assert got == n
+            res, _ = hc._store_call(hc.storage.get, hashes, hc._host_pages(dst))  # type: ignore[union-attr]
+            assert res is not None and res.n == n, res
+
+        raw = hc.storage._store  # type: ignore[attr-defined]
+        keys = [hc.storage.key(h) for h in hashes]  # type: ignore[attr-defined]
+        ptrs = [ptr for ptr, _ in (hc._host_pages(dst[i : i + 1])[0][0] for i in range(n))]
+
+        def raw_get() -> None:
+            got = raw.batch_get_into(keys, ptrs, [layout.bytes_per_page] * n)
+            assert all(g == layout.bytes_per_page for g in got)
+
+        t_raw = t_dsakv = float("inf")
+        for _ in range(args.repeat):  # interleaved, best of each: both see the same machine load
+            t_raw = min(t_raw, _best(raw_get, 1))
+            t_dsakv = min(t_dsakv, _best(through_dsakv, 1))
+        assert torch.equal(buf[dst], buf[src])
+        print(f"  {'raw batch_get_into':<24} load {nbytes / t_raw / 1e9:7.2f} GB/s")
+        print(
+            f"  {'dsakv L3 load':<24} load {nbytes / t_dsakv / 1e9:7.2f} GB/s ({t_raw / t_dsakv:5.2f}x raw; "
+            "existence query + records + checksums included)"
+        )
+        hc.close()
+        _l3_ttft(args, cfg)
+    finally:
+        holder.close()
+        master.stop()
+
+
+def _l3_ttft(args: argparse.Namespace, cfg: object) -> None:
+    from dsakv.engine.engine import Engine
+    from dsakv.engine.request import SamplingParams
+    from dsakv.model.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny(Path(tmp) / "tiny")
+        rng = np.random.default_rng(args.seed + 7)
+        prompts = [rng.integers(2, 500, args.l3_prompt_tokens).tolist() for _ in range(args.repeat)]
+        sp = SamplingParams(max_new_tokens=1)
+        kw: dict[str, object] = dict(page_size=16, max_tokens=args.l3_prompt_tokens + 64)
+        store_kw = dict(kw, hicache_ratio=2.0, hicache_storage=cfg)
+        a = Engine(ckpt, **store_kw)  # type: ignore[arg-type]
+        for p in prompts:
+            a.generate([p], sp)
+        b = Engine(ckpt, **store_kw)  # type: ignore[arg-type]
+        plain = Engine(ckpt, **kw)  # type: ignore[arg-type]
+        plain.generate([prompts[0][:32]], sp)  # warm up
+        t_hit, t_cold = [], []
+        for p in prompts:
+            t0 = time.perf_counter()
+            out_b = b.generate([p], sp)
+            t_hit.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out_p = plain.generate([p], sp)
+            t_cold.append(time.perf_counter() - t0)
+            assert out_b == out_p
+        s = b.cache_stats() or {}
+        hit, cold = float(np.median(t_hit)), float(np.median(t_cold))
+        print(
+            f"  TTFT, {args.l3_prompt_tokens}-token prompt (tiny model, fp32): cross-instance L3 hit "
+            f"{hit * 1e3:7.1f} ms vs recompute {cold * 1e3:7.1f} ms ({cold / hit:5.2f}x faster); "
+            f"L3 hit tokens {s.get('disk_hit_tokens')} of {s.get('lookup_tokens')}, outputs identical"
+        )
+        for e in (a, b):
+            if e.prefix_cache is not None:
+                e.prefix_cache.close()  # type: ignore[attr-defined]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", choices=["transfer", "workload", "both"], default="both")
+    p.add_argument("--part", choices=["transfer", "workload", "both", "l3"], default="both")
     p.add_argument("--model", default="glm-5.2", help="preset for the transfer part")
     p.add_argument("--kv-format", default="fp8-656")
     p.add_argument("--index-format", default="fp8-132")
@@ -189,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="write_through")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for the tiny model)")
+    p.add_argument("--l3-pages", type=int, default=32, help="pages per L3 load (l3)")
+    p.add_argument("--l3-prompt-tokens", type=int, default=512, help="prompt length of the L3 TTFT run (l3)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.part in ("transfer", "both"):
@@ -201,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.part == "both":
             a.kv_format, a.index_format = "fp32", "fp32"
         workload(a)
+    if args.part == "l3":
+        a = argparse.Namespace(**vars(args))
+        a.page_size = args.page_size or 64
+        l3(a)
     return 0
 
 

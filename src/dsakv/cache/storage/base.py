@@ -130,6 +130,14 @@ def page_checksum(segs: Segments) -> int:
     (~9 GB/s), not a MAC. The same bytes give the same value whatever the host layout's segmentation."""
     total = 0
     nbytes = sum(n for _, n in segs)
+    if all(n % 8 == 0 for _, n in segs[:-1]):  # adjacent segments (a page_first page) summed as one region
+        merged: Segments = []
+        for p, n in segs:
+            if merged and merged[-1][0] + merged[-1][1] == p:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((p, n))
+        segs = merged
     if any(n % 8 for _, n in segs[:-1]):  # an unaligned split: checksum a contiguous copy
         buf = np.concatenate([view(p, n) for p, n in segs]) if segs else np.zeros(0, np.uint8)
         segs_v = [buf]
