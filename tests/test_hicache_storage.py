@@ -297,3 +297,24 @@ def test_store_holder_keeps_pages_after_the_writer_exits(store: str) -> None:
     assert h2.cache.storage is not None
     assert chain_hashes(h2.cache.storage.layout_id, a, PS) == h2.cache.storage.page_hashes(a)
     h2.cache.close()
+
+
+def test_write_policies_decide_when_pages_reach_the_store(store: str) -> None:
+    a, b = _toks(15, 13), _toks(16, 13)  # 3 pages each; a device pool of 4 pages holds one of them
+    wb = Harness(device_pages=4, hicache_ratio=2.0, write_policy="write_back", storage=_cfg(store))
+    wb.run(a)
+    assert wb.cache.stats.disk_write_pages == 0  # write_back: nothing stored while a is on the device
+    wb.run(b)  # evicts a: backed up to the host, then to the store
+    assert (wb.cache.stats.disk_write_pages, wb.cache.stats.device_evicted_pages) == (3, 3)
+    sel = Harness(device_pages=8, hicache_ratio=2.0, write_policy="write_through_selective", storage=_cfg(store))
+    sel.cache.policy.threshold = 1  # type: ignore[attr-defined]
+    c = _toks(17, 13)
+    sel.run(c)
+    assert sel.cache.stats.disk_write_pages == 0  # not hit yet: cold runs never reach host or store
+    sel.run(c)  # hit once: backed up to the host and stored
+    assert sel.cache.stats.disk_write_pages == 3
+    fresh = Harness(device_pages=8, hicache_ratio=2.0, storage=_cfg(store))
+    assert [fresh.run(x).disk_pages for x in (a, b, c)] == [3, 0, 3]  # b is still only on wb's device
+    for h in (wb, sel, fresh):
+        h.cache.check_integrity()
+        h.cache.close()
