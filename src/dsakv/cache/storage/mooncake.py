@@ -23,6 +23,7 @@ import logging
 import socket
 import threading
 import urllib.parse
+from collections import OrderedDict
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from dsakv.spec.layout import KVLayout
 log = logging.getLogger(__name__)
 
 _BATCH = 512  # pages per store call (bounds the record buffer)
+_KNOWN = 1 << 16  # pages remembered as stored
 _NOT_FOUND = -704  # mooncake OBJECT_NOT_FOUND
 _RPC_FAIL = -900  # mooncake RPC_FAIL and worse: the master is unreachable
 
@@ -108,7 +110,9 @@ class MooncakeStore(StorageBackend):
         self._meta_lock = threading.Lock()
         self._registered: list[tuple[int, int]] = []
         self.register(self._meta.ctypes.data, self._meta.nbytes)
-        self._known: set[str] = set()  # pages this client wrote or saw stored (skips a re-put)
+        # pages this client wrote or read lately (skips a re-put); bounded, and a page the store evicted since
+        # is found missing by the existence check of its next write or read
+        self._known: OrderedDict[str, None] = OrderedDict()
         log.info("storage: mooncake master %s, metadata %s, objects %s*", config.master, self.metadata, self.prefix)
 
     def _probe(self) -> None:
@@ -139,6 +143,13 @@ class MooncakeStore(StorageBackend):
     def contains(self, h: str) -> bool:
         return h in self._known
 
+    def _remember(self, hashes: list[str]) -> None:
+        for h in hashes:
+            self._known[h] = None
+            self._known.move_to_end(h)
+        while len(self._known) > _KNOWN:
+            self._known.popitem(last=False)
+
     def count_present(self, hashes: list[str]) -> int:
         if not hashes:
             return 0
@@ -158,6 +169,13 @@ class MooncakeStore(StorageBackend):
         for s in range(0, len(hashes), _BATCH):
             hs, ps = hashes[s : s + _BATCH], pages[s : s + _BATCH]
             todo = [i for i, h in enumerate(hs) if h not in self._known]
+            if not todo:
+                continue
+            have = self._store.batch_is_exist([self.key(hs[i]) + ".meta" for i in todo])
+            if any(r < 0 for r in have):
+                raise StorageError(f"mooncake batch_is_exist failed ({min(have)}) at master {self.master}")
+            self._remember([hs[i] for i, r in zip(todo, have, strict=True) if r == 1])
+            todo = [i for i, r in zip(todo, have, strict=True) if r != 1]
             if not todo:
                 continue
             segs = [_coalesce(ps[i]) for i in todo]
@@ -182,7 +200,7 @@ class MooncakeStore(StorageBackend):
                 )
             for i, r in zip(ok, rc2, strict=True):
                 if r == 0:
-                    self._known.add(hs[i])
+                    self._remember([hs[i]])
                     written += 1
         return written
 
@@ -231,7 +249,7 @@ class MooncakeStore(StorageBackend):
                         m = j
                         break
             res.n += m
-            self._known.update(hs[:m])
+            self._remember(hs[:m])
             if m < n:
                 res.reason = why or "missing"
                 if res.reason.startswith("checksum"):
@@ -240,9 +258,9 @@ class MooncakeStore(StorageBackend):
                     res.missing = 1
                 else:
                     res.refused = 1
+                self._known.pop(hs[m], None)
                 if res.corrupt or res.refused:  # never serve it again: drop both objects
                     self._store.batch_remove([self.key(hs[m]), self.key(hs[m]) + ".meta"], True)
-                    self._known.discard(hs[m])
                 break
         return res
 
@@ -250,7 +268,7 @@ class MooncakeStore(StorageBackend):
         keys = []
         for h in hashes:
             keys += [self.key(h), self.key(h) + ".meta"]
-            self._known.discard(h)
+            self._known.pop(h, None)
         self._store.batch_remove(keys, True)
 
     def forget_known(self) -> None:
