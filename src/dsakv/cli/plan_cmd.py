@@ -21,6 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv plan glm-5.2 --role prefill --pp 4 --pp-partition 20,20,20,18 --draft-layers 1 --kv-budget 98GiB\n"
         "  dsakv plan glm-5.2 --role prefill --pp 4 --draft-layers 1 --kv-budget 98GiB --balance\n"
         "  dsakv plan path/to/config.json --gpu-memory 141GB --mem-fraction 0.85 --tp 8 --weight-format fp8\n"
+        "  dsakv plan glm-5.2 --role decode --kv-budget 64GiB --hisparse-ratio 10 --hisparse-buffer 2048\n"
+        "\n"
+        "HiSparse (decode/colocated): the device holds index-K for every token of the logical pool plus the\n"
+        "hot KV rows (per request --hisparse-buffer rows per layer + one page); the host holds the MLA KV of\n"
+        "every token. device B/token = KV + ratio x index-K (every layer dense, producers only elided);\n"
+        "logical tokens = ratio x device tokens.\n"
     )
     p.add_argument("model", help=f"preset ({', '.join(PRESETS)}), a config.json, or a model directory")
     p.add_argument("--role", choices=ROLES, default="decode", help="which worker to plan (default: decode)")
@@ -39,6 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host = p.add_argument_group("host tier (HiCache)")
     host.add_argument("--hicache-ratio", type=float, help="host pool = ratio x device pool bytes")
     host.add_argument("--hicache-size", help="host pool bytes per GPU, e.g. 128GiB")
+    hs = p.add_argument_group("HiSparse (decode keeps index-K for every token, KV rows on the host)")
+    hs.add_argument(
+        "--hisparse-ratio",
+        type=float,
+        help="logical pool tokens / device hot KV rows (SGLang's host_to_device_ratio), e.g. 10",
+    )
+    hs.add_argument(
+        "--hisparse-buffer",
+        type=int,
+        help="device_buffer_size: hot rows per layer per request (one page is added); prints max requests",
+    )
     p.add_argument("--balance", action="store_true", help="also propose the PP partition that maximises capacity")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -66,6 +83,8 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         tp=args.tp,
         hicache_ratio=args.hicache_ratio,
         hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
+        hisparse_ratio=args.hisparse_ratio,
+        hisparse_buffer=args.hisparse_buffer,
     )
 
 
@@ -121,6 +140,59 @@ def print_plan(rp: RolePlan, title: str, file: TextIO | None = None) -> None:
     )
 
 
+def print_hisparse(rp: RolePlan, file: TextIO | None = None) -> None:
+    """HiSparse device and host figures per stage, dense index-K (SGLang) vs elided, then the worker's totals."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dsakv.plan.capacity import HISPARSE_PREFILL_NOTE
+
+    d = rp.deployment
+    console = Console(width=max(Console().width, 200), file=file)
+    hd, he = rp.hisparse_figures(False), rp.hisparse_figures(True)
+    if hd is None or he is None:
+        console.print(f"HiSparse ratio {d.hisparse_ratio:g}: not applied to role {d.role}: {HISPARSE_PREFILL_NOTE}")
+        return
+    t = Table(title=f"HiSparse ratio {d.hisparse_ratio:g} (device / host per stage)", title_justify="left")
+    cols = [
+        ("stage", "right"),
+        ("index-K", "left"),
+        ("device B/token", "right"),
+        ("device tokens", "right"),
+        ("logical tokens", "right"),
+        ("device bytes", "right"),
+        ("host bytes", "right"),
+    ]
+    if d.hisparse_buffer is not None:
+        cols.append(("requests", "right"))
+    for col, just in cols:
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for s in rp.stages:
+        for name, f in (("dense", s.hisparse_dense), ("elided", s.hisparse_elided)):
+            assert f is not None
+            row = [
+                str(s.stage),
+                name,
+                f"{f.device_bytes_per_token:,}",
+                f"{f.device_tokens:,}",
+                f"{f.logical_tokens:,}",
+                fmt_bytes(f.device_bytes),
+                fmt_bytes(f.host_bytes),
+            ]
+            if f.max_requests is not None:
+                row.append(f"{f.max_requests:,}")
+            t.add_row(*row)
+    console.print(t)
+    req = ""
+    if he.max_requests is not None and hd.max_requests is not None:
+        req = f"; requests with {d.hisparse_buffer}-row buffers: {hd.max_requests:,} -> {he.max_requests:,}"
+    console.print(
+        f"HiSparse worker logical tokens: dense index-K {hd.logical_tokens:,} -> elided {he.logical_tokens:,}: "
+        f"[bold]{_pct(he.logical_tokens / hd.logical_tokens - 1.0)}[/bold]; host bytes "
+        f"{fmt_bytes(hd.host_bytes)} -> {fmt_bytes(he.host_bytes)}{req}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     d = _deployment(args)
     rp = plan(d)
@@ -159,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
                 f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}"
             )
     print_plan(rp, f"{d.role} capacity")
+    if d.hisparse_ratio is not None:
+        print()
+        print_hisparse(rp)
     if bal is not None:
         print()
         part = ",".join(map(str, bal.balanced.deployment.partition or ()))

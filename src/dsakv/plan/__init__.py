@@ -12,18 +12,21 @@ from dsakv.plan.capacity import (
     parse_partition,
     plan,
 )
+from dsakv.plan.hisparse import HiSparseFigures, hisparse_figures
 from dsakv.plan.units import fmt_bytes, parse_size
 
 __all__ = [
     "ROLES",
     "BalanceResult",
     "Deployment",
+    "HiSparseFigures",
     "RolePlan",
     "StagePlan",
     "balance",
     "check_partition",
     "even_partition",
     "fmt_bytes",
+    "hisparse_figures",
     "max_total_num_tokens",
     "parse_partition",
     "parse_size",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsakv.errors import CapacityError, ConfigError
+from dsakv.plan.hisparse import HISPARSE_ROLES, HiSparseFigures, check_buffer_size, check_ratio, hisparse_figures
 from dsakv.plan.weights import stage_weight_bytes, weight_format_for
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -89,6 +90,8 @@ class Deployment:
     tp: int = 1
     hicache_ratio: float | None = None
     hicache_size: int | None = None
+    hisparse_ratio: float | None = None
+    hisparse_buffer: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -108,6 +111,16 @@ class Deployment:
             raise ConfigError("give --hicache-ratio or --hicache-size, not both")
         if self.hicache_ratio is not None and self.hicache_ratio <= 0:
             raise ConfigError(f"--hicache-ratio {self.hicache_ratio} must be > 0 (host pool = ratio x device pool)")
+        if self.hisparse_ratio is not None:
+            check_ratio(self.hisparse_ratio)
+            check_buffer_size(self.hisparse_buffer)
+        elif self.hisparse_buffer is not None:
+            raise ConfigError("--hisparse-buffer needs --hisparse-ratio (the logical pool / hot rows ratio, e.g. 10)")
+
+    @property
+    def hisparse(self) -> bool:
+        """HiSparse sizing applies: a ratio was given and this role decodes (a prefill keeps its KV on device)."""
+        return self.hisparse_ratio is not None and self.role in HISPARSE_ROLES
 
     @property
     def stage_ranges(self) -> list[tuple[int, int]]:
@@ -168,6 +181,8 @@ class StagePlan:
     host_tokens_dense: int | None = None
     host_tokens_elided: int | None = None
     host_bytes: int | None = None
+    hisparse_dense: HiSparseFigures | None = None
+    hisparse_elided: HiSparseFigures | None = None
 
     @property
     def gain(self) -> float:
@@ -195,7 +210,13 @@ class StagePlan:
             "host_bytes": self.host_bytes,
             "host_tokens_dense": self.host_tokens_dense,
             "host_tokens_elided": self.host_tokens_elided,
+            **self._hisparse_dict(),
         }
+
+    def _hisparse_dict(self) -> dict[str, Any]:
+        if self.hisparse_dense is None or self.hisparse_elided is None:
+            return {}
+        return {"hisparse": {"dense": self.hisparse_dense.to_dict(), "elided": self.hisparse_elided.to_dict()}}
 
 
 @dataclass(frozen=True)
@@ -223,6 +244,20 @@ class RolePlan:
     def gain(self) -> float:
         return self.tokens_elided / self.tokens_dense - 1.0
 
+    def hisparse_binding(self, elide: bool) -> int | None:
+        """The stage with the fewest logical HiSparse tokens (None without HiSparse sizing)."""
+        figs = [s.hisparse_elided if elide else s.hisparse_dense for s in self.stages]
+        if any(f is None for f in figs):
+            return None
+        return min(range(len(figs)), key=lambda i: (figs[i].logical_tokens, i))  # type: ignore[union-attr]
+
+    def hisparse_figures(self, elide: bool) -> HiSparseFigures | None:
+        """The binding stage's HiSparse figures: what the worker holds."""
+        i = self.hisparse_binding(elide)
+        if i is None:
+            return None
+        return self.stages[i].hisparse_elided if elide else self.stages[i].hisparse_dense
+
     def to_dict(self) -> dict[str, Any]:
         d = self.deployment
         return {
@@ -245,7 +280,34 @@ class RolePlan:
             "max_total_num_tokens_dense": self.tokens_dense,
             "max_total_num_tokens_elided": self.tokens_elided,
             "gain": round(self.gain, 6),
+            **self._hisparse_dict(),
         }
+
+    def _hisparse_dict(self) -> dict[str, Any]:
+        d = self.deployment
+        if d.hisparse_ratio is None:
+            return {}
+        hd, he = self.hisparse_figures(False), self.hisparse_figures(True)
+        if hd is None or he is None:
+            return {"hisparse": {"ratio": d.hisparse_ratio, "applies": False, "reason": HISPARSE_PREFILL_NOTE}}
+        return {
+            "hisparse": {
+                "ratio": d.hisparse_ratio,
+                "applies": True,
+                "buffer_size": d.hisparse_buffer,
+                "binding_stage_dense": self.hisparse_binding(False),
+                "binding_stage_elided": self.hisparse_binding(True),
+                "dense": hd.to_dict(),
+                "elided": he.to_dict(),
+                "gain": round(he.logical_tokens / hd.logical_tokens - 1.0, 6),
+            }
+        }
+
+
+HISPARSE_PREFILL_NOTE = (
+    "a prefill keeps its KV on the device (the plain figures); under HiSparse PD it writes MLA KV into the "
+    "decode's host pool and index-K into the decode's device pool: plan the decode with --role decode"
+)
 
 
 def host_tokens(d: Deployment, layout: KVLayout, device_tokens: int) -> tuple[int | None, int | None]:
@@ -273,6 +335,11 @@ def plan_stage(d: Deployment, stage: int) -> StagePlan:
     start, end = d.stage_ranges[stage]
     hb, htd = host_tokens(d, dense, td)
     hb2, hte = host_tokens(d, elided, te)
+    hs_dense = hs_elided = None
+    if d.hisparse:
+        assert d.hisparse_ratio is not None
+        hs_dense = hisparse_figures(budget, dense, d.hisparse_ratio, d.hisparse_buffer)
+        hs_elided = hisparse_figures(budget, elided, d.hisparse_ratio, d.hisparse_buffer)
     return StagePlan(
         stage=stage,
         layer_start=start,
@@ -288,6 +355,8 @@ def plan_stage(d: Deployment, stage: int) -> StagePlan:
         host_tokens_dense=htd,
         host_tokens_elided=hte,
         host_bytes=hb2 if hb2 is not None else hb,
+        hisparse_dense=hs_dense,
+        hisparse_elided=hs_elided,
     )
 
 
