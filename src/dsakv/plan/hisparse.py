@@ -8,7 +8,8 @@ page for its newest tokens; the host holds the MLA KV of every token of the logi
     device B/token  = kv_bytes_per_token + ratio x index_bytes_per_token      (per hot row)
     device tokens   = floor(budget / device B/token / page_size) x page_size   (hot KV rows, all requests)
     logical tokens  = floor(device tokens x ratio / page_size) x page_size     (index-K on device, KV on host)
-    device bytes    = device tokens x kv_bytes_per_token + logical tokens x index_bytes_per_token
+    hot rows        = device tokens, or whole request buffers of (device_buffer_size + page_size) rows in them
+    device bytes    = hot rows x kv_bytes_per_token + logical tokens x index_bytes_per_token
     host bytes      = logical tokens x kv_bytes_per_token
 
 kv_bytes_per_token sums the MLA KV of every layer (and draft layer) of the stage; index_bytes_per_token sums
@@ -75,8 +76,19 @@ class HiSparseFigures:
         return self.kv_bytes_per_token + int(self.ratio * self.index_bytes_per_token)
 
     @property
+    def hot_rows(self) -> int:
+        """Hot KV rows allocated: whole request buffers when device_buffer_size is given, else device tokens."""
+        if self.buffer_size is None:
+            return self.device_tokens
+        return (
+            self.device_tokens
+            // hot_rows_per_request(self.buffer_size, self.page_size)
+            * hot_rows_per_request(self.buffer_size, self.page_size)
+        )
+
+    @property
     def hot_bytes(self) -> int:
-        return self.device_tokens * self.kv_bytes_per_token
+        return self.hot_rows * self.kv_bytes_per_token
 
     @property
     def index_bytes(self) -> int:
@@ -104,6 +116,7 @@ class HiSparseFigures:
             "index_bytes_per_token": self.index_bytes_per_token,
             "device_bytes_per_token": self.device_bytes_per_token,
             "device_tokens": self.device_tokens,
+            "hot_rows": self.hot_rows,
             "logical_tokens": self.logical_tokens,
             "device_bytes": self.device_bytes,
             "device_hot_bytes": self.hot_bytes,
