@@ -159,3 +159,56 @@ def test_bytes_equal_planner(elide: bool) -> None:
     assert pool.hot_rows == figs.hot_rows == figs.max_requests * (S + P)
     assert figs.device_bytes <= 2_000_000
     assert np.int64(pool.logical_pages * P) == figs.logical_tokens
+
+
+@pytest.mark.parametrize("elide", [True, False])
+def test_long_decode_reads_equal_plain_pool(elide: bool) -> None:
+    """Contexts 12x device_buffer_size: every hot read equals the plain device pool's read of the same rows."""
+    from dsakv.cache.device_pool import DevicePool
+    from dsakv.cache.kv_access import read_tokens, write_tokens
+    from dsakv.spec.layout import BufferKey, Kind
+
+    pool = _pool(elide=elide, requests=2, logical_pages=48)
+    plain = DevicePool(pool.layout, 48)
+    g = torch.Generator().manual_seed(7)
+    pages = {"a": list(range(0, 24)), "b": list(range(24, 48))}
+    for rid in pages:
+        pool.admit(rid, pages[rid], length=0)
+    length = {"a": 0, "b": 0}
+    swapped = 0
+    for step in range(S * 10):
+        pool.begin_step()
+        for rid in ("a", "b"):
+            n = length[rid] + (8 if step == 0 else 1)  # an 8-token prompt, then one token a step
+            new = torch.arange(length[rid], n)
+            pool.grow(rid, n)
+            length[rid] = n
+            slots = pool.logical_slots(rid, new)
+            for layer in pool.layout.layers:
+                v = torch.randn(new.numel(), 80, generator=g)
+                pool.store_kv(layer, rid, new, v)
+                write_tokens(plain, BufferKey(layer, Kind.KV), slots, v)
+        for producer, group in pool.groups.items():
+            topk = {}
+            for rid in ("a", "b"):
+                n = length[rid]
+                newest = (n - 1) // P * P
+                old = (
+                    torch.randperm(newest, generator=g)[: min(S, newest)]
+                    if newest
+                    else torch.zeros(0, dtype=torch.long)
+                )
+                topk[rid] = torch.cat((old, torch.arange(newest, n)))
+            swapped += sum(pool.swap_in(producer, topk).values())
+            for layer in group:
+                for rid in ("a", "b"):
+                    sel = topk[rid].sort().values
+                    ref = read_tokens(plain, BufferKey(layer, Kind.KV), pool.logical_slots(rid, sel))
+                    assert torch.equal(pool.read_kv(layer, rid), ref)
+                    hot = pool.hot_tensor(layer)
+                    assert torch.equal(pool.kv_codec.read(hot, pool.rows_for(layer, rid, sel), 1), ref)
+    assert length == {"a": 8 + S * 10 - 1, "b": 8 + S * 10 - 1}
+    total = pool.stats.total
+    assert sum(s.rows_in for s in total.values()) == swapped > 0
+    assert sum(s.bytes_in for s in total.values()) == swapped * KV_BYTES
+    assert 0.0 < pool.stats.hit_rate < 1.0
