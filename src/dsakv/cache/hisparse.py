@@ -25,7 +25,7 @@ Imports torch and dsakv.spec/cache; must not import model or engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +37,7 @@ from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, Kind, KVLayout
 
-RequestId = object
+RequestId = Hashable
 
 
 @dataclass
