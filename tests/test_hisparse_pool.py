@@ -98,14 +98,22 @@ def test_shared_layer_uses_only_its_producers_topk() -> None:
         pool.swap_in(7, {"a": torch.tensor(a_topk)})
 
 
-def test_two_requests_one_copy_per_layer_and_newest_page_backup() -> None:
+def test_two_requests_one_copy_per_layer_and_newest_page_backup(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dsakv.cache.hisparse as hs
+
     pool = _pool()
     pool.admit("a", [3, 4], length=7)
-    pool.admit("b", [9], length=3)
-    va, vb = _fill(pool, "a", 7, seed=3), _fill(pool, "b", 3, seed=4)
+    pool.admit("b", [9, 10], length=6)
+    va, vb = _fill(pool, "a", 7, seed=3), _fill(pool, "b", 6, seed=4)
+    copies: list[int] = []
+    real_put = hs.put
+    monkeypatch.setattr(hs, "put", lambda dst, idx, src: (copies.append(idx.numel()), real_put(dst, idx, src)))
     pool.begin_step()
-    assert pool.swap_in(10, {"a": torch.tensor([0, 6]), "b": torch.tensor([1, 2])}) == {10: 1, 11: 1}
-    assert pool.rows(11, "b").tolist() == [8 + S + 1, 8 + S + 2]  # block 1, newest page
+    assert pool.swap_in(1, {"a": torch.tensor([0, 1, 6]), "b": torch.tensor([0, 2])}) == {1: 4}
+    assert copies == [4]  # both requests' missing rows of layer 1 in one index_copy_
+    assert pool.swap_in(10, {"a": torch.tensor([0, 6]), "b": torch.tensor([4, 5])}) == {10: 1, 11: 1}
+    assert copies == [4, 1, 1]
+    assert pool.rows(11, "b").tolist() == [8 + S + 0, 8 + S + 1]  # block 1, newest page
     assert pool.rows(11, "a").tolist() == [0, S + 6 % P]
     # decode tokens 7 and 8 of "a": 8 opens a new page, goes to the hot newest page (slot S + 0) and the host
     pool.grow("a", 8)
@@ -117,9 +125,10 @@ def test_two_requests_one_copy_per_layer_and_newest_page_backup() -> None:
     assert torch.equal(pool.hot_tensor(11)[S].view(torch.float32), new[0])
     pool.begin_step()
     assert pool.swap_in(10, {"a": torch.tensor([4, 7, 8])}) == {10: 2, 11: 2}  # 4 and 7 left the newest page
+    assert copies == [4, 1, 1, 2, 2]
     assert pool.resident(11, "a") == {0: 0, 4: 1, 7: 2}
     assert torch.equal(pool.read_kv(11, "a"), torch.cat((va[11][[4]], torch.full((1, 80), 0.25), new)))
-    assert torch.equal(pool.read_kv(11, "b"), vb[11][[1, 2]])  # "b" untouched by a call without it
+    assert torch.equal(pool.read_kv(11, "b"), vb[11][[4, 5]])  # "b" untouched by a call without it
 
 
 def test_errors_lose_nothing() -> None:
