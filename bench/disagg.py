@@ -30,8 +30,9 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch  # noqa: E402
 
+from dsakv.disagg.messages import Health, fetch_health  # noqa: E402
 from dsakv.disagg.router import RouterBackend, RouterConfig  # noqa: E402
-from dsakv.disagg.rpc import RpcClient, RpcError  # noqa: E402
+from dsakv.disagg.rpc import RpcError  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402
@@ -48,11 +49,11 @@ def _port() -> int:
             return p
 
 
-def _health(addr: str) -> dict:
+def _health(addr: str) -> Health | None:
     try:
-        return RpcClient(addr, timeout=2).call("health")
+        return fetch_health(addr, timeout=2)
     except RpcError:
-        return {}
+        return None
 
 
 def main() -> int:
@@ -96,7 +97,7 @@ def main() -> int:
     decode, prefill = f"127.0.0.1:{dport}", f"127.0.0.1:{pport}"
     try:
         end = time.monotonic() + 180
-        while not (_health(decode).get("ok") and _health(prefill).get("ok")):
+        while not all((h := _health(a)) is not None and h.ok for a in (decode, prefill)):
             if time.monotonic() > end:
                 raise SystemExit("workers did not come up within 180 s")
             time.sleep(0.2)
@@ -115,7 +116,8 @@ def main() -> int:
                 toks += ev.new_token_ids
             outs.append(toks)
         dis = time.perf_counter() - t0
-        kv_bytes = _health(decode).get("counters", {}).get("kv_bytes", 0)
+        dh = _health(decode)
+        kv_bytes = dh.counters.get("kv_bytes", 0) if dh is not None else 0
         router.stop()
     finally:
         for p in procs:

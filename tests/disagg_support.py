@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.router import RouterBackend, RouterConfig
 from dsakv.disagg.rpc import RpcClient, RpcError
 from dsakv.engine.request import SamplingParams
@@ -211,8 +212,8 @@ def run_requests(
 
 
 def pages_and_integrity(addr: str) -> tuple[int, str]:
-    h = call(addr, "health", timeout=3.0)
-    return int(h["pages_used"]), str(h["integrity"])
+    h = fetch_health(addr, timeout=3.0)
+    return h.pages_used, h.integrity
 
 
 def assert_clean(addrs: Sequence[str], timeout: float = 20.0, procs: Sequence[Proc] = ()) -> None:

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests, wait_for
+from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.disagg.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from engine_support import tiny_model, tiny_path
@@ -117,7 +118,7 @@ class _Collector(threading.Thread):
 
 
 def _wait_transferring(addr: str, procs) -> None:
-    wait_for(lambda: call(addr, "health")["transfers_in_flight"] > 0, 20, f"{addr} transferring", procs)
+    wait_for(lambda: (fetch_health(addr).transfers_in_flight or 0) > 0, 20, f"{addr} transferring", procs)
 
 
 def _survivors_serve(cluster, prefill: str, decode: str, reference, tag: str) -> None:
@@ -179,8 +180,8 @@ def test_prefill_stage_killed_mid_transfer(world, reference):
         assert t_end - t_kill < KV_TIMEOUT, (t_end - t_kill, error)
     # survivors: decode and stage 0 hold nothing, books balance; stage 0 reports the pipeline down
     assert_clean([procs["D"].addr, procs["P2s0"].addr, procs["P1"].addr], procs=cluster.procs)
-    h = call(procs["P2s0"].addr, "health")
-    assert not h["ok"] and h["down"], h
+    h = fetch_health(procs["P2s0"].addr)
+    assert not h.ok and h.down, h
     # the stage restarts: the pipeline re-forms, the router pairs it again, requests complete
     procs["P2s1"] = cluster.prefill(
         "P2",

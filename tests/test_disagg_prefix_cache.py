@@ -13,6 +13,7 @@ import torch
 from disagg_support import free_ports
 from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
 from dsakv.disagg.router import RouterBackend, RouterConfig
@@ -54,7 +55,7 @@ def _settle(stages: list[PrefillStage], timeout: float = 10.0) -> None:
         if idle and all(s.cached_pages() == s0.cached_pages() and not s.jobs for s in stages[1:]):
             return
         time.sleep(0.05)
-    raise AssertionError(f"prefill did not settle: {[s._rpc_health(None) for s in stages]}")
+    raise AssertionError(f"prefill did not settle: {[s.health() for s in stages]}")
 
 
 def _pipeline(num_pages: int, **kw) -> tuple[DecodeWorker, list[PrefillStage], RouterBackend]:
@@ -131,7 +132,7 @@ def test_pp2_host_tier_write_back_replayed_on_every_stage():
         for s in stages:
             assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
         assert stages[1].cached_pages() == stages[0].cached_pages()
-        assert [s._integrity() for s in stages] == ["ok", "ok"]
+        assert [s.integrity() for s in stages] == ["ok", "ok"]
         assert stages[0].cache.host_alloc is not None and stages[1].host_pool is not None
         assert stages[1].host_pool.num_pages == stages[0].cache.host.num_pages == 12
     finally:
@@ -178,26 +179,17 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
         assert a.num_free + stages[0].cache.cached_device_pages == 64
         m = stages[1].mirror
         assert (m.num_free, m.num_used, m.num_cached, m.owners) == (60, 4, 4, [])
-        health = [RpcClientCall(s.address) for s in stages]
-        assert [h["integrity"] for h in health] == ["ok", "ok"]
-        assert [h["cache_pages"] for h in health] == [4, 4]
-        assert health[0]["prefix_cache"]["hit_tokens"] == 128 and health[1].get("prefix_cache") is None
+        health = [fetch_health(s.address) for s in stages]
+        assert [h.integrity for h in health] == ["ok", "ok"]
+        assert [h.cache_pages for h in health] == [4, 4]
+        pc = health[0].prefix_cache
+        assert pc is not None and pc["hit_tokens"] == 128 and health[1].prefix_cache is None
         assert [s.pages_used() for s in stages] == [4, 4] and dec.engine.stats().pages_used == 0
     finally:
         r.stop()
         for s in stages:
             s.stop()
         dec.stop()
-
-
-def RpcClientCall(addr: str) -> dict:
-    from dsakv.disagg.rpc import RpcClient
-
-    c = RpcClient(addr, timeout=5.0)
-    try:
-        return c.call("health", {})
-    finally:
-        c.close()
 
 
 def test_prefill_role_prefix_cache_options():

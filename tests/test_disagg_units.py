@@ -14,6 +14,17 @@ from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.errors import IncompatiblePeer
 from dsakv.disagg.events import EventLog
+from dsakv.disagg.messages import (
+    CONNECT,
+    EVENTS,
+    HEALTH,
+    Connect,
+    EventRow,
+    Events,
+    EventsQuery,
+    HealthQuery,
+    fetch_health,
+)
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage, split_layers
 from dsakv.disagg.router import RouterBackend, RouterConfig
@@ -41,18 +52,19 @@ def test_split_layers_even_and_given():
 
 def test_event_log_cursor_wait_and_trim():
     log = EventLog(keep=3)
-    assert log.since(0, 0.05) == {"cursor": 0, "events": [], "lost": False}
+    assert log.since(0, 0.05) == Events(cursor=0, events=[], lost=False)
     log.append("a", [5], False)
     log.append("a", [6], True, "length")
     got = log.since(0)
-    assert got["cursor"] == 2 and [e[2] for e in got["events"]] == [[5], [6]] and not got["lost"]
-    assert log.since(2)["events"] == []
+    assert got.cursor == 2 and [e.tokens for e in got.events] == [[5], [6]] and not got.lost
+    assert got.events[1] == EventRow(2, "a", [6], True, "length", None)
+    assert log.since(2).events == []
     for i in range(3):
         log.append("b", [i], False)
     got = log.since(1)
-    assert got["lost"] and [e[0] for e in got["events"]] == [3, 4, 5]
+    assert got.lost and [e.seq for e in got.events] == [3, 4, 5]
     t0 = time.monotonic()
-    assert log.since(5, 0.2)["events"] == [] and time.monotonic() - t0 >= 0.19
+    assert log.since(5, 0.2).events == [] and time.monotonic() - t0 >= 0.19
 
 
 def test_page_mirror_books():
@@ -104,9 +116,9 @@ def test_handshake_refuses_incompatible_peer(prefill_kw, match):
         with pytest.raises(IncompatiblePeer, match=match):
             stage.links.get(dec.address)
         stage.rpc.start()
-        with pytest.raises(RpcError, match=match) as remote:  # the router's connect gets the same message
-            RpcClient(stage.address).call("connect", {"decode": dec.address})
-        assert remote.value.kind == "IncompatiblePeer"
+        with pytest.raises(IncompatiblePeer, match=match) as remote:  # the router's connect: the same error
+            RpcClient(stage.address).request(CONNECT, Connect(decode=dec.address))
+        assert isinstance(remote.value, RpcError) and remote.value.kind == "IncompatiblePeer"
     finally:
         stage.rpc.stop()
         stage.backend.close()
@@ -118,7 +130,8 @@ def test_kv_deadline_fails_request_and_frees_pages():
     stage = _prefill().start()
     try:
         c = RpcClient(dec.address)
-        RpcClient(stage.address).call("connect", {"decode": dec.address})
+        RpcClient(stage.address).request(CONNECT, Connect(decode=dec.address))
+        # the raw wire (a msgpack map per message) is what the typed messages encode to
         params = params_to_dict(SamplingParams(max_new_tokens=4))
         res = c.call(
             "prealloc",
@@ -131,19 +144,19 @@ def test_kv_deadline_fails_request_and_frees_pages():
                 "kv_timeout": 0.3,
             },
         )
-        assert res["pages"] == [0, 1, 2] and c.call("health")["pages_used"] == 3
+        assert res["pages"] == [0, 1, 2] and c.request(HEALTH, HealthQuery()).pages_used == 3
         t0 = time.monotonic()
-        ev = c.call("events", {"since": 0, "wait": 3.0})["events"]
+        ev = c.request(EVENTS, EventsQuery(since=0, wait=3.0)).events
         assert time.monotonic() - t0 < 2.0
-        _seq, rid, toks, finished, reason, error = ev[0]
-        assert (rid, toks, finished, reason) == ("late", [], True, "error")
-        assert "did not arrive within 0.3s (+0.2s grace): stage(s) [0] of 1 never reported" in error
+        assert (ev[0].rid, ev[0].tokens, ev[0].finished, ev[0].reason) == ("late", [], True, "error")
+        assert ev[0].error is not None
+        assert "did not arrive within 0.3s (+0.2s grace): stage(s) [0] of 1 never reported" in ev[0].error
         # no stage can still write (the only stage answers pings and never got the request): pages are freed
         deadline = time.monotonic() + 3
-        while c.call("health")["pages_used"] and time.monotonic() < deadline:
+        while fetch_health(dec.address).pages_used and time.monotonic() < deadline:
             time.sleep(0.05)
-        h = c.call("health")
-        assert (h["pages_used"], h["integrity"], h["inbound"]) == (0, "ok", 0)
+        h = fetch_health(dec.address)
+        assert (h.pages_used, h.integrity, h.inbound) == (0, "ok", 0)
     finally:
         stage.stop()
         dec.stop()
@@ -224,7 +237,7 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
                 break
             time.sleep(0.05)
         assert used == [0, 0, 0]
-        assert dec._integrity() == "ok" and [s._integrity() for s in stages] == ["ok", "ok"]
+        assert dec.integrity() == "ok" and [s.integrity() for s in stages] == ["ok", "ok"]
     finally:
         r.stop()
         for s in stages:

@@ -1,4 +1,5 @@
-"""Control-plane RPC: results, remote errors, dead and silent peers within their deadline."""
+"""Control-plane RPC: results, remote errors, dead and silent peers within their deadline; the typed messages,
+their codec (malformed messages refused), remote errors re-raised as their classes, the service specs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,32 @@ import time
 
 import pytest
 
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer
+from dsakv.disagg.codec import from_wire, to_wire
+from dsakv.disagg.errors import IncompatiblePeer, MessageError
+from dsakv.disagg.messages import (
+    DECODE_SERVICE,
+    PREFILL_FOLLOWER_SERVICE,
+    PREFILL_LEADER_SERVICE,
+    SERVICES,
+    STEP,
+    Abort,
+    StepMsg,
+    StepRow,
+    Submit,
+)
+from dsakv.disagg.rpc import (
+    PeerUnavailable,
+    Rpc,
+    RpcClient,
+    RpcError,
+    RpcServer,
+    Service,
+    bind,
+    remote_error,
+    services_table,
+)
+from dsakv.engine.request import SamplingParams
+from dsakv.errors import NoFreePages
 
 
 def _boom(params: object) -> None:
@@ -52,3 +78,75 @@ def test_silent_peer_times_out_within_deadline() -> None:
     finally:
         release.set()
         srv.stop()
+
+
+# ---- the typed control plane (messages + codec + service specs) ------------------------------------------
+
+
+def test_codec_round_trip_and_refusals() -> None:
+    sp = SamplingParams(max_new_tokens=3, temperature=0.5, top_k=4, seed=9, stop_token_ids=(1, 2))
+    msg = Submit("r1", [1, 2, 3], sp, 9, "127.0.0.1:1", "boot1", [4, 5], 2.5)
+    wire = to_wire(msg)
+    assert wire["params"]["stop_token_ids"] == [1, 2] and wire["dst_pages"] == [4, 5]
+    assert from_wire(Submit, wire) == msg
+    step = StepMsg(STEP, seqs=[StepRow("r1", 0, 16, [3], True)], cache=b"\x01\x00\x00\x00")
+    assert from_wire(StepMsg, to_wire(step)) == step
+    with pytest.raises(MessageError, match=r"Submit.prompt_ids\[1\]: got 'x' \(str\), expected int"):
+        from_wire(Submit, {**wire, "prompt_ids": [1, "x"]})
+    with pytest.raises(MessageError, match=r"Submit: required field 'kv_timeout' is missing"):
+        from_wire(Submit, {k: v for k, v in wire.items() if k != "kv_timeout"})
+    with pytest.raises(MessageError, match=r"Submit: unknown field\(s\) \['evil'\]"):
+        from_wire(Submit, {**wire, "evil": 1})
+    with pytest.raises(MessageError, match=r"Submit.params: unknown field\(s\) \['beams'\]"):
+        from_wire(Submit, {**wire, "params": {"beams": 2}})
+    with pytest.raises(MessageError, match=r"Submit.seed: got True \(bool\), expected int"):
+        from_wire(Submit, {**wire, "seed": True})
+
+
+ADD: Rpc[Abort, bool] = Rpc("add", Abort, bool, "test", "")
+SERVICE = Service("test", (ADD,))
+
+
+def test_typed_rpc_remote_errors_are_the_real_classes() -> None:
+    seen: list[Abort] = []
+
+    def add(msg: Abort) -> bool:
+        seen.append(msg)
+        if msg.rid == "busy":
+            raise NoFreePages("no pages now")
+        if msg.rid == "bad":
+            raise IncompatiblePeer("page size differs")
+        return True
+
+    with pytest.raises(ValueError, match=r"handlers missing for \['add'\], not in the service spec: \[\]"):
+        bind(SERVICE, {})
+    srv = RpcServer(bind(SERVICE, {ADD: add})).start()
+    try:
+        c = RpcClient(srv.address)
+        assert c.request(ADD, Abort("r1", "why")) is True
+        assert seen == [Abort("r1", "why")]
+        with pytest.raises(NoFreePages, match="no pages now") as e:
+            c.request(ADD, Abort("busy"))
+        assert isinstance(e.value, RpcError) and e.value.kind == "NoFreePages"
+        with pytest.raises(IncompatiblePeer, match="page size differs"):
+            c.request(ADD, Abort("bad"))
+        # a malformed message is refused before the handler runs (nothing reaches it)
+        with pytest.raises(MessageError, match=r"add request.rid: got 5 \(int\), expected str"):
+            c.call("add", {"rid": 5})
+        assert len(seen) == 3
+        # a kind off the registry stays a plain RpcError (the wire never names a class to instantiate)
+        assert type(remote_error("x", "SystemExit")) is RpcError
+    finally:
+        srv.stop()
+
+
+def test_service_specs_cover_every_role() -> None:
+    assert DECODE_SERVICE.names() == [
+        "ping", "health", "check_integrity", "handshake", "prealloc", "stage_done", "kv_failed", "events", "abort",
+    ]  # fmt: skip
+    assert PREFILL_LEADER_SERVICE.names() == [
+        "ping", "health", "check_integrity", "connect", "submit", "abort", "released",
+    ]  # fmt: skip
+    assert PREFILL_FOLLOWER_SERVICE.names() == ["ping", "health", "check_integrity", "connect"]
+    table = services_table(SERVICES)
+    assert "decode           prealloc         Prealloc -> Preallocated   (from router)" in table

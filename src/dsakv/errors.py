@@ -13,3 +13,7 @@ class ConfigError(DsakvError, ValueError):
 
 class CapacityError(DsakvError, ValueError):
     """A budget, pool or request does not fit."""
+
+
+class NoFreePages(CapacityError):
+    """The pool has too few free pages right now (it would fit later): retry after requests finish."""

@@ -29,6 +29,9 @@ Counting: a match's lookup and hits are counted by admit(m), when the request th
 with it; a match released without admit() (the scheduler retries admission later, or an abort) counts only
 in unadmitted_lookups, so a request that retries under memory pressure is counted once.
 
+Observers (add_observer): told the page ids of every device <-> host copy, after it ran, in order (a
+pipeline-parallel prefill's stage 0 records them and later stages replay them on their own pools).
+
 match_prefix(tokens, load=False) reserves device pages and returns a match with pending loads; complete()
 runs them and release() before completion gives the reserved pages back (an abort mid-load leaks nothing).
 Imports torch, numpy and dsakv.spec/cache; must not import model or engine.
@@ -46,7 +49,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -264,6 +267,14 @@ class PrefixMatch:
         return int(self.page_ids.size) * self.page_size
 
 
+class HostCopyObserver(Protocol):
+    """Told every copy between the device pool and the host tier (page ids in copy order)."""
+
+    def on_offload(self, dev_ids: IntArray, host_ids: IntArray) -> None: ...
+
+    def on_load(self, host_ids: IntArray, dev_ids: IntArray) -> None: ...
+
+
 class HiCache:
     """Prefix cache controller over a DevicePool + its PageAllocator, with an optional host tier and disk tier."""
 
@@ -322,6 +333,7 @@ class HiCache:
                 self._host_segs.append((v.data_ptr(), v.stride(0), b.page_bytes))
         self._match_ids = itertools.count(1)
         self._open: dict[int, PrefixMatch] = {}
+        self._observers: list[HostCopyObserver] = []
         log.info(
             "prefix cache: device %d pages%s%s",
             device.num_pages,
@@ -414,6 +426,10 @@ class HiCache:
         self._quarantine = keep
 
     # ---- sizes ----------------------------------------------------------------------
+
+    def add_observer(self, observer: HostCopyObserver) -> None:
+        """Tell `observer` of every device <-> host copy from now on."""
+        self._observers.append(observer)
 
     @property
     def host_tokens(self) -> int:
@@ -548,6 +564,8 @@ class HiCache:
             dev_ids = step.dev_ids[:pages]
             t0 = time.perf_counter()
             nbytes = self.host.load(self.device, host_ids, dev_ids)
+            for obs in self._observers:
+                obs.on_load(host_ids, dev_ids)
             self._sync()
             self.stats.load_seconds += time.perf_counter() - t0
             self.stats.load_pages += pages
@@ -799,6 +817,8 @@ class HiCache:
         dev_ids = np.concatenate([n.device for n in fit if n.device is not None])
         t0 = time.perf_counter()
         nbytes = self.host.offload(self.device, dev_ids, host_ids)
+        for obs in self._observers:
+            obs.on_offload(dev_ids, host_ids)
         self.stats.offload_seconds += time.perf_counter() - t0
         self.stats.offload_pages += got
         self.stats.offload_bytes += nbytes

@@ -26,10 +26,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsakv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from dsakv.disagg.messages import Health
 
 DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
@@ -203,14 +207,10 @@ def _print_capacity(args: argparse.Namespace, spec: Any) -> None:
     )
 
 
-def _stage_health(addr: str) -> dict[str, Any]:
-    from dsakv.disagg.rpc import RpcClient
+def _stage_health(addr: str) -> Health:
+    from dsakv.disagg.messages import fetch_health
 
-    client = RpcClient(addr, timeout=10)
-    try:
-        return dict(client.call("health"))
-    finally:
-        client.close()
+    return fetch_health(addr, timeout=10)
 
 
 def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str, int], status: Any) -> dict[str, Any]:
@@ -294,14 +294,13 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     rows = []
     for k in range(args.pp_size):
         h = _stage_health(f"127.0.0.1:{ports['prefill'] + k}")
-        t = h.get("transfer", {})
-        rows.append({"stage": k, "layers": h.get("layers"), **t})
+        rows.append({"stage": k, "layers": h.layers, **(asdict(h.transfer) if h.transfer else {})})
     _print_transfers(args, rows, model_dir, prompt_pages)
     out["transfer"] = rows
     if args.prefill_prefix_cache:
         out["prefill_prefix_cache"] = pc = _prefill_cache_check(args, url, ports["prefill"], prompts[0], got[0])
     dec = _stage_health(f"127.0.0.1:{ports['decode']}")
-    out["decode_integrity"] = dec.get("integrity")
+    out["decode_integrity"] = dec.integrity
 
     metrics = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
@@ -321,11 +320,11 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     _say(args, "[5] GET /metrics: " + ", ".join(f"{k[6:]}={v:g}" for k, v in shown.items()))
     _say(
         args,
-        f"    decode worker integrity: {dec.get('integrity')} ({dec.get('pages_used')} of "
-        f"{dec.get('pages_total')} pages held{', by the prefix cache' if args.host_tier else ''})",
+        f"    decode worker integrity: {dec.integrity} ({dec.pages_used} of "
+        f"{dec.pages_total} pages held{', by the prefix cache' if args.host_tier else ''})",
     )
     out["metrics"] = shown
-    out["ok"] = bool(matched == total and done and len(chat_ids) == args.max_tokens and dec.get("integrity") == "ok")
+    out["ok"] = bool(matched == total and done and len(chat_ids) == args.max_tokens and dec.integrity == "ok")
     if args.prefill_prefix_cache:
         out["ok"] = out["ok"] and pc["repeat_equal"] and pc["integrity"] == "ok"
     return out
@@ -336,18 +335,18 @@ def _prefill_cache_check(
 ) -> dict[str, Any]:
     """Send request 0 again (its prefix is in the prefill's cache by now) and read stage 0's prefix-cache counters
     (the prefill "health" RPC) before and after."""
-    before = (_stage_health(f"127.0.0.1:{port}").get("prefix_cache") or {}).get("hit_tokens", 0)
+    before = (_stage_health(f"127.0.0.1:{port}").prefix_cache or {}).get("hit_tokens", 0)
     again = list(_complete(url, prompt, args.max_tokens)["token_ids"])
     h = _stage_health(f"127.0.0.1:{port}")
-    stats = h.get("prefix_cache") or {}
+    stats = h.prefix_cache or {}
     out = {
         "hit_tokens": stats.get("hit_tokens", 0),
         "lookup_tokens": stats.get("lookup_tokens", 0),
         "inserted_tokens": stats.get("inserted_tokens", 0),
         "repeat_hit_tokens": stats.get("hit_tokens", 0) - before,
         "repeat_equal": again == want,
-        "cache_pages": h.get("cache_pages", 0),
-        "integrity": h.get("integrity"),
+        "cache_pages": h.cache_pages or 0,
+        "integrity": h.integrity,
     }
     _say(
         args,

@@ -1,7 +1,7 @@
 """Bootstrap handshake between a prefill stage (sender) and a decode worker (receiver), over the control RPC.
 
-    stage k ── rpc "handshake" {manifest, prefill, stage, num_stages, rpc} ──► decode
-            ◄── {manifest (decode's), boot} ─────────────────────────────────
+    stage k ── rpc HANDSHAKE Hello(prefill, stage, num_stages, rpc, manifest) ──► decode
+            ◄── HelloReply(manifest (decode's), boot, name) ─────────────────────
     both sides run compat.check_pair(stage manifest, decode manifest): buffers pair by BufferKey, a key held
     by one side only is skipped only if it is the INDEX_K of a shared layer; anything else is refused with
     IncompatiblePeer naming layer, kind and both sizes (the stage's connect fails loudly).
@@ -13,7 +13,7 @@ The decode side keeps a StageRegistry: which stages of which prefill worker have
 address, layer range, what was skipped), so it can check a request's prefill is complete and ping the
 stages a request still waits for.
 
-Imports disagg.{rpc, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
+Imports disagg.{rpc, messages, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from dsakv.disagg.backends.base import Peer, TransferBackend
 from dsakv.disagg.compat import Pairing, check_pair
 from dsakv.disagg.errors import IncompatiblePeer
 from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.rpc import RpcClient, RpcError
+from dsakv.disagg.messages import HANDSHAKE, Hello, LinkSummary
+from dsakv.disagg.rpc import RpcClient
 from dsakv.disagg.transfer_plan import PairTable
 
 log = logging.getLogger(__name__)
@@ -45,14 +45,14 @@ class DecodeLink:
     table: PairTable
     peer: Peer
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "addr": self.addr,
-            "boot": self.boot,
-            "pairs": len(self.pairing.pairs),
-            "skipped": [str(s.key) for s in self.pairing.skipped],
-            "bytes_per_page": self.pairing.bytes_per_page,
-        }
+    def summary(self) -> LinkSummary:
+        return LinkSummary(
+            addr=self.addr,
+            boot=self.boot,
+            pairs=len(self.pairing.pairs),
+            skipped=[str(s.key) for s in self.pairing.skipped],
+            bytes_per_page=self.pairing.bytes_per_page,
+        )
 
 
 class DecodeLinks:
@@ -62,12 +62,12 @@ class DecodeLinks:
         self,
         backend: TransferBackend,
         manifest: Manifest,
-        hello: dict[str, Any],
+        hello: Hello,
         rpc_timeout: float = 5.0,
     ) -> None:
         self.backend = backend
         self.manifest = manifest
-        self.hello = dict(hello)
+        self.hello = hello
         self.rpc_timeout = rpc_timeout
         self._links: dict[str, DecodeLink] = {}
         self._lock = threading.Lock()
@@ -104,18 +104,14 @@ class DecodeLinks:
     def _handshake(self, addr: str, timeout: float) -> DecodeLink:
         t0 = time.monotonic()
         client = RpcClient(addr, timeout=timeout)
-        try:
-            reply = client.call("handshake", {**self.hello, "manifest": self.manifest.to_bytes()}, timeout=timeout)
-        except RpcError as e:
-            if e.kind == "IncompatiblePeer":
-                raise IncompatiblePeer(str(e)) from None
-            raise
+        try:  # a refusal is re-raised as IncompatiblePeer / ManifestError (rpc.ERROR_KINDS)
+            reply = client.request(HANDSHAKE, self.hello, timeout=timeout)
         finally:
             client.close()
-        theirs = Manifest.from_bytes(reply["manifest"])
+        theirs = Manifest.from_bytes(reply.manifest)
         pairing = check_pair(self.manifest, theirs)
         peer = self.backend.connect(theirs)
-        link = DecodeLink(addr, str(reply["boot"]), theirs, pairing, PairTable.of(pairing.pairs), peer)
+        link = DecodeLink(addr, reply.boot, theirs, pairing, PairTable.of(pairing.pairs), peer)
         log.info(
             "%s -> decode %s (boot %s): handshake ok in %.3fs, %d buffers paired, %d one-sided index-K skipped",
             self.manifest.worker,
@@ -151,15 +147,15 @@ class StageRegistry:
         self._stages: dict[tuple[str, int], StageEntry] = {}
         self._lock = threading.Lock()
 
-    def accept(self, hello: dict[str, Any]) -> tuple[StageEntry, Pairing]:
+    def accept(self, hello: Hello) -> tuple[StageEntry, Pairing]:
         """Check a stage's hello; raise IncompatiblePeer (or ManifestError) naming what differs."""
-        theirs = Manifest.from_bytes(hello["manifest"])
+        theirs = Manifest.from_bytes(hello.manifest)
         pairing = check_pair(theirs, self.manifest)
         entry = StageEntry(
-            prefill=str(hello["prefill"]),
-            stage=int(hello["stage"]),
-            num_stages=int(hello["num_stages"]),
-            rpc=str(hello["rpc"]),
+            prefill=hello.prefill,
+            stage=hello.stage,
+            num_stages=hello.num_stages,
+            rpc=hello.rpc,
             layer_start=theirs.layer_start,
             layer_end=theirs.layer_end,
             elide=theirs.elide,

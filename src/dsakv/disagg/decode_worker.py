@@ -1,10 +1,11 @@
 """DecodeWorker: the decode side of disaggregated serving (one process).
 
-    router ─ rpc prealloc(rid, prompt, params, prefill, num_stages, kv_timeout) ─► pages (held, WAITING_KV)
+    router ─ PREALLOC Prealloc(rid, prompt, params, prefill, num_stages, kv_timeout) ─► pages (held, WAITING_KV)
     prefill stage k ─ transfer (its layers' paired keys) ─► those pages
-                    ─ rpc stage_done(rid, k, ok, error, first token (last stage)) ─►
+                    ─ STAGE_DONE StageDone(rid, k, ok, error, first token (last stage)) ─►
     when every stage reported ok and the first token is known: Engine.start_decode -> continuous batching
-    router ◄─ rpc events(since, wait): token events of every request (EventLog, long-poll)
+    router ◄─ EVENTS EventsQuery(since, wait) -> Events: token events of every request (EventLog, long-poll)
+(the RPCs: messages.DECODE_SERVICE)
 
 Bounded waits: a request whose stages have not all reported by its deadline (kv_timeout + grace) fails
 with an error naming the missing stages; a prefill stage that a request still waits for is pinged, and
@@ -21,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,36 @@ from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.events import EventLog
 from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer, split_addr
-from dsakv.disagg.wire import new_boot_id, page_list, params_from_dict
+from dsakv.disagg.messages import (
+    ABORT,
+    CHECK_INTEGRITY,
+    DECODE_SERVICE,
+    EVENTS,
+    HANDSHAKE,
+    HEALTH,
+    KV_FAILED,
+    PING,
+    PREALLOC,
+    STAGE_DONE,
+    Abort,
+    Events,
+    EventsQuery,
+    Health,
+    Hello,
+    HelloReply,
+    KvFailed,
+    Ping,
+    PingReply,
+    Prealloc,
+    Preallocated,
+    StageDone,
+    StageDoneReply,
+    StageInfo,
+)
+from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer, bind, split_addr
+from dsakv.disagg.wire import new_boot_id, page_list
 from dsakv.engine.engine import Engine
-from dsakv.engine.scheduler import NoFreePages
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, NoFreePages
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +119,20 @@ class DecodeWorker:
         self.backend = make_backend(cfg.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         self.rpc = RpcServer(
-            {
-                "ping": self._rpc_ping,
-                "health": self._rpc_health,
-                "check_integrity": lambda _: self._integrity(),
-                "handshake": self._rpc_handshake,
-                "prealloc": self._rpc_prealloc,
-                "stage_done": self._rpc_stage_done,
-                "kv_failed": self._rpc_kv_failed,
-                "events": self._rpc_events,
-                "abort": self._rpc_abort,
-            },
+            bind(
+                DECODE_SERVICE,
+                {
+                    PING: self._rpc_ping,
+                    HEALTH: lambda _: self.health(),
+                    CHECK_INTEGRITY: lambda _: self.integrity(),
+                    HANDSHAKE: self._rpc_handshake,
+                    PREALLOC: self._rpc_prealloc,
+                    STAGE_DONE: self._rpc_stage_done,
+                    KV_FAILED: self._rpc_kv_failed,
+                    EVENTS: self._rpc_events,
+                    ABORT: self._rpc_abort,
+                },
+            ),
             cfg.host,
             cfg.port,
             name="decode",
@@ -165,10 +194,11 @@ class DecodeWorker:
 
     # ---- RPC ----------------------------------------------------------------------------------------
 
-    def _rpc_ping(self, _: Any) -> dict[str, Any]:
-        return {"pid": os.getpid(), "boot": self.boot}
+    def _rpc_ping(self, _: Ping) -> PingReply:
+        return PingReply(pid=os.getpid(), boot=self.boot)
 
-    def _integrity(self) -> str:
+    def integrity(self) -> str:
+        """'ok', or what does not balance (engine books; requests waiting for KV == the ones tracked)."""
         try:
             self.engine.check_integrity()
             with self._lock:
@@ -183,50 +213,45 @@ class DecodeWorker:
             return str(e)
         return "ok"
 
-    def _rpc_health(self, _: Any) -> dict[str, Any]:
+    def health(self) -> Health:
         st = self.engine.stats()
         with self._lock:
             failed_held = sum(1 for i in self.inbound.values() if i.failed)
             inbound = len(self.inbound) - failed_held
-        return {
-            "ok": not self._stop.is_set(),
-            "role": "decode",
-            "name": self.name,
-            "pid": os.getpid(),
-            "boot": self.boot,
-            "elide": self.engine.layout.elide,
-            "backend": self.cfg.backend,
-            "page_size": st.page_size,
-            "pages_total": st.pages_total,
-            "pages_used": st.pages_used,
-            "pages_free": st.pages_free,
-            "capacity_tokens": st.capacity_tokens,
-            "bytes_per_token": st.bytes_per_token,
-            "max_prompt_tokens": st.capacity_tokens - 1,
-            "running": st.num_running,
-            "waiting": st.num_waiting,
-            "inbound": inbound,
-            "failed_held": failed_held,
-            "stages": [
-                {"prefill": e.prefill, "stage": e.stage, "rpc": e.rpc, "layers": [e.layer_start, e.layer_end - 1]}
+        return Health(
+            ok=not self._stop.is_set(),
+            role="decode",
+            name=self.name,
+            pid=os.getpid(),
+            boot=self.boot,
+            elide=self.engine.layout.elide,
+            backend=self.cfg.backend,
+            page_size=st.page_size,
+            pages_total=st.pages_total,
+            pages_used=st.pages_used,
+            pages_free=st.pages_free,
+            capacity_tokens=st.capacity_tokens,
+            bytes_per_token=st.bytes_per_token,
+            max_prompt_tokens=st.capacity_tokens - 1,
+            running=st.num_running,
+            waiting=st.num_waiting,
+            inbound=inbound,
+            failed_held=failed_held,
+            stages=[
+                StageInfo(stage=e.stage, rpc=e.rpc, prefill=e.prefill, layers=[e.layer_start, e.layer_end - 1])
                 for e in self.registry.entries()
             ],
-            "counters": dict(self.counters),
-            "integrity": self._integrity(),
-        }
+            counters=dict(self.counters),
+            integrity=self.integrity(),
+        )
 
-    def _rpc_handshake(self, hello: Any) -> dict[str, Any]:
+    def _rpc_handshake(self, hello: Hello) -> HelloReply:
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
-        return {"manifest": self.manifest.to_bytes(), "boot": self.boot, "name": self.name}
+        return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name)
 
-    def _rpc_prealloc(self, p: Any) -> dict[str, Any]:
-        rid = str(p["rid"])
-        prefill = str(p["prefill"])
-        n = int(p["num_stages"])
-        kv_timeout = float(p["kv_timeout"])
+    def _rpc_prealloc(self, p: Prealloc) -> Preallocated:
+        rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
         stages = self.registry.stages_of(prefill, n)
-        params = params_from_dict(p["params"])
-        prompt = [int(t) for t in p["prompt_ids"]]
         st = self.engine.stats()
         need = -(-(len(prompt) + 1) // st.page_size)
         if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
@@ -236,7 +261,7 @@ class DecodeWorker:
                 "running requests: retry when requests finish"
             )
         with self._lock:
-            pages = self.engine.prealloc(rid, prompt, params)
+            pages = self.engine.prealloc(rid, prompt, p.params)
             self.inbound[rid] = Inbound(
                 rid=rid,
                 prefill=prefill,
@@ -246,53 +271,47 @@ class DecodeWorker:
                 deadline=time.monotonic() + kv_timeout + self.cfg.kv_grace,
             )
             self.counters["prealloc"] += 1
-        return {"pages": page_list(pages), "boot": self.boot}
+        return Preallocated(pages=page_list(pages), boot=self.boot)
 
-    def _rpc_stage_done(self, p: Any) -> dict[str, Any]:
-        rid = str(p["rid"])
-        stage = int(p["stage"])
-        ok = bool(p["ok"])
+    def _rpc_stage_done(self, p: StageDone) -> StageDoneReply:
+        rid, stage, ok = p.rid, p.stage, p.ok
         with self._lock:
             inb = self.inbound.get(rid)
             if inb is None:
-                return {"accepted": False}
+                return StageDoneReply(accepted=False)
             if not 0 <= stage < inb.num_stages:
                 raise ConfigError(f"request {rid}: stage {stage} reported, but its prefill has {inb.num_stages} stages")
             inb.reported[stage] = ok
-            inb.bytes += int(p.get("bytes") or 0)
-            q = float(p.get("quarantine_s") or 0.0)
-            if q > 0:
-                inb.hold_until = max(inb.hold_until, time.monotonic() + q)
-            if p.get("first_token") is not None:
-                inb.first_token = int(p["first_token"])
+            inb.bytes += p.bytes
+            if p.quarantine_s > 0:
+                inb.hold_until = max(inb.hold_until, time.monotonic() + p.quarantine_s)
+            if p.first_token is not None:
+                inb.first_token = p.first_token
             if inb.failed is None and not ok:
-                self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.get('error') or 'failed'}")
+                self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
             elif inb.failed is None and len(inb.reported) == inb.num_stages and inb.first_token is not None:
                 self._start(inb)
-                return {"accepted": True, "started": True}
+                return StageDoneReply(accepted=True, started=True)
             if inb.failed is not None:
                 self._maybe_release(inb)
-        return {"accepted": True}
+        return StageDoneReply(accepted=True)
 
-    def _rpc_kv_failed(self, p: Any) -> bool:
-        rid = str(p["rid"])
+    def _rpc_kv_failed(self, p: KvFailed) -> bool:
         with self._lock:
-            inb = self.inbound.get(rid)
+            inb = self.inbound.get(p.rid)
             if inb is None or inb.failed is not None:
                 return False
-            self._fail(inb, str(p.get("error") or f"prefill {inb.prefill} failed the request"))
+            self._fail(inb, p.error or f"prefill {inb.prefill} failed the request")
             self._maybe_release(inb)
         return True
 
-    def _rpc_events(self, p: Any) -> dict[str, Any]:
-        wait = min(5.0, max(0.0, float(p.get("wait", 0.0))))
-        out = self.events.since(int(p.get("since", 0)), wait)
-        out["boot"] = self.boot
-        return out
+    def _rpc_events(self, p: EventsQuery) -> Events:
+        wait = min(5.0, max(0.0, p.wait))
+        return replace(self.events.since(p.since, wait), boot=self.boot)
 
-    def _rpc_abort(self, p: Any) -> bool:
-        rid = str(p["rid"])
-        why = str(p.get("why") or "aborted")
+    def _rpc_abort(self, p: Abort) -> bool:
+        rid = p.rid
+        why = p.why or "aborted"
         with self._lock:
             inb = self.inbound.get(rid)
             if inb is not None:
@@ -398,7 +417,7 @@ class DecodeWorker:
             return "dead"
         c = RpcClient(addr, timeout=1.0, connect_timeout=0.5)
         try:
-            c.call("ping", timeout=1.0)
+            c.request(PING, Ping(), timeout=1.0)
             return None
         except PeerUnavailable:
             return "dead" if _refused(addr) else "not answering"

@@ -3,6 +3,9 @@
 DsakvError
 ├── ManifestError      a manifest is malformed, foreign or inconsistent with its layout
 ├── IncompatiblePeer   two manifests cannot be paired (handshake refused)
+├── Unavailable        a worker cannot take requests now (pipeline not formed, stopping): route elsewhere
+├── ConfigError
+│   └── MessageError   a control-plane message does not match its type (refused before any handler runs)
 └── TransferError      an engine refused a registration or a transfer (carries the engine's code)
     ├── RegistrationError
     └── TransferTimeout  a transfer did not finish before its deadline
@@ -10,7 +13,7 @@ DsakvError
 
 from __future__ import annotations
 
-from dsakv.errors import DsakvError
+from dsakv.errors import ConfigError, DsakvError
 
 
 class ManifestError(DsakvError, ValueError):
@@ -19,6 +22,14 @@ class ManifestError(DsakvError, ValueError):
 
 class IncompatiblePeer(DsakvError):
     """Handshake refused: the peers disagree on model, page size, format, layers or buffer sizes."""
+
+
+class Unavailable(DsakvError):
+    """This worker cannot take requests now (pipeline not formed, stopping): route elsewhere."""
+
+
+class MessageError(ConfigError):
+    """A control-plane message is malformed: a field is missing, unknown or of the wrong type."""
 
 
 class TransferError(DsakvError):

@@ -1,25 +1,24 @@
 """EventLog: the decode worker's token events, read by routers with a cursor (long-poll over the RPC).
 
     log.append(rid, tokens, finished, reason, error)      # from the step loop and failure paths
-    cursor, events = log.since(cursor, wait_s)            # a router's poll: everything after `cursor`
+    got = log.since(cursor, wait_s)                       # a router's poll: Events(cursor, events, lost)
 
-Events are numbered 1, 2, ...; `since(c)` returns those numbered > c (waiting up to wait_s for one).
-The log keeps the newest `keep` events; a reader that fell further behind is told so (`lost`).
-Imports only the standard library.
+Events (EventRow) are numbered 1, 2, ...; `since(c)` returns those numbered > c (waiting up to wait_s for
+one). The log keeps the newest `keep` events; a reader that fell further behind is told so (`lost`).
+Imports the standard library and dsakv.disagg.messages.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any
 
-Event = list[Any]  # [seq, rid, tokens, finished, reason, error]
+from dsakv.disagg.messages import EventRow, Events
 
 
 class EventLog:
     def __init__(self, keep: int = 200_000) -> None:
-        self._events: deque[Event] = deque(maxlen=keep)
+        self._events: deque[EventRow] = deque(maxlen=keep)
         self._seq = 0
         self._cond = threading.Condition()
 
@@ -33,18 +32,18 @@ class EventLog:
     ) -> None:
         with self._cond:
             self._seq += 1
-            self._events.append([self._seq, rid, list(tokens), bool(finished), reason, error])
+            self._events.append(EventRow(self._seq, rid, list(tokens), bool(finished), reason, error))
             self._cond.notify_all()
 
-    def since(self, cursor: int, wait_s: float = 0.0, limit: int = 10_000) -> dict[str, Any]:
+    def since(self, cursor: int, wait_s: float = 0.0, limit: int = 10_000) -> Events:
         """Events after `cursor` (at most `limit`), waiting up to wait_s for the first."""
         with self._cond:
             if self._seq <= cursor and wait_s > 0:
                 self._cond.wait_for(lambda: self._seq > cursor, timeout=wait_s)
-            first = self._events[0][0] if self._events else self._seq + 1
+            first = self._events[0].seq if self._events else self._seq + 1
             lost = cursor + 1 < first and cursor < self._seq
             if not self._events or self._seq <= cursor:
-                return {"cursor": self._seq if cursor > self._seq else cursor, "events": [], "lost": False}
+                return Events(self._seq if cursor > self._seq else cursor, [], False)
             start = max(0, cursor + 1 - first)
             out = [self._events[i] for i in range(start, min(len(self._events), start + limit))]
-            return {"cursor": out[-1][0] if out else cursor, "events": out, "lost": lost}
+            return Events(out[-1].seq if out else cursor, out, lost)

@@ -42,7 +42,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,14 +56,47 @@ from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.backends.base import TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
-from dsakv.disagg.errors import TransferTimeout
-from dsakv.disagg.host_replay import RecordingHostPool, replay
+from dsakv.disagg.codec import from_wire, to_wire
+from dsakv.disagg.errors import TransferTimeout, Unavailable
+from dsakv.disagg.host_replay import HostCopyLog, replay
 from dsakv.disagg.manifest import Manifest
+from dsakv.disagg.messages import (
+    ABORT,
+    CHECK_INTEGRITY,
+    CONNECT,
+    HEALTH,
+    KV_FAILED,
+    PING,
+    PREFILL_FOLLOWER_SERVICE,
+    PREFILL_LEADER_SERVICE,
+    RELEASED,
+    STAGE_DONE,
+    STEP,
+    SUBMIT,
+    TICK,
+    Abort,
+    Connect,
+    Connected,
+    Health,
+    Hello,
+    JobSpec,
+    KvFailed,
+    Ping,
+    PingReply,
+    Released,
+    StageDone,
+    StageInfo,
+    StepMsg,
+    StepRow,
+    Submit,
+    Submitted,
+    TransferHealth,
+)
 from dsakv.disagg.page_mirror import PageMirror
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer
+from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError, RpcServer, bind
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
 from dsakv.disagg.transfer_plan import TransferPlan
-from dsakv.disagg.wire import new_boot_id, page_list, pages_for, params_from_dict
+from dsakv.disagg.wire import new_boot_id, page_list, pages_for
 from dsakv.engine.model_runner import build_batch
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.sampling import sample
@@ -78,10 +111,6 @@ from dsakv.spec.model import ModelSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16384
-
-
-class Unavailable(DsakvError):
-    """This worker cannot take requests now (pipeline not formed, stopping): route elsewhere."""
 
 
 def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
@@ -182,34 +211,34 @@ class Job:
     decode_boot: str
     dst_pages: list[int]
     deadline: float  # this process's time.monotonic()
-    params: dict[str, Any]
+    params: SamplingParams
     seed: int
     prompt_ids: list[int] | None = None  # stage 0 only
     transferring: bool = False
 
-    def wire(self) -> dict[str, Any]:
-        return {
-            "rid": self.rid,
-            "prompt_len": self.prompt_len,
-            "decode": self.decode,
-            "decode_boot": self.decode_boot,
-            "dst_pages": self.dst_pages,
-            "left": max(0.0, self.deadline - time.monotonic()),
-            "params": self.params,
-            "seed": self.seed,
-        }
+    def spec(self) -> JobSpec:
+        return JobSpec(
+            rid=self.rid,
+            prompt_len=self.prompt_len,
+            decode=self.decode,
+            decode_boot=self.decode_boot,
+            dst_pages=self.dst_pages,
+            left=max(0.0, self.deadline - time.monotonic()),
+            params=self.params,
+            seed=self.seed,
+        )
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Job:
+    def of(cls, d: JobSpec) -> Job:
         return cls(
-            rid=str(d["rid"]),
-            prompt_len=int(d["prompt_len"]),
-            decode=str(d["decode"]),
-            decode_boot=str(d["decode_boot"]),
-            dst_pages=[int(p) for p in d["dst_pages"]],
-            deadline=time.monotonic() + float(d["left"]),
-            params=dict(d["params"]),
-            seed=int(d["seed"]),
+            rid=d.rid,
+            prompt_len=d.prompt_len,
+            decode=d.decode,
+            decode_boot=d.decode_boot,
+            dst_pages=list(d.dst_pages),
+            deadline=time.monotonic() + d.left,
+            params=d.params,
+            seed=d.seed,
         )
 
 
@@ -244,7 +273,7 @@ class _Notifier:
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
-        self._q: queue.Queue[tuple[str, str, dict[str, Any]] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
         self._clients: dict[str, RpcClient] = {}
         self._t = threading.Thread(target=self._loop, name="notifier", daemon=True)
         self._t.start()
@@ -255,19 +284,19 @@ class _Notifier:
             c = self._clients[addr] = RpcClient(addr, timeout=self.timeout, connect_timeout=min(2.0, self.timeout))
         return c
 
-    def post(self, addr: str, method: str, params: dict[str, Any]) -> None:
-        self._q.put((addr, method, params))
+    def post(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:
+        self._q.put((addr, rpc, msg))
 
     def _loop(self) -> None:
         while True:
             item = self._q.get()
             if item is None:
                 return
-            addr, method, params = item
+            addr, rpc, msg = item
             try:
-                self.client(addr).call(method, params)
+                self.client(addr).request(rpc, msg)
             except RpcError as e:
-                log.info("notify %s %s(%s) failed: %s", addr, method, params.get("rid", ""), e)
+                log.info("notify %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
 
     def stop(self) -> None:
         self._q.put(None)
@@ -307,19 +336,22 @@ class PrefillStage:
         self.backend = make_backend(cfg.backend, **cfg.backend_options)
         self.backend.register(self.pool.regions())
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
-        handlers: dict[str, Callable[[Any], Any]] = {
-            "ping": self._rpc_ping,
-            "health": self._rpc_health,
-            "connect": self._rpc_connect,
-            "check_integrity": self._rpc_check_integrity,
+        handlers: dict[Rpc[Any, Any], Callable[[Any], Any]] = {
+            PING: self._rpc_ping,
+            HEALTH: lambda _: self.health(),
+            CONNECT: self._rpc_connect,
+            CHECK_INTEGRITY: lambda _: self.integrity(),
         }
         if self.rank == 0:
-            handlers |= {"submit": self._rpc_submit, "abort": self._rpc_abort, "released": self._rpc_released}
-        self.rpc = RpcServer(handlers, cfg.host, cfg.port + self.rank if cfg.port else 0, name=f"prefill{self.rank}")
+            handlers |= {SUBMIT: self._rpc_submit, ABORT: self._rpc_abort, RELEASED: self._rpc_released}
+        service = PREFILL_LEADER_SERVICE if self.rank == 0 else PREFILL_FOLLOWER_SERVICE
+        self.rpc = RpcServer(
+            bind(service, handlers), cfg.host, cfg.port + self.rank if cfg.port else 0, name=f"prefill{self.rank}"
+        )
         self.links = DecodeLinks(
             self.backend,
             self.manifest,
-            {"prefill": self.name, "stage": self.rank, "num_stages": self.size, "rpc": self.rpc.address},
+            Hello(self.name, self.rank, self.size, self.rpc.address, self.manifest.to_bytes()),
             rpc_timeout=cfg.rpc_timeout,
         )
         stage0_host = cfg.stage0_host or cfg.host
@@ -346,10 +378,10 @@ class PrefillStage:
         if self.rank == 0:
             self.allocator = PageAllocator(self.num_pages, name=f"{self.name} stage 0 pool")
             self.cache = HiCache(self.pool, self.allocator, cfg.hicache_config()) if cfg.cache_enabled else None
-            self._recorder: RecordingHostPool | None = None
+            self._recorder: HostCopyLog | None = None
             if self.cache is not None and self.cache.host is not None and self.size > 1:
-                self._recorder = RecordingHostPool(self.cache.host)
-                self.cache.host = self._recorder  # type: ignore[assignment]  # same API, logs each copy
+                self._recorder = HostCopyLog()
+                self.cache.add_observer(self._recorder)
             self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
             max_pos = self.spec.raw.get("max_position_embeddings")
             self.scheduler = Scheduler(
@@ -441,10 +473,10 @@ class PrefillStage:
 
     # ---- RPC --------------------------------------------------------------------------------------
 
-    def _rpc_ping(self, _: Any) -> dict[str, Any]:
-        return {"pid": os.getpid(), "boot": self.boot, "stage": self.rank, "epoch": self.group.epoch}
+    def _rpc_ping(self, _: Ping) -> PingReply:
+        return PingReply(pid=os.getpid(), boot=self.boot, stage=self.rank, epoch=self.group.epoch)
 
-    def _integrity(self) -> str:
+    def integrity(self) -> str:
         try:
             with self._lock:
                 if self.rank == 0:
@@ -457,9 +489,6 @@ class PrefillStage:
         except AssertionError as e:
             return str(e)
         return "ok"
-
-    def _rpc_check_integrity(self, _: Any) -> str:
-        return self._integrity()
 
     def pages_used(self) -> int:
         """Pages held by requests or by the prefix cache (stage 0's books, or this stage's mirror of them)."""
@@ -482,55 +511,56 @@ class PrefillStage:
             cache = self.cache if self.rank == 0 else None
             return cache.stats.to_dict() if cache is not None else None
 
-    def _rpc_health(self, _: Any) -> dict[str, Any]:
+    def health(self) -> Health:
         with self._lock:
             used = self.pages_used()
-            out: dict[str, Any] = {
-                "ok": self.group.formed and self.down_reason is None and not self._stop.is_set(),
-                "role": "prefill",
-                "name": self.name,
-                "stage": self.rank,
-                "num_stages": self.size,
-                "pid": os.getpid(),
-                "boot": self.boot,
-                "epoch": self.group.epoch,
-                "down": self.down_reason,
-                "layers": [self.layer_start, self.layer_end - 1],
-                "elide": self.cfg.elide,
-                "backend": self.cfg.backend,
-                "page_size": self.page_size,
-                "pages_total": self.num_pages,
-                "pages_used": used,
-                "pages_free": self.num_pages - used,
-                "capacity_tokens": self.num_pages * self.page_size,
-                "jobs": len(self.jobs),
-                "transfers_in_flight": self._xfer_busy + self._xfers.qsize(),
-                "links": [link.summary() for link in self.links.links()],
-                "counters": dict(self.counters),
-                "integrity": self._integrity(),
-                "prefix_cache_enabled": self.cfg.cache_enabled,
-                "host_tier": self.cfg.host_tier,
-                "cache_pages": len(self.cached_pages()),
-            }
-            if self.rank == 0:
-                out["stages"] = [
-                    {"stage": r, **info} for r, info in sorted(self.group.peer_info.items()) if self.group.formed
-                ]
-                out["waiting"] = self.scheduler.num_waiting
-                out["running"] = self.scheduler.num_running
-                out["awaiting_release"] = len(self._pending_release)
-                out["prefix_cache"] = self.prefix_cache_stats()
-            else:
-                out["host_replayed"] = dict(self.replayed)
             t = self.backend.stats.totals()
-            out["transfer"] = {"count": t.transfers, "failures": t.failures, "bytes": t.bytes, "seconds": t.seconds}
-            return out
+            lead = self.rank == 0
+            return Health(
+                ok=self.group.formed and self.down_reason is None and not self._stop.is_set(),
+                role="prefill",
+                name=self.name,
+                stage=self.rank,
+                num_stages=self.size,
+                pid=os.getpid(),
+                boot=self.boot,
+                epoch=self.group.epoch,
+                down=self.down_reason,
+                layers=[self.layer_start, self.layer_end - 1],
+                elide=self.cfg.elide,
+                backend=self.cfg.backend,
+                page_size=self.page_size,
+                pages_total=self.num_pages,
+                pages_used=used,
+                pages_free=self.num_pages - used,
+                capacity_tokens=self.num_pages * self.page_size,
+                jobs=len(self.jobs),
+                transfers_in_flight=self._xfer_busy + self._xfers.qsize(),
+                links=[link.summary() for link in self.links.links()],
+                counters=dict(self.counters),
+                integrity=self.integrity(),
+                prefix_cache_enabled=self.cfg.cache_enabled,
+                host_tier=self.cfg.host_tier,
+                cache_pages=len(self.cached_pages()),
+                stages=[
+                    StageInfo(stage=r, rpc=str(info["rpc"]), pid=info.get("pid"), boot=info.get("boot"))
+                    for r, info in sorted(self.group.peer_info.items())
+                ]
+                if lead and self.group.formed
+                else [],
+                waiting=self.scheduler.num_waiting if lead else None,
+                running=self.scheduler.num_running if lead else None,
+                awaiting_release=len(self._pending_release) if lead else None,
+                prefix_cache=self.prefix_cache_stats() if lead else None,
+                host_replayed=None if lead else dict(self.replayed),
+                transfer=TransferHealth(count=t.transfers, failures=t.failures, bytes=t.bytes, seconds=t.seconds),
+            )
 
-    def _rpc_connect(self, p: Any) -> dict[str, Any]:
-        """Handshake with decode p["decode"] (stage 0: on every stage). Raises if refused or unreachable."""
-        addr = str(p["decode"])
-        timeout = float(p.get("timeout", self.cfg.rpc_timeout))
-        link = self.links.get(addr, p.get("boot"), timeout=timeout)
+    def _rpc_connect(self, p: Connect) -> Connected:
+        """Handshake with decode p.decode (stage 0: on every stage). Raises if refused or unreachable."""
+        addr = p.decode
+        timeout = self.cfg.rpc_timeout if p.timeout is None else p.timeout
+        link = self.links.get(addr, p.boot, timeout=timeout)
         stages = [link.summary()]
         if self.rank == 0 and self.size > 1:
             if not self.group.formed:
@@ -541,29 +571,26 @@ class PrefillStage:
                     raise Unavailable(f"prefill {self.name}: stage {r} is not in the pipeline")
                 c = RpcClient(str(info["rpc"]), timeout=timeout)
                 try:
-                    stages.append(c.call("connect", {"decode": addr, "boot": link.boot, "timeout": timeout}))
+                    stages += c.request(CONNECT, Connect(decode=addr, boot=link.boot, timeout=timeout)).stages
                 finally:
                     c.close()
-        if self.rank > 0:
-            return link.summary()
-        return {"decode": addr, "boot": link.boot, "epoch": self.group.epoch, "stages": stages}
+        return Connected(decode=addr, boot=link.boot, epoch=self.group.epoch, stages=stages)
 
-    def _rpc_submit(self, p: Any) -> dict[str, Any]:
-        rid = str(p["rid"])
-        prompt = [int(t) for t in p["prompt_ids"]]
+    def _rpc_submit(self, p: Submit) -> Submitted:
+        rid = p.rid
+        prompt = p.prompt_ids
         with self._lock:
             if self._stop.is_set() or not self.group.formed or self.down_reason is not None:
                 raise Unavailable(f"prefill {self.name} is unavailable: {self.down_reason or 'stopping'}")
             if rid in self.jobs:
                 raise ConfigError(f"request id {rid!r} is already in use on prefill {self.name}")
-            params_from_dict(p["params"])  # validate before queuing
             vocab = self.spec.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ConfigError(
                     f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}"
                 )
-            dst = [int(x) for x in p["dst_pages"]]
+            dst = p.dst_pages
             if len(dst) < pages_for(len(prompt), self.page_size):
                 raise CapacityError(
                     f"request {rid}: {len(dst)} decode pages for a {len(prompt)}-token prompt, need "
@@ -579,27 +606,27 @@ class PrefillStage:
             self.jobs[rid] = Job(
                 rid=rid,
                 prompt_len=len(prompt),
-                decode=str(p["decode"]),
-                decode_boot=str(p["decode_boot"]),
+                decode=p.decode,
+                decode_boot=p.decode_boot,
                 dst_pages=dst,
-                deadline=time.monotonic() + float(p["kv_timeout"]),
-                params=dict(p["params"]),
-                seed=int(p["seed"]),
+                deadline=time.monotonic() + p.kv_timeout,
+                params=p.params,
+                seed=p.seed,
                 prompt_ids=prompt,
             )
             self.counters["submitted"] += 1
         self._wake.set()
-        return {"accepted": True, "epoch": self.group.epoch}
+        return Submitted(accepted=True, epoch=self.group.epoch)
 
-    def _rpc_abort(self, p: Any) -> bool:
+    def _rpc_abort(self, p: Abort) -> bool:
         with self._lock:
-            self._control.append(("abort", str(p["rid"]), str(p.get("why", "aborted by the router"))))
+            self._control.append(("abort", p.rid, p.why or "aborted by the router"))
         self._wake.set()
         return True
 
-    def _rpc_released(self, p: Any) -> bool:
+    def _rpc_released(self, p: Released) -> bool:
         with self._lock:
-            self._control.append(("released", str(p["rid"]), str(int(p["stage"]))))
+            self._control.append(("released", p.rid, str(p.stage)))
         self._wake.set()
         return True
 
@@ -662,14 +689,14 @@ class PrefillStage:
                     if not job.transferring:
                         self.mirror.release(rid)
                         self.jobs.pop(rid, None)
-                        self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+                        self.notifier.post(job.decode, KV_FAILED, KvFailed(rid, why, self.name))
         log.warning("%s", why)
 
     def _fail_job(self, rid: str, why: str) -> None:
         job = self.jobs.pop(rid, None)
         if job is not None:
             self.counters["dropped"] += 1
-            self.notifier.post(job.decode, "kv_failed", {"rid": rid, "error": why, "source": self.name})
+            self.notifier.post(job.decode, KV_FAILED, KvFailed(rid, why, self.name))
 
     def _free(self, rid: str) -> None:
         """Stage 0: every stage is done with rid's pages."""
@@ -710,7 +737,7 @@ class PrefillStage:
             drops += [r.request_id for r in sched.preempted]
         if sched.is_empty:
             if self.size > 1 and (drops or time.monotonic() - self._last_send >= self.tick_s):
-                self._send(StageMessage(self._step, {"kind": "tick", "drop": drops, **self._cache_meta()}))
+                self._send(StageMessage(self._step, to_wire(self._cache_meta(StepMsg(TICK, drop=drops)))))
             self._wake.wait(self.tick_s / 4 if self.size > 1 else 0.05)
             self._wake.clear()
             return
@@ -738,22 +765,14 @@ class PrefillStage:
             for c in chunks:
                 rid = c.request.request_id
                 seqs.append(
-                    [rid, c.start, c.num_tokens, list(c.request.page_ids), c.end == c.request.num_prompt_tokens]
+                    StepRow(rid, c.start, c.num_tokens, list(c.request.page_ids), c.end == c.request.num_prompt_tokens)
                 )
                 if c.start == c.request.num_cached_tokens:  # its first chunk since admission
-                    new_jobs[rid] = self.jobs[rid].wire()
-            cache_meta = self._cache_meta()
-        meta = {
-            "kind": "step",
-            "batch": encode_batch(batch),
-            "seqs": seqs,
-            "jobs": new_jobs,
-            "drop": drops,
-            **cache_meta,
-        }
+                    new_jobs[rid] = self.jobs[rid].spec()
+            meta = self._cache_meta(StepMsg(STEP, seqs=seqs, jobs=new_jobs, batch=encode_batch(batch), drop=drops))
         carry = self.model.stage_forward(batch, self.pool)
         if self.size > 1:
-            self._send(StageMessage(self._step, meta, carry.hidden, carry.topk))
+            self._send(StageMessage(self._step, to_wire(meta), carry.hidden, carry.topk))
         firsts = self._sample(carry, seqs) if self.last else {}
         with self._lock:
             self.scheduler.update(sched, [0 if c.samples else None for c in chunks])
@@ -767,22 +786,20 @@ class PrefillStage:
                     src = page_list(self.scheduler.pages_of(rid))[: pages_for(job.prompt_len, self.page_size)]
                     self._queue_xfer(_Xfer(job, src, firsts.get(rid)))
 
-    def _cache_meta(self) -> dict[str, Any]:
-        """Stage 0: {"cache": packed int32 page ids} when the prefix cache's page set changed since the last
-        message (always in the first message of an epoch), else {}."""
+    def _cache_meta(self, msg: StepMsg) -> StepMsg:
+        """Stage 0: `msg` with the host-tier copies to replay and, when the prefix cache's page set changed
+        since the last message (always in the first message of an epoch), the set (packed int32 page ids)."""
         if self.cache is None or self.size == 1:
-            return {}
-        out: dict[str, Any] = {}
+            return msg
+        host_ops = cache = None
         with self._lock:
             if self._recorder is not None:
-                ops = self._recorder.drain()
-                if ops:
-                    out["host_ops"] = ops
+                host_ops = self._recorder.drain() or None
             now = tuple(self.cached_pages())
             if now != self._cache_sent:
                 self._cache_sent = now
-                out["cache"] = np.asarray(now, dtype=np.int32).tobytes()
-        return out
+                cache = np.asarray(now, dtype=np.int32).tobytes()
+        return replace(msg, host_ops=host_ops, cache=cache)
 
     def _send(self, msg: StageMessage) -> None:
         self.group.send_next(msg)
@@ -790,62 +807,63 @@ class PrefillStage:
 
     def _stagek_iteration(self) -> None:
         msg = self.group.recv_prev(timeout=self.cfg.stage_timeout)
-        meta = msg.meta
+        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {self.rank - 1}")
         with self._lock:
-            for rid in meta.get("drop", []):
+            for rid in meta.drop:
                 job = self.jobs.get(rid)
                 if job is not None and not job.transferring:
                     self.jobs.pop(rid, None)
                     self.mirror.release(rid)
-            if "host_ops" in meta:
+            if meta.host_ops is not None:
                 if self.host_pool is None:
                     raise StageLinkError(
                         f"stage {self.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
                         "every stage with the same --hicache-* options"
                     )
-                off, loaded = replay(meta["host_ops"], self.host_pool, self.pool)
+                off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
                 self.replayed["offload_pages"] += off
                 self.replayed["load_pages"] += loaded
-            if "cache" in meta:
-                self.mirror.set_cached(np.frombuffer(meta["cache"], dtype=np.int32).tolist())
-        if meta["kind"] == "tick":
+            if meta.cache is not None:
+                self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
+        if meta.kind == TICK:
             if not self.last:
                 self.group.send_next(msg)
             return
-        seqs = meta["seqs"]
+        seqs = meta.seqs
         with self._lock:
-            for rid, d in meta["jobs"].items():
-                self.jobs[rid] = Job.from_wire(d)
-            for rid, _start, _n, pages, _last in seqs:
-                self.mirror.hold(rid, pages)
-        batch = decode_batch(meta["batch"])
+            for rid, d in meta.jobs.items():
+                self.jobs[rid] = Job.of(d)
+            for row in seqs:
+                self.mirror.hold(row.rid, row.pages)
+        if meta.batch is None:
+            raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without its batch")
+        batch = decode_batch(meta.batch)
         if msg.hidden is None:
             raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without hidden states")
         carry = self.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
         if not self.last:
-            self.group.send_next(StageMessage(msg.step, meta, carry.hidden, carry.topk))
+            self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
         firsts = self._sample(carry, seqs) if self.last else {}
         with self._lock:
             self.counters["steps"] += 1
-            for rid, _start, _n, pages, last in seqs:
-                if last:
-                    job = self.jobs[rid]
+            for row in seqs:
+                if row.last:
+                    job = self.jobs[row.rid]
                     job.transferring = True
-                    src = pages[: pages_for(job.prompt_len, self.page_size)]
-                    self._queue_xfer(_Xfer(job, src, firsts.get(rid)))
+                    src = row.pages[: pages_for(job.prompt_len, self.page_size)]
+                    self._queue_xfer(_Xfer(job, src, firsts.get(row.rid)))
 
-    def _sample(self, carry: StageCarry, seqs: list[Any]) -> dict[str, int]:
+    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, int]:
         """Last stage: the first generated token of every sequence whose prompt completed this step (token 0 of
         the request's seeded stream: the decode worker draws tokens 1.. from the same seed)."""
         assert carry.logits is not None
         rows, reqs = [], []
         with self._lock:
-            for i, (rid, _s, _n, _p, last) in enumerate(seqs):
-                if last:
-                    job = self.jobs[rid]
+            for i, row in enumerate(seqs):
+                if row.last:
+                    job = self.jobs[row.rid]
                     rows.append(i)
-                    params = params_from_dict(job.params)
-                    reqs.append(Request(request_id=rid, prompt_ids=(0,), params=params, sampling_seed=job.seed))
+                    reqs.append(Request(request_id=row.rid, prompt_ids=(0,), params=job.params, sampling_seed=job.seed))
         if not rows:
             return {}
         toks = sample(carry.logits[rows], reqs)
@@ -917,21 +935,11 @@ class PrefillStage:
 
     def _report(self, x: _Xfer, err: str | None, quarantine: float, nbytes: int) -> None:
         job = x.job
-        params: dict[str, Any] = {
-            "rid": job.rid,
-            "prefill": self.name,
-            "stage": self.rank,
-            "ok": err is None,
-            "error": err,
-            "quarantine_s": quarantine,
-            "bytes": nbytes,
-        }
-        if x.first_token is not None:
-            params["first_token"] = x.first_token
+        done = StageDone(job.rid, self.name, self.rank, err is None, err, quarantine, nbytes, x.first_token)
         try:
             c = self.notifier.client(job.decode)
-            c.call(
-                "stage_done", params, timeout=max(0.5, min(self.cfg.rpc_timeout, job.deadline - time.monotonic() + 1))
+            c.request(
+                STAGE_DONE, done, timeout=max(0.5, min(self.cfg.rpc_timeout, job.deadline - time.monotonic() + 1))
             )
         except RpcError as e:
             log.warning(
@@ -951,7 +959,7 @@ class PrefillStage:
                 self.mirror.release(job.rid)
                 stage0 = self.group.peer_info.get(0, {}).get("rpc")
                 if stage0:
-                    self.notifier.post(str(stage0), "released", {"rid": job.rid, "stage": self.rank})
+                    self.notifier.post(str(stage0), RELEASED, Released(job.rid, self.rank))
         with self._xfer_lock:
             self._xfer_busy -= 1
         self._wake.set()

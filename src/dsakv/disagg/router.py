@@ -9,15 +9,15 @@ Per request (one dispatcher thread):
   1. pick a pair: a healthy decode and a healthy prefill that have handshaken (the health thread asks
      prefill.connect(decode) for every pair, again whenever a decode restarts or a prefill re-forms);
      the least loaded decode, then the least loaded prefill paired with it.
-  2. decode.prealloc(rid#n, prompt, params, prefill, stages, kv_timeout) -> decode page ids
+  2. decode PREALLOC Prealloc(rid#n, prompt, params, prefill, stages, kv_timeout) -> Preallocated(pages)
      (NoFreePages: the request waits in the router's queue, up to queue_timeout);
-  3. prefill.submit(rid#n, prompt, decode, pages, kv_timeout); a refused submit (prefill down) aborts the
+  3. prefill SUBMIT Submit(rid#n, prompt, decode, pages, kv_timeout); a refused submit (prefill down) aborts the
      decode reservation and tries again (a new attempt id rid#n+1, so late events of the old one are ignored).
-  4. tokens come from decode.events (one long-poll thread per decode, every request's events at once).
+  4. tokens come from decode EVENTS (one long-poll thread per decode, every request's events at once).
 A decode that stops answering fails all its requests at once with an error naming it; everything else
 (prefill stage loss, transfer timeouts, deadlines) is failed by the decode worker and arrives as an event.
 
-Imports dsakv.disagg.{rpc, wire}, dsakv.engine.request and the serving contract dsakv.serve.backend
+Imports dsakv.disagg.{rpc, messages}, dsakv.engine.request and the serving contract dsakv.serve.backend
 (TokenEvent; standard library only) -- no torch: a router process is light.
 """
 
@@ -35,11 +35,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
-from dsakv.disagg.wire import params_to_dict
+from dsakv.disagg.errors import IncompatiblePeer, Unavailable
+from dsakv.disagg.messages import (
+    ABORT,
+    CONNECT,
+    EVENTS,
+    HEALTH,
+    PREALLOC,
+    SUBMIT,
+    Abort,
+    Connect,
+    EventsQuery,
+    Health,
+    HealthQuery,
+    Prealloc,
+    Submit,
+)
+from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
-from dsakv.errors import CapacityError, ConfigError
+from dsakv.errors import CapacityError, ConfigError, NoFreePages
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +94,7 @@ class _Peer:
     boot: str | None = None
     epoch: str | None = None
     num_stages: int = 1
-    health: dict[str, Any] = field(default_factory=dict)
+    health: Health | None = None
     error: str | None = "not contacted yet"
     inflight: int = 0
     ready: bool = False  # decode: its event cursor is known for this boot
@@ -132,7 +147,7 @@ class RouterBackend:
         self._threads: list[threading.Thread] = []
         self._started = False
         self._rng = random.Random(cfg.seed)
-        self._side: queue.Queue[tuple[str, str, dict[str, Any]] | None] = queue.Queue()  # best-effort RPCs
+        self._side: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()  # best-effort RPCs
         self._side_clients: dict[str, RpcClient] = {}
         self.counters = dict.fromkeys(
             ("requests_total", "finished_total", "failed_total", "aborted_total", "retries_total", "tokens_total"), 0
@@ -194,7 +209,7 @@ class RouterBackend:
                 f"{limit}: shorten the prompt"
             )
         with self._lock:
-            caps = [int(p.health["capacity_tokens"]) for p in self.decodes.values() if "capacity_tokens" in p.health]
+            caps = [p.health.capacity_tokens for p in self.decodes.values() if p.health is not None]
         total = len(prompt_ids) + params.max_new_tokens
         if caps and total > max(caps):
             raise CapacityError(
@@ -245,15 +260,15 @@ class RouterBackend:
             self._finish(req, "abort", None)
             self.counters["aborted_total"] += 1
         if wire is not None and decode is not None:
-            self._side.put((decode, "abort", {"rid": wire, "why": "aborted by the client"}))
+            self._side.put((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and state == "dispatched":
-                self._side.put((prefill, "abort", {"rid": wire, "why": "aborted by the client"}))
+                self._side.put((prefill, ABORT, Abort(wire, "aborted by the client")))
 
     def health(self) -> dict[str, Any]:
         with self._lock:
             pairs = self._usable_pairs()
-            used = sum(int(p.health.get("pages_used", 0)) for p in self.decodes.values() if p.ok)
-            total = sum(int(p.health.get("pages_total", 0)) for p in self.decodes.values() if p.ok)
+            used = sum(p.health.pages_used for p in self.decodes.values() if p.ok and p.health is not None)
+            total = sum(p.health.pages_total for p in self.decodes.values() if p.ok and p.health is not None)
             return {
                 "ok": bool(pairs),
                 "backend": self.name,
@@ -277,8 +292,9 @@ class RouterBackend:
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
             out["prefill_workers_up"] = float(sum(p.ok for p in self.prefills.values()))
             out["pairs_ready"] = float(len(self._usable_pairs()))
-            out["pool_pages_total"] = float(sum(int(p.health.get("pages_total", 0)) for p in self.decodes.values()))
-            out["pool_pages_used"] = float(sum(int(p.health.get("pages_used", 0)) for p in self.decodes.values()))
+            healths = [p.health for p in self.decodes.values() if p.health is not None]
+            out["pool_pages_total"] = float(sum(h.pages_total for h in healths))
+            out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
             out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
             return out
 
@@ -287,17 +303,18 @@ class RouterBackend:
             return self.cfg.max_prompt_tokens
         with self._lock:
             caps = [
-                int(p.health["max_prompt_tokens"]) for p in self.decodes.values() if "max_prompt_tokens" in p.health
+                p.health.max_prompt_tokens
+                for p in self.decodes.values()
+                if p.health is not None and p.health.max_prompt_tokens is not None
             ]
-            caps += [
-                int(p.health["capacity_tokens"]) - 1 for p in self.prefills.values() if "capacity_tokens" in p.health
-            ]
+            caps += [p.health.capacity_tokens - 1 for p in self.prefills.values() if p.health is not None]
         return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
 
     @staticmethod
     def _peer_view(p: _Peer) -> dict[str, Any]:
+        h = p.health
         return {
             "addr": p.addr,
             "ok": p.ok,
@@ -305,9 +322,9 @@ class RouterBackend:
             "epoch": p.epoch,
             "error": p.error,
             "in_flight": p.inflight,
-            "pages_used": p.health.get("pages_used"),
-            "pages_total": p.health.get("pages_total"),
-            "integrity": p.health.get("integrity"),
+            "pages_used": h.pages_used if h is not None else None,
+            "pages_total": h.pages_total if h is not None else None,
+            "integrity": h.integrity if h is not None else None,
         }
 
     def _usable_pairs(self) -> list[tuple[str, str]]:
@@ -399,62 +416,61 @@ class RouterBackend:
         with self._lock:
             req.attempt += 1
             wire = f"{req.rid}#{req.attempt}"
-        params = params_to_dict(req.params)
         try:
-            res = dec.client.call(
-                "prealloc",
-                {
-                    "rid": wire,
-                    "prompt_ids": req.prompt,
-                    "params": params,
-                    "prefill": pre.health.get("name", p_addr),
-                    "num_stages": pre.num_stages,
-                    "kv_timeout": self.cfg.kv_timeout,
-                },
+            res = dec.client.request(
+                PREALLOC,
+                Prealloc(
+                    rid=wire,
+                    prompt_ids=req.prompt,
+                    params=req.params,
+                    prefill=pre.health.name if pre.health is not None else p_addr,
+                    num_stages=pre.num_stages,
+                    kv_timeout=self.cfg.kv_timeout,
+                ),
             )
         except PeerUnavailable as e:
             self._peer_down(dec, str(e))
             return False
+        except NoFreePages:
+            dec.busy_until = time.monotonic() + 0.02
+            return False
+        except IncompatiblePeer:  # the prefill re-formed and has not handshaken again yet
+            with self._lock:
+                self.pairs[(p_addr, d_addr)].ok = False
+            return False
         except RpcError as e:
-            if e.kind == "NoFreePages":
-                dec.busy_until = time.monotonic() + 0.02
-                return False
-            if e.kind == "IncompatiblePeer":  # the prefill re-formed and has not handshaken again yet
-                with self._lock:
-                    self.pairs[(p_addr, d_addr)].ok = False
-                return False
             with self._lock:
                 self._finish(req, "error", f"decode {d_addr} refused request {req.rid}: {e}")
             return True
         with self._lock:
             if req.state != "queued":  # aborted meanwhile
-                self._side.put((d_addr, "abort", {"rid": wire, "why": "aborted"}))
+                self._side.put((d_addr, ABORT, Abort(wire, "aborted")))
                 return True
             req.wire, req.decode, req.prefill, req.state = wire, d_addr, p_addr, "dispatched"
             self._by_wire[wire] = req
             dec.inflight += 1
             pre.inflight += 1
         try:
-            pre.client.call(
-                "submit",
-                {
-                    "rid": wire,
-                    "prompt_ids": req.prompt,
-                    "params": params,
-                    "seed": int(req.params.seed or 0),
-                    "decode": d_addr,
-                    "decode_boot": res["boot"],
-                    "dst_pages": res["pages"],
-                    "kv_timeout": self.cfg.kv_timeout,
-                },
+            pre.client.request(
+                SUBMIT,
+                Submit(
+                    rid=wire,
+                    prompt_ids=req.prompt,
+                    params=req.params,
+                    seed=int(req.params.seed or 0),
+                    decode=d_addr,
+                    decode_boot=res.boot,
+                    dst_pages=res.pages,
+                    kv_timeout=self.cfg.kv_timeout,
+                ),
             )
         except RpcError as e:
-            self._side.put((d_addr, "abort", {"rid": wire, "why": f"prefill {p_addr} refused it: {e}"}))
+            self._side.put((d_addr, ABORT, Abort(wire, f"prefill {p_addr} refused it: {e}")))
             with self._lock:
                 if req.state == "dispatched":
                     self._release_slot(req)
                     req.state, req.wire, req.decode, req.prefill = "queued", None, None, None
-                retry = isinstance(e, PeerUnavailable) or e.kind == "Unavailable"
+                retry = isinstance(e, (PeerUnavailable, Unavailable))
                 if not retry:
                     self._finish(req, "error", f"prefill {p_addr} refused request {req.rid}: {e}")
                     return True
@@ -478,16 +494,16 @@ class RouterBackend:
                 continue
             try:
                 if not dec.ready:
-                    res = client.call("events", {"since": 1 << 62, "wait": 0})
+                    res = client.request(EVENTS, EventsQuery(since=1 << 62, wait=0))
                     with self._lock:
                         self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
-                        if res["boot"] == dec.boot:  # the same process came back: free what it still runs
+                        if res.boot == dec.boot:  # the same process came back: free what it still runs
                             for wire in dec.orphans:
-                                self._side.put((addr, "abort", {"rid": wire, "why": "failed by the router"}))
+                                self._side.put((addr, ABORT, Abort(wire, "failed by the router")))
                         dec.orphans.clear()
-                        dec.boot, dec.cursor, dec.ready = res["boot"], int(res["cursor"]), True
+                        dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
                     continue
-                res = client.call("events", {"since": dec.cursor, "wait": self.cfg.poll_wait})
+                res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=self.cfg.poll_wait))
             except PeerUnavailable as e:
                 self._peer_down(dec, str(e))
                 continue
@@ -496,11 +512,11 @@ class RouterBackend:
                 self._stop.wait(0.1)
                 continue
             with self._lock:
-                if res["boot"] != dec.boot:
+                if res.boot != dec.boot:
                     dec.ready = False
                     continue
-                for _seq, wire, tokens, finished, reason, error in res["events"]:
-                    req = self._by_wire.get(wire)
+                for ev in res.events:
+                    req = self._by_wire.get(ev.rid)
                     if req is None or req.decode != addr:
                         continue
                     if req.state == "dispatched":
@@ -508,8 +524,8 @@ class RouterBackend:
                         if pre is not None:
                             pre.inflight -= 1
                         req.state = "decoding"
-                    self._push(req, list(tokens), bool(finished), reason, error)
-                dec.cursor = int(res["cursor"])
+                    self._push(req, ev.tokens, ev.finished, ev.reason, ev.error)
+                dec.cursor = res.cursor
 
     def _fail_decode_requests(self, dec: _Peer, why: str) -> None:
         for req in list(self._by_wire.values()):
@@ -543,7 +559,7 @@ class RouterBackend:
     def _poll_health(self) -> None:
         for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
             try:
-                h = peer.client.call("health", timeout=min(self.cfg.rpc_timeout, 2.0))
+                h = peer.client.request(HEALTH, HealthQuery(), timeout=min(self.cfg.rpc_timeout, 2.0))
             except PeerUnavailable as e:
                 self._peer_down(peer, str(e))
                 continue
@@ -552,21 +568,21 @@ class RouterBackend:
                     peer.ok, peer.error = False, str(e)
                 continue
             with self._lock:
-                if peer.role == "decode" and peer.boot is not None and h.get("boot") != peer.boot:
+                if peer.role == "decode" and peer.boot is not None and h.boot != peer.boot:
                     peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
                 peer.health = h
-                peer.epoch = h.get("epoch")
-                peer.num_stages = int(h.get("num_stages", 1))
+                peer.epoch = h.epoch
+                peer.num_stages = h.num_stages
                 if peer.role == "prefill":
-                    peer.boot = h.get("boot")
-                ok = bool(h.get("ok"))
+                    peer.boot = h.boot
+                ok = h.ok
                 if ok and not peer.ok:
-                    log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.get("name"))
-                peer.ok, peer.error = ok, (None if ok else str(h.get("down") or "not ok"))
+                    log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.name)
+                peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
         now = time.monotonic()
         for (p, d), s in list(self.pairs.items()):
             pre, dec = self.prefills[p], self.decodes[d]
-            key = (f"{pre.boot}/{pre.epoch}", dec.health.get("boot"))
+            key = (f"{pre.boot}/{pre.epoch}", dec.health.boot if dec.health is not None else None)
             if not (pre.ok and dec.ok):
                 continue
             if s.ok and s.key == key:
@@ -575,9 +591,9 @@ class RouterBackend:
                 continue
             s.tried = now
             try:
-                res = pre.client.call(
-                    "connect",
-                    {"decode": d, "boot": key[1], "timeout": self.cfg.rpc_timeout},
+                res = pre.client.request(
+                    CONNECT,
+                    Connect(decode=d, boot=key[1], timeout=self.cfg.rpc_timeout),
                     timeout=self.cfg.rpc_timeout * 2,
                 )
             except RpcError as e:
@@ -587,7 +603,7 @@ class RouterBackend:
                 continue
             with self._lock:
                 s.ok, s.key, s.error = True, key, None
-                s.skipped = sorted({k for st in res.get("stages", []) for k in st.get("skipped", [])})
+                s.skipped = sorted({k for st in res.stages for k in st.skipped})
             log.info("router: prefill %s paired with decode %s (skipped one-sided: %s)", p, d, s.skipped or "none")
 
     # ---- side RPCs ------------------------------------------------------------------------------------------
@@ -597,14 +613,14 @@ class RouterBackend:
             item = self._side.get()
             if item is None:
                 return
-            addr, method, params = item
+            addr, rpc, msg = item
             c = self._side_clients.get(addr)
             if c is None:
                 c = self._side_clients[addr] = RpcClient(addr, timeout=min(2.0, self.cfg.rpc_timeout))
             try:
-                c.call(method, params)
+                c.request(rpc, msg)
             except RpcError as e:
-                log.info("router: %s %s(%s) failed: %s", addr, method, params.get("rid"), e)
+                log.info("router: %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
 
 
 __all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]

@@ -3,11 +3,21 @@
 Used for handshakes, page allocation, completion notices and the router. Bulk KV
 bytes never travel here (they go through a TransferBackend).
 
-Wire format, both directions:  | u32 big-endian length | msgpack map |
-request  {"id": int, "method": str, "params": any}
-response {"id": int, "ok": bool, "result": any} or {"id": int, "ok": false, "error": str, "kind": str}
+Wire format, both directions:  | u32 big-endian length | msgpack map |   (frames built in one place:
+request  {"id": int, "method": str, "params": any}                     request_frame / reply_frame /
+response {"id": int, "ok": bool, "result": any}                        error_frame; a new frame field,
+      or {"id": int, "ok": false, "error": str, "kind": str}           e.g. authentication, goes there)
 
-Must not import engine, serve or torch.
+Typed use (dsakv.disagg.messages lists every RPC as an `Rpc` spec: name, request type, reply type):
+
+    server = RpcServer(bind(DECODE_SERVICE, {PREALLOC: worker.prealloc, ...}), host, port)
+    reply = client.request(PREALLOC, Prealloc(rid=..., ...))     # -> Preallocated, checked by the codec
+
+`bind` decodes each request into its dataclass before the handler runs (MessageError if it does not match)
+and encodes the reply. A handler's exception travels back as `kind` = its class name; the client re-raises
+it as that class when the kind is registered in ERROR_KINDS (a subclass of both the class and RpcError, so
+`except NoFreePages` and `except RpcError` both catch it), else as RpcError. Must not import engine, serve or
+torch.
 """
 
 from __future__ import annotations
@@ -18,12 +28,24 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
-from dsakv.errors import DsakvError
+from dsakv.cache.allocator import IntegrityError
+from dsakv.disagg.codec import from_wire, to_wire
+from dsakv.disagg.errors import (
+    IncompatiblePeer,
+    ManifestError,
+    MessageError,
+    TransferError,
+    TransferTimeout,
+    Unavailable,
+)
+from dsakv.errors import CapacityError, ConfigError, DsakvError, NoFreePages
+from dsakv.util import Registry
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +66,116 @@ class PeerUnavailable(RpcError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, "PeerUnavailable")
+
+
+# ---- remote error kinds ----------------------------------------------------------------------------------
+
+ERROR_KINDS: Registry[type[Exception]] = Registry("remote error kind")
+"""Exception classes a peer's error is re-raised as, by class name. Only these: a kind off the list is a
+plain RpcError (the wire never names an arbitrary class to instantiate)."""
+
+for _cls in (
+    ConfigError,
+    CapacityError,
+    NoFreePages,
+    IncompatiblePeer,
+    ManifestError,
+    MessageError,
+    Unavailable,
+    TransferError,
+    TransferTimeout,
+    IntegrityError,
+    ValueError,
+    KeyError,
+    TypeError,
+):
+    ERROR_KINDS.add(_cls.__name__, _cls)
+
+_remote_classes: dict[type[Exception], type[RpcError]] = {}
+
+
+def _remote_init(self: RpcError, message: str, kind: str = "RpcError") -> None:
+    Exception.__init__(self, message)
+    self.kind = kind
+
+
+def error_kind(e: BaseException) -> str:
+    """The kind an exception travels as: its nearest registered class (a re-raised remote error keeps its
+    kind through a second hop), else its own class name."""
+    for cls in type(e).__mro__:
+        if cls.__name__ in ERROR_KINDS and ERROR_KINDS.get(cls.__name__) is cls:
+            return cls.__name__
+    return type(e).__name__
+
+
+def remote_error(message: str, kind: str) -> RpcError:
+    """The exception a client raises for a peer's error `kind`: an instance of the registered class (and of
+    RpcError), or a plain RpcError for an unregistered kind."""
+    cls = ERROR_KINDS.get(kind) if kind in ERROR_KINDS else None
+    if cls is None:
+        return RpcError(message, kind)
+    sub = _remote_classes.get(cls)
+    if sub is None:
+        sub = type(f"Remote{cls.__name__}", (cls, RpcError), {"__init__": _remote_init})
+        _remote_classes[cls] = sub
+    return sub(message, kind)
+
+
+# ---- typed RPCs --------------------------------------------------------------------------------------------
+
+Q = TypeVar("Q")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Rpc(Generic[Q, R]):
+    """One RPC: its method name, request and reply types, and who calls it (the documented RPC graph)."""
+
+    name: str
+    request: type[Q]
+    reply: type[R]
+    caller: str
+    doc: str
+
+
+@dataclass(frozen=True)
+class Service:
+    """The RPCs one role serves."""
+
+    name: str
+    rpcs: tuple[Rpc[Any, Any], ...]
+
+    def names(self) -> list[str]:
+        return [r.name for r in self.rpcs]
+
+
+def bind(service: Service, impl: Mapping[Rpc[Any, Any], Callable[[Any], Any]]) -> dict[str, Handler]:
+    """Raw handlers for RpcServer: each decodes its request, calls impl[rpc] and encodes the reply. Every RPC
+    of `service` needs an implementation, and nothing else may be given (the spec is the list)."""
+    missing = [r.name for r in service.rpcs if r not in impl]
+    extra = [r.name for r in impl if r not in service.rpcs]
+    if missing or extra:
+        raise ValueError(f"{service.name}: handlers missing for {missing}, not in the service spec: {extra}")
+
+    def wrap(rpc: Rpc[Any, Any], fn: Callable[[Any], Any]) -> Handler:
+        def handler(params: Any) -> Any:
+            return to_wire(fn(from_wire(rpc.request, {} if params is None else params, f"{rpc.name} request")))
+
+        return handler
+
+    return {r.name: wrap(r, impl[r]) for r in service.rpcs}
+
+
+def services_table(services: Sequence[Service]) -> str:
+    """Text table of every RPC: service, method, request -> reply, caller (for docs and --help)."""
+    rows = []
+    for s in services:
+        for r in s.rpcs:
+            rows.append(
+                f"{s.name:<16} {r.name:<16} {r.request.__name__} -> {getattr(r.reply, '__name__', r.reply)}"
+                f"   (from {r.caller})"
+            )
+    return "\n".join(rows)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -113,12 +245,12 @@ class RpcServer:
         method = msg.get("method") if isinstance(msg, dict) else None
         fn = self.handlers.get(method) if isinstance(method, str) else None
         if fn is None:
-            return {"id": mid, "ok": False, "error": f"{self.name}: unknown method {method!r}", "kind": "RpcError"}
+            return error_frame(mid, f"{self.name}: unknown method {method!r}", "RpcError")
         try:
-            return {"id": mid, "ok": True, "result": fn(msg.get("params"))}
+            return reply_frame(mid, fn(msg.get("params")))
         except Exception as e:  # the error travels to the caller; the server keeps serving
             log.debug("%s: %s failed: %s", self.name, method, e)
-            return {"id": mid, "ok": False, "error": str(e), "kind": type(e).__name__}
+            return error_frame(mid, str(e), error_kind(e))
 
     def start(self) -> RpcServer:
         self._thread = threading.Thread(target=self._server.serve_forever, name=f"{self.name}-rpc", daemon=True)
@@ -128,6 +260,18 @@ class RpcServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def request_frame(mid: int, method: str, params: Any) -> dict[str, Any]:
+    return {"id": mid, "method": method, "params": params}
+
+
+def reply_frame(mid: Any, result: Any) -> dict[str, Any]:
+    return {"id": mid, "ok": True, "result": result}
+
+
+def error_frame(mid: Any, error: str, kind: str) -> dict[str, Any]:
+    return {"id": mid, "ok": False, "error": error, "kind": kind}
 
 
 def split_addr(addr: str) -> tuple[str, int]:
@@ -167,7 +311,7 @@ class RpcClient:
                 if self._sock is None:
                     self._sock = self._connect(deadline)
                 self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-                send_msg(self._sock, {"id": mid, "method": method, "params": params})
+                send_msg(self._sock, request_frame(mid, method, params))
                 reply = recv_msg(self._sock)
             except PeerUnavailable:
                 self.close_locked()
@@ -178,9 +322,15 @@ class RpcClient:
             except (OSError, ConnectionError, ValueError) as e:
                 self.close_locked()
                 raise PeerUnavailable(f"peer {self.addr} failed during {method!r}: {e}") from None
+        if not isinstance(reply, dict):
+            raise PeerUnavailable(f"peer {self.addr} answered {method!r} with a malformed frame")
         if not reply.get("ok"):
-            raise RpcError(f"{self.addr} {method}: {reply.get('error')}", str(reply.get("kind", "RpcError")))
+            raise remote_error(f"{self.addr} {method}: {reply.get('error')}", str(reply.get("kind", "RpcError")))
         return reply.get("result")
+
+    def request(self, rpc: Rpc[Q, R], msg: Q, timeout: float | None = None) -> R:
+        """Typed call: `msg` encoded, the reply checked and decoded as rpc.reply (MessageError if it is not)."""
+        return from_wire(rpc.reply, self.call(rpc.name, to_wire(msg), timeout), f"{rpc.name} reply from {self.addr}")
 
     def close_locked(self) -> None:
         if self._sock is not None:

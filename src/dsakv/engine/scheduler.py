@@ -78,7 +78,7 @@ import numpy.typing as npt
 from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.engine.request import FinishReason, Request, RequestStatus
 from dsakv.engine.sampling import stop_reason
-from dsakv.errors import CapacityError, ConfigError
+from dsakv.errors import CapacityError, ConfigError, NoFreePages
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,6 @@ class SchedulerOutput:
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
-
-
-class NoFreePages(CapacityError):
-    """The pool has too few free pages right now (it would fit later): retry after requests finish."""
 
 
 class Scheduler:

@@ -1,0 +1,372 @@
+"""The typed control plane: every message of disaggregated serving as a dataclass, and every role's RPCs.
+
+Messages travel through the one codec (dsakv.disagg.codec: a dataclass is a msgpack map of its fields,
+checked against its type hints on arrival) inside the RPC frames of dsakv.disagg.rpc, or (StepMsg) inside
+the per-step header of dsakv.disagg.stage_comm. The RPC graph (who calls what; `Rpc.caller`):
+
+    router ──────────────── health / ping ─────────────────────────► every worker (prefill stage 0, decode)
+    router ── connect(Connect) ──► prefill stage 0 ── connect ──► stage k > 0        (-> Connected)
+    prefill stage k ─────── handshake(Hello) ─────────────────────► decode            (-> HelloReply)
+    router ── prealloc(Prealloc) ─────────────────────────────────► decode            (-> Preallocated: pages)
+    router ── submit(Submit: the decode's pages) ─► prefill stage 0                   (-> Submitted)
+    prefill stage 0 ═══ step/tick (StepMsg + hidden + top-k, gloo) ═══► stage 1 ═══► ... stage N-1
+    every stage k ── KV of its layers (TransferBackend) ─────────► decode's pages
+    every stage k ── stage_done(StageDone) ───────────────────────► decode            (-> StageDoneReply)
+    prefill stage k > 0 ── released(Released) ─► prefill stage 0: frees the pages once every stage did
+    prefill stage k ── kv_failed(KvFailed) ───────────────────────► decode (the request was dropped)
+    decode ── ping ───────────────────────────────────────────────► prefill stage k (liveness while waiting)
+    router ── events(EventsQuery, long poll) ─────────────────────► decode            (-> Events: tokens)
+    router ── abort(Abort) ──────────────────────────────────────► decode, prefill stage 0
+
+The service specs (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE) are these lists;
+`rpc.bind` refuses a worker that serves an RPC off its spec or misses one. To add an RPC (an MTP draft
+exchange, a decode pipeline stage, authentication's challenge), add its message dataclasses and one `Rpc`
+constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsakv.engine.request
+(standard library only there); never torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.disagg.rpc import Rpc, Service
+from dsakv.engine.request import SamplingParams
+
+# ---- common: liveness, health, integrity ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class PingReply:
+    pid: int
+    boot: str
+    stage: int | None = None
+    epoch: str | None = None
+
+
+@dataclass(frozen=True)
+class HealthQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class IntegrityQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class LinkSummary:
+    """A prefill stage's handshaken link to one decode worker."""
+
+    addr: str
+    boot: str
+    pairs: int
+    skipped: list[str]
+    bytes_per_page: int
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One pipeline stage as stage 0 sees it (formation), or a handshaken prefill stage as decode sees it."""
+
+    stage: int
+    rpc: str
+    pid: int | None = None
+    boot: str | None = None
+    prefill: str | None = None
+    layers: list[int] | None = None  # [first, last]
+
+
+@dataclass(frozen=True)
+class TransferHealth:
+    count: int
+    failures: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Health:
+    """A worker's state, as the router, demo and tests read it. Role-specific fields are None elsewhere."""
+
+    ok: bool
+    role: str  # "prefill" | "decode"
+    name: str
+    pid: int
+    boot: str
+    elide: bool
+    backend: str
+    page_size: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    capacity_tokens: int
+    integrity: str
+    counters: dict[str, int]
+    stages: list[StageInfo] = field(default_factory=list)
+    # prefill stages
+    stage: int = 0
+    num_stages: int = 1
+    epoch: str | None = None
+    down: str | None = None
+    layers: list[int] | None = None
+    jobs: int | None = None
+    transfers_in_flight: int | None = None
+    links: list[LinkSummary] | None = None
+    prefix_cache_enabled: bool | None = None
+    host_tier: bool | None = None
+    cache_pages: int | None = None
+    transfer: TransferHealth | None = None
+    waiting: int | None = None  # stage 0 (and decode)
+    running: int | None = None  # stage 0 (and decode)
+    awaiting_release: int | None = None  # stage 0
+    prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
+    host_replayed: dict[str, int] | None = None  # stages k > 0
+    # decode
+    bytes_per_token: int | None = None
+    max_prompt_tokens: int | None = None
+    inbound: int | None = None
+    failed_held: int | None = None
+
+
+# ---- prefill ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Connect:
+    """Handshake prefill (every stage) with a decode worker; stage 0 forwards it to stages k > 0."""
+
+    decode: str
+    boot: str | None = None
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class Connected:
+    decode: str
+    boot: str
+    epoch: str | None
+    stages: list[LinkSummary]  # stage 0's link first, then every later stage's
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Prefill `prompt_ids` and write the KV to the decode's pages `dst_pages` within kv_timeout seconds."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    decode: str
+    decode_boot: str
+    dst_pages: list[int]
+    kv_timeout: float
+
+
+@dataclass(frozen=True)
+class Submitted:
+    accepted: bool
+    epoch: str | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    rid: str
+    why: str = "aborted"
+
+
+@dataclass(frozen=True)
+class Released:
+    """Stage `stage` is done with the request's pages (its transfer finished or failed)."""
+
+    rid: str
+    stage: int
+
+
+# ---- decode -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A prefill stage's handshake: its manifest, where it is, which pipeline it belongs to."""
+
+    prefill: str
+    stage: int
+    num_stages: int
+    rpc: str
+    manifest: bytes
+
+
+@dataclass(frozen=True)
+class HelloReply:
+    manifest: bytes
+    boot: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Prealloc:
+    """Reserve pages for a prompt that prefill worker `prefill` (num_stages stages) computes."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prefill: str
+    num_stages: int
+    kv_timeout: float
+
+
+@dataclass(frozen=True)
+class Preallocated:
+    pages: list[int]
+    boot: str
+
+
+@dataclass(frozen=True)
+class StageDone:
+    """Stage `stage` of prefill `prefill` finished (ok) or failed its transfer of request `rid`."""
+
+    rid: str
+    prefill: str
+    stage: int
+    ok: bool
+    error: str | None = None
+    quarantine_s: float = 0.0  # a timed-out transfer may still write the pages this long
+    bytes: int = 0
+    first_token: int | None = None  # the last stage's sampled token
+
+
+@dataclass(frozen=True)
+class StageDoneReply:
+    accepted: bool
+    started: bool = False
+
+
+@dataclass(frozen=True)
+class KvFailed:
+    """A prefill dropped the request before its transfer (deadline, abort, broken pipeline)."""
+
+    rid: str
+    error: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class EventsQuery:
+    since: int = 0
+    wait: float = 0.0
+
+
+@dataclass(frozen=True)
+class EventRow:
+    """One token event of the decode worker's event log."""
+
+    seq: int
+    rid: str
+    tokens: list[int]
+    finished: bool
+    reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Events:
+    cursor: int
+    events: list[EventRow]
+    lost: bool
+    boot: str = ""
+
+
+# ---- pipeline steps (stage k -> stage k+1, in stage_comm's header) -----------------------------------------
+
+STEP = "step"
+TICK = "tick"
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One sequence of a pipeline step: tokens [start, start + num_tokens) of request rid, on `pages`."""
+
+    rid: str
+    start: int
+    num_tokens: int
+    pages: list[int]
+    last: bool  # the prompt's last chunk: the stage transfers the request after this step
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Where a request's KV goes and by when (`left` seconds from when the message was built)."""
+
+    rid: str
+    prompt_len: int
+    decode: str
+    decode_boot: str
+    dst_pages: list[int]
+    left: float
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class HostOp:
+    """One host-tier copy stage 0 made, to replay: kind "o" (device -> host) or "l" (host -> device)."""
+
+    kind: str
+    src: bytes  # int64 page ids
+    dst: bytes
+
+
+@dataclass(frozen=True)
+class StepMsg:
+    """What stage 0 tells the later stages with every step (kind STEP) or while idle (kind TICK)."""
+
+    kind: str
+    seqs: list[StepRow] = field(default_factory=list)
+    jobs: dict[str, JobSpec] = field(default_factory=dict)  # requests whose first chunk is in this step
+    batch: dict[str, Any] | None = None  # ForwardBatch fields (encode_batch)
+    drop: list[str] = field(default_factory=list)  # requests stage 0 dropped (abort, deadline, preemption)
+    cache: bytes | None = None  # int32 page ids of the prefix cache, when the set changed
+    host_ops: list[HostOp] | None = None  # host-tier copies to replay (host_replay)
+
+
+# ---- the RPCs and the services ------------------------------------------------------------------------------
+
+PING: Rpc[Ping, PingReply] = Rpc("ping", Ping, PingReply, "router, decode", "liveness: pid, boot, epoch")
+HEALTH: Rpc[HealthQuery, Health] = Rpc("health", HealthQuery, Health, "router, demo, tests", "state")
+CHECK_INTEGRITY: Rpc[IntegrityQuery, str] = Rpc(
+    "check_integrity", IntegrityQuery, str, "tests", "'ok' or what does not balance"
+)
+CONNECT: Rpc[Connect, Connected] = Rpc("connect", Connect, Connected, "router, stage 0", "handshake with a decode")
+SUBMIT: Rpc[Submit, Submitted] = Rpc("submit", Submit, Submitted, "router", "queue a prompt for prefill")
+ABORT: Rpc[Abort, bool] = Rpc("abort", Abort, bool, "router", "drop a request, free its pages")
+RELEASED: Rpc[Released, bool] = Rpc("released", Released, bool, "stage k > 0", "stage k is done with the pages")
+HANDSHAKE: Rpc[Hello, HelloReply] = Rpc("handshake", Hello, HelloReply, "prefill stage k", "pair manifests")
+PREALLOC: Rpc[Prealloc, Preallocated] = Rpc("prealloc", Prealloc, Preallocated, "router", "reserve pages")
+STAGE_DONE: Rpc[StageDone, StageDoneReply] = Rpc(
+    "stage_done", StageDone, StageDoneReply, "prefill stage k", "stage k's transfer finished or failed"
+)
+KV_FAILED: Rpc[KvFailed, bool] = Rpc("kv_failed", KvFailed, bool, "prefill stage k", "the prefill dropped it")
+EVENTS: Rpc[EventsQuery, Events] = Rpc("events", EventsQuery, Events, "router", "token events after a cursor")
+
+_WORKER = (PING, HEALTH, CHECK_INTEGRITY)
+PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED))
+PREFILL_FOLLOWER_SERVICE = Service("prefill stage k", (*_WORKER, CONNECT))
+DECODE_SERVICE = Service("decode", (*_WORKER, HANDSHAKE, PREALLOC, STAGE_DONE, KV_FAILED, EVENTS, ABORT))
+SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE)
+
+
+def fetch_health(addr: str, timeout: float = 5.0) -> Health:
+    """One worker's Health (a fresh connection, closed after): for the demo, benches and tests."""
+    from dsakv.disagg.rpc import RpcClient
+
+    client = RpcClient(addr, timeout=timeout, connect_timeout=min(2.0, timeout))
+    try:
+        return client.request(HEALTH, HealthQuery())
+    finally:
+        client.close()
