@@ -50,9 +50,7 @@ def _settle(stages: list[PrefillStage], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         s0 = stages[0]
-        with s0._lock:
-            idle = not s0._pending_release and not s0.scheduler.has_unfinished() and not s0.jobs
-        if idle and all(s.cached_pages() == s0.cached_pages() and not s.jobs for s in stages[1:]):
+        if s0.idle() and all(s.cached_pages() == s0.cached_pages() and s.idle() for s in stages[1:]):
             return
         time.sleep(0.05)
     raise AssertionError(f"prefill did not settle: {[s.health() for s in stages]}")
@@ -126,15 +124,16 @@ def test_pp2_host_tier_write_back_replayed_on_every_stage():
         stats = stages[0].prefix_cache_stats()
         assert stats is not None
         assert stats["load_pages"] == 2 and stats["offload_pages"] >= 2
-        replayed = stages[1].replayed
+        replayed = stages[1].follower.replayed
         assert replayed == {"offload_pages": stats["offload_pages"], "load_pages": 2}
         pages = sum(pages_for(len(p), 16) for p in (p0, big, p1))
         for s in stages:
             assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
         assert stages[1].cached_pages() == stages[0].cached_pages()
         assert [s.integrity() for s in stages] == ["ok", "ok"]
-        assert stages[0].cache.host_alloc is not None and stages[1].host_pool is not None
-        assert stages[1].host_pool.num_pages == stages[0].cache.host.num_pages == 12
+        cache, host_pool = stages[0].leader.cache, stages[1].follower.host_pool
+        assert cache is not None and cache.host_alloc is not None and cache.host is not None
+        assert host_pool is not None and host_pool.num_pages == cache.host.num_pages == 12
     finally:
         r.stop()
         for s in stages:
@@ -174,10 +173,10 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
         # books: 4 cached pages (p2's run), no request holds any; the mirror books the same set
         cached = stages[0].cached_pages()
         assert len(cached) == 4 and stages[1].cached_pages() == cached
-        a = stages[0].allocator
+        a, cache = stages[0].leader.engine.allocator, stages[0].leader.cache
         assert (a.num_free, a.num_used) == (60, 4)
-        assert a.num_free + stages[0].cache.cached_device_pages == 64
-        m = stages[1].mirror
+        assert cache is not None and a.num_free + cache.cached_device_pages == 64
+        m = stages[1].follower.mirror
         assert (m.num_free, m.num_used, m.num_cached, m.owners) == (60, 4, 4, [])
         health = [fetch_health(s.address) for s in stages]
         assert [h.integrity for h in health] == ["ok", "ok"]

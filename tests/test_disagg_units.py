@@ -115,12 +115,12 @@ def test_handshake_refuses_incompatible_peer(prefill_kw, match):
     try:
         with pytest.raises(IncompatiblePeer, match=match):
             stage.links.get(dec.address)
-        stage.rpc.start()
+        stage.service.rpc.start()
         with pytest.raises(IncompatiblePeer, match=match) as remote:  # the router's connect: the same error
             RpcClient(stage.address).request(CONNECT, Connect(decode=dec.address))
         assert isinstance(remote.value, RpcError) and remote.value.kind == "IncompatiblePeer"
     finally:
-        stage.rpc.stop()
+        stage.service.rpc.stop()
         stage.backend.close()
         dec.stop()
 

@@ -174,7 +174,7 @@ def run_decode(args: argparse.Namespace) -> int:
         rpc_timeout=args.rpc_timeout,
     )
     worker = DecodeWorker(cfg)
-    _install_sigterm(worker._stop.set)
+    _install_sigterm(worker.request_stop)
     _start_or_exit(worker)
     log.info("decode worker %s ready on %s", worker.name, worker.address)
     print(f"dsakv decode ready on {worker.address}", flush=True)
@@ -312,7 +312,7 @@ def run_prefill(args: argparse.Namespace) -> int:
         **prefix_cache,
     )
     stage = PrefillStage(cfg)
-    _install_sigterm(stage._stop.set)
+    _install_sigterm(stage.request_stop)
     _start_or_exit(stage, startup_wait=args.startup_wait)
     print(f"dsakv prefill stage {cfg.pp_rank}/{cfg.pp_size} ready on {stage.address} (pid {os.getpid()})", flush=True)
     try:

@@ -17,11 +17,13 @@ Imports torch, dsakv.engine and dsakv.disagg; never serve or cli.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,14 +31,13 @@ from typing import Any
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.events import EventLog
+from dsakv.disagg.lifecycle import DECODE, InboundKv, Ledger, Phase
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import (
     ABORT,
-    CHECK_INTEGRITY,
     DECODE_SERVICE,
     EVENTS,
     HANDSHAKE,
-    HEALTH,
     KV_FAILED,
     PING,
     PREALLOC,
@@ -49,15 +50,16 @@ from dsakv.disagg.messages import (
     HelloReply,
     KvFailed,
     Ping,
-    PingReply,
     Prealloc,
     Preallocated,
     StageDone,
     StageDoneReply,
     StageInfo,
 )
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, RpcServer, bind, split_addr
-from dsakv.disagg.wire import new_boot_id, page_list
+from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
+from dsakv.disagg.timeouts import Timeouts
+from dsakv.disagg.wire import page_list
+from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.engine import Engine
 from dsakv.errors import ConfigError, NoFreePages
 
@@ -77,26 +79,14 @@ class DecodeConfig:
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
 
-
-@dataclass
-class Inbound:
-    """A request whose KV is being transferred in."""
-
-    rid: str
-    prefill: str
-    num_stages: int
-    stage_rpc: dict[int, str]
-    kv_timeout: float
-    deadline: float  # monotonic: fail unless complete by then
-    reported: dict[int, bool] = field(default_factory=dict)
-    first_token: int | None = None
-    failed: str | None = None
-    hold_until: float = 0.0  # a timed-out transfer may still write until then
-    dead: set[int] = field(default_factory=set)
-    bytes: int = 0
-
-    def missing(self) -> list[int]:
-        return [k for k in range(self.num_stages) if k not in self.reported]
+    @functools.cached_property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(
+            rpc=self.rpc_timeout,
+            connect=min(2.0, self.rpc_timeout),
+            kv_grace=self.kv_grace,
+            liveness_interval=self.liveness_interval,
+        )
 
 
 def _refused(addr: str, timeout: float = 0.5) -> bool:
@@ -112,50 +102,40 @@ def _refused(addr: str, timeout: float = 0.5) -> bool:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
+    def __init__(
+        self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.cfg = cfg
+        self.t = cfg.timeouts
         self.engine = Engine(model if model is not None else Path(cfg.model), **cfg.engine)
-        self.boot = new_boot_id()
         self.backend = make_backend(cfg.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
-        self.rpc = RpcServer(
-            bind(
-                DECODE_SERVICE,
-                {
-                    PING: self._rpc_ping,
-                    HEALTH: lambda _: self.health(),
-                    CHECK_INTEGRITY: lambda _: self.integrity(),
-                    HANDSHAKE: self._rpc_handshake,
-                    PREALLOC: self._rpc_prealloc,
-                    STAGE_DONE: self._rpc_stage_done,
-                    KV_FAILED: self._rpc_kv_failed,
-                    EVENTS: self._rpc_events,
-                    ABORT: self._rpc_abort,
-                },
-            ),
+        self.service = WorkerService(
+            DECODE_SERVICE,
+            {
+                HANDSHAKE: self._rpc_handshake,
+                PREALLOC: self.prealloc,
+                STAGE_DONE: self.stage_done,
+                KV_FAILED: self.kv_failed,
+                EVENTS: self._rpc_events,
+                ABORT: self.abort,
+            },
             cfg.host,
             cfg.port,
-            name="decode",
+            "decode",
+            health=self.health,
+            integrity=self.integrity,
         )
-        self.name = cfg.name or f"decode@{self.rpc.address}"
+        self.boot = self.service.boot
+        self.name = cfg.name or f"decode@{self.address}"
         self.manifest = Manifest.from_pool(self.engine.pool, self.backend.meta(), worker=self.name)
         self.registry = StageRegistry(self.manifest)
         self.events = EventLog()
-        self.inbound: dict[str, Inbound] = {}
+        self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
         self._suppress: set[str] = set()  # failed while inbound: their abort output is not an event
         self._lock = threading.RLock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self.counters = {
-            "prealloc": 0,
-            "busy": 0,
-            "started": 0,
-            "kv_failed": 0,
-            "finished": 0,
-            "tokens": 0,
-            "kv_bytes": 0,
-        }
+        self.counters = dict.fromkeys(("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes"), 0)
         st = self.engine.stats()
         log.info(
             "decode %s: %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
@@ -165,37 +145,30 @@ class DecodeWorker:
             st.bytes_per_token,
             self.engine.layout.elide,
             cfg.backend,
-            self.rpc.address,
+            self.address,
         )
 
     @property
     def address(self) -> str:
-        return self.rpc.address
+        return self.service.address
 
     def start(self) -> DecodeWorker:
-        self.rpc.start()
-        for target, name in ((self._step_loop, "decode-step"), (self._monitor_loop, "decode-monitor")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self.service.start([(self._step_loop, "decode-step"), (self._monitor_loop, "decode-monitor")])
         return self
 
+    def request_stop(self) -> None:
+        self.service.request_stop()
+
     def stop(self) -> None:
-        self._stop.set()
+        self.service.request_stop()
         self._wake.set()
-        for t in self._threads:
-            t.join(timeout=5)
-        self.rpc.stop()
+        self.service.stop(join_timeout=5)
         self.backend.close()
 
     def serve_forever(self) -> None:
-        while not self._stop.is_set():
-            self._stop.wait(1.0)
+        self.service.serve_forever()
 
     # ---- RPC ----------------------------------------------------------------------------------------
-
-    def _rpc_ping(self, _: Ping) -> PingReply:
-        return PingReply(pid=os.getpid(), boot=self.boot)
 
     def integrity(self) -> str:
         """'ok', or what does not balance (engine books; requests waiting for KV == the ones tracked)."""
@@ -216,10 +189,10 @@ class DecodeWorker:
     def health(self) -> Health:
         st = self.engine.stats()
         with self._lock:
-            failed_held = sum(1 for i in self.inbound.values() if i.failed)
+            failed_held = len(self.inbound.in_phase(Phase.FAILED))
             inbound = len(self.inbound) - failed_held
         return Health(
-            ok=not self._stop.is_set(),
+            ok=not self.service.stopping.is_set(),
             role="decode",
             name=self.name,
             pid=os.getpid(),
@@ -249,7 +222,8 @@ class DecodeWorker:
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
         return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name)
 
-    def _rpc_prealloc(self, p: Prealloc) -> Preallocated:
+    def prealloc(self, p: Prealloc) -> Preallocated:
+        """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
         rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
         stages = self.registry.stages_of(prefill, n)
         st = self.engine.stats()
@@ -262,18 +236,20 @@ class DecodeWorker:
             )
         with self._lock:
             pages = self.engine.prealloc(rid, prompt, p.params)
-            self.inbound[rid] = Inbound(
+            inb = InboundKv(
                 rid=rid,
                 prefill=prefill,
                 num_stages=n,
                 stage_rpc={e.stage: e.rpc for e in stages},
                 kv_timeout=kv_timeout,
-                deadline=time.monotonic() + kv_timeout + self.cfg.kv_grace,
             )
+            self.inbound.add(inb)
+            inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
             self.counters["prealloc"] += 1
         return Preallocated(pages=page_list(pages), boot=self.boot)
 
-    def _rpc_stage_done(self, p: StageDone) -> StageDoneReply:
+    def stage_done(self, p: StageDone) -> StageDoneReply:
+        """Stage p.stage reported its transfer: start decoding once all did, fail the request if it failed."""
         rid, stage, ok = p.rid, p.stage, p.ok
         with self._lock:
             inb = self.inbound.get(rid)
@@ -284,38 +260,40 @@ class DecodeWorker:
             inb.reported[stage] = ok
             inb.bytes += p.bytes
             if p.quarantine_s > 0:
-                inb.hold_until = max(inb.hold_until, time.monotonic() + p.quarantine_s)
+                inb.hold_until = max(inb.hold_until, self.inbound.now() + p.quarantine_s)
             if p.first_token is not None:
                 inb.first_token = p.first_token
-            if inb.failed is None and not ok:
+            waiting = inb.phase is Phase.AWAITING_KV
+            if waiting and not ok:
                 self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
-            elif inb.failed is None and len(inb.reported) == inb.num_stages and inb.first_token is not None:
+            elif waiting and len(inb.reported) == inb.num_stages and inb.first_token is not None:
                 self._start(inb)
                 return StageDoneReply(accepted=True, started=True)
-            if inb.failed is not None:
+            if inb.phase is Phase.FAILED:
                 self._maybe_release(inb)
         return StageDoneReply(accepted=True)
 
-    def _rpc_kv_failed(self, p: KvFailed) -> bool:
+    def kv_failed(self, p: KvFailed) -> bool:
+        """A prefill dropped the request before transferring it."""
         with self._lock:
             inb = self.inbound.get(p.rid)
-            if inb is None or inb.failed is not None:
+            if inb is None or inb.phase is not Phase.AWAITING_KV:
                 return False
             self._fail(inb, p.error or f"prefill {inb.prefill} failed the request")
             self._maybe_release(inb)
         return True
 
     def _rpc_events(self, p: EventsQuery) -> Events:
-        wait = min(5.0, max(0.0, p.wait))
+        wait = min(self.t.max_poll_wait, max(0.0, p.wait))
         return replace(self.events.since(p.since, wait), boot=self.boot)
 
-    def _rpc_abort(self, p: Abort) -> bool:
+    def abort(self, p: Abort) -> bool:
         rid = p.rid
         why = p.why or "aborted"
         with self._lock:
             inb = self.inbound.get(rid)
             if inb is not None:
-                if inb.failed is None:
+                if inb.phase is Phase.AWAITING_KV:
                     self._fail(inb, why, reason="abort")
                 self._maybe_release(inb)
                 return True
@@ -323,27 +301,26 @@ class DecodeWorker:
 
     # ---- inbound requests ------------------------------------------------------------------------------
 
-    def _start(self, inb: Inbound) -> None:
+    def _start(self, inb: InboundKv) -> None:
         self.engine.start_decode(inb.rid, inb.first_token if inb.first_token is not None else 0)
-        del self.inbound[inb.rid]
+        self.inbound.move(inb, Phase.DECODING)
         self.counters["started"] += 1
         self.counters["kv_bytes"] += inb.bytes
         self._wake.set()
 
-    def _fail(self, inb: Inbound, error: str, reason: str = "error") -> None:
-        inb.failed = error
+    def _fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
+        self.inbound.move(inb, Phase.FAILED, error)
         self.counters["kv_failed"] += 1
         self._suppress.add(inb.rid)
         self.events.append(inb.rid, [], True, reason, error if reason == "error" else None)
         log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
 
-    def _maybe_release(self, inb: Inbound) -> None:
+    def _maybe_release(self, inb: InboundKv) -> None:
         """Free a failed request's pages once no prefill stage can still write them."""
-        now = time.monotonic()
-        settled = all(k in inb.reported or k in inb.dead for k in range(inb.num_stages))
+        now = self.inbound.now()
         hard = inb.deadline + self.backend.quarantine_s
-        if (settled and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
-            self.inbound.pop(inb.rid, None)
+        if (inb.settled() and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
+            self.inbound.move(inb, Phase.DONE)
             self.engine.abort(inb.rid)
             self._wake.set()
 
@@ -351,7 +328,7 @@ class DecodeWorker:
 
     def _step_loop(self) -> None:
         eng = self.engine
-        while not self._stop.is_set():
+        while not self.service.stopping.is_set():
             try:
                 outs = eng.step()
             except Exception:
@@ -373,54 +350,67 @@ class DecodeWorker:
                 self._wake.wait(0.005)
                 self._wake.clear()
 
+    def check_deadlines(self) -> None:
+        """Fail every request whose KV did not arrive by its deadline; free failed requests' pages once no
+        stage can still write them (the monitor thread calls this every 50 ms)."""
+        with self._lock:
+            for inb in self.inbound.expired():
+                if inb.phase is Phase.AWAITING_KV:
+                    self._fail(
+                        inb,
+                        f"request {inb.rid}: the KV from prefill {inb.prefill} did not arrive within "
+                        f"{inb.kv_timeout:g}s (+{self.t.kv_grace:g}s grace): stage(s) {inb.missing()} of "
+                        f"{inb.num_stages} never reported",
+                    )
+            for inb in self.inbound.in_phase(Phase.FAILED):
+                self._maybe_release(inb)
+
+    def stage_verdict(self, addr: str, verdict: str | None, waits: list[tuple[InboundKv, int]]) -> None:
+        """A liveness ping of stage `addr` said `verdict` (None: it answers; 'dead'; 'not answering'): the
+        requests waiting for it fail, and a dead stage can no longer write their pages."""
+        if verdict is None:
+            return
+        with self._lock:
+            for inb, k in waits:
+                if verdict == "dead":
+                    inb.dead.add(k)
+                if self.inbound.get(inb.rid) is not inb:
+                    continue
+                if inb.phase is Phase.AWAITING_KV:
+                    self._fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {verdict}: request lost")
+                self._maybe_release(inb)
+
     def _monitor_loop(self) -> None:
         last_ping = 0.0
-        while not self._stop.is_set():
-            self._stop.wait(0.05)
-            now = time.monotonic()
+        stopping = self.service.stopping
+        while not stopping.is_set():
+            stopping.wait(0.05)
+            self.check_deadlines()
+            now = self.inbound.now()
+            if now - last_ping < self.t.liveness_interval:
+                continue
+            waits: dict[str, list[tuple[InboundKv, int]]] = {}
             with self._lock:
-                for inb in list(self.inbound.values()):
-                    if inb.failed is None and now >= inb.deadline:
-                        self._fail(
-                            inb,
-                            f"request {inb.rid}: the KV from prefill {inb.prefill} did not arrive within "
-                            f"{inb.kv_timeout:g}s (+{self.cfg.kv_grace:g}s grace): stage(s) {inb.missing()} of "
-                            f"{inb.num_stages} never reported",
-                        )
-                    if inb.failed is not None:
-                        self._maybe_release(inb)
-                waits: dict[str, list[tuple[Inbound, int]]] = {}
-                if now - last_ping >= self.cfg.liveness_interval:
-                    for inb in self.inbound.values():
-                        for k in inb.missing():
-                            if k not in inb.dead:
-                                waits.setdefault(inb.stage_rpc[k], []).append((inb, k))
+                for inb in self.inbound.values():
+                    for k in inb.missing():
+                        if k not in inb.dead:
+                            waits.setdefault(inb.stage_rpc[k], []).append((inb, k))
             if not waits:
                 continue
             last_ping = now
             for addr, items in waits.items():
-                verdict = self._ping(addr)
-                if verdict is None:
-                    continue
-                with self._lock:
-                    for inb, k in items:
-                        if verdict == "dead":
-                            inb.dead.add(k)
-                        if self.inbound.get(inb.rid) is inb and inb.failed is None:
-                            self._fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {verdict}: request lost")
-                        if self.inbound.get(inb.rid) is inb:
-                            self._maybe_release(inb)
+                self.stage_verdict(addr, self._ping(addr), items)
 
     def _ping(self, addr: str) -> str | None:
         """None if the stage answers; 'dead' if nothing listens; 'not answering' if it does not reply."""
-        if _refused(addr):
+        if _refused(addr, self.t.ping / 2):
             return "dead"
-        c = RpcClient(addr, timeout=1.0, connect_timeout=0.5)
+        c = RpcClient(addr, timeout=self.t.ping, connect_timeout=self.t.ping / 2)
         try:
-            c.request(PING, Ping(), timeout=1.0)
+            c.request(PING, Ping(), timeout=self.t.ping)
             return None
         except PeerUnavailable:
-            return "dead" if _refused(addr) else "not answering"
+            return "dead" if _refused(addr, self.t.ping / 2) else "not answering"
         except RpcError:
             return None
         finally:

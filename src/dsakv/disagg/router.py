@@ -31,11 +31,12 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsakv.disagg.errors import IncompatiblePeer, Unavailable
+from dsakv.disagg.lifecycle import ROUTER, Ledger, Phase, RouterRequest, attempt_id
 from dsakv.disagg.messages import (
     ABORT,
     CONNECT,
@@ -52,6 +53,7 @@ from dsakv.disagg.messages import (
     Submit,
 )
 from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError, NoFreePages
@@ -73,6 +75,17 @@ class RouterConfig:
     connect_retry: float = 2.0  # seconds between handshake attempts of a pair that failed
     max_prompt_tokens: int | None = None
     seed: int | None = None
+
+    @functools.cached_property
+    def timeouts(self) -> Timeouts:
+        return Timeouts(
+            rpc=self.rpc_timeout,
+            kv=self.kv_timeout,
+            queue=self.queue_timeout,
+            health_interval=self.health_interval,
+            poll_wait=self.poll_wait,
+            connect_retry=self.connect_retry,
+        )
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -112,34 +125,18 @@ class _Pair:
     skipped: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Req:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    queue_deadline: float
-    q: queue.Queue[TokenEvent] = field(default_factory=queue.Queue)
-    attempt: int = 0
-    wire: str | None = None
-    decode: str | None = None
-    prefill: str | None = None
-    state: str = "queued"  # queued | dispatched | decoding | done
-    tokens: int = 0
-    t_submit: float = field(default_factory=time.monotonic)
-    t_first: float | None = None
-
-
 class RouterBackend:
     name = "disaggregated"
 
-    def __init__(self, cfg: RouterConfig) -> None:
+    def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
-        timeout = cfg.rpc_timeout
+        self.t = t = cfg.timeouts
+        timeout = t.rpc
         self.decodes = {a: _Peer(a, "decode", RpcClient(a, timeout=timeout)) for a in cfg.decode}
         self.prefills = {a: _Peer(a, "prefill", RpcClient(a, timeout=timeout)) for a in cfg.prefill}
         self.pairs: dict[tuple[str, str], _Pair] = {(p, d): _Pair() for p in cfg.prefill for d in cfg.decode}
-        self._reqs: dict[str, _Req] = {}
-        self._by_wire: dict[str, _Req] = {}
+        self._reqs: Ledger[RouterRequest] = Ledger(ROUTER, clock, keep_done=True)  # done: until its events are read
+        self._by_wire: dict[str, RouterRequest] = {}
         self._queue: deque[str] = deque()
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -176,12 +173,12 @@ class RouterBackend:
         self._stop.set()
         self._wake.set()
         with self._lock:
-            live = [r for r in self._reqs.values() if r.state != "done"]
+            live = self._live()
         for r in live:
             self.abort(r.rid)
         self._side.put(None)
         for t in self._threads:
-            t.join(timeout=self.cfg.rpc_timeout + 1)
+            t.join(timeout=self.t.rpc + 1)
         for p in list(self.decodes.values()) + list(self.prefills.values()):
             p.client.close()
 
@@ -222,9 +219,9 @@ class RouterBackend:
         with self._lock:
             if request_id in self._reqs:
                 raise ConfigError(f"request id {request_id!r} is already in use: give each request a unique id")
-            self._reqs[request_id] = _Req(
-                request_id, list(prompt_ids), params, time.monotonic() + self.cfg.queue_timeout
-            )
+            req = self._reqs.add(RouterRequest(rid=request_id, prompt=list(prompt_ids), params=params))
+            req.t_submit = req.since
+            req.deadline = req.since + self.t.queue
             self._queue.append(request_id)
             self.counters["requests_total"] += 1
         self._wake.set()
@@ -236,32 +233,32 @@ class RouterBackend:
             raise ConfigError(f"unknown request id {request_id!r}")
         return self._iter_events(req, timeout)
 
-    def _iter_events(self, req: _Req, timeout: float) -> Iterator[TokenEvent]:
+    def _iter_events(self, req: RouterRequest, timeout: float) -> Iterator[TokenEvent]:
         while True:
             try:
                 ev = req.q.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(
-                    f"request {req.rid}: no token within {timeout:g}s (state {req.state}, decode {req.decode}, "
+                    f"request {req.rid}: no token within {timeout:g}s (state {req.phase.value}, decode {req.decode}, "
                     f"prefill {req.prefill})"
                 ) from None
             yield ev
             if ev.finished:
                 with self._lock:
-                    self._reqs.pop(req.rid, None)
+                    self._reqs.pop(req.rid)
                 return
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             req = self._reqs.get(request_id)
-            if req is None or req.state == "done":
+            if req is None or req.phase is Phase.DONE:
                 return
-            wire, decode, prefill, state = req.wire, req.decode, req.prefill, req.state
+            wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
             self._finish(req, "abort", None)
             self.counters["aborted_total"] += 1
         if wire is not None and decode is not None:
             self._side.put((decode, ABORT, Abort(wire, "aborted by the client")))
-            if prefill is not None and state == "dispatched":
+            if prefill is not None and phase is Phase.DISPATCHED:
                 self._side.put((prefill, ABORT, Abort(wire, "aborted by the client")))
 
     def health(self) -> dict[str, Any]:
@@ -274,7 +271,7 @@ class RouterBackend:
                 "backend": self.name,
                 "pages_used": used,
                 "pages_total": total,
-                "in_flight": sum(1 for r in self._reqs.values() if r.state != "done"),
+                "in_flight": len(self._live()),
                 "queued": len(self._queue),
                 "decode": [self._peer_view(p) for p in self.decodes.values()],
                 "prefill": [self._peer_view(p) for p in self.prefills.values()],
@@ -287,7 +284,7 @@ class RouterBackend:
     def metrics(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
-            out["router_in_flight"] = float(sum(1 for r in self._reqs.values() if r.state != "done"))
+            out["router_in_flight"] = float(len(self._live()))
             out["router_queued"] = float(len(self._queue))
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
             out["prefill_workers_up"] = float(sum(p.ok for p in self.prefills.values()))
@@ -339,8 +336,13 @@ class RouterBackend:
         now = time.monotonic()
         return [(p, d) for p, d in self._usable_pairs() if self.decodes[d].busy_until <= now]
 
-    def _push(self, req: _Req, tokens: list[int], finished: bool, reason: str | None, error: str | None) -> None:
-        if req.state == "done":
+    def _live(self) -> list[RouterRequest]:
+        return self._reqs.in_phase(Phase.QUEUED, Phase.DISPATCHED, Phase.DECODING)
+
+    def _push(
+        self, req: RouterRequest, tokens: list[int], finished: bool, reason: str | None, error: str | None
+    ) -> None:
+        if req.phase is Phase.DONE:
             return
         if tokens:
             req.tokens += len(tokens)
@@ -349,27 +351,27 @@ class RouterBackend:
                 req.t_first = time.monotonic()
         if finished:
             self._release_slot(req)
-            req.state = "done"
+            self._reqs.move(req, Phase.DONE, error)
             if reason == "error":
                 self.counters["failed_total"] += 1
             elif reason != "abort":
                 self.counters["finished_total"] += 1
         req.q.put(TokenEvent(tuple(tokens), finished, reason, error))
 
-    def _finish(self, req: _Req, reason: str, error: str | None) -> None:
+    def _finish(self, req: RouterRequest, reason: str, error: str | None) -> None:
         self._push(req, [], True, reason, error)
 
-    def _release_slot(self, req: _Req) -> None:
+    def _release_slot(self, req: RouterRequest) -> None:
         if req.wire is not None:
             self._by_wire.pop(req.wire, None)
-        if req.decode is not None and req.decode in self.decodes and req.state in ("dispatched", "decoding"):
+        if req.decode is not None and req.decode in self.decodes and req.phase in (Phase.DISPATCHED, Phase.DECODING):
             self.decodes[req.decode].inflight -= 1
-        if req.prefill is not None and req.prefill in self.prefills and req.state == "dispatched":
+        if req.prefill is not None and req.prefill in self.prefills and req.phase is Phase.DISPATCHED:
             self.prefills[req.prefill].inflight -= 1
 
     # ---- dispatch ----------------------------------------------------------------------------------------
 
-    def _pick(self, req: _Req) -> tuple[str, str] | None:
+    def _pick(self, req: RouterRequest) -> tuple[str, str] | None:
         pairs = self._pickable()
         if not pairs:
             return None
@@ -390,23 +392,23 @@ class RouterBackend:
                 continue
             with self._lock:
                 req = self._reqs.get(rid)
-            if req is None or req.state != "queued":
+            if req is None or req.phase is not Phase.QUEUED:
                 continue
             if not self._dispatch(req):
                 with self._lock:
-                    if req.state == "queued":
-                        if time.monotonic() >= req.queue_deadline:
+                    if req.phase is Phase.QUEUED:
+                        if self._reqs.now() >= req.deadline:
                             self._finish(
                                 req,
                                 "error",
                                 f"request {req.rid}: no prefill/decode pair could take it within "
-                                f"{self.cfg.queue_timeout:g}s ({self._why_no_pair()})",
+                                f"{self.t.queue:g}s ({self._why_no_pair()})",
                             )
                         else:
                             self._queue.append(rid)
                 time.sleep(0.01 if len(self._queue) > 1 else 0.02)
 
-    def _dispatch(self, req: _Req) -> bool:
+    def _dispatch(self, req: RouterRequest) -> bool:
         """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
         pick = self._pick(req)
         if pick is None:
@@ -415,7 +417,7 @@ class RouterBackend:
         dec, pre = self.decodes[d_addr], self.prefills[p_addr]
         with self._lock:
             req.attempt += 1
-            wire = f"{req.rid}#{req.attempt}"
+            wire = attempt_id(req.rid, req.attempt)
         try:
             res = dec.client.request(
                 PREALLOC,
@@ -425,14 +427,14 @@ class RouterBackend:
                     params=req.params,
                     prefill=pre.health.name if pre.health is not None else p_addr,
                     num_stages=pre.num_stages,
-                    kv_timeout=self.cfg.kv_timeout,
+                    kv_timeout=self.t.kv,
                 ),
             )
         except PeerUnavailable as e:
             self._peer_down(dec, str(e))
             return False
         except NoFreePages:
-            dec.busy_until = time.monotonic() + 0.02
+            dec.busy_until = time.monotonic() + self.t.busy_backoff
             return False
         except IncompatiblePeer:  # the prefill re-formed and has not handshaken again yet
             with self._lock:
@@ -443,10 +445,11 @@ class RouterBackend:
                 self._finish(req, "error", f"decode {d_addr} refused request {req.rid}: {e}")
             return True
         with self._lock:
-            if req.state != "queued":  # aborted meanwhile
+            if req.phase is not Phase.QUEUED:  # aborted meanwhile
                 self._side.put((d_addr, ABORT, Abort(wire, "aborted")))
                 return True
-            req.wire, req.decode, req.prefill, req.state = wire, d_addr, p_addr, "dispatched"
+            req.wire, req.decode, req.prefill = wire, d_addr, p_addr
+            self._reqs.move(req, Phase.DISPATCHED)
             self._by_wire[wire] = req
             dec.inflight += 1
             pre.inflight += 1
@@ -461,15 +464,16 @@ class RouterBackend:
                     decode=d_addr,
                     decode_boot=res.boot,
                     dst_pages=res.pages,
-                    kv_timeout=self.cfg.kv_timeout,
+                    kv_timeout=self.t.kv,
                 ),
             )
         except RpcError as e:
             self._side.put((d_addr, ABORT, Abort(wire, f"prefill {p_addr} refused it: {e}")))
             with self._lock:
-                if req.state == "dispatched":
+                if req.phase is Phase.DISPATCHED:
                     self._release_slot(req)
-                    req.state, req.wire, req.decode, req.prefill = "queued", None, None, None
+                    req.wire, req.decode, req.prefill = None, None, None
+                    self._reqs.move(req, Phase.QUEUED)
                 retry = isinstance(e, (PeerUnavailable, Unavailable))
                 if not retry:
                     self._finish(req, "error", f"prefill {p_addr} refused request {req.rid}: {e}")
@@ -487,7 +491,7 @@ class RouterBackend:
 
     def _events_loop(self, addr: str) -> None:
         dec = self.decodes[addr]
-        client = RpcClient(addr, timeout=self.cfg.poll_wait + self.cfg.rpc_timeout)
+        client = RpcClient(addr, timeout=self.t.poll_wait + self.t.rpc)
         while not self._stop.is_set():
             if not dec.ok:
                 self._stop.wait(0.05)
@@ -503,7 +507,7 @@ class RouterBackend:
                         dec.orphans.clear()
                         dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
                     continue
-                res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=self.cfg.poll_wait))
+                res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=self.t.poll_wait))
             except PeerUnavailable as e:
                 self._peer_down(dec, str(e))
                 continue
@@ -519,17 +523,17 @@ class RouterBackend:
                     req = self._by_wire.get(ev.rid)
                     if req is None or req.decode != addr:
                         continue
-                    if req.state == "dispatched":
+                    if req.phase is Phase.DISPATCHED:
                         pre = self.prefills.get(req.prefill or "")
                         if pre is not None:
                             pre.inflight -= 1
-                        req.state = "decoding"
+                        self._reqs.move(req, Phase.DECODING)
                     self._push(req, ev.tokens, ev.finished, ev.reason, ev.error)
                 dec.cursor = res.cursor
 
     def _fail_decode_requests(self, dec: _Peer, why: str) -> None:
         for req in list(self._by_wire.values()):
-            if req.decode == dec.addr and req.state in ("dispatched", "decoding"):
+            if req.decode == dec.addr and req.phase in (Phase.DISPATCHED, Phase.DECODING):
                 if req.wire is not None:
                     dec.orphans.append(req.wire)
                 self._finish(req, "error", f"request {req.rid}: {why}")
@@ -550,7 +554,7 @@ class RouterBackend:
     # ---- health -------------------------------------------------------------------------------------------
 
     def _health_loop(self) -> None:
-        while not self._stop.wait(self.cfg.health_interval):
+        while not self._stop.wait(self.t.health_interval):
             try:
                 self._poll_health()
             except Exception:
@@ -559,7 +563,7 @@ class RouterBackend:
     def _poll_health(self) -> None:
         for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
             try:
-                h = peer.client.request(HEALTH, HealthQuery(), timeout=min(self.cfg.rpc_timeout, 2.0))
+                h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
             except PeerUnavailable as e:
                 self._peer_down(peer, str(e))
                 continue
@@ -587,14 +591,14 @@ class RouterBackend:
                 continue
             if s.ok and s.key == key:
                 continue
-            if s.key == key and s.error and now - s.tried < self.cfg.connect_retry:
+            if s.key == key and s.error and now - s.tried < self.t.connect_retry:
                 continue
             s.tried = now
             try:
                 res = pre.client.request(
                     CONNECT,
-                    Connect(decode=d, boot=key[1], timeout=self.cfg.rpc_timeout),
-                    timeout=self.cfg.rpc_timeout * 2,
+                    Connect(decode=d, boot=key[1], timeout=self.t.rpc),
+                    timeout=self.t.rpc * 2,
                 )
             except RpcError as e:
                 with self._lock:
@@ -616,7 +620,7 @@ class RouterBackend:
             addr, rpc, msg = item
             c = self._side_clients.get(addr)
             if c is None:
-                c = self._side_clients[addr] = RpcClient(addr, timeout=min(2.0, self.cfg.rpc_timeout))
+                c = self._side_clients[addr] = RpcClient(addr, timeout=self.t.side_rpc)
             try:
                 c.request(rpc, msg)
             except RpcError as e:

@@ -9,8 +9,14 @@
 
 The pool is DevicePool(layout, num_pages) with layout = KVLayout(spec, elide, kv_format,
 index_format, page_size): the very object the capacity planner sizes. All public methods
-take one lock, so a server may call add_request/abort from other threads while one
+take one lock (`engine.lock`), so a server may call add_request/abort from other threads while one
 thread loops on step().
+
+Injection hooks (a pipeline-parallel prefill stage 0 is an Engine over its own layers):
+`layout=` a KVLayout of a layer range instead of the whole model; `runner=` a factory
+pool -> StepRunner whose run(chunks) returns the logits, or None when a later pipeline stage
+samples (the sampled rows then get a placeholder token 0); `engine.on_schedule` is called
+with every SchedulerOutput (preempted requests included) before the step runs.
 Imports torch, dsakv.{spec,cache,model} and dsakv.engine; must not import disagg, serve or cli.
 """
 
@@ -21,10 +27,10 @@ import json
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -35,7 +41,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.model_runner import ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from dsakv.engine.sampling import sample
-from dsakv.engine.scheduler import NoFreePages, PrefixCache, Scheduler
+from dsakv.engine.scheduler import NoFreePages, PrefixCache, ScheduledChunk, Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -43,6 +49,10 @@ from dsakv.spec.model import ModelSpec
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16384
+
+
+class StepRunner(Protocol):
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None: ...
 
 
 class GenerationError(DsakvError):
@@ -118,6 +128,8 @@ class Engine:
         hicache_disk_dir: str | Path | None = None,
         hicache_disk_size: int | None = None,
         hicache_storage: Any = None,
+        layout: KVLayout | None = None,
+        runner: Callable[[DevicePool], StepRunner] | None = None,
     ) -> None:
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
@@ -128,9 +140,10 @@ class Engine:
             self.model_dir = Path(model)
             self.spec, self.model = load_model(self.model_dir, dtype=dtype)
         self.model.eval()
-        self.layout = KVLayout(
+        self.layout = layout or KVLayout(
             self.spec, elide=elide, kv_format=kv_format, index_format=index_format, page_size=page_size
         )
+        page_size = self.layout.page_size
         if num_pages is not None and max_tokens is not None:
             raise ConfigError(f"give num_pages ({num_pages}) or max_tokens ({max_tokens}), not both")
         if num_pages is None:
@@ -174,7 +187,8 @@ class Engine:
             max_seq_len=self.max_seq_len,
             prefix_cache=self.prefix_cache,
         )
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner: StepRunner = runner(self.pool) if runner is not None else ModelRunner(self.model, self.pool)
+        self.on_schedule: Callable[[SchedulerOutput], None] | None = None
         self.eos_token_ids = (
             tuple(int(e) for e in eos_token_ids)
             if eos_token_ids is not None
@@ -195,10 +209,15 @@ class Engine:
             num_pages * page_size,
             self.pool.nbytes / 2**20,
             self.layout.bytes_per_token,
-            elide,
-            kv_format,
-            index_format,
+            self.layout.elide,
+            self.layout.kv_format,
+            self.layout.index_format,
         )
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every public method takes (reentrant): hold it to make several calls one atomic step."""
+        return self._lock
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -302,6 +321,8 @@ class Engine:
         with self._lock:
             outputs, self._pending = self._pending, []
             sched = self.scheduler.schedule()
+            if self.on_schedule is not None:
+                self.on_schedule(sched)
             if sched.is_empty:
                 sch = self.scheduler
                 # requests waiting on pages that only an outside event frees (a KV transfer, a release) are not
@@ -318,7 +339,11 @@ class Engine:
                 logits = self.runner.run(chunks)
                 rows = [i for i, c in enumerate(chunks) if c.samples]
                 next_tokens: list[int | None] = [None] * len(chunks)
-                if rows:
+                if rows and logits is None:  # a later pipeline stage samples: placeholder tokens here
+                    for i in rows:
+                        next_tokens[i] = 0
+                elif rows:
+                    assert logits is not None
                     toks = sample(logits[rows], [chunks[i].request for i in rows])
                     for i, t in zip(rows, toks, strict=True):
                         next_tokens[i] = t

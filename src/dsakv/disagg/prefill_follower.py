@@ -1,0 +1,176 @@
+"""PipelineFollower: stage k > 0 of a prefill worker -- mirror stage 0's books, replay its host copies, run
+this stage's layers, pass the step on, send the KV.
+
+    recv (StepMsg + hidden + top-k from stage k-1) ─► drop what stage 0 dropped ─► replay host-tier copies
+        ─► book the prefix cache's page set (PageMirror) ─► book new jobs and each row's pages
+        ─► this stage's layers ─► send to stage k+1 (not on the last stage)
+        ─► last stage: sample the first token of every finished prompt (the request's seeded stream)
+        ─► every finished prompt: KvSender (this stage's layers -> the decode's pages)
+    a tick: the same books, forwarded (no compute)
+    transfer reported ─► mirror release, RELEASED to stage 0
+
+Imports torch, dsakv.{cache, engine.sampling, model} and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
+from dsakv.disagg.codec import from_wire
+from dsakv.disagg.host_replay import replay
+from dsakv.disagg.kv_sender import Transfer
+from dsakv.disagg.lifecycle import Phase, StageJob
+from dsakv.disagg.messages import RELEASED, TICK, Released, StepMsg, StepRow
+from dsakv.disagg.page_mirror import PageMirror
+from dsakv.disagg.rpc import Rpc
+from dsakv.disagg.stage_comm import StageLinkError, StageMessage
+from dsakv.disagg.stage_context import StageContext, decode_batch, job_of
+from dsakv.disagg.wire import pages_for
+from dsakv.engine.request import Request
+from dsakv.engine.sampling import sample
+from dsakv.model.dsa_model import StageCarry
+
+
+class PipelineFollower:
+    def __init__(self, ctx: StageContext) -> None:
+        cfg = ctx.cfg
+        self.ctx = ctx
+        self.lock = threading.RLock()
+        self.pool = DevicePool(ctx.layout, ctx.num_pages, device=ctx.model.device)
+        self.mirror = PageMirror(ctx.num_pages, name=f"{ctx.name} stage {ctx.rank} pool")
+        self.host_pool: HostPool | None = None
+        if cfg.host_tier:  # the same page count as stage 0's host tier, sized on stage 0's layers
+            cfg.hicache_config()  # validates
+            a, b = ctx.ranges[0]
+            stage0 = StageContext.layout_of(cfg, ctx.model, a, b)
+            _, host_pages = host_pages_for(stage0, ctx.num_pages, cfg.hicache_ratio, cfg.hicache_size)
+            self.host_pool = make_host_pool(cfg.hicache_layout, ctx.layout, host_pages)
+            self.host_pool.check_compatible(self.pool)
+        self.replayed = {"offload_pages": 0, "load_pages": 0}
+
+    def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
+        return {}
+
+    def iteration(self) -> None:
+        ctx = self.ctx
+        msg = ctx.group.recv_prev(timeout=ctx.t.stage)
+        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {ctx.rank - 1}")
+        with self.lock:
+            self._book(meta)
+        if meta.kind == TICK:
+            if not ctx.last:
+                ctx.group.send_next(msg)
+            return
+        if meta.batch is None or msg.hidden is None:
+            raise StageLinkError(f"stage {ctx.rank}: step {msg.step} arrived without its batch or hidden states")
+        batch = decode_batch(meta.batch)
+        with torch.no_grad():
+            carry = ctx.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
+        if not ctx.last:
+            ctx.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
+        firsts = self._sample(carry, meta.seqs) if ctx.last else {}
+        with self.lock:
+            ctx.counters["steps"] += 1
+            for row in meta.seqs:
+                job = ctx.jobs.get(row.rid)
+                if row.last and job is not None:
+                    ctx.jobs.move(job, Phase.TRANSFERRING)
+                    src = row.pages[: pages_for(job.prompt_len, ctx.page_size)]
+                    ctx.sender.queue(Transfer(job, src, firsts.get(row.rid)))
+
+    def _book(self, meta: StepMsg) -> None:
+        ctx = self.ctx
+        for rid in meta.drop:
+            job = ctx.jobs.get(rid)
+            if job is not None and not job.transferring:
+                ctx.jobs.move(job, Phase.DONE)
+                self.mirror.release(rid)
+        if meta.host_ops is not None:
+            if self.host_pool is None:
+                raise StageLinkError(
+                    f"stage {ctx.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
+                    "every stage with the same --hicache-* options"
+                )
+            off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
+            self.replayed["offload_pages"] += off
+            self.replayed["load_pages"] += loaded
+        if meta.cache is not None:
+            self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
+        now = ctx.jobs.now()
+        for spec in meta.jobs.values():
+            job = job_of(spec)
+            ctx.jobs.pop(job.rid)  # a request preempted on stage 0 comes back as new
+            ctx.jobs.add(job)
+            job.deadline = now + spec.left
+        for row in meta.seqs:
+            self.mirror.hold(row.rid, row.pages)
+
+    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, int]:
+        """Last stage: the first generated token of every sequence whose prompt completed this step (token 0 of
+        the request's seeded stream: the decode worker draws tokens 1.. from the same seed)."""
+        assert carry.logits is not None
+        rows, reqs = [], []
+        with self.lock:
+            for i, row in enumerate(seqs):
+                job = self.ctx.jobs.get(row.rid)
+                if row.last and job is not None:
+                    rows.append(i)
+                    reqs.append(Request(request_id=row.rid, prompt_ids=(0,), params=job.params, sampling_seed=job.seed))
+        if not rows:
+            return {}
+        toks = sample(carry.logits[rows], reqs)
+        return {req.request_id: int(tok) for req, tok in zip(reqs, toks, strict=True)}
+
+    def on_transferred(self, job: StageJob, ok: bool) -> None:
+        ctx = self.ctx
+        with self.lock:
+            if job.rid in ctx.jobs:
+                ctx.jobs.move(job, Phase.DONE)
+            self.mirror.release(job.rid)
+            stage0 = ctx.group.peer_info.get(0, {}).get("rpc")
+        if stage0:
+            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank))
+        ctx.wake.set()
+
+    def on_break(self, why: str) -> None:
+        """The pipeline broke: what this stage has not started transferring fails (decode is told)."""
+        ctx = self.ctx
+        with self.lock:
+            self.mirror.set_cached(())
+            for job in ctx.jobs.values():
+                if not job.transferring:
+                    self.mirror.release(job.rid)
+                    ctx.fail(job, why)
+
+    # ---- views -----------------------------------------------------------------------------------------
+
+    def integrity(self) -> str:
+        try:
+            self.mirror.check_integrity()
+        except AssertionError as e:
+            return str(e)
+        return "ok"
+
+    def pages_used(self) -> int:
+        return self.mirror.num_used
+
+    def cached_pages(self) -> list[int]:
+        return self.mirror.cached
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        return None
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.ctx.jobs
+
+    def health_fields(self) -> dict[str, Any]:
+        with self.lock:
+            return {"host_replayed": dict(self.replayed)}
