@@ -57,7 +57,9 @@ class KvSender:
         counters: dict[str, int],
         on_done: Callable[[StageJob, bool], None],
         debug_delay: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock  # the ledger's: job deadlines are on it
         self.backend = backend
         self.links = links
         self.prefill = prefill
@@ -103,7 +105,7 @@ class KvSender:
                 except queue.Empty:
                     break
             if self.debug_delay > 0:  # testing: a window in which the transfers are in flight
-                left = max(x.job.deadline for x in batch) - time.monotonic()
+                left = max(x.job.deadline for x in batch) - self.clock()
                 time.sleep(max(0.0, min(self.debug_delay, left)))
             started = [self._start(x) for x in batch]
             for x, h, err in started:
@@ -120,7 +122,7 @@ class KvSender:
 
     def _start(self, x: Transfer) -> tuple[Transfer, TransferHandle | None, str | None]:
         job = x.job
-        left = job.deadline - time.monotonic()
+        left = job.deadline - self.clock()
         if left <= 0:
             return x, None, f"prefill stage {self.stage}: the KV deadline passed before the transfer started"
         try:
@@ -133,14 +135,14 @@ class KvSender:
             plan = TransferPlan.build(
                 link.table, np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
             )
-            return x, self.backend.submit(link.peer, plan.blocks, job.deadline), None
+            return x, self.backend.submit(link.peer, plan.blocks, time.monotonic() + left), None
         except (DsakvError, ValueError) as e:
             return x, None, f"prefill stage {self.stage} could not start the transfer: {e}"
 
     def _report(self, x: Transfer, err: str | None, quarantine: float, nbytes: int) -> None:
         job = x.job
         done = StageDone(job.rid, self.prefill, self.stage, err is None, err, quarantine, nbytes, x.first_token)
-        timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - time.monotonic() + 1))
+        timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:
             self.notifier.client(job.decode).request(STAGE_DONE, done, timeout=timeout)
         except RpcError as e:

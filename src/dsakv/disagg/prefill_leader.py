@@ -194,7 +194,7 @@ class PipelineLeader:
             self.runner.ran, self.runner.link_error = False, None
             outs = self.engine.step()
             broke = self.runner.link_error
-            self._settle(outs, broke is not None)
+            self._settle(outs, broke)
             ran = self.runner.ran
             if ran:
                 ctx.counters["steps"] += 1
@@ -244,14 +244,14 @@ class PipelineLeader:
     def _on_schedule(self, sched: SchedulerOutput) -> None:
         self._drops += [r.request_id for r in sched.preempted]  # later stages drop their books of these
 
-    def _settle(self, outs: list[RequestOutput], broke: bool) -> None:
+    def _settle(self, outs: list[RequestOutput], broke: StageLinkError | None) -> None:
         ctx = self.ctx
         for o in outs:
             job = ctx.jobs.get(o.request_id)
             if job is None or job.transferring or not o.finished or o.finish_reason is FinishReason.ABORT:
                 continue
             if o.finish_reason is FinishReason.ERROR:
-                why = "the pipeline broke during its step" if broke else (o.error or "prefill step failed")
+                why = f"the pipeline broke during its step ({broke})" if broke else (o.error or "prefill step failed")
                 ctx.fail(job, f"prefill {ctx.name}: {why}")
                 continue
             ctx.jobs.move(job, Phase.TRANSFERRING)

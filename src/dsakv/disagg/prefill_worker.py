@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,9 @@ def make_role(ctx: StageContext) -> StageRole:
 class PrefillStage:
     """One stage process. start() serves RPC and runs the stage loop; stop() ends both."""
 
-    def __init__(self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None) -> None:
+    def __init__(
+        self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if model is None:
             from dsakv.model.loader import load_model
 
@@ -88,7 +91,7 @@ class PrefillStage:
         spec, mdl = model
         mdl.eval()
         self.cfg = cfg
-        self.ctx = ctx = StageContext.build(cfg, spec, mdl)
+        self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock)
         self.role: StageRole = make_role(ctx)
         self.name = ctx.name
         self.rank, self.size = ctx.rank, ctx.size
@@ -125,6 +128,7 @@ class PrefillStage:
             counters=ctx.counters,
             on_done=self.role.on_transferred,
             debug_delay=cfg.debug_transfer_delay,
+            clock=ctx.jobs.now,
         )
         log.info(
             "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",

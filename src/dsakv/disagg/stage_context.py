@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -197,7 +199,9 @@ class StageContext:
     sender_: KvSender | None = None
 
     @classmethod
-    def build(cls, cfg: PrefillConfig, spec: ModelSpec, model: DSAModel) -> StageContext:
+    def build(
+        cls, cfg: PrefillConfig, spec: ModelSpec, model: DSAModel, clock: Callable[[], float] = time.monotonic
+    ) -> StageContext:
         ranges = split_layers(spec.num_layers, cfg.pp_size, cfg.partition)
         a, b = ranges[cfg.pp_rank]
         t = cfg.timeouts
@@ -219,7 +223,7 @@ class StageContext:
             num_pages=cfg.num_pages or pages_for(DEFAULT_MAX_TOKENS, cfg.page_size),
             group=group,
             notifier=Notifier(t.rpc, t.connect),
-            jobs=Ledger(PREFILL_STAGE),
+            jobs=Ledger(PREFILL_STAGE, clock),
             down_reason="pipeline not formed yet" if cfg.pp_size > 1 else None,
         )
 

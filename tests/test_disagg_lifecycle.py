@@ -1,0 +1,241 @@
+"""Per-request lifecycles in one process, table-driven, on a fake clock: the state machines of the router, a prefill
+stage and the decode worker (every edge allowed, every other refused), the decode worker's ledger through every
+transition, timeout and failure path (its RPC handlers called directly, no threads), and prefill stage 0's ledger
+(an in-process stage, its loop stepped by hand). Every case ends with the pages accounted for: exact counts held,
+then none, and the books balance."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.disagg.backends import make_backend
+from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.lifecycle import DECODE, PREFILL_STAGE, ROUTER, IllegalTransition, Ledger, Machine, Phase, Tracked
+from dsakv.disagg.manifest import Manifest
+from dsakv.disagg.messages import Abort, Hello, KvFailed, Prealloc, StageDone, Submit
+from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
+from dsakv.engine.request import SamplingParams
+from engine_support import tiny_model
+
+pytestmark = [pytest.mark.timeout(120)]
+
+P = Phase
+EDGES = {
+    "router": (
+        ROUTER,
+        [
+            (P.QUEUED, P.DISPATCHED),
+            (P.QUEUED, P.DONE),
+            (P.DISPATCHED, P.DECODING),
+            (P.DISPATCHED, P.DONE),
+            (P.DISPATCHED, P.QUEUED),
+            (P.DECODING, P.DONE),
+        ],
+    ),
+    "prefill stage": (
+        PREFILL_STAGE,
+        [(P.COMPUTING, P.DONE), (P.COMPUTING, P.TRANSFERRING), (P.TRANSFERRING, P.DONE)],
+    ),
+    "decode": (DECODE, [(P.AWAITING_KV, P.DECODING), (P.AWAITING_KV, P.FAILED), (P.FAILED, P.DONE)]),
+}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("name", list(EDGES))
+def test_machine_tables_allow_exactly_their_edges(name):
+    machine, edges = EDGES[name]
+    assert sorted(machine.transitions(), key=str) == sorted(edges, key=str)
+    for a in machine.phases():
+        for b in machine.phases():
+            led: Ledger[Tracked] = Ledger(machine, Clock(), keep_done=True)
+            rec = led.add(Tracked(rid="r"))
+            rec.phase = a
+            if (a, b) in edges:
+                led.move(rec, b)
+                assert rec.phase is b and led.moves == {(a, b): 1}
+            else:
+                with pytest.raises(IllegalTransition, match=f"{machine.name}: request r cannot go {a.value} -> "):
+                    led.move(rec, b)
+
+
+def test_ledger_clock_deadlines_and_terminal_records():
+    clock = Clock()
+    led: Ledger[Tracked] = Ledger(Machine("m", P.QUEUED, {P.QUEUED: frozenset({P.DONE})}, frozenset({P.DONE})), clock)
+    a = led.add(Tracked(rid="a", deadline=1005.0))
+    led.add(Tracked(rid="b"))
+    assert (a.phase, a.since, led.expired()) == (P.QUEUED, 1000.0, [])
+    clock.t = 1005.0
+    assert led.expired() == [a]
+    led.move(a, P.DONE, "late")
+    assert "a" not in led and a.error == "late" and len(led) == 1 and list(led) == ["b"]
+    with pytest.raises(Exception, match="request id 'b' is already in use on this m"):
+        led.add(Tracked(rid="b"))
+
+
+# ---- decode --------------------------------------------------------------------------------------------
+
+ENGINE = dict(kv_format="fp32", index_format="fp32", page_size=16, num_pages=16)
+PROMPT = list(range(2, 22))  # 20 tokens: 2 pages with the first token
+RPC = ["127.0.0.1:1", "127.0.0.1:2"]  # the stages' addresses (never called: liveness verdicts are given)
+
+
+def _decode(clock: Clock, stages: int) -> DecodeWorker:
+    model = tiny_model("glm_moe_dsa")
+    dec = DecodeWorker(DecodeConfig(model="", engine=dict(ENGINE), backend="local", kv_grace=1.0), model, clock)
+    spec, mdl = model
+    bounds = [(0, spec.num_layers)] if stages == 1 else [(0, 5), (5, spec.num_layers)]
+    for k, (a, b) in enumerate(bounds):
+        pool = DevicePool(mdl.layout_for(elide=True, kv_format="fp32", index_format="fp32", page_size=16,
+                                         layer_start=a, layer_end=b), 2)  # fmt: skip
+        be = make_backend("local")
+        be.register(pool.regions())
+        manifest = Manifest.from_pool(pool, be.meta(), worker=f"P/stage{k}")
+        dec._rpc_handshake(Hello("P", k, stages, RPC[k], manifest.to_bytes()))
+        be.close()
+    return dec
+
+
+def _ok(k: int, first: int | None = None) -> StageDone:
+    return StageDone("r", "P", k, True, None, 0.0, 100, first)
+
+
+def _bad(k: int, quarantine: float = 0.0) -> StageDone:
+    return StageDone("r", "P", k, False, f"stage {k} broke", quarantine)
+
+
+# (name, stages, steps, phase after the steps, error in the request's event, pages held after the steps,
+#  seconds to advance before the pages come back (None: decoding, freed by its abort))
+# a step: a message to a handler, ("clock", seconds) + check_deadlines, or ("verdict", stage, verdict)
+DECODE_CASES = [
+    ("all stages ok", 2, [_ok(1), _ok(0, 7)], P.DECODING, None, 2, None),
+    ("first token last", 2, [_ok(0), _ok(1, 7)], P.DECODING, None, 2, None),
+    ("stage failed, other reported", 2, [_ok(0), _bad(1)], P.DONE, "prefill P stage 1: stage 1 broke", 0, 0.0),
+    ("stage failed, other still writing", 2, [_bad(0)], P.FAILED, "stage 0 broke", 2, 5.0),
+    ("failed with quarantine", 1, [_bad(0, 3.0)], P.FAILED, "stage 0 broke", 2, 3.0),
+    ("kv_failed", 1, [KvFailed("r", "prefill P dropped it", "P")], P.FAILED, "dropped it", 2, 5.0),
+    ("kv deadline", 1, [("clock", 5.0)], P.DONE, "did not arrive within 4s (+1s grace): stage(s) [0] of 1", 0, 0.0),
+    ("stage dead", 1, [("verdict", 0, "dead")], P.DONE, "stage 0 at 127.0.0.1:1 is dead: request lost", 0, 0.0),
+    ("stage not answering", 2, [_ok(1), ("verdict", 0, "not answering")], P.FAILED, "is not answering", 2, 5.0),
+    ("abort while waiting", 1, [Abort("r", "client left")], P.FAILED, None, 2, 5.0),
+    ("late report after failure", 1, [_bad(0), _ok(0, 7)], P.DONE, "stage 0 broke", 0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("name", "stages", "steps", "phase", "error", "held", "release_after"), DECODE_CASES,
+                         ids=[c[0] for c in DECODE_CASES])  # fmt: skip
+def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after):
+    clock = Clock()
+    dec = _decode(clock, stages)
+    try:
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        got = dec.prealloc(Prealloc("r", PROMPT, params, "P", stages, kv_timeout=4.0))
+        assert got.pages == [0, 1] and dec.engine.stats().pages_used == 2
+        inb = dec.inbound.get("r")
+        assert inb is not None and (inb.phase, inb.deadline) == (P.AWAITING_KV, 1005.0)
+        for step in steps:
+            if isinstance(step, StageDone):
+                dec.stage_done(step)
+            elif isinstance(step, KvFailed):
+                dec.kv_failed(step)
+            elif isinstance(step, Abort):
+                dec.abort(step)
+            elif step[0] == "clock":
+                clock.t += step[1]
+                dec.check_deadlines()
+            else:
+                dec.stage_verdict(RPC[step[1]], step[2], [(inb, step[1])])
+        assert inb.phase is phase, (inb.phase, inb.error)
+        assert dec.engine.stats().pages_used == held and dec.integrity() == "ok"
+        events = dec.events.since(0).events
+        if phase is P.DECODING:
+            assert events == [] and dec.counters["started"] == 1 and dec.counters["kv_bytes"] == 100 * stages
+            assert dec.abort(Abort("r"))  # the engine owns it now: abort frees its pages
+        else:
+            (ev,) = events
+            assert (ev.rid, ev.tokens, ev.finished) == ("r", [], True)
+            assert ev.reason == ("abort" if error is None else "error")
+            assert error is None or (ev.error is not None and error in ev.error), ev.error
+            # pages stay until no stage can still write them, not a moment earlier
+            if release_after:
+                clock.t += release_after - 0.01
+                dec.check_deadlines()
+                assert dec.engine.stats().pages_used == held
+                clock.t += 0.01
+            dec.check_deadlines()
+        dec.engine.step()
+        assert dec.engine.stats().pages_used == 0 and "r" not in dec.inbound and dec.integrity() == "ok"
+    finally:
+        dec.backend.close()
+
+
+# ---- prefill stage 0 ---------------------------------------------------------------------------------------
+
+
+def _stage(clock: Clock) -> PrefillStage:
+    cfg = PrefillConfig(model="", backend="local", page_size=16, num_pages=8, name="P")
+    return PrefillStage(cfg, model=tiny_model("glm_moe_dsa"), clock=clock)
+
+
+def _submit(rid: str, n: int = 20) -> Submit:
+    return Submit(rid, list(range(2, 2 + n)), SamplingParams(max_new_tokens=4), 0, "127.0.0.1:1", "b", [0, 1], 4.0)
+
+
+# (name, what happens after the submit, phase after, pages held after, kv_failed error told to the decode)
+LEADER_CASES = [
+    ("computed, transferred, released", ["step", "transferred"], P.DONE, 0, None),
+    ("computed, transfer pending", ["step"], P.TRANSFERRING, 2, None),
+    ("aborted while queued", ["abort"], P.DONE, 0, "prefill P: aborted by the router"),
+    ("kv deadline while queued", ["clock"], P.DONE, 0, "was not prefilled before its KV deadline (20 prompt tokens"),
+    ("abort after compute is ignored", ["step", "abort"], P.TRANSFERRING, 2, None),
+    ("pipeline broke while queued", ["break"], P.DONE, 0, "prefill P: pipeline broke (test)"),
+    ("pipeline broke while transferring", ["step", "break"], P.DONE, 0, None),
+]
+
+
+@pytest.mark.parametrize(("name", "steps", "phase", "held", "told"), LEADER_CASES, ids=[c[0] for c in LEADER_CASES])
+def test_prefill_leader_lifecycle(name, steps, phase, held, told):
+    clock = Clock()
+    stage = _stage(clock)
+    leader, ctx = stage.leader, stage.ctx
+    posted = []
+    ctx.sender.fail = lambda job, why: posted.append((job.rid, why))  # type: ignore[method-assign]
+    try:
+        leader.submit(_submit("r"))
+        job = ctx.jobs.get("r")
+        assert job is not None and (job.phase, job.deadline) == (P.COMPUTING, 1004.0)
+        for step in steps:
+            if step == "step":
+                leader.iteration()
+            elif step == "transferred":
+                leader.on_transferred(job, True)
+                leader.iteration()
+            elif step == "abort":
+                leader.abort(Abort("r", "aborted by the router"))
+                leader.iteration()
+            elif step == "clock":
+                clock.t += 4.0
+                leader.iteration()
+            elif step == "break":
+                leader.on_break("prefill P: pipeline broke (test)")
+        assert job.phase is phase
+        assert stage.pages_used() == held and stage.integrity() == "ok"
+        if told is None:
+            assert posted == []
+        else:
+            assert len(posted) == 1 and posted[0][0] == "r" and told in posted[0][1], posted
+        if phase is P.TRANSFERRING:
+            assert job.pending == {0} and ctx.sender.in_flight == 1
+            leader.on_transferred(job, False)  # a failed transfer releases the pages just the same
+            leader.iteration()
+        assert stage.pages_used() == 0 and stage.idle() and stage.integrity() == "ok"
+    finally:
+        stage.backend.close()
+        ctx.notifier.stop()
