@@ -1,21 +1,55 @@
-"""Per-request lifecycles in one process, table-driven, on a fake clock: the state machines of the router, a prefill
-stage and the decode worker (every edge allowed, every other refused), the decode worker's ledger through every
-transition, timeout and failure path (its RPC handlers called directly, no threads), and prefill stage 0's ledger
-(an in-process stage, its loop stepped by hand). Every case ends with the pages accounted for: exact counts held,
-then none, and the books balance."""
+"""Per-request lifecycles in one process, table-driven, on a fake clock.
+
+The state machines of the router, a prefill stage and the decode worker (every edge allowed, every other refused);
+the decode worker's ledger through every transition, timeout and failure path (its RPC handlers called directly,
+no threads); prefill stage 0's ledger (an in-process stage, its loop stepped by hand); the router's (dispatch and
+event polls stepped by hand against scripted peers behind the real RPC server and service specs). Every case ends
+with the pages accounted for: exact counts held, then none, and the books balance."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.errors import Unavailable
 from dsakv.disagg.lifecycle import DECODE, PREFILL_STAGE, ROUTER, IllegalTransition, Ledger, Machine, Phase, Tracked
 from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import Abort, Hello, KvFailed, Prealloc, StageDone, Submit
+from dsakv.disagg.messages import (
+    ABORT,
+    CONNECT,
+    DECODE_SERVICE,
+    EVENTS,
+    HANDSHAKE,
+    KV_FAILED,
+    PREALLOC,
+    PREFILL_LEADER_SERVICE,
+    RELEASED,
+    STAGE_DONE,
+    SUBMIT,
+    Abort,
+    Connected,
+    EventRow,
+    Events,
+    Health,
+    Hello,
+    KvFailed,
+    Prealloc,
+    Preallocated,
+    StageDone,
+    StageDoneReply,
+    Submit,
+    Submitted,
+)
 from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
+from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.request import SamplingParams
+from dsakv.errors import ConfigError, NoFreePages
 from engine_support import tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -239,3 +273,153 @@ def test_prefill_leader_lifecycle(name, steps, phase, held, told):
     finally:
         stage.backend.close()
         ctx.notifier.stop()
+
+
+# ---- router -------------------------------------------------------------------------------------------------
+
+
+class FakeDecode:
+    """A scripted decode worker behind the real RPC server and service spec: books the pages it preallocates."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}
+        self.busy = 0  # refuse this many preallocs with NoFreePages
+        self.events: list[EventRow] = []
+        self.service = WorkerService(
+            DECODE_SERVICE,
+            {
+                HANDSHAKE: lambda h: None,
+                PREALLOC: self.prealloc,
+                STAGE_DONE: lambda d: StageDoneReply(False),
+                KV_FAILED: lambda f: False,
+                EVENTS: lambda q: Events(len(self.events), [e for e in self.events if e.seq > q.since], False, "db"),
+                ABORT: lambda a: self.held.pop(a.rid, None) is not None,
+            },
+            "127.0.0.1",
+            0,
+            "fake-decode",
+            health=lambda: _health("decode", "db", 64 - sum(map(len, self.held.values()))),
+            integrity=lambda: "ok",
+        )
+        self.service.start([])
+
+    def prealloc(self, p: Prealloc) -> Preallocated:
+        if self.busy:
+            self.busy -= 1
+            raise NoFreePages("no pages now")
+        self.held[p.rid] = pages = [len(self.held) * 2, len(self.held) * 2 + 1]
+        return Preallocated(pages, "db")
+
+    def emit(self, rid: str, tokens: list[int], finished: bool, reason: str | None = None) -> None:
+        self.events.append(EventRow(len(self.events) + 1, rid, tokens, finished, reason))
+        if finished:
+            self.held.pop(rid, None)
+
+
+class FakePrefill:
+    def __init__(self) -> None:
+        self.refuse: list[Exception] = []  # raised by the next submits, in order
+        self.submitted: list[str] = []
+        self.service = WorkerService(
+            PREFILL_LEADER_SERVICE,
+            {
+                CONNECT: lambda c: Connected(c.decode, "db", "e1", []),
+                SUBMIT: self.submit,
+                ABORT: lambda a: True,
+                RELEASED: lambda r: True,
+            },
+            "127.0.0.1",
+            0,
+            "fake-prefill",
+            health=lambda: _health("prefill", "pb", 64),
+            integrity=lambda: "ok",
+        )
+        self.service.start([])
+
+    def submit(self, p: Submit) -> Submitted:
+        if self.refuse:
+            raise self.refuse.pop(0)
+        self.submitted.append(p.rid)
+        return Submitted(True, "e1")
+
+
+def _health(role: str, boot: str, free: int) -> Health:
+    return Health(
+        ok=True, role=role, name=f"{role}-x", pid=1, boot=boot, elide=True, backend="local", page_size=16,
+        pages_total=64, pages_used=64 - free, pages_free=free, capacity_tokens=1024, integrity="ok", counters={},
+        epoch="e1" if role == "prefill" else None, max_prompt_tokens=1023 if role == "decode" else None,
+    )  # fmt: skip
+
+
+# (name, what happens, phase of the router's record after, the client's last event (reason, error part),
+#  submits the prefill took, pages the decode still holds)
+ROUTER_CASES = [
+    ("dispatched, decoded, finished", ["dispatch", "tokens", "finish"], P.DONE, ("length", None), 1, 0),
+    ("dispatched, aborted", ["dispatch", "abort"], P.DONE, ("abort", None), 1, 0),
+    ("aborted while queued", ["abort"], P.DONE, ("abort", None), 0, 0),
+    ("decode busy, then dispatched", ["busy", "dispatch"], P.DISPATCHED, None, 1, 2),
+    ("prefill unavailable: retried", ["unavailable", "dispatch"], P.DISPATCHED, None, 1, 2),
+    ("prefill refused it", ["refused"], P.DONE, ("error", "prefill 127.0.0.1:"), 0, 0),
+    ("queue deadline", ["busy", "late"], P.DONE, ("error", "no prefill/decode pair could take it within 2s"), 0, 0),
+]
+
+
+@pytest.mark.parametrize(("name", "steps", "phase", "last", "submits", "held"), ROUTER_CASES,
+                         ids=[c[0] for c in ROUTER_CASES])  # fmt: skip
+def test_router_lifecycle(name, steps, phase, last, submits, held):
+    clock = Clock()
+    dec, pre = FakeDecode(), FakePrefill()
+    r = RouterBackend(
+        RouterConfig(prefill=(pre.service.address,), decode=(dec.service.address,), queue_timeout=2.0), clock
+    )
+    client = RpcClient(dec.service.address)
+    try:
+        r.poll_health()
+        assert r.poll_events(dec.service.address, client, 0)  # the cursor of this decode's boot
+        assert r.wait_ready(5)
+        r.submit("q", [3, 4, 5], SamplingParams(max_new_tokens=2))
+        rec = r.record("q")
+        assert rec is not None and (rec.phase, rec.deadline) == (P.QUEUED, 1002.0)
+        for step in steps:
+            if step == "dispatch":
+                assert r.dispatch_next() is True and rec.wire == "q#" + str(rec.attempt)
+            elif step == "busy":
+                dec.busy = 1
+                assert r.dispatch_next() is False and rec.phase is P.QUEUED
+                time.sleep(r.t.busy_backoff)
+            elif step == "unavailable":
+                pre.refuse.append(Unavailable("pipeline not formed"))
+                assert r.dispatch_next() is False and rec.phase is P.QUEUED and rec.wire is None
+                r.poll_health()  # the prefill said it is down: it is up again on the next poll
+            elif step == "refused":
+                pre.refuse.append(ConfigError("prompt token id(s) [9999] are outside the vocabulary"))
+                assert r.dispatch_next() is True
+            elif step == "late":
+                clock.t += 2.0
+                dec.busy = 1
+                assert r.dispatch_next() is False
+            elif step == "tokens":
+                dec.emit(rec.wire, [7], False)
+                r.poll_events(dec.service.address, client, 0)
+                assert rec.phase is P.DECODING and rec.tokens == 1
+            elif step == "finish":
+                dec.emit(rec.wire, [8], True, "length")
+                r.poll_events(dec.service.address, client, 0)
+            elif step == "abort":
+                r.abort("q")
+            r.drain_side()  # the aborts the router sent on the side
+        assert rec.phase is phase, rec
+        assert len(pre.submitted) == submits and sum(map(len, dec.held.values())) == held
+        if last is not None:
+            evs = list(r.events("q", 5))
+            assert (evs[-1].finished, evs[-1].finish_reason) == (True, last[0])
+            assert last[1] is None or (evs[-1].error is not None and last[1] in evs[-1].error), evs[-1]
+            assert r.record("q") is None and r.metrics()["router_in_flight"] == 0
+        r.stop()  # aborts what is still live: the decode gets its pages back
+        r.drain_side()
+        assert dec.held == {}
+    finally:
+        client.close()
+        r.stop()
+        dec.service.stop(1)
+        pre.service.stop(1)

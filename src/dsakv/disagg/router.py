@@ -157,7 +157,7 @@ class RouterBackend:
             if self._started:
                 return
             self._started = True
-        self._poll_health()
+        self.poll_health()
         targets = [(self._health_loop, "router-health"), (self._dispatch_loop, "router-dispatch")]
         targets += [(self._side_loop, "router-side")]
         for addr in self.decodes:
@@ -260,6 +260,11 @@ class RouterBackend:
             self._side.put((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and phase is Phase.DISPATCHED:
                 self._side.put((prefill, ABORT, Abort(wire, "aborted by the client")))
+
+    def record(self, request_id: str) -> RouterRequest | None:
+        """The router's lifecycle record of a request (read it, do not change it); None once its events were read."""
+        with self._lock:
+            return self._reqs.get(request_id)
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -384,29 +389,37 @@ class RouterBackend:
 
     def _dispatch_loop(self) -> None:
         while not self._stop.is_set():
-            with self._lock:
-                rid = self._queue.popleft() if self._queue else None
-            if rid is None:
+            placed = self.dispatch_next()
+            if placed is None:
                 self._wake.wait(0.05)
                 self._wake.clear()
-                continue
-            with self._lock:
-                req = self._reqs.get(rid)
-            if req is None or req.phase is not Phase.QUEUED:
-                continue
-            if not self._dispatch(req):
-                with self._lock:
-                    if req.phase is Phase.QUEUED:
-                        if self._reqs.now() >= req.deadline:
-                            self._finish(
-                                req,
-                                "error",
-                                f"request {req.rid}: no prefill/decode pair could take it within "
-                                f"{self.t.queue:g}s ({self._why_no_pair()})",
-                            )
-                        else:
-                            self._queue.append(rid)
+            elif not placed:
                 time.sleep(0.01 if len(self._queue) > 1 else 0.02)
+
+    def dispatch_next(self) -> bool | None:
+        """One dispatch attempt for the request at the head of the queue: None if the queue is empty, True if it
+        was placed (or finished), False if it went back to the queue (or failed at its queue deadline)."""
+        with self._lock:
+            rid = self._queue.popleft() if self._queue else None
+            req = self._reqs.get(rid) if rid is not None else None
+        if rid is None:
+            return None
+        if req is None or req.phase is not Phase.QUEUED:
+            return True
+        if self._dispatch(req):
+            return True
+        with self._lock:
+            if req.phase is Phase.QUEUED:
+                if self._reqs.now() >= req.deadline:
+                    self._finish(
+                        req,
+                        "error",
+                        f"request {req.rid}: no prefill/decode pair could take it within "
+                        f"{self.t.queue:g}s ({self._why_no_pair()})",
+                    )
+                else:
+                    self._queue.append(req.rid)
+        return False
 
     def _dispatch(self, req: RouterRequest) -> bool:
         """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
@@ -490,46 +503,52 @@ class RouterBackend:
     # ---- events ---------------------------------------------------------------------------------------------
 
     def _events_loop(self, addr: str) -> None:
-        dec = self.decodes[addr]
         client = RpcClient(addr, timeout=self.t.poll_wait + self.t.rpc)
         while not self._stop.is_set():
-            if not dec.ok:
+            if not self.poll_events(addr, client, self.t.poll_wait):
                 self._stop.wait(0.05)
-                continue
-            try:
-                if not dec.ready:
-                    res = client.request(EVENTS, EventsQuery(since=1 << 62, wait=0))
-                    with self._lock:
-                        self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
-                        if res.boot == dec.boot:  # the same process came back: free what it still runs
-                            for wire in dec.orphans:
-                                self._side.put((addr, ABORT, Abort(wire, "failed by the router")))
-                        dec.orphans.clear()
-                        dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
+
+    def poll_events(self, addr: str, client: RpcClient, wait: float) -> bool:
+        """One long-poll of decode `addr`'s events (resynchronising its cursor first after a restart); the
+        events go to their requests. False if nothing could be asked (the decode is down or failed)."""
+        dec = self.decodes[addr]
+        if not dec.ok:
+            return False
+        try:
+            if not dec.ready:
+                res = client.request(EVENTS, EventsQuery(since=1 << 62, wait=0))
+                with self._lock:
+                    self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
+                    if res.boot == dec.boot:  # the same process came back: free what it still runs
+                        for wire in dec.orphans:
+                            self._side.put((addr, ABORT, Abort(wire, "failed by the router")))
+                    dec.orphans.clear()
+                    dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
+                return True
+            res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=wait))
+        except PeerUnavailable as e:
+            self._peer_down(dec, str(e))
+            return False
+        except RpcError as e:
+            log.warning("router: events from %s failed: %s", addr, e)
+            self._stop.wait(0.05)
+            return False
+        with self._lock:
+            if res.boot != dec.boot:
+                dec.ready = False
+                return True
+            for ev in res.events:
+                req = self._by_wire.get(ev.rid)
+                if req is None or req.decode != addr:
                     continue
-                res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=self.t.poll_wait))
-            except PeerUnavailable as e:
-                self._peer_down(dec, str(e))
-                continue
-            except RpcError as e:
-                log.warning("router: events from %s failed: %s", addr, e)
-                self._stop.wait(0.1)
-                continue
-            with self._lock:
-                if res.boot != dec.boot:
-                    dec.ready = False
-                    continue
-                for ev in res.events:
-                    req = self._by_wire.get(ev.rid)
-                    if req is None or req.decode != addr:
-                        continue
-                    if req.phase is Phase.DISPATCHED:
-                        pre = self.prefills.get(req.prefill or "")
-                        if pre is not None:
-                            pre.inflight -= 1
-                        self._reqs.move(req, Phase.DECODING)
-                    self._push(req, ev.tokens, ev.finished, ev.reason, ev.error)
-                dec.cursor = res.cursor
+                if req.phase is Phase.DISPATCHED:
+                    pre = self.prefills.get(req.prefill or "")
+                    if pre is not None:
+                        pre.inflight -= 1
+                    self._reqs.move(req, Phase.DECODING)
+                self._push(req, ev.tokens, ev.finished, ev.reason, ev.error)
+            dec.cursor = res.cursor
+        return True
 
     def _fail_decode_requests(self, dec: _Peer, why: str) -> None:
         for req in list(self._by_wire.values()):
@@ -556,11 +575,11 @@ class RouterBackend:
     def _health_loop(self) -> None:
         while not self._stop.wait(self.t.health_interval):
             try:
-                self._poll_health()
+                self.poll_health()
             except Exception:
                 log.exception("router: health poll failed")
 
-    def _poll_health(self) -> None:
+    def poll_health(self) -> None:
         for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
             try:
                 h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
@@ -617,14 +636,28 @@ class RouterBackend:
             item = self._side.get()
             if item is None:
                 return
-            addr, rpc, msg = item
-            c = self._side_clients.get(addr)
-            if c is None:
-                c = self._side_clients[addr] = RpcClient(addr, timeout=self.t.side_rpc)
+            self._side_call(*item)
+
+    def drain_side(self) -> int:
+        """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""
+        n = 0
+        while True:
             try:
-                c.request(rpc, msg)
-            except RpcError as e:
-                log.info("router: %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
+                item = self._side.get_nowait()
+            except queue.Empty:
+                return n
+            if item is not None:
+                self._side_call(*item)
+                n += 1
+
+    def _side_call(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:
+        c = self._side_clients.get(addr)
+        if c is None:
+            c = self._side_clients[addr] = RpcClient(addr, timeout=self.t.side_rpc)
+        try:
+            c.request(rpc, msg)
+        except RpcError as e:
+            log.info("router: %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
 
 
 __all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
