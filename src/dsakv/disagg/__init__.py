@@ -5,7 +5,18 @@
     TransferPlan.build(pairs, src, dst)        page runs -> (src, dst, length) blocks, numpy
     make_backend("mooncake" | "nixl" | "local") register / meta / connect / submit / poll / wait
 
-May import spec and cache; never engine or serve. See /work/notes/transfer_api.md.
+The transfer layer (manifest, compat, transfer_plan, backends, errors) imports only spec and cache. The
+serving roles built on it import dsakv.engine as well: the control plane (messages, lifecycle, wire, router:
+engine.request / engine.backend, standard library only, no torch) and the workers (prefill_leader: an Engine;
+prefill_follower: engine.sampling; decode_worker: an Engine). Nothing in disagg imports serve or cli.
+
+Serving roles (see docs/architecture.md "disagg: serving roles" for the RPC graph):
+    messages / codec / rpc          typed control plane: message dataclasses, one codec, service specs
+    lifecycle / timeouts            per-request state machines and ledgers; every time bound
+    worker_service                  RPC service + liveness/health/integrity + threads of every worker
+    prefill_worker                  PrefillStage: StageContext + make_role(PipelineLeader | PipelineFollower)
+                                    + KvSender (kv_sender)
+    decode_worker, router           DecodeWorker, RouterBackend
 """
 
 from dsakv.disagg.backends import (

@@ -24,7 +24,6 @@ Imports dsakv.disagg.{rpc, messages}, dsakv.engine.request and the serving contr
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import queue
 import random
@@ -32,27 +31,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dsakv.disagg.errors import IncompatiblePeer, Unavailable
 from dsakv.disagg.lifecycle import ROUTER, Ledger, Phase, RouterRequest, attempt_id
 from dsakv.disagg.messages import (
     ABORT,
-    CONNECT,
     EVENTS,
-    HEALTH,
     PREALLOC,
     SUBMIT,
     Abort,
-    Connect,
     EventsQuery,
-    Health,
-    HealthQuery,
     Prealloc,
     Submit,
 )
-from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.router_peers import PeerState, PeerTable
+from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
@@ -98,54 +93,23 @@ class RouterConfig:
                 raise ConfigError(f"{name} = {v} must be > 0 seconds")
 
 
-@dataclass
-class _Peer:
-    addr: str
-    role: str
-    client: RpcClient
-    ok: bool = False
-    boot: str | None = None
-    epoch: str | None = None
-    num_stages: int = 1
-    health: Health | None = None
-    error: str | None = "not contacted yet"
-    inflight: int = 0
-    ready: bool = False  # decode: its event cursor is known for this boot
-    cursor: int = 0
-    orphans: list[str] = field(default_factory=list)  # decode: attempts failed here while it was unreachable
-    busy_until: float = 0.0  # decode: said NoFreePages; not asked again before then
-
-
-@dataclass
-class _Pair:
-    ok: bool = False
-    key: tuple[str | None, str | None] = (None, None)  # (prefill epoch, decode boot) it was made for
-    error: str | None = None
-    tried: float = 0.0
-    skipped: list[str] = field(default_factory=list)
-
-
 class RouterBackend:
     name = "disaggregated"
 
     def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.t = t = cfg.timeouts
-        timeout = t.rpc
-        self.decodes = {a: _Peer(a, "decode", RpcClient(a, timeout=timeout)) for a in cfg.decode}
-        self.prefills = {a: _Peer(a, "prefill", RpcClient(a, timeout=timeout)) for a in cfg.prefill}
-        self.pairs: dict[tuple[str, str], _Pair] = {(p, d): _Pair() for p in cfg.prefill for d in cfg.decode}
+        self._lock = threading.RLock()
+        self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down)
+        self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
         self._reqs: Ledger[RouterRequest] = Ledger(ROUTER, clock, keep_done=True)  # done: until its events are read
         self._by_wire: dict[str, RouterRequest] = {}
         self._queue: deque[str] = deque()
-        self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
         self._rng = random.Random(cfg.seed)
-        self._side: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()  # best-effort RPCs
-        self._side_clients: dict[str, RpcClient] = {}
         self.counters = dict.fromkeys(
             ("requests_total", "finished_total", "failed_total", "aborted_total", "retries_total", "tokens_total"), 0
         )
@@ -159,7 +123,7 @@ class RouterBackend:
             self._started = True
         self.poll_health()
         targets = [(self._health_loop, "router-health"), (self._dispatch_loop, "router-dispatch")]
-        targets += [(self._side_loop, "router-side")]
+        targets += [(self.peers.side_loop, "router-side")]
         for addr in self.decodes:
             targets.append((functools.partial(self._events_loop, addr), f"router-events-{addr}"))
         for fn, name in targets:
@@ -176,17 +140,16 @@ class RouterBackend:
             live = self._live()
         for r in live:
             self.abort(r.rid)
-        self._side.put(None)
+        self.peers.stop_side()
         for t in self._threads:
             t.join(timeout=self.t.rpc + 1)
-        for p in list(self.decodes.values()) + list(self.prefills.values()):
-            p.client.close()
+        self.peers.close()
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
         """True once at least one prefill-decode pair is handshaken (False after `timeout`)."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self._usable_pairs():
+            if self.peers.usable_pairs():
                 return True
             time.sleep(0.05)
         return False
@@ -257,9 +220,9 @@ class RouterBackend:
             self._finish(req, "abort", None)
             self.counters["aborted_total"] += 1
         if wire is not None and decode is not None:
-            self._side.put((decode, ABORT, Abort(wire, "aborted by the client")))
+            self.peers.post((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and phase is Phase.DISPATCHED:
-                self._side.put((prefill, ABORT, Abort(wire, "aborted by the client")))
+                self.peers.post((prefill, ABORT, Abort(wire, "aborted by the client")))
 
     def record(self, request_id: str) -> RouterRequest | None:
         """The router's lifecycle record of a request (read it, do not change it); None once its events were read."""
@@ -268,7 +231,7 @@ class RouterBackend:
 
     def health(self) -> dict[str, Any]:
         with self._lock:
-            pairs = self._usable_pairs()
+            pairs = self.peers.usable_pairs()
             used = sum(p.health.pages_used for p in self.decodes.values() if p.ok and p.health is not None)
             total = sum(p.health.pages_total for p in self.decodes.values() if p.ok and p.health is not None)
             return {
@@ -278,8 +241,8 @@ class RouterBackend:
                 "pages_total": total,
                 "in_flight": len(self._live()),
                 "queued": len(self._queue),
-                "decode": [self._peer_view(p) for p in self.decodes.values()],
-                "prefill": [self._peer_view(p) for p in self.prefills.values()],
+                "decode": [self.peers.view(p) for p in self.decodes.values()],
+                "prefill": [self.peers.view(p) for p in self.prefills.values()],
                 "pairs": [
                     {"prefill": p, "decode": d, "ok": s.ok, "error": s.error, "skipped": s.skipped}
                     for (p, d), s in self.pairs.items()
@@ -293,7 +256,7 @@ class RouterBackend:
             out["router_queued"] = float(len(self._queue))
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
             out["prefill_workers_up"] = float(sum(p.ok for p in self.prefills.values()))
-            out["pairs_ready"] = float(len(self._usable_pairs()))
+            out["pairs_ready"] = float(len(self.peers.usable_pairs()))
             healths = [p.health for p in self.decodes.values() if p.health is not None]
             out["pool_pages_total"] = float(sum(h.pages_total for h in healths))
             out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
@@ -313,33 +276,6 @@ class RouterBackend:
         return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
 
     # ---- bookkeeping -------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _peer_view(p: _Peer) -> dict[str, Any]:
-        h = p.health
-        return {
-            "addr": p.addr,
-            "ok": p.ok,
-            "boot": p.boot,
-            "epoch": p.epoch,
-            "error": p.error,
-            "in_flight": p.inflight,
-            "pages_used": h.pages_used if h is not None else None,
-            "pages_total": h.pages_total if h is not None else None,
-            "integrity": h.integrity if h is not None else None,
-        }
-
-    def _usable_pairs(self) -> list[tuple[str, str]]:
-        with self._lock:
-            return [
-                (p, d)
-                for (p, d), s in self.pairs.items()
-                if s.ok and self.prefills[p].ok and self.decodes[d].ok and self.decodes[d].ready
-            ]
-
-    def _pickable(self) -> list[tuple[str, str]]:
-        now = time.monotonic()
-        return [(p, d) for p, d in self._usable_pairs() if self.decodes[d].busy_until <= now]
 
     def _live(self) -> list[RouterRequest]:
         return self._reqs.in_phase(Phase.QUEUED, Phase.DISPATCHED, Phase.DECODING)
@@ -376,17 +312,6 @@ class RouterBackend:
 
     # ---- dispatch ----------------------------------------------------------------------------------------
 
-    def _pick(self, req: RouterRequest) -> tuple[str, str] | None:
-        pairs = self._pickable()
-        if not pairs:
-            return None
-        return min(pairs, key=lambda pd: (self.decodes[pd[1]].inflight, self.prefills[pd[0]].inflight))
-
-    def _why_no_pair(self) -> str:
-        bad = [f"{p.role} {p.addr}: {p.error}" for p in list(self.decodes.values()) + list(self.prefills.values())]
-        bad += [f"pair {p}->{d}: {s.error}" for (p, d), s in self.pairs.items() if s.error]
-        return "; ".join(x for x in bad if not x.endswith(": None")) or "no pair handshaken yet"
-
     def _dispatch_loop(self) -> None:
         while not self._stop.is_set():
             placed = self.dispatch_next()
@@ -415,7 +340,7 @@ class RouterBackend:
                         req,
                         "error",
                         f"request {req.rid}: no prefill/decode pair could take it within "
-                        f"{self.t.queue:g}s ({self._why_no_pair()})",
+                        f"{self.t.queue:g}s ({self.peers.why_no_pair()})",
                     )
                 else:
                     self._queue.append(req.rid)
@@ -423,7 +348,7 @@ class RouterBackend:
 
     def _dispatch(self, req: RouterRequest) -> bool:
         """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
-        pick = self._pick(req)
+        pick = self.peers.pick()
         if pick is None:
             return False
         p_addr, d_addr = pick
@@ -444,7 +369,7 @@ class RouterBackend:
                 ),
             )
         except PeerUnavailable as e:
-            self._peer_down(dec, str(e))
+            self.peers.mark_down(dec, str(e))
             return False
         except NoFreePages:
             dec.busy_until = time.monotonic() + self.t.busy_backoff
@@ -459,7 +384,7 @@ class RouterBackend:
             return True
         with self._lock:
             if req.phase is not Phase.QUEUED:  # aborted meanwhile
-                self._side.put((d_addr, ABORT, Abort(wire, "aborted")))
+                self.peers.post((d_addr, ABORT, Abort(wire, "aborted")))
                 return True
             req.wire, req.decode, req.prefill = wire, d_addr, p_addr
             self._reqs.move(req, Phase.DISPATCHED)
@@ -481,7 +406,7 @@ class RouterBackend:
                 ),
             )
         except RpcError as e:
-            self._side.put((d_addr, ABORT, Abort(wire, f"prefill {p_addr} refused it: {e}")))
+            self.peers.post((d_addr, ABORT, Abort(wire, f"prefill {p_addr} refused it: {e}")))
             with self._lock:
                 if req.phase is Phase.DISPATCHED:
                     self._release_slot(req)
@@ -493,7 +418,7 @@ class RouterBackend:
                     return True
                 self.counters["retries_total"] += 1
             if isinstance(e, PeerUnavailable):
-                self._peer_down(pre, str(e))
+                self.peers.mark_down(pre, str(e))
             else:
                 with self._lock:
                     pre.ok, pre.error = False, str(e)
@@ -521,13 +446,13 @@ class RouterBackend:
                     self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
                     if res.boot == dec.boot:  # the same process came back: free what it still runs
                         for wire in dec.orphans:
-                            self._side.put((addr, ABORT, Abort(wire, "failed by the router")))
+                            self.peers.post((addr, ABORT, Abort(wire, "failed by the router")))
                     dec.orphans.clear()
                     dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
                 return True
             res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=wait))
         except PeerUnavailable as e:
-            self._peer_down(dec, str(e))
+            self.peers.mark_down(dec, str(e))
             return False
         except RpcError as e:
             log.warning("router: events from %s failed: %s", addr, e)
@@ -550,114 +475,31 @@ class RouterBackend:
             dec.cursor = res.cursor
         return True
 
-    def _fail_decode_requests(self, dec: _Peer, why: str) -> None:
+    def _fail_decode_requests(self, dec: PeerState, why: str) -> None:
         for req in list(self._by_wire.values()):
             if req.decode == dec.addr and req.phase in (Phase.DISPATCHED, Phase.DECODING):
                 if req.wire is not None:
                     dec.orphans.append(req.wire)
                 self._finish(req, "error", f"request {req.rid}: {why}")
 
-    def _peer_down(self, peer: _Peer, why: str) -> None:
-        with self._lock:
-            was = peer.ok
-            peer.ok, peer.error = False, why
-            if peer.role == "decode":
-                peer.ready = False
-                self._fail_decode_requests(peer, f"decode {peer.addr} is unavailable ({why})")
-            for (p, d), s in self.pairs.items():
-                if peer.addr in (p, d):
-                    s.ok = False
-        if was:
-            log.warning("router: %s %s is down: %s", peer.role, peer.addr, why)
-
     # ---- health -------------------------------------------------------------------------------------------
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.t.health_interval):
             try:
-                self.poll_health()
+                self.peers.poll_health()
             except Exception:
                 log.exception("router: health poll failed")
 
     def poll_health(self) -> None:
-        for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
-            try:
-                h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
-            except PeerUnavailable as e:
-                self._peer_down(peer, str(e))
-                continue
-            except RpcError as e:
-                with self._lock:
-                    peer.ok, peer.error = False, str(e)
-                continue
-            with self._lock:
-                if peer.role == "decode" and peer.boot is not None and h.boot != peer.boot:
-                    peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
-                peer.health = h
-                peer.epoch = h.epoch
-                peer.num_stages = h.num_stages
-                if peer.role == "prefill":
-                    peer.boot = h.boot
-                ok = h.ok
-                if ok and not peer.ok:
-                    log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.name)
-                peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
-        now = time.monotonic()
-        for (p, d), s in list(self.pairs.items()):
-            pre, dec = self.prefills[p], self.decodes[d]
-            key = (f"{pre.boot}/{pre.epoch}", dec.health.boot if dec.health is not None else None)
-            if not (pre.ok and dec.ok):
-                continue
-            if s.ok and s.key == key:
-                continue
-            if s.key == key and s.error and now - s.tried < self.t.connect_retry:
-                continue
-            s.tried = now
-            try:
-                res = pre.client.request(
-                    CONNECT,
-                    Connect(decode=d, boot=key[1], timeout=self.t.rpc),
-                    timeout=self.t.rpc * 2,
-                )
-            except RpcError as e:
-                with self._lock:
-                    s.ok, s.key, s.error = False, key, str(e)
-                log.warning("router: pairing prefill %s with decode %s failed: %s", p, d, e)
-                continue
-            with self._lock:
-                s.ok, s.key, s.error = True, key, None
-                s.skipped = sorted({k for st in res.stages for k in st.skipped})
-            log.info("router: prefill %s paired with decode %s (skipped one-sided: %s)", p, d, s.skipped or "none")
+        """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
+        self.peers.poll_health()
 
-    # ---- side RPCs ------------------------------------------------------------------------------------------
-
-    def _side_loop(self) -> None:
-        while True:
-            item = self._side.get()
-            if item is None:
-                return
-            self._side_call(*item)
+    def _decode_down(self, dec: PeerState, why: str) -> None:
+        self._fail_decode_requests(dec, f"decode {dec.addr} is unavailable ({why})")
 
     def drain_side(self) -> int:
         """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""
-        n = 0
-        while True:
-            try:
-                item = self._side.get_nowait()
-            except queue.Empty:
-                return n
-            if item is not None:
-                self._side_call(*item)
-                n += 1
+        return self.peers.drain_side()
 
-    def _side_call(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:
-        c = self._side_clients.get(addr)
-        if c is None:
-            c = self._side_clients[addr] = RpcClient(addr, timeout=self.t.side_rpc)
-        try:
-            c.request(rpc, msg)
-        except RpcError as e:
-            log.info("router: %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
-
-
-__all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
+    __all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]

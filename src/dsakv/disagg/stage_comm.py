@@ -3,7 +3,7 @@
 Stage k sends stage k+1 one message per step (torch.distributed point-to-point, gloo on CPU):
 
     header  int64[6]   MAGIC | step | meta bytes | tokens T | hidden bytes per token | top-k width K
-    meta    uint8      msgpack: what the step computes (ForwardBatch fields, request ids, jobs)
+    meta    uint8      msgpack: messages.StepMsg (ForwardBatch fields, step rows, new jobs, drops, cache)
     hidden  uint8      [T, hidden bytes per token]  the residual stream, raw bytes of the model dtype
     topk    int64      [T, K]                       the last producer's top-k (-1 padded), if any
 

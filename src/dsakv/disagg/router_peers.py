@@ -1,0 +1,216 @@
+"""The router's view of its workers: each prefill and decode worker's health and load, every prefill-decode pair's
+handshake, and the best-effort side RPCs (aborts) to them.
+
+    peers = PeerTable(prefill_addrs, decode_addrs, timeouts, lock, on_decode_down=...)
+    peers.poll_health()          HEALTH of every worker; CONNECT every healthy pair not yet paired for this
+                                 (prefill boot/epoch, decode boot); a peer that does not answer is marked down
+    peers.pick()                 the least loaded usable pair (decode first, then prefill), or None
+    peers.post((addr, ABORT, Abort(rid)))   sent in order by the side thread (side_loop) or drain_side()
+
+Imports dsakv.disagg.{rpc, messages, timeouts}; no torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.disagg.messages import CONNECT, HEALTH, Connect, Health, HealthQuery
+from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerState:
+    addr: str
+    role: str
+    client: RpcClient
+    ok: bool = False
+    boot: str | None = None
+    epoch: str | None = None
+    num_stages: int = 1
+    health: Health | None = None
+    error: str | None = "not contacted yet"
+    inflight: int = 0
+    ready: bool = False  # decode: its event cursor is known for this boot
+    cursor: int = 0
+    orphans: list[str] = field(default_factory=list)  # decode: attempts failed here while it was unreachable
+    busy_until: float = 0.0  # decode: said NoFreePages; not asked again before then
+
+
+@dataclass
+class PairState:
+    ok: bool = False
+    key: tuple[str | None, str | None] = (None, None)  # (prefill epoch, decode boot) it was made for
+    error: str | None = None
+    tried: float = 0.0
+    skipped: list[str] = field(default_factory=list)
+
+
+class PeerTable:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        t: Timeouts,
+        lock: threading.RLock,
+        on_decode_down: Callable[[PeerState, str], None],
+    ) -> None:
+        self.t = t
+        self._lock = lock  # the router's: peers and requests change together
+        self.on_decode_down = on_decode_down
+        self.decodes = {a: PeerState(a, "decode", RpcClient(a, timeout=t.rpc)) for a in decode}
+        self.prefills = {a: PeerState(a, "prefill", RpcClient(a, timeout=t.rpc)) for a in prefill}
+        self.pairs: dict[tuple[str, str], PairState] = {(p, d): PairState() for p in prefill for d in decode}
+        self._side: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
+        self._side_clients: dict[str, RpcClient] = {}
+
+    @staticmethod
+    def view(p: PeerState) -> dict[str, Any]:
+        h = p.health
+        return {
+            "addr": p.addr,
+            "ok": p.ok,
+            "boot": p.boot,
+            "epoch": p.epoch,
+            "error": p.error,
+            "in_flight": p.inflight,
+            "pages_used": h.pages_used if h is not None else None,
+            "pages_total": h.pages_total if h is not None else None,
+            "integrity": h.integrity if h is not None else None,
+        }
+
+    def usable_pairs(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return [
+                (p, d)
+                for (p, d), s in self.pairs.items()
+                if s.ok and self.prefills[p].ok and self.decodes[d].ok and self.decodes[d].ready
+            ]
+
+    def pickable(self) -> list[tuple[str, str]]:
+        now = time.monotonic()
+        return [(p, d) for p, d in self.usable_pairs() if self.decodes[d].busy_until <= now]
+
+    def pick(self) -> tuple[str, str] | None:
+        pairs = self.pickable()
+        if not pairs:
+            return None
+        return min(pairs, key=lambda pd: (self.decodes[pd[1]].inflight, self.prefills[pd[0]].inflight))
+
+    def why_no_pair(self) -> str:
+        bad = [f"{p.role} {p.addr}: {p.error}" for p in list(self.decodes.values()) + list(self.prefills.values())]
+        bad += [f"pair {p}->{d}: {s.error}" for (p, d), s in self.pairs.items() if s.error]
+        return "; ".join(x for x in bad if not x.endswith(": None")) or "no pair handshaken yet"
+
+    def mark_down(self, peer: PeerState, why: str) -> None:
+        """`peer` stopped answering: no pair with it is used; a decode's requests fail (on_decode_down)."""
+        with self._lock:
+            was = peer.ok
+            peer.ok, peer.error = False, why
+            if peer.role == "decode":
+                peer.ready = False
+                self.on_decode_down(peer, why)
+            for (p, d), s in self.pairs.items():
+                if peer.addr in (p, d):
+                    s.ok = False
+        if was:
+            log.warning("router: %s %s is down: %s", peer.role, peer.addr, why)
+
+    def poll_health(self) -> None:
+        """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
+        for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
+            try:
+                h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
+            except PeerUnavailable as e:
+                self.mark_down(peer, str(e))
+                continue
+            except RpcError as e:
+                with self._lock:
+                    peer.ok, peer.error = False, str(e)
+                continue
+            with self._lock:
+                if peer.role == "decode" and peer.boot is not None and h.boot != peer.boot:
+                    peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
+                peer.health = h
+                peer.epoch = h.epoch
+                peer.num_stages = h.num_stages
+                if peer.role == "prefill":
+                    peer.boot = h.boot
+                ok = h.ok
+                if ok and not peer.ok:
+                    log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.name)
+                peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
+        now = time.monotonic()
+        for (p, d), s in list(self.pairs.items()):
+            pre, dec = self.prefills[p], self.decodes[d]
+            key = (f"{pre.boot}/{pre.epoch}", dec.health.boot if dec.health is not None else None)
+            if not (pre.ok and dec.ok):
+                continue
+            if s.ok and s.key == key:
+                continue
+            if s.key == key and s.error and now - s.tried < self.t.connect_retry:
+                continue
+            s.tried = now
+            try:
+                res = pre.client.request(
+                    CONNECT,
+                    Connect(decode=d, boot=key[1], timeout=self.t.rpc),
+                    timeout=self.t.rpc * 2,
+                )
+            except RpcError as e:
+                with self._lock:
+                    s.ok, s.key, s.error = False, key, str(e)
+                log.warning("router: pairing prefill %s with decode %s failed: %s", p, d, e)
+                continue
+            with self._lock:
+                s.ok, s.key, s.error = True, key, None
+                s.skipped = sorted({k for st in res.stages for k in st.skipped})
+            log.info("router: prefill %s paired with decode %s (skipped one-sided: %s)", p, d, s.skipped or "none")
+
+    def post(self, item: tuple[str, Rpc[Any, Any], Any]) -> None:
+        """Queue a best-effort RPC (an abort) for the side thread."""
+        self._side.put(item)
+
+    def stop_side(self) -> None:
+        self._side.put(None)
+
+    def close(self) -> None:
+        for p in list(self.decodes.values()) + list(self.prefills.values()):
+            p.client.close()
+
+    def side_loop(self) -> None:
+        while True:
+            item = self._side.get()
+            if item is None:
+                return
+            self._side_call(*item)
+
+    def drain_side(self) -> int:
+        """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""
+        n = 0
+        while True:
+            try:
+                item = self._side.get_nowait()
+            except queue.Empty:
+                return n
+            if item is not None:
+                self._side_call(*item)
+                n += 1
+
+    def _side_call(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:
+        c = self._side_clients.get(addr)
+        if c is None:
+            c = self._side_clients[addr] = RpcClient(addr, timeout=self.t.side_rpc)
+        try:
+            c.request(rpc, msg)
+        except RpcError as e:
+            log.info("router: %s %s(%s) failed: %s", addr, rpc.name, getattr(msg, "rid", ""), e)
