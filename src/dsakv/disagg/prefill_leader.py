@@ -4,7 +4,8 @@
     loop: control (RELEASED / ABORT from other threads, KV deadlines) ─► engine.step():
           scheduler (chunked prefill, prefix cache, preemption) ─► PipelineRunner.run(chunks):
               ForwardBatch ─► this stage's layers ─► StepMsg (rows, new jobs, drops, cache set, host copies)
-              + hidden + top-k to stage 1 (StageGroup, gloo); logits only if stage 0 is also the last stage
+              + hidden + top-k; logits only if stage 0 is also the last stage
+          ─► once Engine.step returned (its lock released): the step to stage 1 (StageGroup, gloo)
           ─► outputs: a request whose prompt finished goes TRANSFERRING (KvSender; first token if last stage);
              a failed step's requests are dropped (decode told)
     idle: a tick (drops, cache set, host copies) every Timeouts.tick so later stages' receives never time out
@@ -62,22 +63,19 @@ log = logging.getLogger(__name__)
 
 
 class PipelineRunner:
-    """The Engine's StepRunner on stage 0: runs this stage's layers and hands the step to stage 1."""
+    """The Engine's StepRunner on stage 0: runs this stage's layers and leaves the step for stage 1 in `outbox`
+    (the leader sends it once Engine.step returned: the gloo send waits for stage 1, and the engine's lock is
+    not held meanwhile, so submissions and health are answered while the pipeline is busy)."""
 
     def __init__(
-        self,
-        ctx: StageContext,
-        pool: DevicePool,
-        step_msg: Callable[[Sequence[ScheduledChunk], Any], StepMsg],
-        send: Callable[[StageMessage], None],
+        self, ctx: StageContext, pool: DevicePool, step_msg: Callable[[Sequence[ScheduledChunk], Any], StepMsg]
     ) -> None:
         self.ctx = ctx
         self.pool = pool
         self.step_msg = step_msg
-        self.send = send
         self.step = 0
         self.ran = False
-        self.link_error: StageLinkError | None = None
+        self.outbox: tuple[StageMessage, StepMsg] | None = None
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
         self.ran = True
@@ -87,11 +85,7 @@ class PipelineRunner:
         with torch.no_grad():
             carry = self.ctx.model.stage_forward(batch, self.pool)
         if meta is not None:
-            try:
-                self.send(StageMessage(self.step, to_wire(meta), carry.hidden, carry.topk))
-            except StageLinkError as e:
-                self.link_error = e
-                raise
+            self.outbox = (StageMessage(self.step, to_wire(meta), carry.hidden, carry.topk), meta)
         return carry.logits if self.ctx.last else None
 
 
@@ -127,7 +121,7 @@ class PipelineLeader:
         self._last_send = 0.0
 
     def _runner(self, pool: DevicePool) -> PipelineRunner:
-        self.runner = PipelineRunner(self.ctx, pool, self._step_msg, self._send)
+        self.runner = PipelineRunner(self.ctx, pool, self._step_msg)
         return self.runner
 
     # ---- RPC (other threads) ------------------------------------------------------------------------
@@ -191,17 +185,16 @@ class PipelineLeader:
         self._apply_control()
         tick = None
         with self.lock:
-            self.runner.ran, self.runner.link_error = False, None
+            self.runner.ran, self.runner.outbox = False, None
             outs = self.engine.step()
-            broke = self.runner.link_error
-            self._settle(outs, broke)
-            ran = self.runner.ran
+            self._settle(outs)
+            ran, out = self.runner.ran, self.runner.outbox
             if ran:
                 ctx.counters["steps"] += 1
             elif ctx.size > 1 and (self._drops or time.monotonic() - self._last_send >= ctx.t.tick):
                 tick = self._with_cache(StepMsg(TICK, drop=self._take_drops()))
-        if broke is not None:
-            raise broke
+        if out is not None:
+            self._send_step(*out)
         if tick is not None:
             self._send(StageMessage(self.runner.step, to_wire(tick)))
         if not ran:
@@ -244,15 +237,28 @@ class PipelineLeader:
     def _on_schedule(self, sched: SchedulerOutput) -> None:
         self._drops += [r.request_id for r in sched.preempted]  # later stages drop their books of these
 
-    def _settle(self, outs: list[RequestOutput], broke: StageLinkError | None) -> None:
+    def _send_step(self, msg: StageMessage, meta: StepMsg) -> None:
+        """Send a step on; if the pipeline broke, the requests whose prompt completed in it never reach the later
+        stages: their decode is told now (what still computes fails in on_break)."""
+        try:
+            self._send(msg)
+        except StageLinkError as e:
+            why = f"prefill {self.ctx.name}: the pipeline broke during its step ({e})"
+            with self.lock:
+                for row in meta.seqs:
+                    job = self.ctx.jobs.get(row.rid)
+                    if row.last and job is not None and job.transferring:
+                        self.ctx.sender.fail(job, why)
+            raise
+
+    def _settle(self, outs: list[RequestOutput]) -> None:
         ctx = self.ctx
         for o in outs:
             job = ctx.jobs.get(o.request_id)
             if job is None or job.transferring or not o.finished or o.finish_reason is FinishReason.ABORT:
                 continue
             if o.finish_reason is FinishReason.ERROR:
-                why = f"the pipeline broke during its step ({broke})" if broke else (o.error or "prefill step failed")
-                ctx.fail(job, f"prefill {ctx.name}: {why}")
+                ctx.fail(job, f"prefill {ctx.name}: {o.error or 'prefill step failed'}")
                 continue
             ctx.jobs.move(job, Phase.TRANSFERRING)
             job.pending = set(range(ctx.size))
