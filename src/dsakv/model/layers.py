@@ -81,12 +81,24 @@ class MoE(nn.Module):
         self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; experts in id order, token outputs summed with index_add_ (as transformers)."""
+        """x [N, hidden]; tokens grouped per expert by one stable sort, one gather and one scatter-add.
+
+        Expert outputs are added in expert-id order per token (the stable sort keeps it), as transformers'
+        per-expert index_add_ does; only the experts some token chose run.
+        """
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        hit = torch.unique(ids).tolist()
-        for e in hit:
-            tok, pos = torch.where(ids == e)
-            y = self.experts[e](x[tok]) * weights[tok, pos, None]
-            out.index_add_(0, tok, y.to(out.dtype))
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = torch.div(order, k, rounding_mode="floor")
+        xs = x[tok]  # one gather: [N * k, hidden], grouped by expert
+        ws = weights.reshape(-1)[order, None]
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        ys, start = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                ys.append(self.experts[e](xs[start : start + c]))
+                start += c
+        y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * ws
+        out = torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # one scatter
         return out + self.shared_experts(x)
