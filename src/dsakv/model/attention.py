@@ -54,7 +54,7 @@ from torch import nn
 from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.config import DSAConfig
 from dsakv.model.layers import RMSNorm
-from dsakv.model.rope import apply_half_split, apply_interleaved
+from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
 # Bound on the elements of one score (or gathered-row) block; longer prefills are split into query blocks.
@@ -105,6 +105,13 @@ class StepContext:
             self._memo["row0"] = torch.cumsum(self.seq_lens, 0) - self.seq_lens
         return self._memo["rows"], self._memo["row0"]
 
+    def rope(self, width: int, interleaved: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The step's rope as [T, width, width] rotation matrices (see rope.rotation_matrix), built once."""
+        name = f"rope{width}{'i' if interleaved else 'h'}{dtype}"
+        if name not in self._memo:
+            self._memo[name] = rotation_matrix(self.cos, self.sin, width, interleaved).to(dtype)
+        return self._memo[name]
+
     def query_blocks(self, per_token: int) -> list[tuple[int, int]]:
         """Flat token ranges whose per_token elements each stay under SCORE_BLOCK_ELEMS (decode: one block)."""
         t = self.num_tokens
@@ -141,16 +148,11 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(s.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        rot = apply_interleaved(rot, cos, sin) if self.interleaved else apply_half_split(rot, cos, sin)
-        return torch.cat([rot, rest], dim=-1)
-
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext, layer: int) -> TopK:
         t = x.shape[0]
-        cos, sin = ctx.cos.to(x.dtype), ctx.sin.to(x.dtype)
-        q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), cos, sin).float()
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
+        q = torch.matmul(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), rot).float()
+        k = torch.matmul(self.k_norm(self.wk(x)).unsqueeze(1), rot).squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
@@ -211,14 +213,14 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
         t = x.shape[0]
         h = self.num_heads
-        cos, sin = ctx.cos.to(x.dtype), ctx.sin.to(x.dtype)
+        rot = ctx.rope(self.rope_dim, True, x.dtype)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, h, self.qk_head_dim)
         q_nope = q[..., : self.nope]
-        q_rot = apply_interleaved(q[..., self.nope :], cos, sin)
+        q_rot = torch.matmul(q[..., self.nope :], rot)
         kv, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(kv)
-        k_rot = apply_interleaved(k_rot, cos, sin)
+        k_rot = torch.matmul(k_rot.unsqueeze(1), rot).squeeze(1)
         kv_key = BufferKey(self.layer, Kind.KV)
         ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
 
