@@ -217,7 +217,12 @@ def copy_page_set(
         if _POOL is None or _POOL._max_workers != threads:
             _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsakv-copy")
         chunks = [jobs[i::threads] for i in range(threads)]
-        list(_POOL.map(lambda js: [move(j) for j in js], chunks))
+
+        def move_all(js: list[tuple[tuple[int, int, int], tuple[int, int, int]]]) -> None:
+            for j in js:
+                move(j)
+
+        list(_POOL.map(move_all, chunks))
     else:
         for job in jobs:
             move(job)
