@@ -43,6 +43,8 @@ class MLP(nn.Module):
 class Router(nn.Module):
     """Sigmoid scores + e_score_correction_bias for the choice, group-limited top-k, renormalised, scaled."""
 
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: DSAConfig) -> None:
         super().__init__()
         s = cfg.spec

@@ -6,8 +6,8 @@ save_pretrained write) or fused (experts.gate_up_proj [E, 2I, H], experts.down_p
 block-FP8 weights with `weight_scale_inv` (128 x 128 blocks) are dequantised; MTP / next-n
 layers (index >= num_hidden_layers) are skipped by load_model and read by load_draft; a missing
 lm_head with tied embeddings reuses embed_tokens. Router weights, e_score_correction_bias and
-indexer.weights_proj stay float32
-(transformers keeps them in fp32 too). Imports torch, safetensors, dsakv.spec and dsakv.model.
+indexer.weights_proj stay float32 (transformers keeps them in fp32 too).
+Imports torch, safetensors, dsakv.spec and dsakv.model.
 """
 
 from __future__ import annotations

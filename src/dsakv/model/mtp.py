@@ -86,10 +86,12 @@ class MTPDraft(nn.Module):
         self.cfg = cfg
         n = cfg.spec.num_layers
         self.layers = nn.ModuleList(MTPLayer(cfg, n + j) for j in range(num_layers))
+        self._layer_ids = tuple(n + j for j in range(num_layers))
 
     @property
     def layer_ids(self) -> tuple[int, ...]:
-        return tuple(int(lay.layer_id) for lay in self.layers)
+        """Pool layer ids of the draft layers (num_hidden_layers + j)."""
+        return self._layer_ids
 
     def step(
         self,
