@@ -130,6 +130,9 @@ class Engine:
         hicache_storage: Any = None,
         layout: KVLayout | None = None,
         runner: Callable[[DevicePool], StepRunner] | None = None,
+        speculative_num_steps: int = 0,
+        draft: Any = None,
+        spec_poison_rejected: bool = False,
     ) -> None:
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
@@ -140,8 +143,27 @@ class Engine:
             self.model_dir = Path(model)
             self.spec, self.model = load_model(self.model_dir, dtype=dtype)
         self.model.eval()
+        if isinstance(speculative_num_steps, bool) or not isinstance(speculative_num_steps, int):
+            raise ConfigError(f"speculative_num_steps = {speculative_num_steps!r} must be an integer >= 0")
+        if speculative_num_steps < 0:
+            raise ConfigError(f"speculative_num_steps = {speculative_num_steps} must be >= 0 (0 = no speculation)")
+        self.speculative_num_steps = speculative_num_steps
+        if speculative_num_steps and draft is None:
+            if self.model_dir is None:
+                raise ConfigError("speculative decoding needs the MTP draft: pass draft= (load_draft) with the model")
+            from dsakv.model.loader import load_draft
+
+            draft = load_draft(self.model_dir, dtype=dtype)
+        self.draft = draft if speculative_num_steps else None
+        if layout is not None and self.draft is not None:
+            raise ConfigError("speculative decoding with an injected layout is not supported (PD roles: not yet)")
         self.layout = layout or KVLayout(
-            self.spec, elide=elide, kv_format=kv_format, index_format=index_format, page_size=page_size
+            self.spec,
+            elide=elide,
+            kv_format=kv_format,
+            index_format=index_format,
+            page_size=page_size,
+            draft_layers=1 if self.draft is not None else 0,
         )
         page_size = self.layout.page_size
         if num_pages is not None and max_tokens is not None:
@@ -189,6 +211,20 @@ class Engine:
         )
         self.runner: StepRunner = runner(self.pool) if runner is not None else ModelRunner(self.model, self.pool)
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
+        self.speculator: Any = None
+        if self.draft is not None:
+            from dsakv.engine.speculative import Speculator
+
+            self.draft.to(self.model.device)
+            self.speculator = Speculator(
+                self.model,
+                self.draft,
+                self.pool,
+                speculative_num_steps,
+                max_seq_len=self.max_seq_len,
+                poison_rejected=spec_poison_rejected,
+            )
+            self.scheduler.draft_lookahead = self.speculator.lookahead
         self.eos_token_ids = (
             tuple(int(e) for e in eos_token_ids)
             if eos_token_ids is not None
@@ -334,6 +370,8 @@ class Engine:
                     )
                 return outputs
             self._steps += 1
+            if self.speculator is not None:
+                return self._spec_step(sched, outputs)
             chunks = sched.chunks
             try:
                 logits = self.runner.run(chunks)
@@ -365,6 +403,45 @@ class Engine:
             if self.check_every_step:
                 self.check_integrity()
             return outputs
+
+    def _spec_step(self, sched: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """step() with speculative decoding (engine/speculative.py): draft, verify, accept, roll back."""
+        chunks = sched.chunks
+        try:
+            produced = self.speculator.run(chunks)
+        except Exception as e:  # the step failed: its requests finish with the error, pages come back
+            log.exception("speculative step failed for %d requests", len(chunks))
+            failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
+            for r in failed:
+                self.speculator.forget(r.request_id)
+            outputs.extend(RequestOutput.of(r, 0) for r in failed)
+            if self.check_every_step:
+                self.check_integrity()
+            return outputs
+        for c in chunks:
+            if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+                self._decode_tokens += 1 + c.num_draft
+            else:
+                self._prefill_tokens += c.num_tokens
+        before = {c.request.request_id: c.request.num_output_tokens for c in chunks}
+        got = self.scheduler.update_spec(sched, produced)
+        for r in got:
+            n = r.num_output_tokens - before[r.request_id]
+            self._generated += n
+            outputs.append(RequestOutput.of(r, n))
+            if r.is_finished:
+                self.speculator.forget(r.request_id)
+        if len(self.speculator.states) > len(self.scheduler.requests):
+            for rid in [rid for rid in self.speculator.states if rid not in self.scheduler.requests]:
+                self.speculator.forget(rid)
+        if self.check_every_step:
+            self.check_integrity()
+        return outputs
+
+    def spec_stats(self) -> dict[str, float] | None:
+        """Speculative decoding counters (acceptance rate, mean accepted length, ...), None without speculation."""
+        with self._lock:
+            return self.speculator.stats.to_dict() if self.speculator is not None else None
 
     def generate(
         self,
