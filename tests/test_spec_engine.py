@@ -178,3 +178,53 @@ def test_speculation_needs_an_mtp_layer(tmp_path):
         Engine(plain, speculative_num_steps=2)
     with pytest.raises(ConfigError, match="speculative_num_steps = -1"):
         Engine(plain, speculative_num_steps=-1)
+
+
+def test_http_api_and_metrics_with_speculation(fitted):
+    import httpx
+
+    from serve_support import live_server, scrape
+
+    prompts = _prompts()[:3]
+    want = _reference(fitted, prompts)
+    with live_server(_engine(fitted, 2)) as (srv, backend):
+        got = []
+        for p in prompts:
+            body = {"prompt": p, "max_tokens": GREEDY.max_new_tokens, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+            got.append(r.json()["choices"][0]["token_ids"])
+        m = scrape(srv.url)
+        st = backend.engine.spec_stats()
+    assert got == want[:3]
+    assert st is not None and st["spec_draft_tokens"] > 0
+    for k, v in st.items():
+        assert m[f"dsakv_{k}"] == pytest.approx(v)
+    assert m["dsakv_kv_bytes_per_token"] == 4928
+
+
+def test_cli_speculative_flags(fitted, capsys):
+    from dsakv.cli.main import main as cli_main
+
+    ckpt = str(fitted[0])
+    p = ",".join(map(str, fit_prompts(512, 1)[0]))
+    args = [
+        "generate",
+        "--model",
+        ckpt,
+        "--prompt-ids",
+        p,
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--page-size",
+        "4",
+    ]
+    assert cli_main(args + ["--speculative-num-steps", "2", "--stats"]) == 0
+    on = capsys.readouterr()
+    assert cli_main(args) == 0
+    off = capsys.readouterr()
+    assert on.out == off.out and '"speculative"' in on.err
+    assert cli_main(["serve", "--role", "decode", "--model", ckpt, "--speculative-num-steps", "2"]) == 2
+    assert "disaggregated roles do not speculate yet" in capsys.readouterr().err
+    assert cli_main(["make-tiny", str(fitted[0].parent / "x"), "--fit-mtp"]) == 2
+    assert "add --mtp 1" in capsys.readouterr().err

@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     run_g = p.add_argument_group("engine")
     run_g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill budget)")
+    run_g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
+        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution",
+    )
     run_g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)")
     run_g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     run_g.add_argument("--json", action="store_true", help="print JSON")
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         dtype=getattr(torch, args.dtype),
         seed=args.seed,
+        speculative_num_steps=args.speculative_num_steps,
         **hicache_kwargs(args),
     )
     ids: list[str] = []
@@ -164,4 +173,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)
+        if engine.spec_stats() is not None:
+            print(json.dumps({"speculative": engine.spec_stats()}), file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0

@@ -74,6 +74,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)")
     eng.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     eng.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+    eng.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with the checkpoint's MTP layer reused K times (default 0 = off; colocated "
+        "role; the pool then holds the draft layer's KV and index-K, and /metrics shows dsakv_spec_*)",
+    )
     disagg_roles.add_arguments(p)
 
 
@@ -103,6 +111,7 @@ def num_pages_for(
         kv_format=args.kv_format,
         index_format=args.index_format,
         page_size=args.page_size,
+        draft_layers=1 if getattr(args, "speculative_num_steps", 0) else 0,
     )
     return max_total_num_tokens(parse_size(args.kv_budget, "--kv-budget"), layout) // args.page_size
 
@@ -111,7 +120,7 @@ def engine_kwargs(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     """Engine(...) keyword arguments from the shared options (not the model)."""
     import torch
 
-    return dict(
+    kw: dict[str, Any] = dict(
         elide=args.elide,
         kv_format=args.kv_format,
         index_format=args.index_format,
@@ -124,6 +133,9 @@ def engine_kwargs(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
         seed=args.seed,
         **hicache_kwargs(args),
     )
+    if args.speculative_num_steps:  # only the colocated role speculates (run() refuses it for the others)
+        kw["speculative_num_steps"] = args.speculative_num_steps
+    return kw
 
 
 def setup_logging(level: str) -> None:
@@ -184,4 +196,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.role == "colocated":
         return run_colocated(args)
+    if args.speculative_num_steps:
+        raise ConfigError(
+            f"--speculative-num-steps {args.speculative_num_steps} with --role {args.role}: disaggregated roles do not "
+            "speculate yet (the prefill would have to send the draft layer's KV); serve --role colocated, or drop it"
+        )
     return int(disagg_roles.run_role(args) or 0)

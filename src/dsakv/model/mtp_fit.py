@@ -134,6 +134,15 @@ def fit_mtp(
     table agrees ~12% of the time): the fit learns the continuations of the seeded fit_prompts() set, on
     which acceptance is then high, and reports the agreement on fresh prompts (low) next to it.
     """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # deterministic and fast at this size (more threads only contend)
+    try:
+        return _fit(Path(ckpt), num_prompts, new_tokens, steps, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit(root: Path, num_prompts: int, new_tokens: int, steps: int, lr: float, seed: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from dsakv.engine.engine import Engine
@@ -142,7 +151,6 @@ def fit_mtp(
     from dsakv.model.tiny import write_mtp_layers
 
     t_start = time.perf_counter()
-    root = Path(ckpt)
     spec, model = load_model(root)
     if spec.num_draft_layers < 1:
         raise ConfigError(f"--fit-mtp: {str(root)!r} has no MTP layer: add --mtp 1")
