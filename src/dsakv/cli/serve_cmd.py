@@ -21,6 +21,7 @@ from typing import Any
 
 from dsakv.cli import disagg_roles
 from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
+from dsakv.cli.http_options import add_http_arguments, http_limits
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
@@ -68,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--num-pages", type=int, default=None, help="pool pages")
     size.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
     add_hicache_arguments(p)
+    add_http_arguments(p)
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill budget)")
     eng.add_argument("--max-running-requests", type=int, default=None, help="requests per batch (default 64)")
@@ -143,10 +145,16 @@ def setup_logging(level: str) -> None:
 
 
 def serve_http(app: Any, args: argparse.Namespace) -> int:
-    """Run an ASGI app with uvicorn on --host/--port until interrupted."""
+    """Run an ASGI app with uvicorn on --host/--port until interrupted, under the HTTP limits (http_options)."""
     import uvicorn
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    from dsakv.serve.limits import uvicorn_settings
+
+    guard = app.state.http_guard
+    guard.limits = http_limits(args)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, **uvicorn_settings(guard)
+    )
     try:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
