@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
+from dsakv.cli.validate import validate_checkpoint, validate_generate, validate_pool
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    validate_generate(args)
+    validate_pool(args, validate_checkpoint(model_dir))
     prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
     tokenizer = None
     if args.prompt:

@@ -200,7 +200,19 @@ def run_colocated(args: argparse.Namespace) -> int:
     return serve_http(app, args)
 
 
+def validate(args: argparse.Namespace) -> None:
+    """Refuse bad options before anything loads or binds (cli/validate.py); the checkpoint of roles that load one."""
+    from dsakv.cli.validate import validate_checkpoint, validate_pool, validate_serve
+
+    validate_serve(args)
+    if args.role != "router":
+        validate_pool(args, validate_checkpoint(model_dir_of(args)))
+    elif args.model:
+        validate_checkpoint(model_dir_of(args))
+
+
 def run(args: argparse.Namespace) -> int:
+    validate(args)
     setup_logging(args.log_level)
     if args.role == "colocated":
         return run_colocated(args)

@@ -41,7 +41,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {str(cfg_path)!r}: pass a checkpoint directory (dsakv make-tiny DIR)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{str(cfg_path)!r} must hold a JSON object")
