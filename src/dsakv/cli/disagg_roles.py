@@ -149,14 +149,6 @@ def _start_or_exit(worker: Any, **kw: Any) -> None:
             _exit_now(2)
 
 
-def _bind_data_plane(args: argparse.Namespace) -> None:
-    """Mooncake binds every interface: re-exec under dsakv's bind shim so it listens on --host only."""
-    if args.transfer_backend == "mooncake":
-        from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
-
-        ensure_bound_to_host(args.host, "mooncake (KV transfer)")
-
-
 def _threads(args: argparse.Namespace) -> None:
     import torch
 
@@ -169,7 +161,6 @@ def run_decode(args: argparse.Namespace) -> int:
     from dsakv.spec.model import ModelSpec
 
     model_dir = model_dir_of(args)
-    _bind_data_plane(args)
     _threads(args)
     spec = ModelSpec.from_path(model_dir)
     cfg = DecodeConfig(
@@ -290,7 +281,6 @@ def run_prefill(args: argparse.Namespace) -> int:
     from dsakv.spec.model import ModelSpec
 
     model_dir = model_dir_of(args)
-    _bind_data_plane(args)
     _threads(args)
     spec = ModelSpec.from_path(model_dir)
     partition = _partition(args)

@@ -211,9 +211,21 @@ def validate(args: argparse.Namespace) -> None:
         validate_checkpoint(model_dir_of(args))
 
 
+def bind_data_plane(args: argparse.Namespace) -> None:
+    """Mooncake (KV transfer of decode/prefill, or the L3 store client) binds every interface: re-exec this process
+    once under dsakv's bind shim so it listens on --host only (disagg/backends/bind_shim.py)."""
+    transfer = args.role in ("decode", "prefill") and getattr(args, "transfer_backend", None) == "mooncake"
+    store = args.role != "router" and getattr(args, "hicache_storage", None) == "mooncake"
+    if transfer or store:
+        from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
+
+        ensure_bound_to_host(args.host, "mooncake (KV transfer)" if transfer else "mooncake store client (L3)")
+
+
 def run(args: argparse.Namespace) -> int:
     validate(args)
     setup_logging(args.log_level)
+    bind_data_plane(args)
     if args.role == "colocated":
         return run_colocated(args)
     if args.speculative_num_steps:
