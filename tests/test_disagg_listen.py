@@ -2,7 +2,7 @@
 listens on 127.0.0.1 only: every LISTEN socket of every process (its RPC, the gloo rendezvous and pairs, and
 Mooncake's handshake and data listeners, which bind all interfaces unless dsakv's bind shim rewrites them) is on
 loopback, after a request went through, and the data-plane ports refuse a connection on this machine's other
-address. The shim itself is checked on a plain wildcard bind."""
+address. The shim itself is checked on a plain wildcard bind, and `dsakv store-master` likewise."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import textwrap
 import httpx
 import pytest
 
-from disagg_support import Cluster, assert_clean, free_ports, wait_for
+from disagg_support import Cluster, Proc, assert_clean, free_ports, wait_for
 from dsakv.disagg.backends.bind_shim import ENV_HOST, shim_path
 from engine_support import tiny_path
 from listen_support import is_loopback, listening_sockets
@@ -86,5 +86,23 @@ def test_pd_deployment_listens_on_loopback_only(tmp_path):
                 for _pid, _addr, prt in socks:
                     with pytest.raises(OSError):
                         socket.create_connection((other, prt), timeout=2).close()
+    finally:
+        c.close()
+
+
+def test_store_master_listens_on_loopback_only(tmp_path):
+    """`dsakv store-master` (the L3 tier's Mooncake master + store memory) binds 127.0.0.1 only, its
+    mooncake_master child included."""
+    c = Cluster(tiny_path("glm_moe_dsa"), tmp_path)
+    port = free_ports(3)
+    cmd = [sys.executable, "-m", "dsakv", "store-master", "--port", str(port), "--size", "16MiB"]
+    p = Proc("store-master", cmd, tmp_path / "store-master.log", f"127.0.0.1:{port}").start()
+    c.procs.append(p)
+    try:
+        wait_for(lambda: "store master ready" in p.log.read_text(errors="replace"), 60, "store master", [p])
+        socks = listening_sockets(p.pid)
+        ports = {s[2] for s in socks}
+        assert {port, port + 1, port + 2} <= ports and len(ports) >= 5, socks  # + mooncake's two listeners
+        assert all(is_loopback(s[1]) for s in socks), socks
     finally:
         c.close()

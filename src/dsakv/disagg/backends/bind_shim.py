@@ -15,7 +15,9 @@ rewrites a wildcard bind() to the deployment's host:
 
 The shim is compiled with the system C compiler on first use into ~/.cache/dsakv (atomic rename, keyed by its
 source hash). Without a compiler, or with a wildcard --host, nothing changes and the startup log says that the
-engine listens on every interface. Standard library only.
+engine listens on every interface. The re-exec also sets MC_TCP_BIND_ADDRESS (unless set) to the host: with a
+metadata server (the Mooncake Store) that is the address Mooncake advertises for its data listener. Standard
+library only.
 """
 
 from __future__ import annotations
@@ -147,19 +149,24 @@ def ensure_bound_to_host(host: str, what: str = "the transfer engine") -> bool:
         return True
     lit = _literal(host)
     path = shim_path() if lit is not None else None
-    reexec_ok = sys.argv[1:2] == ["serve"] and not os.environ.get(ENV_DONE)  # started as `dsakv serve ...`
+    # started as `dsakv serve ...` / `dsakv store-master ...` (so argv can be replayed)
+    reexec_ok = sys.argv[1:2] in (["serve"], ["store-master"]) and not os.environ.get(ENV_DONE)
     if path is None or not reexec_ok:
         log.warning(
             "%s listens on every interface, not only --host %s: %s (install gcc, or firewall its ports); see "
             "README 'Trust model'",
             what,
             host,
-            "no C compiler to build dsakv's bind shim" if path is None else "not started as `dsakv serve`",
+            "no C compiler to build dsakv's bind shim"
+            if path is None
+            else "not started as `dsakv serve` or `dsakv store-master`",
         )
         return False
     env = dict(os.environ)
     env[ENV_HOST] = lit or host
     env[ENV_DONE] = "1"
+    # what Mooncake advertises with a metadata server (the store); else its first LAN address, now unbound
+    env.setdefault("MC_TCP_BIND_ADDRESS", lit or host)
     env["LD_PRELOAD"] = " ".join(x for x in (str(path), env.get("LD_PRELOAD", "")) if x)
     argv = [sys.executable, "-m", "dsakv", *sys.argv[1:]]
     log.info("re-executing under the bind shim so %s listens on %s only", what, lit)
