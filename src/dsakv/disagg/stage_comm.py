@@ -20,6 +20,7 @@ Imports torch.distributed, msgpack and dsakv.disagg.errors only.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -69,11 +70,24 @@ def _listen_socket(host: str, port: int) -> socket.socket | None:
     if host in WILDCARD_HOSTS:
         return None
     info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    s = socket.socket(info[0], socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(info[4])
-    s.listen(512)
-    return s
+    deadline = time.monotonic() + 5.0  # a previous stage 0 on this port may still be going away
+    while True:
+        s = socket.socket(info[0], socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(info[4])
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise OSError(
+                    e.errno,
+                    f"stage 0: the rendezvous port {host}:{port} is in use ({e.strerror}): "
+                    "free it or pick another --dist-port / --port",
+                ) from None
+            time.sleep(0.1)
+            continue
+        s.listen(512)
+        return s
 
 
 def _gloo_options(host: str, timeout_s: float) -> Any:
