@@ -85,6 +85,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--queue-timeout", type=float, default=60.0, help="router: how long a request may wait for a free pair (60 s)"
     )
     g.add_argument("--health-interval", type=float, default=0.5, help="router: seconds between health polls (0.5)")
+    g.add_argument(
+        "--affinity-min-gain-pages",
+        type=int,
+        default=1,
+        help="router: send a request to the prefill that caches most of its prompt only when that saves at least "
+        "this many whole pages over the least loaded prefill (1); otherwise route by load",
+    )
+    g.add_argument(
+        "--affinity-max-imbalance",
+        type=int,
+        default=4,
+        help="router: ... and only when that prefill has at most this many more requests in flight (4)",
+    )
     g.add_argument("--worker-name", default=None, help="prefill/decode: name in logs and handshakes")
     g.add_argument(
         "--mooncake-timeout",
@@ -346,6 +359,8 @@ def run_router(args: argparse.Namespace) -> int:
             health_interval=args.health_interval,
             queue_timeout=args.queue_timeout,
             seed=args.seed,
+            affinity_min_gain_pages=args.affinity_min_gain_pages,
+            affinity_max_imbalance=args.affinity_max_imbalance,
         )
     )
     app = create_app(backend, name, load_tokenizer(args.model, vocab), request_timeout=args.request_timeout)
