@@ -344,6 +344,32 @@ def create_app(
         }
         return {"object": "list", "data": [card]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_json(await request.body())
+        limit = await srv.call(backend.max_prompt_tokens)
+        if "messages" in body:
+            msgs = parse_chat({"messages": body["messages"]}).messages
+            assert msgs is not None
+            ids = srv.tokenizer.render_chat(msgs)
+        else:
+            p = body.get("prompt")
+            if not isinstance(p, str):
+                raise ApiError(400, f"'prompt' = {p!r} must be a string (or give 'messages')", param="prompt")
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise ApiError(400, f"'add_special_tokens' = {add!r} must be true or false", param="add_special_tokens")
+            ids = srv.tokenizer.encode(p, add)
+        return {"count": len(ids), "max_model_len": limit + 1, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_json(await request.body())
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ApiError(400, f"'tokens' = {ids!r} must be a list of token ids (integers >= 0)", param="tokens")
+        return {"prompt": srv.tokenizer.decode(ids)}
+
     async def generate(request: Request, kind: str) -> Response:
         gen = await srv.admit(request, kind)
         if gen.g.stream:
