@@ -60,9 +60,7 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(
-    engine: Engine, tokenizer: object = None, **kw: object
-) -> Iterator[tuple[LiveServer, EngineBackend]]:
+def live_server(engine: Engine, tokenizer: object = None, **kw: object) -> Iterator[tuple[LiveServer, EngineBackend]]:
     backend = EngineBackend(engine)
     app = create_app(backend, MODEL, tokenizer or ByteTokenizer(), **kw)  # type: ignore[arg-type]
     srv = LiveServer(app).start()

@@ -15,7 +15,8 @@ Chat messages are rendered with the checkpoint's chat template when it has one, 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 `Detokenizer` turns a stream of new ids into text deltas (never splitting a UTF-8 character).
-Imports the standard library, dsakv.util (transformers only inside load_tokenizer); must not import torch, engine or disagg.
+Imports the standard library and dsakv.util (transformers only inside load_tokenizer); must not import torch,
+engine or disagg.
 """
 
 from __future__ import annotations
@@ -135,8 +136,11 @@ class HFTokenizer:
         got = self._bytes.get(token_id)
         if got is None:
             piece = self.tok.convert_ids_to_tokens(int(token_id))
-            if isinstance(piece, str) and piece and token_id not in self._special and all(
-                c in self._byte_of for c in piece
+            if (
+                isinstance(piece, str)
+                and piece
+                and token_id not in self._special
+                and all(c in self._byte_of for c in piece)
             ):
                 got = bytes(self._byte_of[c] for c in piece)
             else:
