@@ -17,13 +17,13 @@ import pytest
 
 from dsakv.cli.demo_cmd import demo_prompts
 from dsakv.engine.request import SamplingParams
-from dsakv.serve.tokenizer import ByteTokenizer
+from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from engine_support import tiny_path
 from serve_support import make_engine
 
-TOK = ByteTokenizer()
+TOK = load_tokenizer(tiny_path("glm_moe_dsa"), 512)  # make-tiny's byte-level BPE
 
 
 def _free_port() -> int:
@@ -128,7 +128,7 @@ def test_router_completions_equal_colocated(client, demo):
         got.append(r.choices[0].model_extra["token_ids"])
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 10
     assert got == want
-    # streaming text prompt (byte fallback)
+    # streaming text prompt (the checkpoint's tokenizer)
     ids = []
     for ch in client.completions.create(
         model="glm_moe_dsa", prompt="héllo", max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}
