@@ -93,6 +93,22 @@ CASES = [
         "prompt of 1000 tokens + max_new_tokens 100 = 1100 tokens can never fit",
     ),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "missing_required_parameter", "required"),
+    (
+        "/v1/chat/completions",
+        {**CHAT_OK, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "invalid_value",
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+        "invalid_value",
+        "only text",
+    ),
     ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value", "needs"),
     ("/v1/chat/completions", {**CHAT_OK, "logprobs": 1}, 400, "logprobs", "invalid_value", "true or false"),
     (
@@ -214,7 +230,8 @@ def test_engine_backend_contract():
         b.submit("a", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
         evs = list(b.events("a", timeout=30))
         assert all(isinstance(e, TokenEvent) for e in evs)
-        assert [t for e in evs for t in e.new_token_ids] == eng.generate(
+        # the reference on an engine of its own: the backend's thread steps `eng` (it would take generate's outputs)
+        assert [t for e in evs for t in e.new_token_ids] == make_engine().generate(
             [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True)
         )[0]
         assert evs[-1].finished and evs[-1].finish_reason == "length" and evs[-1].error is None

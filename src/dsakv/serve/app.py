@@ -3,16 +3,22 @@
     app = create_app(EngineBackend(engine), "tiny")          # uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes:
-    POST /v1/completions          prompt: text or token ids   -> choices[0].text, choices[0].token_ids (extension)
-    POST /v1/chat/completions     messages                    -> choices[0].message.content, choices[0].token_ids
-         "stream": true gives SSE chunks `data: {...}` ending with `data: [DONE]`; errors after the first byte
-         come as one `data: {"error": {...}}` chunk before [DONE].
-    GET  /v1/models               the served model
+    POST /v1/completions          prompt: text or token ids   -> choices[i].text, choices[i].token_ids (extension)
+    POST /v1/chat/completions     messages                    -> choices[i].message.content, choices[i].token_ids
+         "stream": true gives SSE chunks `data: {...}` ending with `data: [DONE]` (each chunk holds one choice,
+         by index); errors after the first byte come as one `data: {"error": {...}}` chunk before [DONE].
+         logprobs in OpenAI's shapes: completions {tokens, token_logprobs, top_logprobs, text_offset} (echo puts
+         the prompt first, its first token null), chat {content: [{token, logprob, bytes, top_logprobs}]}.
+         usage: prompt_tokens (once), completion_tokens (all choices), prompt_tokens_details.cached_tokens.
+    GET  /v1/models               the served model, with max_model_len
+    POST /tokenize                {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize              {"tokens"} -> {"prompt"}
     GET  /health                  backend.health(): 200 when ok, else 503
     GET  /metrics                 Prometheus text: request counters, TTFT/TPOT/e2e histograms, backend gauges
 
 Bad input is a 4xx with {"error": {"message", "type", "param", "code"}}, never a 500: 400 for malformed JSON,
-fields or sampling values (protocol.py), 404 for another model name, 413 when the prompt (or prompt +
+fields or sampling values (protocol.py) and for what the backend's `features` lack,
+404 for another model name, 413 when the prompt (or prompt +
 max_tokens) can never fit the KV pool. The request is aborted, and its pages freed, when the client disconnects.
 Responses also carry `prompt_token_ids` (extension). One log line per request: id, prompt/output tokens, TTFT,
 finish reason. Imports fastapi/anyio, dsakv.serve.* and dsakv.errors; must not import torch, engine internals,

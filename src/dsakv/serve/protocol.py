@@ -9,14 +9,20 @@ Accepted (completions `/v1/completions`, chat `/v1/chat/completions`):
     temperature      number >= 0, default 1.0 (0 = greedy)
     top_p            number in (0, 1], default 1
     top_k            extension: int >= 1; null, 0 or -1 = off
-    seed             int in [0, 2**63) or null
-    n                1 only;  best_of: null or 1
+    seed             int in [0, 2**63) or null (choice i of n samples with seed + i)
+    n                1..64 choices (they share the prompt's pages);  best_of: null or equal to n
     stop             null, a string or a list of up to 4 non-empty strings (matched on the output text)
     stop_token_ids   extension: list of token ids that end generation (included in the output)
     ignore_eos       extension: bool
+    presence_penalty, frequency_penalty   numbers in [-2, 2];  repetition_penalty (extension): (0, 100]
+    min_tokens       extension: int in [0, max_tokens] (eos and stop_token_ids masked until then)
+    logit_bias       {"token id": bias in [-100, 100]}
+    logprobs         completions: int 0..20 (top alternatives per token); chat: bool, with top_logprobs 0..20
+    echo             completions: bool, the prompt (and with logprobs its prompt logprobs) before the text;
+                     max_tokens 0 is allowed with echo (one token is generated and dropped; not streamed)
     stream           bool;  stream_options: {"include_usage": bool}
-    echo, suffix, logprobs (completions) / logprobs, top_logprobs, tools (chat), presence/frequency_penalty != 0,
-    logit_bias: rejected with 400 (unsupported). Other fields (e.g. `user`) are ignored.
+    suffix, more than one prompt, tools (chat), response_format other than text: rejected with 400.
+    Other fields (e.g. `user`) are ignored.
 
 Imports the standard library, dsakv.errors and dsakv.engine.request (no torch).
 """
