@@ -35,7 +35,7 @@ class TokenEvent(NamedTuple):
     error: str | None  # clear message when finish_reason == "error"
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when params.logprobs is set
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1.. (params.prompt_logprobs), once
-    index: int = 0  # the choice, 0..params.n - 1
+    choice: int = 0  # the choice (index), 0..params.n - 1
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (choice 0)
 
 

@@ -237,13 +237,13 @@ class _Server:
                         gen.finish_reason, gen.error = "error", "the backend ended the request without a final event"
                     break
                 ev = cast(TokenEvent, got)
-                if not 0 <= ev.index < len(gen.choices):
-                    gen.finish_reason, gen.error = "error", f"the backend sent an event for choice {ev.index}"
+                if not 0 <= ev.choice < len(gen.choices):
+                    gen.finish_reason, gen.error = "error", f"the backend sent an event for choice {ev.choice}"
                     break
-                c = gen.choices[ev.index]
+                c = gen.choices[ev.choice]
                 if ev.prompt_logprobs is not None:
                     gen.prompt_logprobs = tuple(ev.prompt_logprobs)
-                if ev.index == 0 and gen.cached_tokens is None and (ev.new_token_ids or ev.finished):
+                if ev.choice == 0 and gen.cached_tokens is None and (ev.new_token_ids or ev.finished):
                     gen.cached_tokens = int(ev.num_cached_tokens)
                 if c.finish_reason is not None:  # e.g. the abort that follows a stop string
                     continue

@@ -121,10 +121,10 @@ class EngineBackend:
                     raise TimeoutError(
                         f"request {request_id}: no token within {timeout:g} s (engine busy or stalled)"
                     ) from None
-                if ev.index in done:
+                if ev.choice in done:
                     continue  # e.g. the engine's copy of an abort already reported
                 if ev.finished:
-                    done.add(ev.index)
+                    done.add(ev.choice)
                 yield ev
         finally:
             with self._qlock:
@@ -257,7 +257,7 @@ class EngineBackend:
             with self._qlock:
                 q = self._queues.get(rid)
             if q is not None:
-                q.put(TokenEvent((), True, "error", f"engine step failed: {message}", index=choice.get(rid, 0)))
+                q.put(TokenEvent((), True, "error", f"engine step failed: {message}", choice=choice.get(rid, 0)))
 
 
 __all__ = ["EngineBackend"]
