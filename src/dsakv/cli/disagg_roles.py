@@ -255,25 +255,33 @@ def _launch_stages(args: argparse.Namespace) -> int:
 
 
 def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
-    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage) and the host
+    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage), the host
     tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy, --hicache-selective-threshold:
-    stage 0's page copies are replayed on every stage). The disk tier is refused."""
+    stage 0's page copies are replayed on every stage) and, with --pp-size 1 only, the shared storage tier
+    (--hicache-storage mooncake --mooncake-master HOST:PORT, on stage 0's HiCache as on a colocated server).
+    The local disk tier is refused."""
+    from dsakv.cli.hicache_options import storage_config, storage_pp_error
     from dsakv.plan.units import parse_size
 
+    storage = getattr(args, "hicache_storage", None)
     disk = [
         flag
         for flag, val in (
             ("--hicache-disk-dir", getattr(args, "hicache_disk_dir", None)),
             ("--hicache-disk-size", getattr(args, "hicache_disk_size", None)),
-            ("--hicache-storage", getattr(args, "hicache_storage", None)),
+            ("--hicache-storage file", "file" if storage == "file" else None),
         )
         if val is not None
     ]
     if disk:
         raise ConfigError(
-            f"--role prefill does not support {', '.join(disk)} (the disk tier of the prefix cache) yet: "
-            "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier)"
+            f"--role prefill does not support {', '.join(disk)} (the local disk tier of the prefix cache) yet: "
+            "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
+            "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
         )
+    pp_size = int(getattr(args, "pp_size", 1) or 1)
+    if storage is not None and pp_size > 1:
+        raise ConfigError(storage_pp_error(storage, pp_size))
     size = getattr(args, "hicache_size", None)
     return {
         "prefix_cache": bool(getattr(args, "prefix_cache", False)),
@@ -282,6 +290,7 @@ def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
         "hicache_layout": getattr(args, "hicache_layout", "layer_first"),
         "hicache_write_policy": getattr(args, "hicache_write_policy", "write_through"),
         "hicache_selective_threshold": getattr(args, "hicache_selective_threshold", 2),
+        "hicache_storage": storage_config(args),
     }
 
 
