@@ -40,6 +40,8 @@ def test_two_prefill_two_decode_behind_one_router(tmp_path):
         cluster.wait_healthy([*decodes, *prefills], timeout=180)
         router = cluster.router([p.addr for p in prefills], [d.addr for d in decodes])
         assert router.wait_ready(60), router.health()
+        # wait_ready means one pair is handshaken; every prefill pairs with every decode, so wait for all four
+        wait_for(lambda: len(router.peers.usable_pairs()) == 4, 60, "all 4 pairs handshaken", [*decodes, *prefills])
         assert len(router.peers.usable_pairs()) == 4, router.health()
 
         got = run_requests(router, prompts, GREEDY, "xpyd")
