@@ -32,15 +32,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from dsakv.cli import options
+from dsakv.engine.config import LayoutConfig
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.plan.units import fmt_bytes, parse_size
-from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS, KVLayout
 from dsakv.spec.model import ModelSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -196,12 +197,7 @@ class Server:
             str(self.port),
             "--kv-budget",
             budget,
-            "--page-size",
-            str(args.page_size),
-            "--kv-format",
-            args.kv_format,
-            "--index-format",
-            args.index_format,
+            *options.layout_argv(replace(options.layout_config(args), elide=elide)),
             "--prefix-cache",
             "--threads",
             "1",
@@ -209,7 +205,6 @@ class Server:
             "warning",
             "--max-batch-tokens",
             str(args.max_batch_tokens),
-            "--elide" if elide else "--no-elide",
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.log = open(log, "w")  # noqa: SIM115
@@ -553,9 +548,7 @@ def main() -> int:
         help="KV byte budgets, comma-separated; each is KV-bound if the dense pool holds fewer tokens than "
         "concurrency x max session context, else KV-ample (default 20MiB,128MiB)",
     )
-    p.add_argument("--kv-format", choices=KV_FORMATS, default="fp32")
-    p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp32")
-    p.add_argument("--page-size", type=int, default=16)
+    options.add_layout_arguments(p, LayoutConfig(page_size=16), elide=False)  # both elision settings run
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--system-tokens", type=int, default=384)
     p.add_argument("--first-user-tokens", type=int, default=128)
@@ -600,9 +593,7 @@ def main() -> int:
         args.seed,
     )
     for elide in (True, False):
-        lay = KVLayout(
-            spec, elide=elide, kv_format=args.kv_format, index_format=args.index_format, page_size=args.page_size
-        )
+        lay = replace(options.layout_config(args), elide=elide).layout(spec)
         print(f"elide={elide}: {lay.bytes_per_token} B/token, page {fmt_bytes(lay.bytes_per_token * args.page_size)}")
     demand = args.concurrency * w.max_context
     configs = []
