@@ -20,6 +20,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import ByteTokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util import ceil_div
 from engine_support import tiny_path
 from serve_support import make_engine
 
@@ -216,7 +217,7 @@ def test_demo_once_json(tmp_path):
     # every stage moved exactly its layout's bytes: prompt pages x bytes per page (index-K on producers only)
     spec = ModelSpec.from_path(model)
     prompts = [*demo_prompts(8), summary["chat_prompt_ids"]]
-    pages = sum(-(-len(p) // 16) for p in prompts)
+    pages = sum(ceil_div(len(p), 16) for p in prompts)
     assert [(r["count"], r["bytes"]) for r in summary["transfer"]] == [
         (9, pages * KVLayout(spec, 0, 6, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),
         (9, pages * KVLayout(spec, 6, 12, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),
