@@ -26,7 +26,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from dsakv.engine.config import LayoutConfig
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.plan.units import fmt_bytes, parse_size
 from dsakv.spec.model import ModelSpec
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -174,22 +174,13 @@ async def drive(url: str, w: Workload, concurrency: int, warmup: float, window: 
 # ---- servers -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """`dsakv serve` in a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, model: Path, budget: str, elide: bool, args: argparse.Namespace, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "dsakv",
+        self.cmd = dsakv_cmd(
             "serve",
             "--model",
             str(model),
@@ -205,16 +196,18 @@ class Server:
             "warning",
             "--max-batch-tokens",
             str(args.max_batch_tokens),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        )
+        log.write_text("")
+        self.log = log
+        # SIGINT to the server alone (uvicorn's graceful shutdown), as a user's Ctrl-C would
+        self.proc = Proc("serve", self.cmd, log, env={**os.environ, "OMP_NUM_THREADS": "1"}, new_session=False)
+        self.proc.start()
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
+                raise RuntimeError(f"server exited ({self.proc.poll()}); see {self.log.name}")
             try:
                 r = httpx.get(f"{self.url}/health", timeout=2)
                 if r.status_code == 200:
@@ -239,13 +232,7 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        self.proc.stop(timeout=30, sig=signal.SIGINT)
 
 
 # ---- one run, one arm ----------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from dsakv.serve.tokenizer import ByteTokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.util import ceil_div
+from dsakv.util.procs import free_ports
 from engine_support import tiny_path
 from serve_support import make_engine
 
 TOK = ByteTokenizer()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _descendants(pid: int) -> list[int]:
@@ -58,7 +52,7 @@ def _descendants(pid: int) -> list[int]:
 def demo(tmp_path_factory):
     """`dsakv demo` serving (not --once) on a free port; SIGTERM stops it and its workers."""
     log_dir = tmp_path_factory.mktemp("demo")
-    port = _free_port()
+    port = free_ports(1)
     cmd = [
         sys.executable,
         "-m",

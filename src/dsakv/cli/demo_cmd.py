@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +31,7 @@ from dsakv.cli import options
 from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
 from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports, port_free
 
 if TYPE_CHECKING:
     from dsakv.disagg.messages import Health
@@ -97,72 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
 
-def _free_ports(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for k in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + k))
-                socks.append(t)
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise ConfigError(f"found no {n} consecutive free ports on 127.0.0.1")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-class _Child:
-    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
-        self.name, self.cmd, self.log = name, cmd, log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-
 def _say(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
-def _wait_ready(url: str, children: list[_Child], timeout: float) -> dict[str, Any]:
+def _wait_ready(url: str, children: list[Proc], timeout: float) -> dict[str, Any]:
     import httpx
 
     end = time.monotonic() + timeout
@@ -401,8 +338,8 @@ def run(args: argparse.Namespace) -> int:
     if args.pp_size < 1:
         raise ConfigError(f"--pp-size {args.pp_size} must be >= 1")
     if args.port == 0:
-        args.port = _free_ports(1)
-    elif not _port_free(args.port):
+        args.port = free_ports(1)
+    elif not port_free(args.port):
         raise ConfigError(f"port {args.port} on 127.0.0.1 is taken: pass --port N (or --port 0 for any free port)")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dsakv-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -419,15 +356,15 @@ def run(args: argparse.Namespace) -> int:
     spec = ModelSpec.from_path(model_dir)
     layout = options.layout_config(args, DEMO_LAYOUT)
     lay = {e: replace(layout, elide=e).layout(spec) for e in (True, False)}
-    prefill_port = _free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
-    decode_port = _free_ports(1)
+    prefill_port = free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
+    decode_port = free_ports(1)
     url = f"http://127.0.0.1:{args.port}"
     decode_cfg = demo_engine_config(args, args.host_tier)
     prefill_cfg = demo_engine_config(args, args.host_tier and args.prefill_prefix_cache)
     if args.prefill_prefix_cache:
         prefill_cfg = replace(prefill_cfg, cache=replace(prefill_cfg.cache, prefix_cache=True))
     common = ["--threads", "1", "--transfer-backend", args.transfer_backend]
-    dsakv = [sys.executable, "-m", "dsakv", "serve", "--model", str(model_dir)]
+    dsakv = dsakv_cmd("serve", "--model", str(model_dir))
     specs = [
         ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *options.engine_argv(decode_cfg), *common]),
         (
@@ -470,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _say(args, f"  router (OpenAI API): {url}   logs: {log_dir}")
     _print_capacity(args, spec)
-    children: list[_Child] = []
+    children: list[Proc] = []
     summary: dict[str, Any] = {}
     stopping: list[int] = []
 
@@ -485,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with console.status("starting decode, prefill stages and router") as status:
             for name, cmd in specs:
-                children.append(_Child(name, cmd, log_dir / f"{name}.log"))
+                children.append(Proc(name, cmd, log_dir / f"{name}.log").start())
             t0 = time.monotonic()
             status.update("waiting for the prefill-decode handshake (router /health)")
             health = _wait_ready(url, children, args.startup_timeout)

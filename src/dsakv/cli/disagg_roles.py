@@ -18,7 +18,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from dsakv.cli import options
 from dsakv.engine.config import CacheConfig, Config, TransferConfig
 from dsakv.errors import ConfigError
+from dsakv.util.procs import Proc, dsakv_cmd, stop_all
 
 log = logging.getLogger("dsakv.disagg")
 
@@ -143,16 +143,16 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     return _exit_now(0)
 
 
-def _launch_stages(args: argparse.Namespace) -> int:
+def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
     """Start every stage of the prefill worker as a child process and supervise them: a stage that dies is
     started again (it rejoins the pipeline), unless it dies again within 30 s three times in a row (then all
     stop and the exit code is its). SIGTERM / SIGINT stop them all."""
     argv = list(sys.argv[1:])
-    cmds = [[sys.executable, "-m", "dsakv", *argv, "--pp-rank", str(k)] for k in range(args.pp_size)]
-    procs = [subprocess.Popen(c) for c in cmds]
+    procs = [Proc(f"stage {k}", dsakv_cmd(*argv, "--pp-rank", str(k)), env=dict(os.environ)) for k in range(pp_size)]
     for k, p in enumerate(procs):
+        p.new_session = False  # one process group with this supervisor: Ctrl-C reaches every stage
+        p.start()
         log.info("prefill: started stage %d (pid %d)", k, p.pid)
-    started = [time.monotonic()] * len(procs)
     quick_deaths = [0] * len(procs)
     stopping: list[bool] = []
     _install_sigterm(lambda: stopping.append(True))
@@ -164,7 +164,7 @@ def _launch_stages(args: argparse.Namespace) -> int:
                 code = p.poll()
                 if code is None:
                     continue
-                quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - started[k] < 30 else 1
+                quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - p.started_at < 30 else 1
                 if quick_deaths[k] >= 3:
                     log.error("prefill: stage %d exited with code %s three times in a row: stopping", k, code)
                     rc = code or 1
@@ -172,17 +172,9 @@ def _launch_stages(args: argparse.Namespace) -> int:
                     break
                 log.warning("prefill: stage %d (pid %d) exited with code %s: starting it again", k, p.pid, code)
                 time.sleep(1.0)
-                procs[k] = subprocess.Popen(cmds[k])
-                started[k] = time.monotonic()
+                p.start()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs, timeout=15)
     return rc
 
 
@@ -256,7 +248,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
 def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
     prefill_cache_options(cfg.engine.cache)  # refuse the disk tier before starting anything
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
-        return _launch_stages(args)
+        return _launch_stages(args, cfg.pipeline.pp_size)
     from dsakv.disagg.prefill_worker import PrefillStage
     from dsakv.spec.model import ModelSpec
 
