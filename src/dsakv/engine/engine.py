@@ -1,14 +1,15 @@
 """Engine: the reference DSA engine, a checkpoint on a paged, ownership-aware KV pool.
 
-    engine = Engine("ckpt_dir", elide=True, kv_format="fp32", index_format="fp32", page_size=16, max_tokens=4096)
+    engine = Engine("ckpt_dir", EngineConfig(layout=LayoutConfig(page_size=16), pool=PoolConfig(max_tokens=4096)))
+    engine = Engine("ckpt_dir", page_size=16, max_tokens=4096)     # the same, flat (EngineConfig.OPTIONS)
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():        # RequestOutput: new_token_ids, output_ids, finished, finish_reason
             ...
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))   # -> [[...], [...]]
 
-The pool is DevicePool(layout, num_pages) with layout = KVLayout(spec, elide, kv_format,
-index_format, page_size): the very object the capacity planner sizes. All public methods
+The pool is DevicePool(layout, num_pages) with layout = config.layout.layout(spec) (a KVLayout): the
+very object the capacity planner sizes; num_pages = config.pool.pages([layout]). All public methods
 take one lock (`engine.lock`), so a server may call add_request/abort from other threads while one
 thread loops on step().
 
