@@ -190,7 +190,8 @@ def test_engine_backend_contract():
         b.submit("a", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
         evs = list(b.events("a", timeout=30))
         assert all(isinstance(e, TokenEvent) for e in evs)
-        assert [t for e in evs for t in e.new_token_ids] == eng.generate(
+        # the reference runs on its own engine: the backend's thread steps `eng` and would take generate()'s output
+        assert [t for e in evs for t in e.new_token_ids] == make_engine().generate(
             [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True)
         )[0]
         assert evs[-1].finished and evs[-1].finish_reason == "length" and evs[-1].error is None
