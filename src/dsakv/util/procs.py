@@ -47,17 +47,17 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             return True
         except OSError:
             return False
 
 
-def free_ports(n: int = 1, attempts: int = 500) -> int:
-    """The first of `n` consecutive ports on 127.0.0.1 that are free now, below the ephemeral range, and not handed
+def free_ports(n: int = 1, attempts: int = 500, host: str = "127.0.0.1") -> int:
+    """The first of `n` consecutive ports on `host` that are free now, below the ephemeral range, and not handed
     out before by this process (they are remembered, and never handed out again)."""
     if n < 1:
         raise ValueError(f"free_ports: n = {n} must be >= 1")
@@ -68,20 +68,20 @@ def free_ports(n: int = 1, attempts: int = 500) -> int:
             for _ in range(attempts):
                 base = random.randint(LOWEST_PORT, top)
                 span = range(base, base + n)
-                if any(p in _handed_out for p in span) or not all(_bindable(p) for p in span):
+                if any(p in _handed_out for p in span) or not all(_bindable(p, host) for p in span):
                     continue
                 _handed_out.update(span)
                 return base
         # no room below the ephemeral range: fall back to what the kernel gives a port-0 bind
         for _ in range(attempts):
             with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
+                s.bind((host, 0))
                 base = int(s.getsockname()[1])
             span = range(base, base + n)
-            if base + n < 65535 and not any(p in _handed_out for p in span) and all(_bindable(p) for p in span):
+            if base + n < 65535 and not any(p in _handed_out for p in span) and all(_bindable(p, host) for p in span):
                 _handed_out.update(span)
                 return base
-    raise ConfigError(f"found no {n} consecutive free ports on 127.0.0.1")
+    raise ConfigError(f"found no {n} consecutive free ports on {host}")
 
 
 def port_free(port: int) -> bool:
