@@ -1,18 +1,32 @@
-"""Engine throughput on the tiny checkpoint: prefill and decode tokens/s at batch 1 and 16, elision on vs off.
+"""Engine throughput on the tiny checkpoint: dsakv against transformers, long context, elision on vs off.
 
-    python bench/engine.py [--kv-format fp8-656 --index-format fp8-132] [--threads 1] [--repeat 3]
+    python bench/engine.py [--sections hf,long,elision] [--kv-format fp8-656 --index-format fp8-132] [--threads 1]
 
-Makes a tiny checkpoint in a temp dir (or uses --model DIR), then for each batch size and elision setting:
+Makes a tiny checkpoint in a temp dir (or uses --model DIR). Three sections, one process, same inputs:
+
+hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
+  `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
+  --decode-prompt-len tokens, --decode-tokens timed steps; transformers' decode time is
+  generate(1 + N tokens) minus generate(1 token) (its prefill). Ratio dsakv / transformers per batch,
+  and dsakv's batch-B step time over its batch-1 step time.
+long: one sequence on a DSA checkpoint whose index_topk (--long-topk, 64) is far below the context
+  (--long-ctx, 256 2048 8192; --long-layers 4 layers; 16 attention heads, nope/v dims 64): ms per decode
+  token of dsakv and of transformers
+  (chunked prefill through its own cache, then greedy forward steps on that cache). dsakv's attention
+  reads index_topk rows whatever the context; transformers' attends over every cached token.
+elision: for each batch size and elision setting:
 - prefill: B prompts of --prompt-len tokens, max_new_tokens=1, timed until all finish;
 - decode: B prompts of --decode-prompt-len tokens; once every request has its first token, the
   remaining --decode-tokens steps are timed (decode tokens / s, all sequences together).
 Best of --repeat runs, on and off alternating. Prints a table and the on/off ratio (elision changes memory, not compute:
 the ratio should be ~1.0) with bytes per token and pool capacity at --budget. Never asserts on time.
+--json PATH writes every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -39,9 +53,17 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def make_engine(model: tuple, elide: bool, batch: int, tokens_per_seq: int, args: argparse.Namespace) -> Engine:
+def make_engine(
+    model: tuple,
+    elide: bool,
+    batch: int,
+    tokens_per_seq: int,
+    args: argparse.Namespace,
+    formats: tuple[str, str] | None = None,
+) -> Engine:
+    kv, ix = formats or (args.kv_format, args.index_format)
     cfg = EngineConfig(
-        layout=replace(options.layout_config(args), elide=elide),
+        layout=replace(options.layout_config(args), elide=elide, kv_format=kv, index_format=ix),
         pool=PoolConfig(max_tokens=batch * (tokens_per_seq + args.page_size)),
         scheduler=SchedulerConfig(args.max_batch_tokens, max_running_requests=min(64, args.max_batch_tokens)),
     )
@@ -62,9 +84,17 @@ def prefill_tps(model: tuple, elide: bool, batch: int, args: argparse.Namespace)
     return batch * args.prompt_len / dt
 
 
-def decode_tps(model: tuple, elide: bool, batch: int, args: argparse.Namespace) -> float:
-    eng = make_engine(model, elide, batch, args.decode_prompt_len + args.decode_tokens + 1, args)
-    ps = prompts(batch, args.decode_prompt_len, model[0].vocab_size, seed=100 + batch)
+def decode_tps(
+    model: tuple,
+    elide: bool,
+    batch: int,
+    args: argparse.Namespace,
+    formats: tuple[str, str] | None = None,
+    prompt_len: int | None = None,
+) -> float:
+    plen = prompt_len or args.decode_prompt_len
+    eng = make_engine(model, elide, batch, plen + args.decode_tokens + 1, args, formats)
+    ps = prompts(batch, plen, model[0].vocab_size, seed=100 + batch)
     sp = SamplingParams(max_new_tokens=args.decode_tokens + 1, ignore_eos=True)
     ids = [eng.add_request(p, sp) for p in ps]
     started: set[str] = set()
@@ -77,6 +107,137 @@ def decode_tps(model: tuple, elide: bool, batch: int, args: argparse.Namespace) 
     dt = time.perf_counter() - t0
     eng.check_integrity()
     return (eng.stats().decode_tokens - before) / dt
+
+
+def load_hf(path: Path):  # type: ignore[no-untyped-def]
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # timed with a fixed number of tokens, as dsakv's ignore_eos
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+def hf_decode_tps(hf, batch: int, args: argparse.Namespace, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    """transformers generate: B * N decode tokens / (time of generate(1 + N) - time of generate(1))."""
+    ids = torch.tensor(prompts(batch, args.decode_prompt_len, vocab, seed=100 + batch))
+    n = args.decode_tokens
+
+    def timed(new: int) -> float:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+        return time.perf_counter() - t0
+
+    prefill = min(timed(1) for _ in range(2))
+    return batch * n / max(1e-9, timed(1 + n) - prefill)
+
+
+def hf_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
+    hf = load_hf(path)
+    vocab = model[0].vocab_size
+    fp32 = ("fp32", "fp32")
+    rows = []
+    for batch in [int(b) for b in args.hf_batches.split(",")]:
+        ours, theirs = 0.0, 0.0
+        for _ in range(args.repeat):  # alternate, so a busy moment hits both alike
+            ours = max(ours, decode_tps(model, True, batch, args, fp32))
+            theirs = max(theirs, hf_decode_tps(hf, batch, args, vocab))
+        rows.append({"batch": batch, "dsakv_tps": ours, "hf_tps": theirs, "dsakv_step_ms": 1e3 * batch / ours})
+        print(f"  hf batch {batch:>3}: done", file=sys.stderr)
+    step1 = next((r["dsakv_step_ms"] for r in rows if r["batch"] == 1), None)
+    print()
+    print(
+        f"decode, dsakv Engine (fp32 formats) vs transformers generate, prompts of {args.decode_prompt_len}, "
+        f"{args.decode_tokens} timed tokens per sequence, best of {args.repeat}:"
+    )
+    head = f"{'batch':>5}  {'dsakv tok/s':>11}  {'transformers tok/s':>18}  {'dsakv/hf':>8}  {'step ms':>8}  "
+    head += f"{'step / batch-1 step':>19}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        rel = f"x{r['dsakv_step_ms'] / step1:.2f}" if step1 else "-"
+        r["ratio"] = r["dsakv_tps"] / r["hf_tps"]
+        print(
+            f"{r['batch']:>5}  {r['dsakv_tps']:>11,.1f}  {r['hf_tps']:>18,.1f}  x{r['ratio']:>7.2f}  "
+            f"{r['dsakv_step_ms']:>8.2f}  {rel:>19}"
+        )
+    return {"decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens, "rows": rows}
+
+
+def dsakv_ms_per_token(model: tuple, ctx: int, args: argparse.Namespace) -> float:
+    eng = Engine(
+        model,
+        kv_format="fp32",
+        index_format="fp32",
+        page_size=args.page_size,
+        max_tokens=ctx + args.long_tokens + 2 * args.page_size,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    sp = SamplingParams(max_new_tokens=args.long_tokens + 1, ignore_eos=True)
+    eng.add_request(prompts(1, ctx, model[0].vocab_size, seed=ctx)[0], sp)
+    while eng.stats().generated_tokens == 0:
+        eng.step()
+    before = eng.stats().decode_tokens
+    t0 = time.perf_counter()
+    while eng.has_unfinished():
+        eng.step()
+    return (time.perf_counter() - t0) / (eng.stats().decode_tokens - before) * 1e3
+
+
+def hf_ms_per_token(hf, ctx: int, args: argparse.Namespace, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    from transformers import DynamicCache
+
+    ids = torch.tensor(prompts(1, ctx, vocab, seed=ctx))
+    cache = DynamicCache(config=hf.config)
+    with torch.no_grad():
+        for i in range(0, ctx, args.long_chunk):  # chunked prefill: the indexer's [chunk, heads, ctx] stays small
+            out = hf(input_ids=ids[:, i : i + args.long_chunk], past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(args.long_tokens):
+            out = hf(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t0) / args.long_tokens * 1e3
+
+
+def long_section(tmp: Path, args: argparse.Namespace) -> dict:
+    ctxs = [int(c) for c in args.long_ctx.split(",")]
+    # wider attention than the tiny preset (16 heads, nope/v 64), as in real DSA models where dense attention
+    # costs several times the indexer per key; 32 index heads as the preset (fewer tie relu scores at 0)
+    overrides = {
+        "index_topk": args.long_topk,
+        "max_position_embeddings": 2 * max(ctxs) + 64,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+    }
+    path = make_tiny(tmp / "long", arch=args.arch, seed=0, layers=args.long_layers, overrides=overrides)
+    model = load_model(path)
+    hf = load_hf(path)
+    dsakv_ms_per_token(model, 64, args)  # warm-up of both, outside the timed contexts
+    hf_ms_per_token(hf, 64, args, model[0].vocab_size)
+    rows = []
+    for ctx in ctxs:
+        ours = min(dsakv_ms_per_token(model, ctx, args) for _ in range(args.repeat))
+        theirs = min(hf_ms_per_token(hf, ctx, args, model[0].vocab_size) for _ in range(args.repeat))
+        rows.append({"ctx": ctx, "dsakv_ms": ours, "hf_ms": theirs})
+        print(f"  long ctx {ctx:>6}: done", file=sys.stderr)
+    print()
+    print(
+        f"long context, batch 1, {args.long_layers} layers, index_topk {args.long_topk}, "
+        f"{args.long_tokens} timed decode tokens, best of {args.repeat} (x: per-token cost over the shortest context):"
+    )
+    head = f"{'context':>7}  {'dsakv ms/token':>14}  {'x':>6}  {'transformers ms/token':>21}  {'x':>6}  {'hf/dsakv':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r['ctx']:>7}  {r['dsakv_ms']:>14.2f}  x{r['dsakv_ms'] / rows[0]['dsakv_ms']:>5.2f}  "
+            f"{r['hf_ms']:>21.2f}  x{r['hf_ms'] / rows[0]['hf_ms']:>5.2f}  x{r['hf_ms'] / r['dsakv_ms']:>7.2f}"
+        )
+    return {"layers": args.long_layers, "index_topk": args.long_topk, "tokens": args.long_tokens, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,15 +253,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on a busy box)")
     ap.add_argument("--budget", default="1GiB", help="KV budget for the capacity column (default 1GiB)")
+    ap.add_argument("--sections", default="hf,long,elision", help="which of hf,long,elision to run (default all)")
+    ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes against transformers (default 1,16,64)")
+    ap.add_argument("--long-ctx", default="256,2048,8192", help="long-context section contexts (default 256,2048,8192)")
+    ap.add_argument("--long-topk", type=int, default=64, help="index_topk of the long-context checkpoint (default 64)")
+    ap.add_argument("--long-layers", type=int, default=4, help="layers of the long-context checkpoint (default 4)")
+    ap.add_argument("--long-tokens", type=int, default=16, help="timed decode tokens per context (default 16)")
+    ap.add_argument("--long-chunk", type=int, default=256, help="transformers' prefill chunk (default 256)")
+    ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    sections = set(args.sections.split(","))
+    if sections - {"hf", "long", "elision"}:
+        ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision")
+    results: dict = {"threads": args.threads, "arch": args.arch}
 
     with tempfile.TemporaryDirectory(prefix="dsakv-bench-") as tmp:
         path = Path(args.model) if args.model else make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
         model = load_model(path)
         spec = model[0]
+        print(f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, torch threads {args.threads}")
+        decode_tps(model, True, 1, args, ("fp32", "fp32"))  # warm-up
+        if "hf" in sections:
+            results["hf"] = hf_section(path, model, args)
+        if "long" in sections:
+            results["long"] = long_section(Path(tmp), args)
+        if "elision" not in sections:
+            _dump(results, args)
+            return 0
+        print()
         budget = parse_size(args.budget)
         print(
             f"engine throughput: {spec.name} ({spec.num_layers} layers, producers {list(spec.producers)}), "
@@ -141,7 +324,18 @@ def main(argv: list[str] | None = None) -> int:
             f"  batch {batch:>3}: prefill x{on[2] / off[2]:.3f}, decode x{on[3] / off[3]:.3f}, "
             f"bytes/token x{on[4] / off[4]:.3f}, capacity x{on[5] / off[5]:.3f}"
         )
+    results["elision"] = [
+        {"batch": b, "elide": e, "prefill_tps": p, "decode_tps": d, "bytes_per_token": bpt, "tokens_in_budget": c}
+        for b, e, p, d, bpt, c in rows
+    ]
+    _dump(results, args)
     return 0
+
+
+def _dump(results: dict, args: argparse.Namespace) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Decode-step latency of the reference DSA model on the paged pool, by context length and storage format.
 
-Baseline in the same process: dense KV reads (every cached row read and expanded, as attention
-without DSA would), against DSA's sparse reads (only the index_topk selected rows).
+Baseline in the same process: the expanded MLA path (every cached row expanded through kv_b_proj, as
+transformers does), against the weight-absorbed path (only the index_topk selected rows, read as stored).
 Prints figures; asserts nothing about time.
 
     python bench/model_decode.py [--ctx 256 1024 4096] [--steps 16]
@@ -16,7 +16,6 @@ import time
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.model import attention
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
@@ -62,15 +61,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         _, model = load_model(make_tiny(d, seed=0))
     print(f"tiny glm_moe_dsa, 12 layers, index_topk {model.spec.index_topk}, {args.threads} thread(s)")
-    print(f"{'ctx':>6} {'format':>18} {'dense ms/step':>14} {'sparse ms/step':>15} {'speedup':>8}")
+    print(f"{'ctx':>6} {'format':>18} {'expanded ms/step':>17} {'absorbed ms/step':>17} {'speedup':>8}")
     for ctx in args.ctx:
         for kv, ix in (("fp32", "fp32"), ("fp8-656", "fp8-132")):
             layout = model.layout_for(kv_format=kv, index_format=ix, page_size=64)
-            attention.SPARSE_KV_READS = False
+            model.set_mla_path("expanded")
             dense = decode_ms(model, layout, ctx, args.steps)
-            attention.SPARSE_KV_READS = True
+            model.set_mla_path("absorbed")
             sparse = decode_ms(model, layout, ctx, args.steps)
-            print(f"{ctx:>6} {kv + '/' + ix:>18} {dense:>14.2f} {sparse:>15.2f} {dense / sparse:>7.2f}x")
+            model.set_mla_path("auto")
+            print(f"{ctx:>6} {kv + '/' + ix:>18} {dense:>17.2f} {sparse:>17.2f} {dense / sparse:>7.2f}x")
 
 
 if __name__ == "__main__":

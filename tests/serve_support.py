@@ -16,6 +16,7 @@ import uvicorn
 from dsakv.engine.engine import Engine
 from dsakv.serve.app import create_app
 from dsakv.serve.engine_backend import EngineBackend
+from dsakv.serve.limits import uvicorn_settings
 from dsakv.serve.tokenizer import ByteTokenizer
 from engine_support import tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
 
@@ -32,7 +33,8 @@ def make_engine(**kw: object) -> Engine:
 
 
 class LiveServer:
-    """uvicorn serving `app` on a 127.0.0.1 socket bound to a free port, in a background thread."""
+    """uvicorn serving `app` on a 127.0.0.1 socket bound to a free port, in a background thread, under the app's
+    HTTP limits (the protocol `dsakv serve` runs)."""
 
     def __init__(self, app: object) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -40,7 +42,9 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
+        guard = getattr(getattr(app, "state", None), "http_guard", None)
+        kw = uvicorn_settings(guard) if guard is not None else {}
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", **kw)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

@@ -63,3 +63,26 @@ def test_pool_of_another_model(model):
     pool = DevicePool(KVLayout(load_spec("tiny"), page_size=4), 3)  # 12 layers, the model has 2
     with pytest.raises(ValueError, match="build it with model.layout_for"):
         model(batch(), pool)
+
+
+def test_mla_path_rule():
+    """Decode reads few rows per token: absorbed; a long prefill chunk reuses every expanded row: expanded."""
+    from dsakv.model.attention import choose_mla_path
+
+    tiny = dict(heads=4, rank=64, rope=16, nope=16, v=16)
+    assert choose_mla_path("auto", num_tokens=16, num_rows=16 * 80, k=16, **tiny) == "absorbed"  # decode, batch 16
+    assert choose_mla_path("auto", num_tokens=1, num_rows=3, k=3, **tiny) == "absorbed"
+    assert choose_mla_path("auto", num_tokens=512, num_rows=512, k=16, **tiny) == "expanded"  # prefill chunk
+    # GLM-5.2 shapes: a 4K prefill chunk expands, a decode step at 4K context absorbs
+    glm = dict(heads=64, rank=512, rope=64, nope=192, v=256)
+    assert choose_mla_path("auto", num_tokens=4096, num_rows=4096, k=2048, **glm) == "expanded"
+    assert choose_mla_path("auto", num_tokens=1, num_rows=4096, k=2048, **glm) == "absorbed"
+    assert choose_mla_path("expanded", num_tokens=1, num_rows=4096, k=2048, **glm) == "expanded"
+    with pytest.raises(ValueError, match="use one of auto, absorbed, expanded"):
+        choose_mla_path("dense", num_tokens=1, num_rows=1, k=1, **glm)
+
+
+def test_set_mla_path_refuses_unknown(model):
+    with pytest.raises(ValueError, match="mla path 'flash'"):
+        model.set_mla_path("flash")
+    assert model.mla_path == "auto"

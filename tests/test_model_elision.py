@@ -24,14 +24,21 @@ def model():
     return tiny_model("glm_moe_dsa")[1]  # the suite's one cached tiny GLM checkpoint (seed 0)
 
 
-@pytest.mark.parametrize("kv_format,index_format", FORMATS)
-def test_elision_on_off_bitwise_identical(model, kv_format, index_format):
+@pytest.mark.parametrize(
+    "kv_format,index_format,path",
+    [(kv, ix, "auto") for kv, ix in FORMATS] + [("fp32", "fp32", "absorbed"), ("fp8-656", "fp8-132", "expanded")],
+)
+def test_elision_on_off_bitwise_identical(model, kv_format, index_format, path):
     prompts = prompts_for([23, 6, 40], seed=3)
     results = {}
-    for elide in (True, False):
-        layout = model.layout_for(elide=elide, kv_format=kv_format, index_format=index_format, page_size=8)
-        runs, pool = greedy(model, layout, prompts, STEPS, chunk=9, num_pages=20)
-        results[elide] = (runs, pool, layout)
+    model.set_mla_path(path)
+    try:
+        for elide in (True, False):
+            layout = model.layout_for(elide=elide, kv_format=kv_format, index_format=index_format, page_size=8)
+            runs, pool = greedy(model, layout, prompts, STEPS, chunk=9, num_pages=20)
+            results[elide] = (runs, pool, layout)
+    finally:
+        model.set_mla_path("auto")
     on, off = results[True][0], results[False][0]
     for a, b in zip(on, off, strict=True):
         assert a.generated == b.generated

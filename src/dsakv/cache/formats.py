@@ -85,9 +85,23 @@ def _fp8_group_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _as_bytes(_fp8_cast(x / per_elem)), _as_bytes(scales)
 
 
+def _scale_groups_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """out [N, d] = codes [N, d] (fp8) as float32 * each group's scale [N, G]: one multiply, no expansion."""
+    n, d = codes.shape
+    g = scales.shape[1]
+    if g == 1:
+        torch.mul(codes.to(torch.float32), scales, out=out)
+    elif d == g * QUANT_GROUP:
+        out.view(n, g, QUANT_GROUP).copy_(codes.to(torch.float32).view(n, g, QUANT_GROUP) * scales[:, :, None])
+    else:
+        out.copy_(codes.to(torch.float32) * _expand_scales(scales, d))
+
+
 def _fp8_group_decode(codes: torch.Tensor, scale_bytes: torch.Tensor, d: int) -> torch.Tensor:
     scales = _from_bytes(scale_bytes, torch.float32)
-    return _from_bytes(codes, FP8).to(torch.float32) * _expand_scales(scales, d)
+    out = torch.empty(codes.shape[0], d, dtype=torch.float32, device=codes.device)
+    _scale_groups_into(out, _from_bytes(codes, FP8), scales)
+    return out
 
 
 def _fp4_group_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,10 +179,17 @@ class Codec:
         if f == "bf16":
             return _from_bytes(segs[0], torch.bfloat16).to(torch.float32)
         if self.kind == "kv" and f == "fp8-656":
-            row = segs[0]
-            g4 = 4 * _groups(r)
-            latent = _fp8_group_decode(row[:, :r], row[:, r : r + g4], r)
-            rope = _from_bytes(row[:, r + g4 :], torch.bfloat16).to(torch.float32)
+            row = segs[0].contiguous()
+            g = _groups(r)
+            if r % 4 == 0 and row.shape[1] % 4 == 0:  # reinterpret in place: scales and rope need no copies
+                scales = row.view(torch.float32)[:, r // 4 : r // 4 + g]
+                rope = row.view(torch.bfloat16)[:, (r + 4 * g) // 2 :]
+                out = torch.empty(row.shape[0], self.dim, dtype=torch.float32, device=row.device)
+                _scale_groups_into(out[:, :r], row.view(FP8)[:, :r], scales)
+                out[:, r:] = rope
+                return out
+            latent = _fp8_group_decode(row[:, :r], row[:, r : r + 4 * g], r)
+            rope = _from_bytes(row[:, r + 4 * g :], torch.bfloat16).to(torch.float32)
             return torch.cat((latent, rope), dim=1)
         if self.kind == "kv" and f == "fp8-576":
             return _from_bytes(segs[0], FP8).to(torch.float32)
@@ -194,20 +215,43 @@ class Codec:
             base += page_size * w
         return views
 
+    def _row_views(self, buf: torch.Tensor, page_size: int) -> list[torch.Tensor]:
+        """Per segment, the view rows are gathered from / scattered to by one indexed op.
+
+        One segment (every KV format, bf16/fp32 index-K): pages hold whole rows back to back, so the buffer is
+        [num_pages * page_size, w] rows and a slot is a row index (index_select copies rows, not bytes).
+        Several segments: [num_pages, page_size, w] per segment, read as int32 words where w allows it.
+        """
+        if len(self.segments) == 1:
+            num_pages, page_bytes = buf.shape
+            if buf.dtype != torch.uint8 or page_bytes != self.bytes_per_token * page_size:
+                self._segment_views(buf, page_size)  # raises the layout error
+            return [buf.view(num_pages * page_size, self.segments[0])]
+        views = self._segment_views(buf, page_size)
+        return [v.view(torch.int32) if v.shape[-1] % 4 == 0 and buf.shape[1] % 4 == 0 else v for v in views]
+
     def write(self, buf: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, page_size: int) -> None:
         """Store x [N, dim] at token slots [N] (slot = page * page_size + offset) of buf."""
         slots = _check_slots(slots, buf.shape[0] * page_size, x.shape[0])
         if slots.numel() == 0:
             return
+        views = self._row_views(buf, page_size)
+        segs = self.encode(x)
+        if len(views) == 1:
+            views[0][slots] = segs[0].to(buf.device)
+            return
         pages, offs = slots // page_size, slots % page_size
-        for view, seg in zip(self._segment_views(buf, page_size), self.encode(x), strict=True):
-            view[pages, offs] = seg.to(buf.device)
+        for view, seg in zip(views, segs, strict=True):
+            view[pages, offs] = seg.to(buf.device).view(view.dtype)
 
     def read(self, buf: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-        """Float32 [N, dim] values at token slots [N] of buf."""
+        """Float32 [N, dim] values at token slots [N] of buf: only those rows are gathered and decoded."""
         slots = _check_slots(slots, buf.shape[0] * page_size, None)
+        views = self._row_views(buf, page_size)
+        if len(views) == 1:
+            return self.decode([views[0].index_select(0, slots)])
         pages, offs = slots // page_size, slots % page_size
-        return self.decode([view[pages, offs] for view in self._segment_views(buf, page_size)])
+        return self.decode([view[pages, offs].view(torch.uint8) for view in views])
 
 
 def _check_slots(slots: torch.Tensor, capacity: int, n: int | None) -> torch.Tensor:

@@ -16,7 +16,8 @@ Two physical layouts, chosen by name from HOST_LAYOUTS (one class each):
 Sizing (host_pages_for) follows dsakv.plan.capacity.host_tokens: host bytes = hicache_size, or
 int(device tokens x bytes_per_token x hicache_ratio); pages = host bytes // bytes_per_page.
 
-Copies to and from a DevicePool are vectorised over pages (index_select / index_copy_ per key).
+Copies to and from a CPU DevicePool go source to destination in one pass, page runs as memmoves
+(page_copy.copy_page_set); with a GPU pool they are vectorised over pages (index_select / index_copy_ per key).
 The logical index (which host pages hold what) lives in a PageAllocator, not here.
 Imports torch and dsakv.spec/cache; must not import model or engine.
 """
@@ -29,7 +30,17 @@ import numpy.typing as npt
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.cache.page_copy import as_index, copy_pages, gather_rows, put, row_offsets, run_start, scatter_rows, take
+from dsakv.cache.page_copy import (
+    as_index,
+    copy_page_set,
+    copy_pages,
+    gather_rows,
+    put,
+    row_offsets,
+    run_start,
+    scatter_rows,
+    take,
+)
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, KVLayout
 from dsakv.util import Registry
@@ -151,14 +162,20 @@ class LayerFirstHostPool(HostPool):
 
     def offload(self, device: DevicePool, dev_ids: npt.ArrayLike, host_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(dev_ids, host_ids, "offload")
-        for key, t in self._tensors.items():
-            copy_pages(t, dst, device.tensor(key), src)
+        if device.device.type == "cpu":  # one pass, page runs as memmoves (page_copy.copy_page_set)
+            copy_page_set([(t, device.tensor(key)) for key, t in self._tensors.items()], dst, src)
+        else:
+            for key, t in self._tensors.items():
+                copy_pages(t, dst, device.tensor(key), src)
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(host_ids, dev_ids, "load")
-        for key, t in self._tensors.items():
-            copy_pages(device.tensor(key), dst, t, src)
+        if device.device.type == "cpu":
+            copy_page_set([(device.tensor(key), t) for key, t in self._tensors.items()], dst, src)
+        else:
+            for key, t in self._tensors.items():
+                copy_pages(device.tensor(key), dst, t, src)
         return int(dst.numel()) * self.layout.bytes_per_page
 
     def read_rows(self, host_ids: npt.ArrayLike) -> torch.Tensor:
@@ -204,9 +221,8 @@ class PageFirstHostPool(HostPool):
 
     def offload(self, device: DevicePool, dev_ids: npt.ArrayLike, host_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(dev_ids, host_ids, "offload")
-        if device.device.type == "cpu":
-            for key in self.keys:
-                copy_pages(self.view(key), dst, device.tensor(key), src)
+        if device.device.type == "cpu":  # one pass per page and buffer, straight into the column slices
+            copy_page_set([(self.view(key), device.tensor(key)) for key in self.keys], dst, src)
         else:
             copy_pages(self.buffer, dst, gather_rows(device, src), torch.arange(src.numel()))
         return int(dst.numel()) * self.layout.bytes_per_page
@@ -214,8 +230,7 @@ class PageFirstHostPool(HostPool):
     def load(self, device: DevicePool, host_ids: npt.ArrayLike, dev_ids: npt.ArrayLike) -> int:
         src, dst = self._pair(host_ids, dev_ids, "load")
         if device.device.type == "cpu":
-            for key in self.keys:
-                copy_pages(device.tensor(key), dst, self.view(key), src)
+            copy_page_set([(device.tensor(key), self.view(key)) for key in self.keys], dst, src)
         else:
             s0 = run_start(src)
             rows = self.buffer[s0 : s0 + src.numel()] if s0 is not None else take(self.buffer, src)

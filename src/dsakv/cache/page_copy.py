@@ -9,11 +9,22 @@ order (with elision, a shared layer simply has no INDEX_K segment):
 
 Copies are one index_select / index_copy_ per buffer, never a Python loop per page, on the widest integer
 view the byte layout allows (a uint8 index_copy_ moves one byte per element and is ~7x slower on CPU).
+
+Host <-> host-memory copies of many buffers (`copy_page_set`: a HostPool's offload / load with a CPU
+DevicePool) go straight from source to destination in one pass: the page-id pairs are coalesced once into
+runs consecutive on both sides, and each run of each buffer is one memmove (a run of rows that are
+contiguous on both sides is one memmove of run x page bytes; a strided column slice moves page by page).
+An index_select + index_copy_ pair reads and writes everything twice; this runs at memcpy speed
+(bench/hicache.py). Page ids are bounds-checked first: nothing is copied for an id outside either tensor.
+With `threads` > 1 the buffers are split over a thread pool (memmove releases the GIL); it pays only for
+copies of several MiB on a machine with idle cores, so the default is 1 (COPY_THREADS).
 Imports torch and dsakv.spec/cache only; must not import model or engine.
 """
 
 from __future__ import annotations
 
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -22,6 +33,10 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.spec.layout import BufferKey, KVLayout
+
+COPY_THREADS = 1  # threads for copy_page_set (see the module docstring)
+_POOL: ThreadPoolExecutor | None = None
+_memmove = ctypes.memmove
 
 
 @lru_cache(maxsize=64)
@@ -129,3 +144,86 @@ def scatter_rows(pool: DevicePool, ids: npt.ArrayLike | torch.Tensor, rows: torc
     rows = rows.to(pool.device)
     for key, (off, nbytes) in row_offsets(pool.layout).items():
         put(pool.tensor(key), idx, rows[:, off : off + nbytes])
+
+
+def page_runs(dst_idx: npt.ArrayLike, src_idx: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst starts, src starts, lengths) of the maximal runs consecutive in both id lists (same length)."""
+    d = np.asarray(dst_idx, dtype=np.int64).reshape(-1)
+    s = np.asarray(src_idx, dtype=np.int64).reshape(-1)
+    if d.size != s.size:
+        raise ValueError(f"copy: {s.size} source pages but {d.size} destination pages")
+    if d.size == 0:
+        return d, s, d
+    brk = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    lens = np.diff(np.concatenate((starts, [d.size])))
+    return d[starts], s[starts], lens
+
+
+def _check_ids(ids: np.ndarray, t: torch.Tensor, side: str) -> None:
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]):
+        raise IndexError(
+            f"{side} page ids span {int(ids.min())}..{int(ids.max())} but the {side} buffer has pages "
+            f"0..{t.shape[0] - 1}: nothing was copied"
+        )
+
+
+def _row_geometry(t: torch.Tensor) -> tuple[int, int, int]:
+    """(base address, row stride bytes, row bytes) of a CPU uint8 [pages, bytes] tensor with unit column stride."""
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+        raise ValueError(f"copy_page_set copies CPU uint8 [pages, bytes] row tensors, got {t.dtype} {t.shape}")
+    return t.data_ptr(), t.stride(0), t.shape[1]
+
+
+def copy_page_set(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    dst_idx: npt.ArrayLike | torch.Tensor,
+    src_idx: npt.ArrayLike | torch.Tensor,
+    threads: int | None = None,
+) -> int:
+    """For every (dst, src) in `pairs`: dst[dst_idx] = src[src_idx] (CPU uint8 [pages, bytes]); returns bytes.
+
+    One pass, source to destination: runs consecutive on both sides are found once and each is one memmove
+    per buffer (see the module docstring).
+    """
+    d_ids = dst_idx.cpu().numpy() if isinstance(dst_idx, torch.Tensor) else np.asarray(dst_idx, dtype=np.int64)
+    s_ids = src_idx.cpu().numpy() if isinstance(src_idx, torch.Tensor) else np.asarray(src_idx, dtype=np.int64)
+    d0, s0, lens = page_runs(d_ids, s_ids)
+    if lens.size == 0:
+        return 0
+    jobs = []
+    for dst, src in pairs:
+        if dst.shape[1] != src.shape[1]:
+            raise ValueError(f"copy: destination pages of {dst.shape[1]} bytes but source pages of {src.shape[1]}")
+        _check_ids(d_ids, dst, "destination")
+        _check_ids(s_ids, src, "source")
+        jobs.append((_row_geometry(dst), _row_geometry(src)))
+    runs = list(zip(d0.tolist(), s0.tolist(), lens.tolist(), strict=True))
+    n = int(lens.sum())
+
+    def move(job: tuple[tuple[int, int, int], tuple[int, int, int]]) -> None:
+        (da, ds, w), (sa, ss, _) = job
+        if ds == w and ss == w:  # rows contiguous on both sides: a run is one block
+            for d, s, k in runs:
+                _memmove(da + d * w, sa + s * w, k * w)
+        else:
+            for d, s, k in runs:
+                for i in range(k):
+                    _memmove(da + (d + i) * ds, sa + (s + i) * ss, w)
+
+    threads = COPY_THREADS if threads is None else threads
+    if threads > 1 and len(jobs) > 1:
+        global _POOL
+        if _POOL is None or _POOL._max_workers != threads:
+            _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dsakv-copy")
+        chunks = [jobs[i::threads] for i in range(threads)]
+
+        def move_all(js: list[tuple[tuple[int, int, int], tuple[int, int, int]]]) -> None:
+            for j in js:
+                move(j)
+
+        list(_POOL.map(move_all, chunks))
+    else:
+        for job in jobs:
+            move(job)
+    return n * sum(dst.shape[1] for dst, _ in pairs)

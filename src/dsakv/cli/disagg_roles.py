@@ -58,6 +58,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--queue-timeout", type=float, default=60.0, help="router: how long a request may wait for a free pair (60 s)"
     )
     g.add_argument("--health-interval", type=float, default=0.5, help="router: seconds between health polls (0.5)")
+    g.add_argument(
+        "--affinity-min-gain-pages",
+        type=int,
+        default=1,
+        help="router: send a request to the prefill that caches most of its prompt only when that saves at least "
+        "this many whole pages over the least loaded prefill (1); otherwise route by load",
+    )
+    g.add_argument(
+        "--affinity-max-imbalance",
+        type=int,
+        default=4,
+        help="router: ... and only when that prefill has at most this many more requests in flight (4)",
+    )
     g.add_argument("--worker-name", default=None, help="prefill/decode: name in logs and handshakes")
     g.add_argument(
         "--startup-wait",
@@ -267,6 +280,7 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
 
 
 def run_router(args: argparse.Namespace, cfg: Config) -> int:
+    from dsakv.cli.http_options import http_limits
     from dsakv.disagg.router import RouterBackend, RouterConfig
     from dsakv.serve.app import create_app
     from dsakv.serve.server import run_http
@@ -289,10 +303,12 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
             health_interval=args.health_interval,
             queue_timeout=args.queue_timeout,
             seed=cfg.engine.seed,
+            affinity_min_gain_pages=args.affinity_min_gain_pages,
+            affinity_max_imbalance=args.affinity_max_imbalance,
         )
     )
     app = create_app(backend, name, load_tokenizer(args.model, vocab), request_timeout=args.request_timeout)
-    return run_http(app, args.host, args.port, args.log_level)
+    return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
 
 
 def run_role(args: argparse.Namespace, cfg: Config | None = None) -> int:

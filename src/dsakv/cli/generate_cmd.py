@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from dsakv.cli import options
+from dsakv.cli.validate import validate_checkpoint, validate_generate, validate_pool
 from dsakv.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -57,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     run_g = p.add_argument_group("engine")
     options.add_engine_arguments(run_g)
+    options.add_speculative_argument(run_g)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
 
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    validate_generate(args)
+    validate_pool(args, validate_checkpoint(model_dir))
     prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
     tokenizer = None
     if args.prompt:
@@ -145,4 +149,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)
+        if engine.spec_stats() is not None:
+            print(json.dumps({"speculative": engine.spec_stats()}), file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0

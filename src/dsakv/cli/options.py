@@ -3,6 +3,7 @@
 argv for child processes (the demo's workers, the tests' and benches' clusters).
 
     add_layout_arguments / add_pool_arguments / add_cache_arguments / add_engine_arguments   (argparse groups)
+    add_speculative_argument                                                                  (serve, generate)
     add_transfer_arguments / add_pipeline_arguments                                           (serve's roles)
     config_from_args(args) -> Config      engine_config(args) -> EngineConfig     layout_config(args) ...
     engine_argv(EngineConfig) -> ["--page-size", "16", ...]                                   (the inverse)
@@ -157,6 +158,18 @@ def add_engine_arguments(
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
 
+def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> None:
+    """--speculative-num-steps K (EngineConfig.speculative_num_steps); `note` ends its help (what the command adds)."""
+    g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
+        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution" + note,
+    )
+
+
 def add_backend_argument(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--transfer-backend",
@@ -285,6 +298,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=cache_config(args),
         dtype=getattr(args, "dtype", "float32"),
         seed=getattr(args, "seed", None),
+        speculative_num_steps=getattr(args, "speculative_num_steps", 0),
     )
 
 
@@ -369,4 +383,6 @@ def engine_argv(cfg: EngineConfig, defaults: EngineConfig = EngineConfig()) -> l
         out += _opt("--mooncake-device-names", st.device_names or None)
     if cfg.dtype != defaults.dtype:
         out += ["--dtype", cfg.dtype]
+    if cfg.speculative_num_steps != defaults.speculative_num_steps:
+        out += ["--speculative-num-steps", str(cfg.speculative_num_steps)]
     return out + _opt("--seed", cfg.seed)

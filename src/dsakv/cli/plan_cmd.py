@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import TextIO
 
 from dsakv.errors import ConfigError
@@ -33,6 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1; even split)")
     p.add_argument("--pp-partition", help="layers per stage, e.g. 20,20,20,18 (must sum to the layer count)")
     p.add_argument("--draft-layers", type=int, default=0, help="MTP/EAGLE draft layers held per stage (always full)")
+    p.add_argument(
+        "--draft-placement",
+        choices=("every", "last"),
+        default="every",
+        help="which PP stages hold the draft layers: every (one set per stage, the seeds' accounting; default) or "
+        "last (dsakv's engine: the draft needs the final hidden states); with pp > 1 both are shown",
+    )
     p.add_argument("--kv-format", choices=KV_FORMATS, default="fp8-656", help="MLA KV row format (default fp8-656)")
     p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp8-132", help="index-K format (default fp8-132)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
@@ -73,6 +81,7 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         pp=args.pp if partition is None else len(partition),
         partition=partition,
         draft_layers=args.draft_layers,
+        draft_placement=args.draft_placement,
         kv_format=args.kv_format,
         index_format=args.index_format,
         page_size=args.page_size,
@@ -197,8 +206,17 @@ def run(args: argparse.Namespace) -> int:
     d = _deployment(args)
     rp = plan(d)
     bal = balance(d) if args.balance else None
+    other = None
+    if d.pp > 1 and d.draft_layers:
+        other = plan(replace(d, draft_placement="last" if d.draft_placement == "every" else "every"))
     if args.json:
         out = rp.to_dict()
+        if other is not None:
+            out["other_draft_placement"] = {
+                "draft_placement": other.deployment.draft_placement,
+                "binding_stage_elided": other.binding_elided,
+                "max_total_num_tokens_elided": other.tokens_elided,
+            }
         if bal is not None:
             out["balance"] = {
                 "partition": list(bal.balanced.deployment.partition or ()),
@@ -234,6 +252,16 @@ def run(args: argparse.Namespace) -> int:
     if d.hisparse_ratio is not None:
         print()
         print_hisparse(rp)
+    if other is not None:
+        names = {
+            "every": "a draft set on every stage (the seeds' accounting)",
+            "last": "drafts on the last stage only (dsakv's engine)",
+        }
+        for r in (rp, other):
+            print(
+                f"draft placement {r.deployment.draft_placement}: {names[r.deployment.draft_placement]}: binding stage "
+                f"{r.binding_elided}, {r.tokens_elided:,} tokens"
+            )
     if bal is not None:
         print()
         part = ",".join(map(str, bal.balanced.deployment.partition or ()))

@@ -18,7 +18,9 @@ import argparse
 import logging
 
 from dsakv.cli import disagg_roles, options
+from dsakv.cli.http_options import add_http_arguments, http_limits
 from dsakv.engine.config import Config
+from dsakv.errors import ConfigError
 
 log = logging.getLogger("dsakv.serve")
 
@@ -55,9 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_layout_arguments(kv)
     options.add_pool_arguments(kv)
     options.add_cache_arguments(p)
+    add_http_arguments(p)
     eng = p.add_argument_group("engine")
     options.add_engine_arguments(eng)
     eng.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
+    options.add_speculative_argument(
+        eng, " (colocated role; the pool then holds the draft layer's KV and index-K, /metrics shows dsakv_spec_*)"
+    )
     disagg_roles.add_arguments(p)
 
 
@@ -98,12 +104,42 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
         "on" if engine.prefix_cache is not None else "off",
     )
     app = create_app(EngineBackend(engine), name, tokenizer, request_timeout=args.request_timeout)
-    return run_http(app, args.host, args.port, args.log_level)
+    return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Refuse bad options before anything loads or binds (cli/validate.py); the checkpoint of roles that load one."""
+    from dsakv.cli.validate import validate_checkpoint, validate_pool, validate_serve
+
+    validate_serve(args)
+    if args.role != "router":
+        validate_pool(args, validate_checkpoint(options.model_dir_of(args)))
+    elif args.model:
+        validate_checkpoint(options.model_dir_of(args))
+
+
+def bind_data_plane(args: argparse.Namespace) -> None:
+    """Mooncake (KV transfer of decode/prefill, or the L3 store client) binds every interface: re-exec this process
+    once under dsakv's bind shim so it listens on --host only (disagg/backends/bind_shim.py)."""
+    transfer = args.role in ("decode", "prefill") and getattr(args, "transfer_backend", None) == "mooncake"
+    store = args.role != "router" and getattr(args, "hicache_storage", None) == "mooncake"
+    if transfer or store:
+        from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
+
+        ensure_bound_to_host(args.host, "mooncake (KV transfer)" if transfer else "mooncake store client (L3)")
 
 
 def run(args: argparse.Namespace) -> int:
+    validate(args)
     setup_logging(args.log_level)
+    bind_data_plane(args)
     cfg = options.config_from_args(args)
     if args.role == "colocated":
         return run_colocated(args, cfg)
+    if cfg.engine.speculative_num_steps:
+        raise ConfigError(
+            f"--speculative-num-steps {cfg.engine.speculative_num_steps} with --role {args.role}: disaggregated "
+            "roles do not speculate yet (the prefill would have to send the draft layer's KV); serve --role "
+            "colocated, or drop it"
+        )
     return int(disagg_roles.run_role(args, cfg) or 0)

@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     if size < 1 << 20:
         raise ConfigError(f"--size {args.size}: give at least 1MiB of store memory")
+    from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
+
+    ensure_bound_to_host(args.host, "the mooncake store (master metadata + store memory)")  # it binds every interface
     master = MasterProcess(args.port, args.host, args.master_log)
     try:
         master.start()

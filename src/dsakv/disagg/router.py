@@ -8,7 +8,8 @@
 Per request (one dispatcher thread):
   1. pick a pair: a healthy decode and a healthy prefill that have handshaken (the health thread asks
      prefill.connect(decode) for every pair, again whenever a decode restarts or a prefill re-forms);
-     the least loaded decode, then the least loaded prefill paired with it.
+     the least loaded decode, then the prefill paired with it that caches most of the prompt, or the least
+     loaded one when that saves under a page (rules: disagg/routing.py).
   2. decode PREALLOC Prealloc(rid#n, prompt, params, prefill, stages, kv_timeout) -> Preallocated(pages)
      (NoFreePages: the request waits in the router's queue, up to queue_timeout);
   3. prefill SUBMIT Submit(rid#n, prompt, decode, pages, kv_timeout); a refused submit (prefill down) aborts the
@@ -47,6 +48,7 @@ from dsakv.disagg.messages import (
     Submit,
 )
 from dsakv.disagg.router_peers import PeerState, PeerTable
+from dsakv.disagg.routing import AffinityRule
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.backend import TokenEvent
@@ -70,6 +72,8 @@ class RouterConfig:
     connect_retry: float = 2.0  # seconds between handshake attempts of a pair that failed
     max_prompt_tokens: int | None = None
     seed: int | None = None
+    affinity_min_gain_pages: int = 1  # prefix affinity only when it saves >= this many pages (disagg/routing.py)
+    affinity_max_imbalance: int = 4  # ... and the affine prefill has <= this many more requests in flight
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
@@ -91,6 +95,13 @@ class RouterConfig:
         for v, name in ((self.kv_timeout, "kv_timeout"), (self.rpc_timeout, "rpc_timeout")):
             if v <= 0:
                 raise ConfigError(f"{name} = {v} must be > 0 seconds")
+        if self.affinity_min_gain_pages < 1:
+            raise ConfigError(
+                f"affinity_min_gain_pages = {self.affinity_min_gain_pages} must be >= 1 page "
+                "(--affinity-min-gain-pages; a large value routes prefill by load only)"
+            )
+        if self.affinity_max_imbalance < 0:
+            raise ConfigError(f"affinity_max_imbalance = {self.affinity_max_imbalance} must be >= 0 requests")
 
 
 class RouterBackend:
@@ -100,7 +111,8 @@ class RouterBackend:
         self.cfg = cfg
         self.t = t = cfg.timeouts
         self._lock = threading.RLock()
-        self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down)
+        rule = AffinityRule(cfg.affinity_min_gain_pages, cfg.affinity_max_imbalance)
+        self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule)
         self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
         self._reqs: Ledger[RouterRequest] = Ledger(ROUTER, clock, keep_done=True)  # done: until its events are read
         self._by_wire: dict[str, RouterRequest] = {}
@@ -111,7 +123,18 @@ class RouterBackend:
         self._started = False
         self._rng = random.Random(cfg.seed)
         self.counters = dict.fromkeys(
-            ("requests_total", "finished_total", "failed_total", "aborted_total", "retries_total", "tokens_total"), 0
+            (
+                "requests_total",
+                "finished_total",
+                "failed_total",
+                "aborted_total",
+                "retries_total",
+                "tokens_total",
+                "routed_affinity_total",
+                "routed_load_total",
+                "routed_matched_pages_total",
+            ),
+            0,
         )
 
     # ---- lifetime ------------------------------------------------------------------------------
@@ -241,6 +264,12 @@ class RouterBackend:
                 "pages_total": total,
                 "in_flight": len(self._live()),
                 "queued": len(self._queue),
+                "routing": {
+                    "decode": "fewest in flight, then most free pages, then fewest running + waiting",
+                    "prefill": "prefix affinity, else fewest in flight (disagg/routing.py)",
+                    "affinity_min_gain_pages": self.peers.rule.min_gain_pages,
+                    "affinity_max_imbalance": self.peers.rule.max_imbalance,
+                },
                 "decode": [self.peers.view(p) for p in self.decodes.values()],
                 "prefill": [self.peers.view(p) for p in self.prefills.values()],
                 "pairs": [
@@ -348,10 +377,10 @@ class RouterBackend:
 
     def _dispatch(self, req: RouterRequest) -> bool:
         """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
-        pick = self.peers.pick()
-        if pick is None:
+        choice = self.peers.pick(req.prompt)
+        if choice is None:
             return False
-        p_addr, d_addr = pick
+        p_addr, d_addr = choice.prefill, choice.decode
         dec, pre = self.decodes[d_addr], self.prefills[p_addr]
         with self._lock:
             req.attempt += 1
@@ -423,6 +452,10 @@ class RouterBackend:
                 with self._lock:
                     pre.ok, pre.error = False, str(e)
             return False
+        self.peers.sent(choice)
+        with self._lock:
+            self.counters[f"routed_{choice.reason}_total"] += 1
+            self.counters["routed_matched_pages_total"] += choice.matched_pages
         return True
 
     # ---- events ---------------------------------------------------------------------------------------------

@@ -4,10 +4,13 @@ handshake, and the best-effort side RPCs (aborts) to them.
     peers = PeerTable(prefill_addrs, decode_addrs, timeouts, lock, on_decode_down=...)
     peers.poll_health()          HEALTH of every worker; CONNECT every healthy pair not yet paired for this
                                  (prefill boot/epoch, decode boot); a peer that does not answer is marked down
-    peers.pick()                 the least loaded usable pair (decode first, then prefill), or None
+    peers.pick(prompt)           a Choice: the least loaded decode (disagg/routing.py), then the prefill paired
+                                 with it that caches most of the prompt (prefix affinity) or else the least
+                                 loaded; None if no usable pair
+    peers.sent(choice)           after a SUBMIT: that prefill now caches the prompt's pages (affinity table)
     peers.post((addr, ABORT, Abort(rid)))   sent in order by the side thread (side_loop) or drain_side()
 
-Imports dsakv.disagg.{rpc, messages, timeouts}; no torch.
+Imports dsakv.disagg.{rpc, messages, routing, timeouts}; no torch.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsakv.disagg.messages import CONNECT, HEALTH, Connect, Health, HealthQuery
+from dsakv.disagg.routing import AffinityRule, Load, PrefixAffinity, page_hashes, pick_decode, pick_prefill
 from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
 from dsakv.disagg.timeouts import Timeouts
 
@@ -44,6 +48,16 @@ class PeerState:
     cursor: int = 0
     orphans: list[str] = field(default_factory=list)  # decode: attempts failed here while it was unreachable
     busy_until: float = 0.0  # decode: said NoFreePages; not asked again before then
+    picked: int = 0  # requests the router sent here
+    picked_affinity: int = 0  # prefill: ... of which for prefix affinity
+
+
+class Choice(NamedTuple):
+    prefill: str
+    decode: str
+    reason: str  # "affinity" | "load" (how the prefill was chosen)
+    matched_pages: int  # prompt pages the chosen prefill should have cached
+    hashes: list[bytes]  # the prompt's page hashes at that prefill's page size
 
 
 @dataclass
@@ -63,8 +77,11 @@ class PeerTable:
         t: Timeouts,
         lock: threading.RLock,
         on_decode_down: Callable[[PeerState, str], None],
+        rule: AffinityRule | None = None,
     ) -> None:
         self.t = t
+        self.rule = rule or AffinityRule()
+        self.affinity = PrefixAffinity()
         self._lock = lock  # the router's: peers and requests change together
         self.on_decode_down = on_decode_down
         self.decodes = {a: PeerState(a, "decode", RpcClient(a, timeout=t.rpc)) for a in decode}
@@ -73,20 +90,40 @@ class PeerTable:
         self._side: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
         self._side_clients: dict[str, RpcClient] = {}
 
-    @staticmethod
-    def view(p: PeerState) -> dict[str, Any]:
+    def view(self, p: PeerState) -> dict[str, Any]:
+        """One row of the router's instance table (its /health): state, load, cached prefixes, health."""
         h = p.health
-        return {
+        row: dict[str, Any] = {
             "addr": p.addr,
+            "name": h.name if h is not None else None,
             "ok": p.ok,
             "boot": p.boot,
             "epoch": p.epoch,
             "error": p.error,
             "in_flight": p.inflight,
+            "picked": p.picked,
             "pages_used": h.pages_used if h is not None else None,
+            "pages_free": h.pages_free if h is not None else None,
             "pages_total": h.pages_total if h is not None else None,
+            "running": h.running if h is not None else None,
+            "waiting": h.waiting if h is not None else None,
             "integrity": h.integrity if h is not None else None,
         }
+        if p.role == "prefill":
+            row["num_stages"] = p.num_stages
+            row["cached_prefix_pages"] = self.affinity.size(p.addr)  # as the router tracks them
+            row["picked_affinity"] = p.picked_affinity
+            row["prefix_cache"] = h.prefix_cache if h is not None else None  # the prefill's own stats
+        else:
+            row["busy"] = p.busy_until > time.monotonic()
+        return row
+
+    @staticmethod
+    def load(p: PeerState) -> Load:
+        h = p.health
+        if h is None:
+            return Load(p.addr, p.inflight)
+        return Load(p.addr, p.inflight, h.pages_free, (h.running or 0) + (h.waiting or 0))
 
     def usable_pairs(self) -> list[tuple[str, str]]:
         with self._lock:
@@ -100,11 +137,35 @@ class PeerTable:
         now = time.monotonic()
         return [(p, d) for p, d in self.usable_pairs() if self.decodes[d].busy_until <= now]
 
-    def pick(self) -> tuple[str, str] | None:
+    def pick(self, prompt: Sequence[int] = ()) -> Choice | None:
+        """The decode by load, then among the prefills paired with it the one by prefix affinity / load
+        (rules in disagg/routing.py); None if no pair is usable now."""
         pairs = self.pickable()
         if not pairs:
             return None
-        return min(pairs, key=lambda pd: (self.decodes[pd[1]].inflight, self.prefills[pd[0]].inflight))
+        with self._lock:
+            dec = pick_decode([self.load(self.decodes[d]) for d in sorted({d for _, d in pairs})])
+            pres = [self.prefills[p] for p in sorted({p for p, d in pairs if d == dec.addr})]
+            by_size: dict[int, list[bytes]] = {}
+            hashes: dict[str, list[bytes]] = {}
+            for p in pres:
+                size = p.health.page_size if p.health is not None else 0
+                if size > 0 and size not in by_size:
+                    by_size[size] = page_hashes(prompt, size)
+                hashes[p.addr] = by_size.get(size, [])
+            matched = {a: self.affinity.matched(a, hs) for a, hs in hashes.items()}
+            pre, why = pick_prefill([self.load(p) for p in pres], matched, self.rule)
+            return Choice(pre.addr, dec.addr, why, matched[pre.addr], hashes[pre.addr])
+
+    def sent(self, c: Choice) -> None:
+        """The prefill of `c` accepted the request: count it, and remember the prompt's pages as cached there."""
+        with self._lock:
+            pre, dec = self.prefills[c.prefill], self.decodes[c.decode]
+            pre.picked += 1
+            dec.picked += 1
+            pre.picked_affinity += c.reason == "affinity"
+            cap = pre.health.pages_total if pre.health is not None else 0
+            self.affinity.record(c.prefill, c.hashes, cap)
 
     def why_no_pair(self) -> str:
         bad = [f"{p.role} {p.addr}: {p.error}" for p in list(self.decodes.values()) + list(self.prefills.values())]
@@ -140,6 +201,8 @@ class PeerTable:
             with self._lock:
                 if peer.role == "decode" and peer.boot is not None and h.boot != peer.boot:
                     peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
+                if peer.role == "prefill" and (peer.boot, peer.epoch) != (h.boot, h.epoch):
+                    self.affinity.forget(peer.addr)  # restarted or re-formed: its cache is gone
                 peer.health = h
                 peer.epoch = h.epoch
                 peer.num_stages = h.num_stages

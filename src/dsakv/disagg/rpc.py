@@ -50,6 +50,9 @@ from dsakv.util import Registry
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 * 1024 * 1024
+MAX_REQUEST = 16 * 1024 * 1024  # a request frame a server reads (manifests and event batches are far smaller)
+FRAME_TIMEOUT = 10.0  # seconds for an announced request frame to arrive
+MAX_CONNECTIONS = 256  # open connections per server (one thread each); more are closed at once
 _HDR = struct.Struct(">I")
 
 
@@ -193,11 +196,19 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_HDR.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket) -> Any:
+def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE, body_timeout: float | None = None) -> Any:
+    """One frame. A server passes max_bytes (a larger announced frame is refused before it is read) and
+    body_timeout (the frame, once announced, must arrive within it; waiting for the next header is unbounded)."""
     (n,) = _HDR.unpack(_recv_exact(sock, _HDR.size))
-    if n > MAX_MESSAGE:
-        raise ConnectionError(f"message of {n} bytes exceeds the {MAX_MESSAGE}-byte limit")
-    return msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=False)
+    if n > max_bytes:
+        raise ConnectionError(f"message of {n} bytes exceeds the {max_bytes}-byte limit")
+    if body_timeout is not None:
+        sock.settimeout(body_timeout)
+    try:
+        return msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=False)
+    finally:
+        if body_timeout is not None:
+            sock.settimeout(None)
 
 
 Handler = Callable[[Any], Any]
@@ -211,19 +222,58 @@ class _ThreadingServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 class RpcServer:
     """Serves `handlers[method](params) -> result` on (host, port), one thread per connection."""
 
-    def __init__(self, handlers: dict[str, Handler], host: str = "127.0.0.1", port: int = 0, name: str = "rpc"):
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "rpc",
+        max_request: int = MAX_REQUEST,
+        frame_timeout: float = FRAME_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         self.handlers = dict(handlers)
         self.name = name
+        self.max_request = max_request
+        self.frame_timeout = frame_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.refused = {"too_large": 0, "timeout": 0, "connections": 0}
+        self._count = threading.Lock()
         outer = self
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 sock: socket.socket = self.request
+                with outer._count:
+                    if outer.open_connections >= outer.max_connections:
+                        outer.refused["connections"] += 1
+                        log.warning("%s: %d connections open: refusing one more", outer.name, outer.open_connections)
+                        return
+                    outer.open_connections += 1
+                try:
+                    self._serve(sock)
+                finally:
+                    with outer._count:
+                        outer.open_connections -= 1
+
+            def _serve(self, sock: socket.socket) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 while True:
                     try:
-                        msg = recv_msg(sock)
-                    except (ConnectionError, OSError, ValueError):
+                        msg = recv_msg(sock, outer.max_request, outer.frame_timeout)
+                    except TimeoutError:
+                        outer.refused["timeout"] += 1
+                        log.warning(
+                            "%s: a request frame did not arrive within %.1f s: closed", outer.name, outer.frame_timeout
+                        )
+                        return
+                    except ConnectionError as e:
+                        if "exceeds" in str(e):
+                            outer.refused["too_large"] += 1
+                            log.warning("%s: %s: closed", outer.name, e)
+                        return
+                    except (OSError, ValueError):
                         return
                     reply = outer._dispatch(msg)
                     try:

@@ -20,8 +20,10 @@ Imports torch.distributed, msgpack and dsakv.disagg.errors only.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,6 +61,49 @@ def _td(seconds: float) -> timedelta:
     return timedelta(seconds=max(0.01, seconds))
 
 
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
+
+
+def _listen_socket(host: str, port: int) -> socket.socket | None:
+    """A listening socket on host:port for the TCPStore server (torch binds every interface otherwise); None
+    for a wildcard host."""
+    if host in WILDCARD_HOSTS:
+        return None
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    deadline = time.monotonic() + 5.0  # a previous stage 0 on this port may still be going away
+    while True:
+        s = socket.socket(info[0], socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(info[4])
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise OSError(
+                    e.errno,
+                    f"stage 0: the rendezvous port {host}:{port} is in use ({e.strerror}): "
+                    "free it or pick another --dist-port / --port",
+                ) from None
+            time.sleep(0.1)
+            continue
+        s.listen(512)
+        return s
+
+
+def _gloo_options(host: str, timeout_s: float) -> Any:
+    """Gloo options whose device listens on `host` (by default gloo binds whatever the machine's hostname
+    resolves to)."""
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = _td(timeout_s)
+    dev = (
+        dist.ProcessGroupGloo.create_default_device()
+        if host in WILDCARD_HOSTS
+        else dist.ProcessGroupGloo.create_device(hostname=host)
+    )
+    opts._devices = [dev]
+    return opts
+
+
 class StageGroup:
     """One stage's membership in the PP group. Not thread-safe: one thread (the stage loop) uses it."""
 
@@ -71,6 +116,7 @@ class StageGroup:
         timeout_s: float = 10.0,
         hidden_dtype: torch.dtype = torch.float32,
         hidden_size: int = 0,
+        bind_host: str | None = None,
     ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"stage rank {rank} is outside 0..{size - 1}")
@@ -88,9 +134,19 @@ class StageGroup:
         self.epoch: str | None = None  # the epoch name of the current group (None: not formed)
         self._last_joined: str | None = None
         self.peer_info: dict[int, dict[str, Any]] = {}  # rank -> what it published at formation
+        # the rendezvous and the gloo pairs listen on this stage's host only (a wildcard host: all interfaces)
+        self.bind_host = bind_host or store_host
+        self._listen: socket.socket | None = None
         if size > 1 and rank == 0:
+            self._listen = _listen_socket(store_host, store_port)
             self._store = dist.TCPStore(
-                store_host, store_port, size, True, timeout=_td(self.timeout_s), wait_for_workers=False
+                store_host,
+                store_port,
+                size,
+                True,
+                timeout=_td(self.timeout_s),
+                wait_for_workers=False,
+                master_listen_fd=self._listen.fileno() if self._listen is not None else None,
             )
 
     # ---- formation -----------------------------------------------------------------------------
@@ -130,7 +186,7 @@ class StageGroup:
             self._last_joined = name
             prefix = dist.PrefixStore(f"pp/{name}", store)
             prefix.set(f"info/{self.rank}", msgpack.packb(info, use_bin_type=True))
-            pg = dist.ProcessGroupGloo(prefix, self.rank, self.size, _td(self.timeout_s))
+            pg = dist.ProcessGroupGloo(prefix, self.rank, self.size, _gloo_options(self.bind_host, self.timeout_s))
             self.peer_info = {
                 r: msgpack.unpackb(prefix.get(f"info/{r}"), raw=False, strict_map_key=False) for r in range(self.size)
             }

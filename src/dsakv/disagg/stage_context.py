@@ -213,6 +213,7 @@ class StageContext:
             t.stage,
             hidden_dtype=model.dtype,
             hidden_size=spec.hidden_size,
+            bind_host=cfg.host,
         )
         return cls(
             cfg=cfg,

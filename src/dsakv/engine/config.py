@@ -6,7 +6,7 @@
     │   ├── pool: PoolConfig          num_pages | max_tokens | kv_budget          -> pages (planner's figure)
     │   ├── scheduler: SchedulerConfig  max_batch_tokens, max_running_requests
     │   ├── cache: CacheConfig        prefix cache + host tier + disk tier         -> HiCacheConfig
-    │   └── dtype, seed
+    │   └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
     ├── transfer: TransferConfig      KV transfer backend and control-plane bounds (disaggregated roles)
     └── pipeline: PipelineConfig      PP prefill: stages, partition, rendezvous, stage timeout
 
@@ -46,8 +46,11 @@ class LayoutConfig:
     index_format: str = "fp32"
     page_size: int = DEFAULT_PAGE_SIZE
 
-    def layout(self, spec: ModelSpec, layer_start: int = 0, layer_end: int | None = None) -> KVLayout:
-        """The KVLayout of the main layers [layer_start, layer_end) (all of them by default; no draft layers)."""
+    def layout(
+        self, spec: ModelSpec, layer_start: int = 0, layer_end: int | None = None, draft_layers: int = 0
+    ) -> KVLayout:
+        """The KVLayout of the main layers [layer_start, layer_end) (all of them by default), plus `draft_layers`
+        MTP draft layers (1 when the engine speculates)."""
         return KVLayout(
             spec,
             layer_start=layer_start,
@@ -56,6 +59,7 @@ class LayoutConfig:
             kv_format=self.kv_format,
             index_format=self.index_format,
             page_size=self.page_size,
+            draft_layers=draft_layers,
         )
 
 
@@ -155,10 +159,21 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     dtype: str = "float32"  # weights: float32 | bfloat16
     seed: int | None = None  # seed for requests that give none
+    speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+        k = self.speculative_num_steps
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ConfigError(f"speculative_num_steps = {k!r} must be an integer >= 0")
+        if k < 0:
+            raise ConfigError(f"speculative_num_steps = {k} must be >= 0 (0 = no speculation)")
+
+    @property
+    def draft_layers(self) -> int:
+        """MTP draft layers the pool holds: 1 when the engine speculates (its layout's `draft_layers`)."""
+        return 1 if self.speculative_num_steps else 0
 
     # The flat keyword spelling (Engine(model, page_size=4, ...), DecodeConfig.engine): name -> (branch, field).
     OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
@@ -182,6 +197,7 @@ class EngineConfig:
         "hicache_storage": ("cache", "storage"),
         "dtype": ("", "dtype"),
         "seed": ("", "seed"),
+        "speculative_num_steps": ("", "speculative_num_steps"),
     }
 
     @classmethod

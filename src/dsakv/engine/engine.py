@@ -29,7 +29,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -112,14 +112,24 @@ class Engine:
         check_every_step: bool = False,
         layout: KVLayout | None = None,
         runner: Callable[[DevicePool], StepRunner] | None = None,
+        speculative_num_steps: int | None = None,
+        draft: Any = None,
+        spec_poison_rejected: bool = False,
         **options: Any,
     ) -> None:
         """`config` is the engine branch of the configuration tree; or give its flat options instead
         (`EngineConfig.OPTIONS`: elide, kv_format, index_format, page_size, num_pages, max_tokens, kv_budget,
-        max_batch_tokens, max_running_requests, dtype, seed, enable_prefix_cache, hicache_*)."""
+        max_batch_tokens, max_running_requests, dtype, seed, speculative_num_steps, enable_prefix_cache, hicache_*).
+
+        `speculative_num_steps` K > 0 (here or in the tree) turns on MTP speculative decoding: `draft` is the MTP
+        layer (default: load_draft from the checkpoint), the pool holds one draft layer's KV / index-K, and
+        `spec_poison_rejected` (testing) writes NaN into rejected positions after each step."""
         if config is not None and options:
             raise ConfigError(f"give config or engine options ({', '.join(sorted(options))}), not both")
-        cfg = self.config = config if config is not None else EngineConfig.from_options(**options)
+        cfg = config if config is not None else EngineConfig.from_options(**options)
+        if speculative_num_steps is not None:  # the keyword wins over the tree's (validated there)
+            cfg = replace(cfg, speculative_num_steps=speculative_num_steps)
+        self.config = cfg
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
             self.spec, self.model = model
@@ -129,7 +139,17 @@ class Engine:
             self.model_dir = Path(model)
             self.spec, self.model = load_model(self.model_dir, dtype=getattr(torch, cfg.dtype))
         self.model.eval()
-        self.layout = layout or cfg.layout.layout(self.spec)
+        self.speculative_num_steps = speculative_num_steps = cfg.speculative_num_steps
+        if speculative_num_steps and draft is None:
+            if self.model_dir is None:
+                raise ConfigError("speculative decoding needs the MTP draft: pass draft= (load_draft) with the model")
+            from dsakv.model.loader import load_draft
+
+            draft = load_draft(self.model_dir, dtype=getattr(torch, cfg.dtype))
+        self.draft = draft if speculative_num_steps else None
+        if layout is not None and self.draft is not None:
+            raise ConfigError("speculative decoding with an injected layout is not supported (PD roles: not yet)")
+        self.layout = layout or cfg.layout.layout(self.spec, draft_layers=cfg.draft_layers)
         page_size = self.layout.page_size
         num_pages = cfg.pool.pages([self.layout])
         self.pool = DevicePool(self.layout, num_pages, device=self.model.device)
@@ -158,6 +178,20 @@ class Engine:
         )
         self.runner: StepRunner = runner(self.pool) if runner is not None else ModelRunner(self.model, self.pool)
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
+        self.speculator: Any = None
+        if self.draft is not None:
+            from dsakv.engine.speculative import Speculator
+
+            self.draft.to(self.model.device)
+            self.speculator = Speculator(
+                self.model,
+                self.draft,
+                self.pool,
+                speculative_num_steps,
+                max_seq_len=self.max_seq_len,
+                poison_rejected=spec_poison_rejected,
+            )
+            self.scheduler.draft_lookahead = self.speculator.lookahead
         self.eos_token_ids = (
             tuple(int(e) for e in eos_token_ids)
             if eos_token_ids is not None
@@ -303,6 +337,8 @@ class Engine:
                     )
                 return outputs
             self._steps += 1
+            if self.speculator is not None:
+                return self._spec_step(sched, outputs)
             chunks = sched.chunks
             try:
                 logits = self.runner.run(chunks)
@@ -334,6 +370,45 @@ class Engine:
             if self.check_every_step:
                 self.check_integrity()
             return outputs
+
+    def _spec_step(self, sched: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """step() with speculative decoding (engine/speculative.py): draft, verify, accept, roll back."""
+        chunks = sched.chunks
+        try:
+            produced = self.speculator.run(chunks)
+        except Exception as e:  # the step failed: its requests finish with the error, pages come back
+            log.exception("speculative step failed for %d requests", len(chunks))
+            failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
+            for r in failed:
+                self.speculator.forget(r.request_id)
+            outputs.extend(RequestOutput.of(r, 0) for r in failed)
+            if self.check_every_step:
+                self.check_integrity()
+            return outputs
+        for c in chunks:
+            if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+                self._decode_tokens += 1 + c.num_draft
+            else:
+                self._prefill_tokens += c.num_tokens
+        before = {c.request.request_id: c.request.num_output_tokens for c in chunks}
+        got = self.scheduler.update_spec(sched, produced)
+        for r in got:
+            n = r.num_output_tokens - before[r.request_id]
+            self._generated += n
+            outputs.append(RequestOutput.of(r, n))
+            if r.is_finished:
+                self.speculator.forget(r.request_id)
+        if len(self.speculator.states) > len(self.scheduler.requests):
+            for rid in [rid for rid in self.speculator.states if rid not in self.scheduler.requests]:
+                self.speculator.forget(rid)
+        if self.check_every_step:
+            self.check_integrity()
+        return outputs
+
+    def spec_stats(self) -> dict[str, float] | None:
+        """Speculative decoding counters (acceptance rate, mean accepted length, ...), None without speculation."""
+        with self._lock:
+            return self.speculator.stats.to_dict() if self.speculator is not None else None
 
     def generate(
         self,

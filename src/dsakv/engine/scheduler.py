@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -114,6 +114,7 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    num_draft: int = 0  # speculative decoding: draft tokens verified after this (decode) token, pages allocated
 
     @property
     def end(self) -> int:
@@ -180,6 +181,9 @@ class Scheduler:
         self.kept: dict[str, Request] = {}  # finished with keep_pages: pages held until release()
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        # speculative decoding (engine/speculative.py): draft tokens a decoding request may verify this step;
+        # their pages are taken only from free pages (never by preempting), fewer or none when short
+        self.draft_lookahead: Callable[[Request], int] | None = None
 
     # ---- capacity ----------------------------------------------------------------
 
@@ -327,8 +331,11 @@ class Scheduler:
                 n = self._grow(req, want, partial=not decoding)
             if n == 0:
                 break  # req itself was preempted; it was the newest
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            drafts = 0
+            if decoding and self.draft_lookahead is not None:
+                drafts = self._grow_drafts(req, min(self.draft_lookahead(req), budget - n - decodes_behind))
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, drafts))
+            budget -= n + drafts
             i += 1
         if not out.preempted:
             self._admit(out, budget)
@@ -402,6 +409,30 @@ class Scheduler:
             req.page_ids.extend(self.allocator.alloc(need, owner=req.request_id).tolist())
         return want
 
+    def _grow_drafts(self, req: Request, drafts: int) -> int:
+        """Pages for up to `drafts` draft tokens after req's decode token, from free pages only; drafts granted."""
+        if drafts <= 0:
+            return 0
+        have = len(req.page_ids)
+        end = req.num_computed_tokens + 1
+        need = _pages_for(end + drafts, self.page_size) - have
+        if need > 0 and not self._reserve(need):
+            need = self.allocator.num_free
+            drafts = min(drafts, (have + need) * self.page_size - end)
+            if drafts <= 0:
+                return 0
+        if need > 0:
+            req.page_ids.extend(self.allocator.alloc(need, owner=req.request_id).tolist())
+        return drafts
+
+    def _trim(self, req: Request) -> None:
+        """Speculative rollback: free the pages beyond those of req's computed tokens (rejected drafts' slots)."""
+        keep = max(_pages_for(req.num_computed_tokens, self.page_size), 1)
+        if len(req.page_ids) > keep:
+            extra = np.asarray(req.page_ids[keep:], dtype=np.int64)
+            del req.page_ids[keep:]
+            self.allocator.drop(req.request_id, extra)
+
     # ---- leaving -----------------------------------------------------------------------------
 
     def _leave(self, req: Request, *, keep_in_cache: bool) -> None:
@@ -461,6 +492,44 @@ class Scheduler:
             reason = stop_reason(req, int(tok), self.max_seq_len)
             if reason is not None:
                 self._finish(req, reason)
+        return got
+
+    def update_spec(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]]) -> list[Request]:
+        """Speculative update: tokens[i] are the tokens chunk i produced (empty if it did not sample; for a decode
+        chunk with drafts, its accepted drafts then the target's token). The KV of the chunk's tokens and of the
+        accepted drafts stays (num_computed_tokens advances by num_tokens + accepted); rejected drafts' pages are
+        freed. A stop in the middle drops the tokens after it. Returns the requests that got tokens."""
+        if len(tokens) != len(out.chunks):
+            raise ValueError(f"update_spec: {len(tokens)} token lists for {len(out.chunks)} scheduled chunks")
+        got = []
+        for chunk, toks in zip(out.chunks, tokens, strict=True):
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != chunk.start:
+                raise IntegrityError(f"update_spec: {req!r} changed while its chunk {chunk.start}..{chunk.end} ran")
+            if not chunk.samples:
+                if toks:
+                    raise ValueError(f"update_spec: tokens for {req.request_id}, whose chunk did not sample")
+                req.num_computed_tokens = chunk.end
+                continue
+            if not 1 <= len(toks) <= chunk.num_draft + 1:
+                raise ValueError(
+                    f"update_spec: {len(toks)} tokens for {req.request_id}, whose chunk verified "
+                    f"{chunk.num_draft} drafts"
+                )
+            reason = None
+            appended = 0
+            for tok in toks:
+                req.output_ids.append(int(tok))
+                appended += 1
+                reason = stop_reason(req, int(tok), self.max_seq_len)
+                if reason is not None:
+                    break
+            req.num_computed_tokens = chunk.end + appended - 1
+            got.append(req)
+            if reason is not None:
+                self._finish(req, reason)
+            else:
+                self._trim(req)
         return got
 
     def fail(self, out: SchedulerOutput, error: str) -> list[Request]:

@@ -1,6 +1,7 @@
-"""MLA attention with the DSA lightning indexer, reading and writing the paged pool by BufferKey.
+"""MLA attention with the DSA lightning indexer over every sequence of a step at once, on the paged pool.
 
-Per layer and step (T new tokens of B sequences):
+Per layer and step (T new tokens of B sequences, flat rows; token t belongs to sequence tok_seq[t] and
+sits at position qpos[t] of it):
 
     x ─ q_a_proj ─ q_a_layernorm ─ q_resid ─ q_b_proj ─ [q_nope | q_rope] (rope: interleaved)
     x ─ kv_a_proj_with_mqa ─ [kv | k_rope] ; latent = kv_a_layernorm(kv) ; k_rope: interleaved rope
@@ -11,17 +12,40 @@ Per layer and step (T new tokens of B sequences):
       score[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . k_idx[s] / sqrt(index_head_dim)),
       w = weights_proj(x) / sqrt(index_n_heads); causal; top index_topk per query token.
     shared layers reuse their producer's top-k and never touch an INDEX_K buffer.
-    attention: key = [kv_b_proj(latent)_nope | k_rope], value = kv_b_proj(latent)_v, over the
-      top-k ∩ causal cached tokens, softmax scale qk_head_dim^-0.5 (x yarn mscale^2).
+    attention over the top-k ∩ causal cached tokens, softmax scale qk_head_dim^-0.5 (x yarn mscale^2).
+
+Top-k is one int64 tensor [T, index_topk] per step: the selected positions of each token's sequence, sorted
+ascending, -1 where a token has fewer than index_topk causal keys (it is also what a PP stage carries).
+
+Batched form. The indexer reads every cached index key of the step once, as a padded [B, S_max, D] block
+(S_max = longest sequence), scores all query tokens against their sequence's keys in one batched matmul
+(decode: one block of B tokens; prefill: blocks of flat rows bounded by SCORE_BLOCK_ELEMS), masks keys
+beyond each token's position and takes the top-k. Attention then runs on one of two equivalent paths:
+
+    absorbed (as DeepSeek's inference / FlashMLA): W_UK folds into the query, q_lat = q_nope . W_UK
+      [T, H, kv_lora_rank]; the selected [latent | k_rope] rows are read from the pool as stored (only those,
+      dequantised in one op) as [T, k, r + d]; scores = [q_lat | q_rope] . row; o_lat = probs . latent;
+      out = o_lat . W_UV. Nothing is expanded through kv_b_proj.
+    expanded (as transformers): every cached row of the step (R = sum of sequence lengths) goes through
+      kv_b_proj once, giving per-head keys [k_nope | k_rope] and values; each token gathers its k rows.
+
+The rule (`choose_mla_path`), from multiply-adds per step with k = min(index_topk, S_max), H heads,
+r = kv_lora_rank, d = rope dim, n = qk_nope_head_dim, v = v_head_dim:
+    absorbed = T * H * (n*r + k*(2r + d) + r*v)
+    expanded = R * H * r*(n + v) + T * H * k*(n + d + v)
+expanded is taken iff it is smaller: long prefill chunks, where every expanded row serves many queries;
+decode (T = B, R = B * context) is always absorbed. `MLA_PATH` ("auto" | "absorbed" | "expanded", or
+DSAModel.mla_path) forces one. Both give transformers' logits within float rounding.
 
 This is what transformers' GlmMoeDsaAttention / DeepseekV32Attention compute (eager path),
-with the cache in the pool instead of a DynamicCache.
+with the cache in the pool instead of a DynamicCache. Nothing here is CPU-only: every tensor is
+made on the input's device.
 Imports torch, dsakv.cache and dsakv.model.{config,layers,rope}.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,56 +54,82 @@ from torch import nn
 from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.config import DSAConfig
 from dsakv.model.layers import RMSNorm
-from dsakv.model.rope import apply_half_split, apply_interleaved
+from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
-# Bound on elements of one [heads, queries, keys] score block; longer prefills are split by query.
+# Bound on the elements of one score (or gathered-row) block; longer prefills are split into query blocks.
 SCORE_BLOCK_ELEMS = 1 << 24
-# Read and expand only the KV rows some query selected (False: every cached row, as a dense baseline).
-SPARSE_KV_READS = True
+MLA_PATHS = ("auto", "absorbed", "expanded")
 
-
-@dataclass
-class SeqView:
-    """One sequence of a step: its new tokens are rows t0:t1 of the step, its cache is `slots` (S of them)."""
-
-    t0: int
-    t1: int
-    prefix: int
-    slots: torch.Tensor  # int64 [S]
-
-    @property
-    def num_new(self) -> int:
-        return self.t1 - self.t0
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.slots.numel())
+TopK = torch.Tensor  # int64 [T, index_topk]: selected key positions per token, ascending, -1 padded
 
 
 @dataclass
 class StepContext:
-    """What every layer of one step shares: token ranges per sequence, rope tables, the pool."""
+    """What every layer of one step shares: where each token sits, the slot table, rope tables, the pool."""
 
-    seqs: list[SeqView]
     out_slots: torch.Tensor  # int64 [T]
     cos: torch.Tensor  # [T, rope_dim / 2]
     sin: torch.Tensor
     pool: PoolAccess
+    table: torch.Tensor  # int64 [B, S_max] token slots of each sequence (-1 beyond its length)
+    seq_lens: torch.Tensor  # int64 [B]
+    tok_seq: torch.Tensor  # int64 [T] sequence of each new token
+    qpos: torch.Tensor  # int64 [T] position of each new token in its sequence
+    s_max: int
+    index_topk: int
+    mla_path: str  # "absorbed" or "expanded", chosen once per step
+    decode_only: bool  # every sequence has one new token (T == B, tok_seq == arange(B))
+    _memo: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.out_slots.numel())
+
+    @property
+    def k_sel(self) -> int:
+        """Top-k columns any token of the step can fill: min(index_topk, S_max)."""
+        return min(self.index_topk, self.s_max)
+
+    def padded_slots(self) -> torch.Tensor:
+        """int64 [B * S_max] slots of the padded table, padding read as slot 0 (masked by every user)."""
+        if "padded" not in self._memo:
+            self._memo["padded"] = self.table.clamp(min=0).reshape(-1)
+        return self._memo["padded"]
+
+    def row_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots of every cached row of the step, concatenated by sequence [R]; first row of each sequence [B])."""
+        if "rows" not in self._memo:
+            valid = self.table >= 0
+            self._memo["rows"] = self.table[valid]
+            self._memo["row0"] = torch.cumsum(self.seq_lens, 0) - self.seq_lens
+        return self._memo["rows"], self._memo["row0"]
+
+    def rope(self, width: int, interleaved: bool, dtype: torch.dtype) -> torch.Tensor:
+        """The step's rope as [T, width, width] rotation matrices (see rope.rotation_matrix), built once."""
+        name = f"rope{width}{'i' if interleaved else 'h'}{dtype}"
+        if name not in self._memo:
+            self._memo[name] = rotation_matrix(self.cos, self.sin, width, interleaved).to(dtype)
+        return self._memo[name]
+
+    def query_blocks(self, per_token: int) -> list[tuple[int, int]]:
+        """Flat token ranges whose per_token elements each stay under SCORE_BLOCK_ELEMS (decode: one block)."""
+        t = self.num_tokens
+        step = max(1, SCORE_BLOCK_ELEMS // max(1, per_token))
+        return [(i, min(i + step, t)) for i in range(0, t, step)]
 
 
-TopK = list[torch.Tensor]  # per sequence: int64 [num_new, k] top-k key indices (into the sequence's slots)
-
-
-def _query_blocks(num_new: int, seq_len: int, heads: int) -> list[tuple[int, int]]:
-    step = max(1, SCORE_BLOCK_ELEMS // max(1, heads * seq_len))
-    return [(i, min(i + step, num_new)) for i in range(0, num_new, step)]
-
-
-def _causal(prefix: int, q0: int, q1: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    """[q1 - q0, seq_len] bool: key j is visible to new token i iff j <= prefix + i."""
-    qpos = torch.arange(prefix + q0, prefix + q1, device=device)
-    return torch.arange(seq_len, device=device)[None, :] <= qpos[:, None]
+def choose_mla_path(
+    forced: str, num_tokens: int, num_rows: int, k: int, heads: int, rank: int, rope: int, nope: int, v: int
+) -> str:
+    """The attention path of a step: `forced` unless "auto", else the one with fewer multiply-adds (see above)."""
+    if forced not in MLA_PATHS:
+        raise ValueError(f"mla path {forced!r}: use one of {', '.join(MLA_PATHS)}")
+    if forced != "auto":
+        return forced
+    absorbed = num_tokens * heads * (nope * rank + k * (2 * rank + rope) + rank * v)
+    expanded = num_rows * heads * rank * (nope + v) + num_tokens * heads * k * (nope + rope + v)
+    return "expanded" if expanded < absorbed else "absorbed"
 
 
 class Indexer(nn.Module):
@@ -98,33 +148,37 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(s.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        rot = apply_interleaved(rot, cos, sin) if self.interleaved else apply_half_split(rot, cos, sin)
-        return torch.cat([rot, rest], dim=-1)
-
     def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext, layer: int) -> TopK:
         t = x.shape[0]
-        cos, sin = ctx.cos.to(x.dtype), ctx.sin.to(x.dtype)
-        q = self._rope(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
+        q = torch.matmul(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), rot).float()
+        k = torch.matmul(self.k_norm(self.wk(x)).unsqueeze(1), rot).squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
         w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
-        out: TopK = []
-        for sq in ctx.seqs:
-            keys = ctx.pool.read(key, sq.slots)  # float32 [S, D]
-            s_len = sq.seq_len
-            k_sel = min(self.topk, s_len)
-            picks = []
-            for q0, q1 in _query_blocks(sq.num_new, s_len, self.n_heads):
-                qb = q[sq.t0 + q0 : sq.t0 + q1].float()  # [E, H, D]
-                scores = F.relu(torch.matmul(qb, keys.t()) * self.softmax_scale)  # [E, H, S]
-                idx = torch.matmul(w[sq.t0 + q0 : sq.t0 + q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
-                idx = idx.masked_fill(~_causal(sq.prefix, q0, q1, s_len, idx.device), float("-inf"))
-                picks.append(idx.topk(k_sel, dim=-1).indices)
-            out.append(torch.cat(picks, dim=0))
-        return out
+        b, s_max = ctx.table.shape
+        keys = ctx.pool.read(key, ctx.padded_slots()).view(b, s_max, self.head_dim).transpose(1, 2)  # [B, D, S]
+        k_sel = ctx.k_sel
+        cols = torch.arange(s_max, device=x.device)
+        picks = []
+        for q0, q1 in ctx.query_blocks(s_max * max(self.n_heads, self.head_dim)):
+            kb = keys[q0:q1] if ctx.decode_only else keys[ctx.tok_seq[q0:q1]]  # [E, D, S]
+            scores = F.relu(torch.matmul(q[q0:q1], kb) * self.softmax_scale)  # [E, H, S]
+            idx = torch.matmul(w[q0:q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
+            idx = idx.masked_fill(cols[None, :] > ctx.qpos[q0:q1, None], float("-inf"))
+            picks.append(idx.topk(k_sel, dim=-1).indices)
+        sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
+        return canonical_topk(sel, ctx)
+
+
+def canonical_topk(sel: torch.Tensor, ctx: StepContext) -> TopK:
+    """Top-k picks [T, k] -> [T, index_topk]: causal ones ascending, then -1 (non-causal picks dropped)."""
+    beyond = ctx.s_max
+    sel = torch.where(sel <= ctx.qpos[:, None], sel, beyond).sort(dim=-1).values
+    sel = sel.masked_fill(sel == beyond, -1)
+    if sel.shape[1] < ctx.index_topk:
+        sel = F.pad(sel, (0, ctx.index_topk - sel.shape[1]), value=-1)
+    return sel
 
 
 class MLAttention(nn.Module):
@@ -151,17 +205,22 @@ class MLAttention(nn.Module):
         self.is_producer = s.indexer_types[layer] == "full"
         self.indexer = Indexer(cfg) if self.is_producer else None
 
+    def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight split per head: W_UK [H, nope, r] and W_UV^T [H, r, v] (views, no copy)."""
+        w = self.kv_b_proj.weight.to(dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :].transpose(1, 2)
+
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
         t = x.shape[0]
         h = self.num_heads
-        cos, sin = ctx.cos.to(x.dtype), ctx.sin.to(x.dtype)
+        rot = ctx.rope(self.rope_dim, True, x.dtype)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(t, h, self.qk_head_dim)
-        q_rot = apply_interleaved(q[..., self.nope :], cos, sin)
-        query = torch.cat((q[..., : self.nope], q_rot), dim=-1)  # [T, H, qk]
+        q_nope = q[..., : self.nope]
+        q_rot = torch.matmul(q[..., self.nope :], rot)
         kv, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(kv)
-        k_rot = apply_interleaved(k_rot, cos, sin)
+        k_rot = torch.matmul(k_rot.unsqueeze(1), rot).squeeze(1)
         kv_key = BufferKey(self.layer, Kind.KV)
         ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
 
@@ -175,29 +234,66 @@ class MLAttention(nn.Module):
                 )
             topk = prev_topk
 
-        out = x.new_empty(t, h, self.v_dim)
-        for sq, sel in zip(ctx.seqs, topk, strict=True):
-            s_len = sq.seq_len
-            # read and expand only the cached tokens some query selected (decode reads <= index_topk rows)
-            cols = torch.unique(sel) if SPARSE_KV_READS and sel.numel() < s_len else None
-            slots = sq.slots if cols is None else sq.slots[cols]
-            n = int(slots.numel())
-            cached = ctx.pool.read(kv_key, slots).to(x.dtype)  # [n, r + d]
-            kvb = self.kv_b_proj(cached[:, : self.kv_lora_rank]).view(n, h, self.nope + self.v_dim)
-            key = torch.empty(n, h, self.qk_head_dim, dtype=x.dtype, device=x.device)
-            key[..., : self.nope] = kvb[..., : self.nope]
-            key[..., self.nope :] = cached[:, None, self.kv_lora_rank :]
-            key_t = key.permute(1, 2, 0)  # [H, qk, n]
-            value_h = kvb[..., self.nope :].transpose(0, 1)  # [H, n, v]
-            for q0, q1 in _query_blocks(sq.num_new, s_len, h):
-                qb = query[sq.t0 + q0 : sq.t0 + q1].transpose(0, 1)  # [H, E, qk]
-                scores = torch.matmul(qb, key_t) * self.scaling  # [H, E, n]
-                allowed = torch.zeros(q1 - q0, s_len, dtype=torch.bool, device=x.device)
-                allowed.scatter_(1, sel[q0:q1], True)
-                allowed &= _causal(sq.prefix, q0, q1, s_len, x.device)
-                if cols is not None:
-                    allowed = allowed[:, cols]
-                scores = scores.masked_fill(~allowed.unsqueeze(0), float("-inf"))
-                probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-                out[sq.t0 + q0 : sq.t0 + q1] = torch.matmul(probs, value_h).transpose(0, 1)
+        sel = topk[:, : ctx.k_sel]
+        valid = sel >= 0  # [T, k]
+        sel = sel.clamp(min=0)
+        if ctx.mla_path == "absorbed":
+            out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key)
+        else:
+            out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key)
         return self.o_proj(out.reshape(t, h * self.v_dim)), topk
+
+    def _absorbed(
+        self,
+        x: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        sel: torch.Tensor,
+        valid: torch.Tensor,
+        ctx: StepContext,
+        kv_key: BufferKey,
+    ) -> torch.Tensor:
+        t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
+        w_uk, w_uv_t = self._w_uk_uv(x.dtype)
+        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        query = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + d]
+        o_lat = x.new_empty(t, h, r)
+        k = sel.shape[1]
+        for q0, q1 in ctx.query_blocks(k * max(r + self.rope_dim, h)):
+            slots = ctx.table[ctx.tok_seq[q0:q1, None], sel[q0:q1]]  # [E, k]
+            rows = ctx.pool.read(kv_key, slots.reshape(-1)).to(x.dtype).view(q1 - q0, k, r + self.rope_dim)
+            scores = torch.matmul(query[q0:q1], rows.transpose(1, 2)) * self.scaling  # [E, H, k]
+            scores = scores.masked_fill(~valid[q0:q1, None, :], float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+            o_lat[q0:q1] = torch.matmul(probs, rows[..., :r])  # [E, H, r]
+        return torch.matmul(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
+
+    def _expanded(
+        self,
+        x: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_rot: torch.Tensor,
+        sel: torch.Tensor,
+        valid: torch.Tensor,
+        ctx: StepContext,
+        kv_key: BufferKey,
+    ) -> torch.Tensor:
+        t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
+        slots, row0 = ctx.row_slots()
+        n = int(slots.numel())
+        cached = ctx.pool.read(kv_key, slots).to(x.dtype)  # [R, r + d]
+        kvb = self.kv_b_proj(cached[:, :r]).view(n, h, self.nope + self.v_dim)
+        key = torch.cat((kvb[..., : self.nope], cached[:, None, r:].expand(n, h, self.rope_dim)), dim=-1)
+        value = kvb[..., self.nope :]  # [R, H, v]
+        query = torch.cat((q_nope, q_rot), dim=-1).unsqueeze(2)  # [T, H, 1, qk]
+        out = x.new_empty(t, h, self.v_dim)
+        k = sel.shape[1]
+        for q0, q1 in ctx.query_blocks(k * h * max(self.qk_head_dim, self.v_dim)):
+            rows = row0[ctx.tok_seq[q0:q1], None] + sel[q0:q1]  # [E, k] into the step's rows
+            kb = key[rows].permute(0, 2, 3, 1)  # [E, H, qk, k]
+            scores = torch.matmul(query[q0:q1], kb).squeeze(2) * self.scaling  # [E, H, k]
+            scores = scores.masked_fill(~valid[q0:q1, None, :], float("-inf"))
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+            vb = value[rows].transpose(1, 2)  # [E, H, k, v]
+            out[q0:q1] = torch.matmul(probs.unsqueeze(2), vb).squeeze(2)
+        return out

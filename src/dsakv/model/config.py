@@ -50,10 +50,31 @@ class DSAConfig:
             )
         if "sparse" in self.mlp_layer_types and (s.n_routed_experts < 1 or s.num_experts_per_tok < 1):
             raise ConfigError("MoE layers need n_routed_experts >= 1 and num_experts_per_tok >= 1 in config.json")
+        if "sparse" in self.mlp_layer_types and s.num_experts_per_tok > s.n_routed_experts:
+            raise ConfigError(
+                f"config field 'num_experts_per_tok' = {s.num_experts_per_tok} is more than 'n_routed_experts' = "
+                f"{s.n_routed_experts}: a token cannot be routed to more experts than exist (lower it)"
+            )
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError(
+                f"config fields 'n_group' = {self.n_group}, 'topk_group' = {self.topk_group}: need "
+                "1 <= topk_group <= n_group"
+            )
         if s.n_routed_experts and s.n_routed_experts % self.n_group:
             raise ConfigError(f"n_routed_experts={s.n_routed_experts} is not divisible by n_group={self.n_group}")
+        reachable = self.topk_group * (s.n_routed_experts // self.n_group)
+        if "sparse" in self.mlp_layer_types and s.num_experts_per_tok > reachable:
+            raise ConfigError(
+                f"config field 'num_experts_per_tok' = {s.num_experts_per_tok} is more than the {reachable} experts "
+                f"in 'topk_group' = {self.topk_group} of 'n_group' = {self.n_group} groups: lower it or raise "
+                "topk_group"
+            )
         if s.qk_rope_head_dim % 2:
             raise ConfigError(f"qk_rope_head_dim={s.qk_rope_head_dim} must be even (rope rotates pairs)")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"config field 'rms_norm_eps' = {self.rms_norm_eps} must be a finite number > 0")
+        if not math.isfinite(self.routed_scaling_factor):
+            raise ConfigError(f"config field 'routed_scaling_factor' = {self.routed_scaling_factor} must be finite")
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act={self.hidden_act!r} is not supported: the reference engine runs 'silu'")
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
-from dsakv.model.attention import MLAttention, SeqView, StepContext, TopK
+from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
 from dsakv.model.layers import MLP, MoE, RMSNorm
@@ -65,6 +65,14 @@ class DSAModel(nn.Module):
         with torch.device("cpu"):  # rope tables are plain tensors, also when the weights are built on meta
             inv_freq, scaling = rope_inv_freq(cfg.rope_parameters, s.qk_rope_head_dim, s.raw)
         self.rope = Rope(inv_freq, scaling)
+        # attention path: "auto" (per step, by attention.choose_mla_path), or force "absorbed" / "expanded"
+        self.mla_path = "auto"
+
+    def set_mla_path(self, path: str) -> None:
+        """Force the MLA attention path ("absorbed", "expanded") or let each step choose ("auto")."""
+        if path not in MLA_PATHS:
+            raise ValueError(f"mla path {path!r}: use one of {', '.join(MLA_PATHS)}")
+        self.mla_path = path
 
     @property
     def spec(self) -> ModelSpec:
@@ -107,24 +115,38 @@ class DSAModel(nn.Module):
             )
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool) -> StepContext:
+        """The step's shared tensors, built vectorised on the model's device (no loop over sequences)."""
         _check_batch(batch)
         self.check_pool(pool)
         dev = self.device
-        ext = batch.extend_lens.tolist()
-        pre = batch.prefix_lens.tolist()
-        seqs, t0 = [], 0
-        table = batch.slot_table.to(dev)
+        ext = batch.extend_lens.to(dev)
+        pre = batch.prefix_lens.to(dev)
+        b, t = batch.batch_size, batch.num_tokens
+        seq_lens = pre + ext
+        s_max = int(seq_lens.max())
+        table = batch.slot_table.to(dev)[:, :s_max]
         out_slots = batch.out_slots.to(dev)
-        for b, (p, e) in enumerate(zip(pre, ext, strict=True)):
-            seqs.append(SeqView(t0, t0 + e, p, table[b, : p + e]))
-            if not torch.equal(table[b, p : p + e], out_slots[t0 : t0 + e]):
-                raise ValueError(
-                    f"sequence {b}: out_slots {out_slots[t0 : t0 + e].tolist()} differ from its slot_table entries "
-                    f"{table[b, p : p + e].tolist()} for the new tokens: the new tokens' slots must be both"
-                )
-            t0 += e
+        tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)
+        first = torch.cumsum(ext, 0) - ext
+        qpos = pre[tok_seq] + torch.arange(t, device=dev) - first[tok_seq]
+        mismatch = table[tok_seq, qpos] != out_slots
+        if bool(mismatch.any()):
+            bad = int(tok_seq[int(mismatch.nonzero()[0, 0])])
+            p, e, t0 = int(pre[bad]), int(ext[bad]), int(first[bad])
+            raise ValueError(
+                f"sequence {bad}: out_slots {out_slots[t0 : t0 + e].tolist()} differ from its slot_table entries "
+                f"{table[bad, p : p + e].tolist()} for the new tokens: the new tokens' slots must be both"
+            )
+        s = self.spec
+        k = min(s.index_topk, s_max)
+        path = choose_mla_path(
+            self.mla_path, t, int(seq_lens.sum()), k, s.num_attention_heads, s.kv_lora_rank,
+            s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim,
+        )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
-        return StepContext(seqs, out_slots, cos, sin, PoolAccess(pool))
+        return StepContext(
+            out_slots, cos, sin, PoolAccess(pool), table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b
+        )
 
     def forward(self, batch: ForwardBatch, pool: DevicePool) -> torch.Tensor:  # type: ignore[override]
         """Write the new tokens' KV (and producers' index-K) at batch.out_slots; logits [B, vocab] float32.
@@ -185,21 +207,18 @@ class StageCarry:
 
 
 def pack_topk(topk: TopK, ctx: StepContext, index_topk: int) -> torch.Tensor:
-    """Per-sequence [E, k] top-k lists -> one int64 [T, index_topk] tensor, -1 beyond each sequence's k."""
-    t = ctx.out_slots.numel()
-    out = torch.full((t, index_topk), -1, dtype=torch.int64, device=ctx.out_slots.device)
-    for sq, sel in zip(ctx.seqs, topk, strict=True):
-        out[sq.t0 : sq.t1, : sel.shape[1]] = sel
-    return out
+    """The step's top-k as a PP stage carries it: int64 [T, index_topk], -1 beyond each token's picks."""
+    assert topk.shape == (ctx.num_tokens, index_topk)
+    return topk
 
 
 def unpack_topk(packed: torch.Tensor, ctx: StepContext, index_topk: int) -> TopK:
-    if packed.shape != (ctx.out_slots.numel(), index_topk):
+    if packed.shape != (ctx.num_tokens, index_topk):
         raise ValueError(
-            f"carried top-k has shape {tuple(packed.shape)} but this step has {ctx.out_slots.numel()} tokens "
+            f"carried top-k has shape {tuple(packed.shape)} but this step has {ctx.num_tokens} tokens "
             f"and index_topk {index_topk}: the carry must come from the same step's previous stage"
         )
-    return [packed[sq.t0 : sq.t1, : min(index_topk, sq.seq_len)] for sq in ctx.seqs]
+    return packed.to(torch.int64)
 
 
 def _check_batch(batch: ForwardBatch) -> None:

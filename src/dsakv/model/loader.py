@@ -4,9 +4,10 @@ Tensor names are transformers' (model.layers.{i}.self_attn.q_a_proj.weight, ...)
 variants: per-expert weights (experts.{e}.gate_proj.weight, what checkpoints and
 save_pretrained write) or fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]);
 block-FP8 weights with `weight_scale_inv` (128 x 128 blocks) are dequantised; MTP / next-n
-layers (index >= num_hidden_layers) are skipped; a missing lm_head with tied embeddings reuses
-embed_tokens. Router weights, e_score_correction_bias and indexer.weights_proj stay float32
-(transformers keeps them in fp32 too). Imports torch, safetensors, dsakv.spec and dsakv.model.
+layers (index >= num_hidden_layers) are skipped by load_model and read by load_draft; a missing
+lm_head with tied embeddings reuses embed_tokens. Router weights, e_score_correction_bias and
+indexer.weights_proj stay float32 (transformers keeps them in fp32 too).
+Imports torch, safetensors, dsakv.spec and dsakv.model.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from dsakv.errors import ConfigError
 from dsakv.model.config import DSAConfig
 from dsakv.model.dsa_model import DSAModel
+from dsakv.model.mtp import MTPDraft, draft_name
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def load_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no config.json at {str(cfg_path)!r}: pass a checkpoint directory (dsakv make-tiny DIR)")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{str(cfg_path)!r} must hold a JSON object")
@@ -68,16 +70,27 @@ def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return w.float() * s
 
 
-def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec, draft_layers: int = 0) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> DSAModel state dict (draft_layers 0: main layers only, MTP layers skipped), or the
+    MTPDraft state dict of the first `draft_layers` MTP layers (dsakv.model.mtp names)."""
     sd: dict[str, torch.Tensor] = {}
-    for name, t in raw.items():
-        m = _LAYER_RE.match(name)
-        if m and int(m.group(1)) >= spec.num_layers:
-            continue  # MTP / next-n layers: not run by the reference engine
+    for ckpt_name, t in raw.items():
+        m = _LAYER_RE.match(ckpt_name)
+        is_draft = bool(m) and int(m.group(1)) >= spec.num_layers  # type: ignore[union-attr]
+        if draft_layers == 0:
+            if is_draft:
+                continue  # MTP / next-n layers: loaded by load_draft()
+            name = ckpt_name
+        else:
+            mapped = draft_name(ckpt_name, spec.num_layers, draft_layers) if is_draft else None
+            if mapped is None:
+                continue
+            name = mapped
+        raw_scale = raw.get(ckpt_name + "_scale_inv")
         if name.endswith("weight_scale_inv") or name.endswith("rotary_emb.inv_freq"):
             continue
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            scale = raw.get(name + "_scale_inv")
+            scale = raw_scale
             if scale is None:
                 raise ConfigError(f"checkpoint tensor {name} is fp8 but has no {name}_scale_inv to dequantise it")
             t = _dequant_fp8(t, scale)
@@ -94,7 +107,12 @@ def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.T
                 sd[f"{prefix}{e}.down_proj.weight"] = w
             continue
         sd[name] = t
-    if "lm_head.weight" not in sd and spec.tie_word_embeddings and "model.embed_tokens.weight" in sd:
+    if (
+        draft_layers == 0
+        and "lm_head.weight" not in sd
+        and spec.tie_word_embeddings
+        and "model.embed_tokens.weight" in sd
+    ):
         sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
     return sd
 
@@ -142,3 +160,48 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
     return model.spec, model
+
+
+def build_draft(
+    cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, name: str, num_layers: int = 1
+) -> MTPDraft:
+    """The MTPDraft of the first `num_layers` MTP layers of a checkpoint's tensors (transformers' names)."""
+    spec = ModelSpec.from_dict(cfg, name=name)
+    if spec.num_draft_layers < num_layers:
+        raise ConfigError(
+            f"checkpoint {name!r} has num_nextn_predict_layers = {spec.num_draft_layers}, so no MTP layer to draft "
+            f"with ({num_layers} wanted): write one with `dsakv make-tiny DIR --mtp 1`, or turn speculative "
+            "decoding off (--speculative-num-steps 0)"
+        )
+    dcfg = DSAConfig.from_dict(cfg, spec)
+    with torch.device("meta"):
+        draft = MTPDraft(dcfg, num_layers)
+    expected = draft.state_dict()
+    sd = _convert(state_dict, spec, draft_layers=num_layers)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(
+            f"checkpoint {name!r}: its MTP layer(s) {spec.num_layers}..{spec.num_layers + num_layers - 1} do not "
+            f"match the config: {len(missing)} missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+            f"{len(unexpected)} unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
+    for k, ref in expected.items():
+        if tuple(sd[k].shape) != tuple(ref.shape):
+            raise ConfigError(
+                f"checkpoint MTP tensor {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
+            )
+        sd[k] = sd[k].to(torch.float32 if k.endswith(_FP32_SUFFIXES) else dtype).contiguous()
+    draft.load_state_dict(sd, strict=True, assign=True)
+    return draft.eval()
+
+
+def load_draft(path: str | Path, *, dtype: torch.dtype = torch.float32, num_layers: int = 1) -> MTPDraft:
+    """The MTP draft layer(s) of the checkpoint in directory `path` (layers num_hidden_layers.. of its tensors)."""
+    root = Path(path)
+    cfg = load_config(root)
+    draft = build_draft(
+        cfg, _read_tensors(_safetensors_files(root)), dtype=dtype, name=root.name, num_layers=num_layers
+    )
+    log.info("loaded MTP draft of %s: layer(s) %s", root.name, list(draft.layer_ids))
+    return draft

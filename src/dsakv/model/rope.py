@@ -66,3 +66,23 @@ def apply_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * c) + (rotated * s)
+
+
+def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, width: int, interleaved: bool) -> torch.Tensor:
+    """[T, width, width] R with x @ R == rope(x) on the first 2 * cos.shape[1] values, identity on the rest.
+
+    One batched matmul per rope application instead of slicing, four products and a cat: built once
+    per step, on cos's device. interleaved: apply_interleaved's layout; else apply_half_split's.
+    """
+    t, h = cos.shape
+    rot = torch.zeros(t, width, width, dtype=cos.dtype, device=cos.device)
+    i = torch.arange(h, device=cos.device)
+    even, odd = (2 * i, 2 * i + 1) if interleaved else (i, h + i)
+    rot[:, even, i] = cos
+    rot[:, odd, i] = -sin
+    rot[:, odd, h + i] = cos
+    rot[:, even, h + i] = sin
+    if width > 2 * h:
+        rest = torch.arange(2 * h, width, device=cos.device)
+        rot[:, rest, rest] = 1.0
+    return rot

@@ -86,14 +86,55 @@ def make_tiny(
     seed: int = 0,
     layers: int = 12,
     overrides: dict[str, Any] | None = None,
+    mtp: int = 0,
 ) -> Path:
     """Write the tiny checkpoint (config.json + model.safetensors) to directory `path`; returns it.
 
     `overrides` replaces config fields (e.g. rope_parameters for a yarn variant) before the model is built.
+    `mtp` > 0 adds that many MTP (next-n) draft layers as GLM-5 / DeepSeek-V3 checkpoints store them
+    (num_nextn_predict_layers, tensors model.layers.{layers + j}.*), drawn from the seeded generator too.
     """
+    if mtp < 0:
+        raise ConfigError(f"--mtp {mtp}: the number of MTP layers must be >= 0")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_hf(arch, seed, layers, overrides)
+    over = dict(overrides or {})
+    if mtp:
+        over["num_nextn_predict_layers"] = mtp
+    model = build_tiny_hf(arch, seed, layers, over)
     model.save_pretrained(str(out))
-    log.info("wrote tiny %s checkpoint (seed %d, %d layers) to %s", arch, seed, layers, out)
+    if mtp:
+        write_mtp_layers(out, init_mtp(out, mtp, seed))
+    log.info("wrote tiny %s checkpoint (seed %d, %d layers, %d MTP) to %s", arch, seed, layers, mtp, out)
     return out
+
+
+def init_mtp(ckpt: str | Path, num_layers: int, seed: int) -> torch.nn.Module:
+    """A freshly initialised MTPDraft for the checkpoint config at `ckpt` (same scheme as the main weights)."""
+    from dsakv.model.config import DSAConfig
+    from dsakv.model.loader import load_config
+    from dsakv.model.mtp import MTPDraft
+    from dsakv.spec.model import ModelSpec
+
+    cfg = load_config(ckpt)
+    draft = MTPDraft(DSAConfig.from_dict(cfg, ModelSpec.from_dict(cfg)), num_layers).float()
+    _init_(draft, seed + 7919)
+    return draft
+
+
+def write_mtp_layers(ckpt: str | Path, draft: torch.nn.Module) -> None:
+    """Add (or replace) the draft's tensors in the checkpoint's model.safetensors under checkpoint names."""
+    from safetensors.torch import load_file, save_file
+
+    from dsakv.model.loader import load_config
+    from dsakv.model.mtp import checkpoint_name
+
+    root = Path(ckpt)
+    n = int(load_config(root)["num_hidden_layers"])
+    files = sorted(root.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ConfigError(f"{str(root)!r} has {len(files)} safetensors files: the tiny writer expects exactly one")
+    tensors = load_file(str(files[0]))
+    for name, t in draft.state_dict().items():
+        tensors[checkpoint_name(name, n)] = t.detach().to(torch.float32).contiguous().clone()
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})

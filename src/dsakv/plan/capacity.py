@@ -20,6 +20,7 @@ from dsakv.spec.model import ModelSpec
 from dsakv.util import ceil_div
 
 ROLES = ("colocated", "prefill", "decode")
+DRAFT_PLACEMENTS = ("every", "last")
 
 
 def max_total_num_tokens(budget_bytes: int, layout: KVLayout) -> int:
@@ -93,8 +94,15 @@ class Deployment:
     hicache_size: int | None = None
     hisparse_ratio: float | None = None
     hisparse_buffer: int | None = None
+    # "every": each PP stage holds the draft layers (the seeds' accounting); "last": only the last stage, where
+    # dsakv's engine runs them (the draft needs the target's final hidden states)
+    draft_placement: str = "every"
 
     def __post_init__(self) -> None:
+        if self.draft_placement not in DRAFT_PLACEMENTS:
+            raise ConfigError(
+                f"draft placement {self.draft_placement!r} is unknown: use one of {', '.join(DRAFT_PLACEMENTS)}"
+            )
         if self.role not in ROLES:
             raise ConfigError(f"role {self.role!r} is unknown: use one of {', '.join(ROLES)}")
         if self.partition is None:
@@ -132,13 +140,19 @@ class Deployment:
             start += n
         return out
 
+    def stage_draft_layers(self, stage: int) -> int:
+        """Draft layers stage `stage` holds under this deployment's draft placement."""
+        if self.draft_placement == "last" and stage != self.pp - 1:
+            return 0
+        return self.draft_layers
+
     def layout(self, stage: int, elide: bool) -> KVLayout:
         start, end = self.stage_ranges[stage]
         return KVLayout(
             self.spec,
             start,
             end,
-            draft_layers=self.draft_layers,
+            draft_layers=self.stage_draft_layers(stage),
             elide=elide,
             kv_format=self.kv_format,
             index_format=self.index_format,
@@ -153,7 +167,7 @@ class Deployment:
         start, end = self.stage_ranges[stage]
         wf = weight_format_for(self.spec, self.weight_format)
         weights = stage_weight_bytes(
-            self.spec, start, end, self.draft_layers, wf, first=stage == 0, last=stage == self.pp - 1
+            self.spec, start, end, self.stage_draft_layers(stage), wf, first=stage == 0, last=stage == self.pp - 1
         )
         weights //= self.tp
         budget = int(self.gpu_memory * self.mem_fraction) - weights
@@ -268,6 +282,7 @@ class RolePlan:
             "pp": d.pp,
             "partition": list(d.partition or ()),
             "draft_layers": d.draft_layers,
+            "draft_placement": d.draft_placement,
             "kv_format": d.kv_format,
             "index_format": d.index_format,
             "page_size": d.page_size,
@@ -345,7 +360,7 @@ def plan_stage(d: Deployment, stage: int) -> StagePlan:
         stage=stage,
         layer_start=start,
         layer_end=end,
-        draft_layers=d.draft_layers,
+        draft_layers=d.stage_draft_layers(stage),
         producers=elided.producers,
         budget_bytes=budget,
         weight_bytes=weights,

@@ -13,7 +13,10 @@ Routes:
 
 Bad input is a 4xx with {"error": {"message", "type", "param", "code"}}, never a 500: 400 for malformed JSON,
 fields or sampling values (protocol.py), 404 for another model name, 413 when the prompt (or prompt +
-max_tokens) can never fit the KV pool. The request is aborted, and its pages freed, when the client disconnects.
+max_tokens) can never fit the KV pool; HTTP limits (serve/limits.py: body size 413, body timeout 408, nesting
+depth and lone surrogates 400, head/keep-alive timeouts, connection cap 503) sit in a middleware and the uvicorn
+protocol; an unexpected exception is a 500 with the same error body, and every status is counted in /metrics.
+The request is aborted, and its pages freed, when the client disconnects.
 Responses also carry `prompt_token_ids` (extension). One log line per request: id, prompt/output tokens, TTFT,
 finish reason. Imports fastapi/anyio, dsakv.serve.* and dsakv.errors; must not import torch, engine internals,
 disagg or cli.
@@ -39,8 +42,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsakv.errors import CapacityError, DsakvError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
+from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, parse_json_body
 from dsakv.serve.metrics import ServerMetrics
-from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion, parse_json
+from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion
 from dsakv.serve.tokenizer import ByteTokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,8 +75,11 @@ class _Generation:
 
 
 class _Server:
-    def __init__(self, backend: GenerationBackend, model_name: str, tokenizer: Tokenizer, timeout: float) -> None:
+    def __init__(
+        self, backend: GenerationBackend, model_name: str, tokenizer: Tokenizer, timeout: float, guard: HttpGuard
+    ) -> None:
         self.backend = backend
+        self.guard = guard
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.timeout = timeout
@@ -89,7 +96,7 @@ class _Server:
         t0 = time.perf_counter()
         self.metrics.received()
         try:
-            body = parse_json(await request.body())
+            body = parse_json_body(await request.body(), self.guard.limits)
             g = parse_completion(body) if kind == "completion" else parse_chat(body)
             if g.model is not None and g.model != self.model_name:
                 raise ApiError(
@@ -293,9 +300,12 @@ def create_app(
     *,
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     manage_backend: bool = True,
+    limits: HttpLimits | None = None,
 ) -> FastAPI:
-    """The app; with manage_backend it starts the backend at startup and stops it at shutdown."""
-    srv = _Server(backend, model_name, tokenizer or ByteTokenizer(), request_timeout)
+    """The app; with manage_backend it starts the backend at startup and stops it at shutdown. `limits` (HTTP
+    limits, serve/limits.py) may be replaced before startup via app.state.http_guard.limits."""
+    guard = HttpGuard(limits)
+    srv = _Server(backend, model_name, tokenizer or ByteTokenizer(), request_timeout, guard)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -309,6 +319,8 @@ def create_app(
 
     app = FastAPI(title="dsakv", version="0.1.0", lifespan=lifespan)
     app.state.server = srv
+    app.state.http_guard = guard
+    app.add_middleware(LimitsMiddleware, guard=guard)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -320,6 +332,11 @@ def create_app(
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # logged with its traceback
+        err = ApiError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", code="internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         h = await srv.call(backend.health)
@@ -328,7 +345,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         m = await srv.call(backend.metrics)
-        return PlainTextResponse(srv.metrics.render(m, backend.name), media_type="text/plain; version=0.0.4")
+        text = srv.metrics.render(m, backend.name) + guard.render()
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -168,6 +168,9 @@ class EngineBackend:
             looked = float(cache.get("lookup_tokens", 0))
             m["prefix_cache_hit_tokens_total"] = hit
             m["prefix_cache_hit_rate"] = hit / looked if looked else 0.0
+        spec = self.engine.spec_stats()
+        if spec is not None:  # speculative decoding: dsakv_spec_acceptance_rate, dsakv_spec_mean_accepted_length, ...
+            m.update({k: float(v) for k, v in spec.items()})
         return m
 
     def max_prompt_tokens(self) -> int:

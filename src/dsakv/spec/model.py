@@ -207,7 +207,7 @@ class ModelSpec:
             raise ConfigError(f"no config.json at {str(p)!r}: pass a preset name, a config.json or a model directory")
         try:
             cfg = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{str(p)!r} is not valid JSON: {e}") from None
         return cls.from_dict(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
 

@@ -1,0 +1,293 @@
+"""Startup checks of `dsakv serve` / `dsakv generate` options: every bad value is a ConfigError (printed by
+cli/main.py as one line `dsakv CMD: error: ...`) naming the flag, the value and the fix, raised before anything
+loads or binds. Values that would start a server whose every request fails (a negative timeout, a router
+pointed at an address that cannot exist, a pool larger than this machine's memory) are refused here too.
+
+    validate_serve(args)        flags of every role (numbers finite and in range, ports, hosts, peer addresses)
+    validate_generate(args)     flags of `dsakv generate`
+    validate_checkpoint(dir)    config.json (UTF-8 JSON, runnable numerics) + safetensors headers (no torch)
+    validate_pool(args, spec)   the device pool and host tier fit in this machine's memory
+
+No torch; imports dsakv.spec / dsakv.plan / dsakv.model.config (torch-free) and the standard library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+from dsakv.errors import ConfigError
+
+MAX_PORT = 65535
+DEFAULT_POOL_TOKENS = 16384  # = dsakv.engine.engine.DEFAULT_MAX_TOKENS (not imported: it imports torch)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_int(args: argparse.Namespace, name: str, lo: int, hi: int | None = None, fix: str = "") -> None:
+    v = getattr(args, name, None)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ConfigError(f"{_flag(name)} {v!r} must be an integer {rng}" + (f" ({fix})" if fix else ""))
+
+
+def check_seconds(args: argparse.Namespace, name: str, allow_zero: bool = False, fix: str = "") -> None:
+    v = getattr(args, name, None)
+    if v is None:
+        return
+    ok = isinstance(v, (int, float)) and math.isfinite(v) and (v >= 0 if allow_zero else v > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(
+            f"{_flag(name)} {v!r} must be a finite number of seconds {bound}" + (f" ({fix})" if fix else "")
+        )
+
+
+def check_ratio(args: argparse.Namespace, name: str, fix: str = "") -> None:
+    v = getattr(args, name, None)
+    if v is None:
+        return
+    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+        raise ConfigError(f"{_flag(name)} {v!r} must be a finite number > 0" + (f" ({fix})" if fix else ""))
+
+
+def check_host(host: str, flag: str) -> None:
+    """An address this machine can bind or reach: an IP literal or a name that resolves."""
+    if not host or any(c.isspace() for c in host):
+        raise ConfigError(f"{flag} {host!r} is not a host: give an IP address or a host name, e.g. 127.0.0.1")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    if all(c.isdigit() or c == "." for c in host):
+        raise ConfigError(f"{flag} {host!r} is not a valid IPv4 address: e.g. 127.0.0.1")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"{flag} {host!r} does not resolve ({e}): give an IP address or a known host name") from None
+
+
+def check_port(port: Any, flag: str, allow_zero: bool = False) -> None:
+    lo = 0 if allow_zero else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not lo <= port <= MAX_PORT:
+        raise ConfigError(f"{flag} {port!r} is not a TCP port: give {lo}..{MAX_PORT}")
+
+
+def check_peer(addr: str, flag: str) -> None:
+    """HOST:PORT of a peer worker (what --prefill / --decode take)."""
+    host, sep, port = str(addr).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{flag} {addr!r} must be HOST:PORT, e.g. 127.0.0.1:9100")
+    check_port(int(port), f"{flag} {addr!r}: port")
+    check_host(host, f"{flag} {addr!r}: host")
+
+
+def validate_http(args: argparse.Namespace) -> None:
+    from dsakv.cli.http_options import http_limits
+
+    http_limits(args)  # HttpLimits validates itself
+
+
+def validate_serve(args: argparse.Namespace) -> None:
+    """Every flag of `dsakv serve` (any role) that can be checked without the model."""
+    role = getattr(args, "role", "colocated")
+    check_host(args.host, "--host")
+    check_port(args.port, "--port", allow_zero=role in ("colocated", "router"))
+    check_int(args, "threads", 1, 4096, "torch CPU threads; leave it out for torch's choice")
+    check_int(args, "page_size", 1, 1 << 16, "tokens per page, e.g. 16 or 64")
+    check_int(args, "num_pages", 1, 1 << 31, "pool pages")
+    check_int(args, "max_tokens", 1, 1 << 40, "pool tokens")
+    check_int(args, "max_batch_tokens", 1, 1 << 24, "tokens per step")
+    check_int(args, "max_running_requests", 1, 1 << 20, "requests per batch")
+    check_int(args, "seed", 0, 2**63 - 1)
+    check_int(args, "hicache_selective_threshold", 1, None, "hits before a selective backup")
+    check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
+    check_seconds(args, "request_timeout", fix="seconds without a token before a request fails, e.g. 600")
+    for name in ("kv_budget", "hicache_size", "hicache_disk_size"):
+        v = getattr(args, name, None)
+        if v is not None:
+            from dsakv.plan.units import parse_size
+
+            if parse_size(v, _flag(name)) <= 0:
+                raise ConfigError(f"{_flag(name)} {v!r} must be more than 0 bytes, e.g. 64MiB")
+    validate_http(args)
+    check_seconds(args, "rpc_timeout", fix="bound on every control-plane call, e.g. 5")
+    check_seconds(args, "kv_timeout", fix="seconds for a request's prefill + KV transfer, e.g. 30")
+    check_seconds(args, "queue_timeout", fix="how long a request may wait for a free pair, e.g. 60")
+    check_seconds(args, "health_interval", fix="seconds between health polls, e.g. 0.5")
+    check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
+    check_seconds(args, "startup_wait", allow_zero=True, fix="how long the startup handshake waits, e.g. 60")
+    check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
+    check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
+    pp = int(getattr(args, "pp_size", 1) or 1)
+    rank = getattr(args, "pp_rank", None)
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < pp):
+        raise ConfigError(f"--pp-rank {rank!r} must be in 0..{pp - 1} (--pp-size {pp})")
+    if role == "prefill":
+        if args.port + pp > MAX_PORT:
+            raise ConfigError(
+                f"--port {args.port} with --pp-size {pp}: stage ports {args.port}..{args.port + pp - 1} and the "
+                f"rendezvous port {args.port + pp} must be <= {MAX_PORT}: pick a lower --port"
+            )
+        if getattr(args, "dist_port", None) is not None:
+            check_port(args.dist_port, "--dist-port")
+        if getattr(args, "stage0_host", None):
+            check_host(args.stage0_host, "--stage0-host")
+    for p in getattr(args, "prefill", None) or ():
+        check_peer(p, "--prefill")
+    for d in getattr(args, "decode", None) or ():
+        check_peer(d, "--decode")
+
+
+def validate_generate(args: argparse.Namespace) -> None:
+    check_int(args, "threads", 1, 4096, "torch CPU threads; leave it out for torch's choice")
+    check_int(args, "page_size", 1, 1 << 16, "tokens per page")
+    check_int(args, "num_pages", 1, 1 << 31, "pool pages")
+    check_int(args, "max_tokens", 1, 1 << 40, "pool tokens")
+    check_int(args, "max_batch_tokens", 1, 1 << 24, "tokens per step")
+    check_int(args, "max_new_tokens", 1, None, "tokens to generate per prompt")
+    check_int(args, "seed", 0, 2**63 - 1)
+    check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
+
+
+# ---- the checkpoint -----------------------------------------------------------------------------------
+
+
+def check_safetensors(path: Path) -> None:
+    """The header of one .safetensors file is well formed and every tensor lies inside the file (a truncated or
+    corrupt file is refused here, not half-loaded). Reads only the header."""
+    size = path.stat().st_size
+    what = f"checkpoint file {str(path)!r}"
+    if size < 8:
+        raise ConfigError(f"{what} is {size} bytes, too short for a safetensors header: re-download or re-save it")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n == 0 or n > min(size - 8, 100 * 2**20):
+            raise ConfigError(
+                f"{what} is corrupt: its header claims {n} bytes in a {size}-byte file: re-download or re-save it"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} is corrupt: its header is not JSON ({e}): re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{what} is corrupt: its header is not a JSON object: re-download or re-save it")
+    data = size - 8 - n
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offs = t.get("data_offsets") if isinstance(t, dict) else None
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+            or not 0 <= offs[0] <= offs[1] <= data
+        ):
+            raise ConfigError(
+                f"{what} is corrupt or truncated: tensor {name!r} has data_offsets {offs!r} outside its "
+                f"{data} data bytes: re-download or re-save it"
+            )
+
+
+def validate_checkpoint(model_dir: Path) -> Any:
+    """config.json (UTF-8 JSON the engine can run) and the safetensors headers; the ModelSpec."""
+    from dsakv.model.config import DSAConfig
+    from dsakv.spec.model import ModelSpec
+
+    cfg_path = model_dir / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{str(cfg_path)!r} is not UTF-8 text ({e}): save it as UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    spec = ModelSpec.from_dict(cfg, name=model_dir.name)
+    if not isinstance(cfg, dict):  # from_dict refused it already
+        raise ConfigError(f"{str(cfg_path)!r} must hold a JSON object")
+    DSAConfig.from_dict(cfg, spec)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {str(model_dir)!r}: it is not a checkpoint directory")
+    for f in files:
+        check_safetensors(f)
+    return spec
+
+
+def machine_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 62
+
+
+def validate_pool(args: argparse.Namespace, spec: Any, layer_start: int = 0, layer_end: int | None = None) -> None:
+    """The device pool (and host tier) that the options ask for fit in this machine's memory."""
+    from dsakv.plan.capacity import max_total_num_tokens
+    from dsakv.plan.units import fmt_bytes, parse_size
+    from dsakv.spec.layout import KVLayout
+
+    elide = getattr(args, "elide", not getattr(args, "no_elide", False))
+    layout = KVLayout(
+        spec,
+        layer_start=layer_start,
+        layer_end=layer_end,
+        elide=elide,
+        kv_format=args.kv_format,
+        index_format=args.index_format,
+        page_size=args.page_size,
+    )
+    per_page = layout.bytes_per_token * args.page_size
+    if getattr(args, "kv_budget", None) is not None:
+        pages = max_total_num_tokens(parse_size(args.kv_budget, "--kv-budget"), layout) // args.page_size
+        flag = f"--kv-budget {args.kv_budget}"
+    elif args.num_pages is not None:
+        pages, flag = args.num_pages, f"--num-pages {args.num_pages}"
+    elif args.max_tokens is not None:
+        pages, flag = -(-args.max_tokens // args.page_size), f"--max-tokens {args.max_tokens}"
+    else:  # the engine's default pool (engine.DEFAULT_MAX_TOKENS tokens)
+        pages, flag = -(-DEFAULT_POOL_TOKENS // args.page_size), f"the default pool ({DEFAULT_POOL_TOKENS} tokens)"
+    if pages < 1:
+        raise ConfigError(f"{flag} gives {pages} pages of {per_page} bytes: the pool needs at least one page")
+    mem = machine_memory()
+    pool = pages * per_page
+    if pool > mem:
+        raise ConfigError(
+            f"{flag} asks for a {fmt_bytes(pool)} KV pool ({pages} pages x {per_page} B) but this machine has "
+            f"{fmt_bytes(mem)} of memory: lower it"
+        )
+    host = None
+    if getattr(args, "hicache_ratio", None) is not None:
+        host, hflag = pool * float(args.hicache_ratio), f"--hicache-ratio {args.hicache_ratio}"
+    elif getattr(args, "hicache_size", None) is not None:
+        host, hflag = parse_size(args.hicache_size, "--hicache-size"), f"--hicache-size {args.hicache_size}"
+    if host is not None and pool + host > mem:
+        raise ConfigError(
+            f"{hflag} asks for a {fmt_bytes(host)} host tier next to the {fmt_bytes(pool)} KV pool, more than this "
+            f"machine's {fmt_bytes(mem)} of memory: lower it"
+        )
+
+
+__all__ = [
+    "check_host",
+    "check_peer",
+    "check_port",
+    "check_safetensors",
+    "machine_memory",
+    "validate_checkpoint",
+    "validate_generate",
+    "validate_pool",
+    "validate_serve",
+]

@@ -1,0 +1,178 @@
+"""Bad flags and bad checkpoints, table-driven: `dsakv serve|generate|plan` called in-process (cli.main.main) must
+exit 2 with exactly one stderr line `dsakv CMD: error: ...` naming the value, no traceback, and start nothing (the
+server entry points are replaced by a failing stub, so a case that slipped through fails instead of serving).
+One subprocess checks the same through `python -m dsakv`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsakv.cli import disagg_roles, serve_cmd
+from dsakv.cli.main import main
+from dsakv.serve import server
+from engine_support import tiny_path
+
+T = "{tiny}"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    src = tiny_path("glm_moe_dsa")
+    root = tmp_path_factory.mktemp("badcfg")
+    out = {"tiny": src}
+
+    def variant(name: str) -> Path:
+        d = root / name
+        shutil.copytree(src, d)
+        out[name] = d
+        return d
+
+    st = variant("truncated") / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])  # header intact, tensors cut off
+    (variant("corrupt") / "model.safetensors").write_bytes(b"\x00" * 1000)
+    hdr = variant("badheader") / "model.safetensors"
+    hdr.write_bytes(struct.pack("<Q", 5) + b"{nope" + b"\x00" * 64)
+    (variant("badutf") / "config.json").write_bytes(b'\xff\xfe{"model_type": "glm_moe_dsa"}')
+    for name, patch in (
+        ("experts", {"num_experts_per_tok": 11}),  # > n_routed_experts (8)
+        ("groups", {"n_group": 2, "topk_group": 3}),
+        ("eps", {"rms_norm_eps": -1.0}),
+    ):
+        d = variant(name)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(patch)
+        (d / "config.json").write_text(json.dumps(cfg))
+    (variant("nosafetensors") / "model.safetensors").unlink()
+    return out
+
+
+# (argv with {name} = a model directory of the fixture, words the one error line must contain)
+CASES = [
+    ("serve --model {tiny} --port 70000", "--port 70000 is not a TCP port: give 0..65535"),
+    ("serve --model {tiny} --port -1", "--port -1 is not a TCP port"),
+    ("serve --model {tiny} --threads 0", "--threads 0 must be an integer in 1..4096"),
+    ("serve --model {tiny} --request-timeout -5", "--request-timeout -5.0 must be a finite number of seconds > 0"),
+    ("serve --model {tiny} --request-timeout nan", "--request-timeout nan"),
+    ("serve --model {tiny} --hicache-ratio nan", "--hicache-ratio nan must be a finite number > 0"),
+    ("serve --model {tiny} --hicache-ratio inf", "--hicache-ratio inf must be a finite number > 0"),
+    ("serve --model {tiny} --hicache-ratio -1", "--hicache-ratio -1.0"),
+    ("serve --model {tiny} --hicache-size 100TiB", "--hicache-size 100TiB asks for a 100.00 TiB host tier"),
+    ("serve --model {tiny} --num-pages 1000000000000", "--num-pages 1000000000000 must be an integer in 1.."),
+    ("serve --model {tiny} --num-pages 2000000000", "--num-pages 2000000000 asks for a"),
+    ("serve --model {tiny} --num-pages 0", "--num-pages 0 must be an integer"),
+    ("serve --model {tiny} --kv-budget 100TiB", "--kv-budget 100TiB asks for a"),
+    ("serve --model {tiny} --kv-budget 0", "--kv-budget '0' must be more than 0 bytes"),
+    ("serve --model {tiny} --kv-budget lots", "--kv-budget = 'lots' is not a size"),
+    ("serve --model {tiny} --max-tokens 0", "--max-tokens 0 must be an integer"),
+    ("serve --model {tiny} --page-size -3", "--page-size -3 must be an integer in 1..65536"),
+    ("serve --model {tiny} --max-batch-tokens 0", "--max-batch-tokens 0"),
+    ("serve --model {tiny} --max-running-requests 0", "--max-running-requests 0"),
+    ("serve --model {tiny} --seed -1", "--seed -1 must be an integer in 0.."),
+    ("serve --model {tiny} --host 999.1.1.1", "--host '999.1.1.1' is not a valid IPv4 address"),
+    ("serve --model {tiny} --host 'a b'", "--host 'a b' is not a host"),
+    ("serve --model {tiny} --max-request-bytes 0", "--max-request-bytes 0 must be an integer >= 64"),
+    ("serve --model {tiny} --max-request-bytes huge", "--max-request-bytes = 'huge' is not a size"),
+    ("serve --model {tiny} --http-body-timeout inf", "--http-body-timeout inf must be a finite number"),
+    ("serve --model {tiny} --http-header-timeout 0", "--http-header-timeout 0.0"),
+    ("serve --model {tiny} --keep-alive-timeout -1", "--keep-alive-timeout -1.0"),
+    ("serve --model {tiny} --max-connections 0", "--max-connections 0 must be an integer >= 1"),
+    ("serve --model {corrupt}", "is corrupt: its header claims 0 bytes"),
+    ("serve --model {badheader}", "is corrupt: its header is not JSON"),
+    ("serve --model {truncated}", "is corrupt or truncated: tensor"),
+    ("serve --model {nosafetensors}", "no *.safetensors files in"),
+    ("serve --model {badutf}", "config.json' is not UTF-8 text"),
+    ("serve --model {experts}", "'num_experts_per_tok' = 11 is more than 'n_routed_experts' = 8"),
+    ("serve --model {groups}", "'n_group' = 2, 'topk_group' = 3: need 1 <= topk_group <= n_group"),
+    ("serve --model {eps}", "'rms_norm_eps' = -1.0 must be a finite number > 0"),
+    ("serve --model /nonexistent/dir", "--model '/nonexistent/dir' has no config.json"),
+    ("serve", "--role colocated needs --model DIR"),
+    ("serve --role decode --model {tiny} --port 70000", "--port 70000 is not a TCP port: give 1..65535"),
+    ("serve --role decode --model {tiny} --port 0", "--port 0 is not a TCP port: give 1..65535"),
+    ("serve --role decode --model {tiny} --rpc-timeout nan", "--rpc-timeout nan"),
+    ("serve --role decode --model {tiny} --mooncake-timeout 1", "--mooncake-timeout 1 must be an integer in 5.."),
+    ("serve --role decode --model {experts}", "'num_experts_per_tok' = 11"),
+    ("serve --role decode --model {truncated}", "is corrupt or truncated"),
+    ("serve --role prefill --model {tiny} --pp-size 0", "--pp-size 0 must be an integer in 1..256"),
+    ("serve --role prefill --model {tiny} --pp-size 2 --pp-rank 5", "--pp-rank 5 must be in 0..1 (--pp-size 2)"),
+    ("serve --role prefill --model {tiny} --pp-size 2 --port 65535", "must be <= 65535: pick a lower --port"),
+    ("serve --role prefill --model {tiny} --stage-timeout -1", "--stage-timeout -1.0"),
+    ("serve --role prefill --model {tiny} --dist-port 70000", "--dist-port 70000 is not a TCP port"),
+    ("serve --role prefill --model {tiny} --decode nowhere", "--decode 'nowhere' must be HOST:PORT"),
+    ("serve --role router --prefill garbage --decode 127.0.0.1:9100", "--prefill 'garbage' must be HOST:PORT"),
+    ("serve --role router --prefill 127.0.0.1:99999 --decode 127.0.0.1:9100", "port 99999 is not a TCP port"),
+    ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:0", "port 0 is not a TCP port"),
+    ("serve --role router --prefill 300.0.0.1:9200 --decode 127.0.0.1:9100", "'300.0.0.1' is not a valid IPv4"),
+    ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --kv-timeout -1", "--kv-timeout -1.0"),
+    ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --queue-timeout inf", "--queue-timeout"),
+    ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --health-interval 0", "--health-interval"),
+    ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --model {badutf}", "is not UTF-8 text"),
+    ("generate --model {tiny} --prompt-ids 5,6 --threads 0", "--threads 0 must be an integer in 1..4096"),
+    ("generate --model {tiny} --prompt-ids 5,6 --hicache-ratio inf", "--hicache-ratio inf must be a finite number"),
+    ("generate --model {tiny} --prompt-ids 5,6 --num-pages 2000000000", "--num-pages 2000000000 asks for a"),
+    ("generate --model {tiny} --prompt-ids 5,6 --max-new-tokens 0", "--max-new-tokens 0"),
+    ("generate --model {corrupt} --prompt-ids 5,6", "is corrupt"),
+    ("generate --model {badutf} --prompt-ids 5,6", "is not UTF-8 text"),
+    ("generate --model {experts} --prompt-ids 5,6", "'num_experts_per_tok' = 11"),
+    ("generate --model {tiny} --prompt-ids a,b", "--prompt-ids 'a,b' must be comma-separated token ids"),
+    ("plan {badutf} --kv-budget 1GiB", "is not valid JSON"),
+    ("plan glm-5.2 --kv-budget 1GiB --mem-fraction nan", "--mem-fraction nan must be in (0, 1]"),
+]
+
+
+@pytest.fixture
+def no_serving(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("a bad config got past validation and would start serving")
+
+    monkeypatch.setattr(server, "run_http", refuse)
+    monkeypatch.setattr(serve_cmd, "run_colocated", refuse)
+    monkeypatch.setattr(disagg_roles, "run_role", refuse)
+
+
+def _argv(line: str, models: dict[str, Path]) -> list[str]:
+    import shlex
+
+    return [a.format(**{k: str(v) for k, v in models.items()}) for a in shlex.split(line)]
+
+
+@pytest.mark.parametrize("line,words", CASES, ids=[c[0][:70] for c in CASES])
+def test_bad_config_is_one_line_error(models, no_serving, capsys, line, words):
+    argv = _argv(line, models)
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"dsakv {argv[0]}: error: "), lines[0]
+    assert words in lines[0], lines[0]
+
+
+def test_good_config_passes_validation(models, no_serving):
+    """The same checks let the README's commands through (they reach the stubbed server)."""
+    for line in (
+        "serve --model {tiny} --port 8000 --kv-budget 64MiB --prefix-cache",
+        "serve --role decode --model {tiny} --port 9100 --num-pages 256 --page-size 16",
+        "serve --role prefill --model {tiny} --port 9200 --pp-size 2 --pp-partition 7,5 --hicache-ratio 2",
+        "serve --role router --port 8000 --prefill 127.0.0.1:9200 --decode localhost:9100",
+    ):
+        with pytest.raises(AssertionError, match="would start serving"):
+            main(_argv(line, models))
+
+
+def test_bad_config_through_the_real_entry_point(models):
+    r = subprocess.run(
+        [sys.executable, "-m", "dsakv", "serve", "--model", str(models["truncated"]), "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("dsakv serve: error: checkpoint file ") and "truncated" in r.stderr
