@@ -26,8 +26,8 @@ plan: install
 	$(BIN)/dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1
 
 lint: install
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/mypy
 
 test: lint

@@ -64,9 +64,10 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(engine: Engine, **kw: object) -> Iterator[tuple[LiveServer, EngineBackend]]:
+def live_server(engine: Engine, tokenizer: object = None, **kw: object) -> Iterator[tuple[LiveServer, EngineBackend]]:
     backend = EngineBackend(engine)
-    srv = LiveServer(create_app(backend, MODEL, ByteTokenizer(), **kw)).start()  # type: ignore[arg-type]
+    app = create_app(backend, MODEL, tokenizer or ByteTokenizer(), **kw)  # type: ignore[arg-type]
+    srv = LiveServer(app).start()
     try:
         yield srv, backend
     finally:

@@ -37,12 +37,12 @@ CASES = [
     ("/v1/completions", {**OK, "top_p": 0}, 400, "top_p", "invalid_value", "(0, 1]"),
     ("/v1/completions", {**OK, "top_p": 1.5}, 400, "top_p", "invalid_value", "(0, 1]"),
     ("/v1/completions", {**OK, "top_k": -5}, 400, "top_k", "invalid_value", "top_k"),
-    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "invalid_value", ">= 1"),
+    ("/v1/completions", {**OK, "max_tokens": 0}, 400, "max_tokens", "invalid_value", "only with"),
     ("/v1/completions", {**OK, "max_tokens": -1}, 400, "max_tokens", "invalid_value", ">= 1"),
     ("/v1/completions", {**OK, "max_tokens": "10"}, 400, "max_tokens", "invalid_value", "integer"),
     ("/v1/completions", {**OK, "max_tokens": 2.5}, 400, "max_tokens", "invalid_value", "integer"),
-    ("/v1/completions", {**OK, "n": 2}, 400, "n", "invalid_value", "n = 1"),
-    ("/v1/completions", {**OK, "best_of": 3}, 400, "best_of", "unsupported_parameter", "best_of"),
+    ("/v1/completions", {**OK, "n": 65}, 400, "n", "invalid_value", "[1, 64]"),
+    ("/v1/completions", {**OK, "best_of": 3}, 400, "best_of", "unsupported_parameter", "equals n"),
     ("/v1/completions", {**OK, "seed": -1}, 400, "seed", "invalid_value", "seed"),
     ("/v1/completions", {**OK, "stream": "yes"}, 400, "stream", "invalid_value", "true or false"),
     (
@@ -57,10 +57,24 @@ CASES = [
     ("/v1/completions", {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value", "at most 4"),
     ("/v1/completions", {**OK, "stop_token_ids": [-1]}, 400, "stop_token_ids", "invalid_value", "token ids"),
     ("/v1/completions", {**OK, "ignore_eos": "no"}, 400, "ignore_eos", "invalid_value", "true or false"),
-    ("/v1/completions", {**OK, "logprobs": 2}, 400, "logprobs", "unsupported_parameter", "not supported"),
-    ("/v1/completions", {**OK, "echo": True}, 400, "echo", "unsupported_parameter", "not supported"),
-    ("/v1/completions", {**OK, "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter", "only 0"),
-    ("/v1/completions", {**OK, "logit_bias": {"5": 1}}, 400, "logit_bias", "unsupported_parameter", "logit_bias"),
+    ("/v1/completions", {**OK, "logprobs": 21}, 400, "logprobs", "invalid_value", "[0, 20]"),
+    ("/v1/completions", {**OK, "logprobs": True}, 400, "logprobs", "invalid_value", "integer"),
+    ("/v1/completions", {**OK, "echo": "yes"}, 400, "echo", "invalid_value", "true or false"),
+    ("/v1/completions", {**OK, "suffix": "x"}, 400, "suffix", "unsupported_parameter", "not supported"),
+    (
+        "/v1/completions",
+        {**OK, "max_tokens": 0, "echo": True, "stream": True},
+        400,
+        "max_tokens",
+        "invalid_value",
+        "streamed",
+    ),
+    ("/v1/completions", {**OK, "min_tokens": 5}, 400, "min_tokens", "invalid_value", "[0, 4]"),
+    ("/v1/completions", {**OK, "repetition_penalty": 0}, 400, "repetition_penalty", "invalid_value", "(0, 100]"),
+    ("/v1/completions", {**OK, "presence_penalty": 2.5}, 400, "presence_penalty", "invalid_value", "[-2, 2]"),
+    ("/v1/completions", {**OK, "logit_bias": {"x": 1}}, 400, "logit_bias", "invalid_value", "token id"),
+    ("/v1/completions", {**OK, "logit_bias": {"5": 101}}, 400, "logit_bias", "invalid_value", "[-100, 100]"),
+    ("/v1/completions", {**OK, "logit_bias": [5]}, 400, "logit_bias", "invalid_value", "object"),
     ("/v1/completions", {**OK, "model": "gpt-4"}, 404, "model", "model_not_found", "'gpt-4' is not served"),
     (
         "/v1/completions",
@@ -79,6 +93,32 @@ CASES = [
         "prompt of 1000 tokens + max_new_tokens 100 = 1100 tokens can never fit",
     ),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "missing_required_parameter", "required"),
+    (
+        "/v1/chat/completions",
+        {**CHAT_OK, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        "invalid_value",
+        "text",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT_OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages[0].content",
+        "invalid_value",
+        "only text",
+    ),
+    ("/v1/chat/completions", {**CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value", "needs"),
+    ("/v1/chat/completions", {**CHAT_OK, "logprobs": 1}, 400, "logprobs", "invalid_value", "true or false"),
+    (
+        "/v1/chat/completions",
+        {**CHAT_OK, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        "invalid_value",
+        "[0, 20]",
+    ),
     ("/v1/chat/completions", {**CHAT_OK, "messages": []}, 400, "messages", "invalid_value", "non-empty"),
     (
         "/v1/chat/completions",
@@ -190,7 +230,7 @@ def test_engine_backend_contract():
         b.submit("a", [5, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True))
         evs = list(b.events("a", timeout=30))
         assert all(isinstance(e, TokenEvent) for e in evs)
-        # the reference runs on its own engine: the backend's thread steps `eng` and would take generate()'s output
+        # the reference on an engine of its own: the backend's thread steps `eng` (it would take generate's outputs)
         assert [t for e in evs for t in e.new_token_ids] == make_engine().generate(
             [[5, 6, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True)
         )[0]

@@ -1,4 +1,5 @@
-"""`dsakv make-tiny DIR`: write a small deterministic DSA checkpoint (transformers' own format).
+"""`dsakv make-tiny DIR`: write a small deterministic DSA checkpoint (transformers' own format) and a byte-level
+BPE tokenizer with a chat template (tokenizer.json + tokenizer_config.json, built locally).
 
 Torch and transformers are imported inside run(), never at module top.
 """
@@ -9,7 +10,11 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", help="directory to write config.json + model.safetensors to (created if missing)")
+    parser.add_argument(
+        "dir",
+        help="directory to write config.json + model.safetensors + tokenizer.json/tokenizer_config.json to "
+        "(created if missing)",
+    )
     parser.add_argument(
         "--arch",
         choices=("glm_moe_dsa", "deepseek_v32"),
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {spec.model_type} checkpoint to {out}: {spec.num_layers} layers, producers "
         f"{list(spec.producers)}, index_topk {spec.index_topk}, vocab {spec.vocab_size}, seed {args.seed}"
         + (f", {spec.num_draft_layers} MTP layer(s) (layer {spec.num_layers}..)" if spec.num_draft_layers else "")
+        + "; byte-level BPE tokenizer with a chat template (byte b = id b+2, bos 0, eos 1)"
     )
     if args.fit_mtp:
         from dsakv.engine.mtp_fit import fit_mtp

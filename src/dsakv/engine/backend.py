@@ -20,23 +20,33 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from dsakv.engine.request import SamplingParams
+from dsakv.engine.request import SamplingParams, TokenLogprobs
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class TokenEvent(NamedTuple):
-    """New tokens of one request since its last event; the last event has finished=True."""
+    """New tokens of one choice of a request since its last event; each choice's last event has finished=True
+    (params.n choices: events() ends after all n finished)."""
 
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None (not finished)
     error: str | None  # clear message when finish_reason == "error"
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token, when params.logprobs is set
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1.. (params.prompt_logprobs), once
+    choice: int = 0  # the choice (index), 0..params.n - 1
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (choice 0)
+
+
+# what a backend may support beyond plain generation (its `features`; the HTTP layer 400s the rest)
+FEATURES = ("logprobs", "prompt_logprobs", "n", "penalties")
 
 
 @runtime_checkable
 class GenerationBackend(Protocol):
     name: str  # "colocated" | "disaggregated"
+    # features: frozenset[str], a subset of FEATURES (optional attribute; missing = none)
 
     def start(self) -> None:
         """Start background work (threads, connections). Idempotent."""
@@ -71,4 +81,4 @@ class GenerationBackend(Protocol):
         ...
 
 
-__all__ = ["FINISH_REASONS", "GenerationBackend", "TokenEvent"]
+__all__ = ["FEATURES", "FINISH_REASONS", "GenerationBackend", "TokenEvent"]

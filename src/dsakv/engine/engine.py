@@ -42,7 +42,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.config import EngineConfig
 from dsakv.engine.model_runner import ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from dsakv.engine.sampling import sample
+from dsakv.engine.sampling import sample_with_logprobs, top_logprobs
 from dsakv.engine.scheduler import NoFreePages, PrefixCache, ScheduledChunk, Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.spec.layout import KVLayout
@@ -243,6 +243,27 @@ class Engine:
             keep_pages=keep_pages,
         )
 
+    def _with_forks(self, req: Request) -> Request:
+        """params.n > 1: the other n - 1 sequences as req.forks, ids '<id>/<i>', seed + i, no prompt logprobs."""
+        p = req.params
+        if p.n > 1:
+            if req.keep_pages:
+                raise ConfigError(f"request {req.request_id}: n = {p.n} > 1 is not supported with keep_pages")
+            child = replace(p, prompt_logprobs=None)
+            for i in range(1, p.n):
+                req.forks.append(
+                    Request(
+                        request_id=f"{req.request_id}/{i}",
+                        prompt_ids=req.prompt_ids,
+                        params=child,
+                        eos_token_ids=req.eos_token_ids,
+                        arrival=req.arrival,
+                        sampling_seed=(req.sampling_seed + i) % 2**63,
+                        choice_index=i,
+                    )
+                )
+        return req
+
     def add_request(
         self,
         prompt_ids: Sequence[int],
@@ -254,9 +275,13 @@ class Engine:
         """Queue a request; returns its id. Raises CapacityError (queuing nothing) if it can never fit.
 
         keep_pages=True (a prefill worker): when it finishes (stop/length) its pages stay held until
-        release(request_id), so its KV can be read (pages_of) and transferred first."""
+        release(request_id), so its KV can be read (pages_of) and transferred first.
+
+        params.n > 1: n sequences; the returned id is sequence 0, sequence i is '<id>/<i>' (sampling seed + i,
+        RequestOutput.choice_index i). They share the prompt's whole pages: sequence 0 prefills the prompt and
+        the others start from its pages (refcounted), recomputing only the prompt's last partial page."""
         with self._lock:
-            req = self._new_request(request_id, prompt_ids, params, keep_pages)
+            req = self._with_forks(self._new_request(request_id, prompt_ids, params, keep_pages))
             self.scheduler.add(req)
             log.debug("queued %s", req)
             return req.request_id
@@ -341,7 +366,13 @@ class Engine:
                 return self._spec_step(sched, outputs)
             chunks = sched.chunks
             try:
-                logits = self.runner.run(chunks)
+                positions = [self._prompt_logprob_positions(c) for c in chunks]
+                with_prompt = getattr(self.runner, "run_with_prompt_logits", None)  # ModelRunner (all layers)
+                if any(positions) and with_prompt is not None:
+                    logits, extra = with_prompt(chunks, positions)
+                    self._add_prompt_logprobs(chunks, positions, extra)
+                else:
+                    logits = self.runner.run(chunks)
                 rows = [i for i, c in enumerate(chunks) if c.samples]
                 next_tokens: list[int | None] = [None] * len(chunks)
                 if rows and logits is None:  # a later pipeline stage samples: placeholder tokens here
@@ -349,9 +380,11 @@ class Engine:
                         next_tokens[i] = 0
                 elif rows:
                     assert logits is not None
-                    toks = sample(logits[rows], [chunks[i].request for i in rows])
-                    for i, t in zip(rows, toks, strict=True):
+                    toks, lps = sample_with_logprobs(logits[rows], [chunks[i].request for i in rows])
+                    for i, t, lp in zip(rows, toks, lps, strict=True):
                         next_tokens[i] = t
+                        if lp is not None:
+                            chunks[i].request.output_logprobs.append(lp)
             except Exception as e:  # the step failed: its requests finish with the error, pages come back
                 log.exception("model step failed for %d requests", len(chunks))
                 failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
@@ -410,6 +443,28 @@ class Engine:
         with self._lock:
             return self.speculator.stats.to_dict() if self.speculator is not None else None
 
+    @staticmethod
+    def _prompt_logprob_positions(c: Any) -> list[int]:
+        """Positions of chunk c whose logits give a prompt token's logprob (position t -> prompt token t + 1)."""
+        req = c.request
+        if req.params.prompt_logprobs is None:
+            return []
+        return list(range(max(c.start, len(req.prompt_logprobs)), min(c.end, req.num_prompt_tokens - 1)))
+
+    @staticmethod
+    def _add_prompt_logprobs(chunks: Sequence[Any], positions: list[list[int]], extra: list[torch.Tensor]) -> None:
+        for c, pos, lg in zip(chunks, positions, extra, strict=True):
+            if not pos:
+                continue
+            req = c.request
+            if pos[0] != len(req.prompt_logprobs):
+                raise IntegrityError(
+                    f"{req.request_id}: prompt logprobs from position {pos[0]}, has {len(req.prompt_logprobs)}"
+                )
+            ids = [req.prompt_ids[t + 1] for t in pos]
+            k = int(req.params.prompt_logprobs or 0)
+            req.prompt_logprobs.extend(top_logprobs(torch.log_softmax(lg, dim=-1), ids, [k] * len(ids)))
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -428,6 +483,8 @@ class Engine:
             plist = list(params)
             if len(plist) != len(prompts):
                 raise ConfigError(f"generate: {len(plist)} SamplingParams for {len(prompts)} prompts")
+        if any(sp.n != 1 for sp in plist):
+            raise ConfigError("generate: n > 1 is for add_request (one output per prompt here)")
         with self._lock:
             for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
                 self.scheduler.check_fits(f"#{i}", len(p), sp.max_new_tokens)

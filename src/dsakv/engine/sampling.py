@@ -1,4 +1,13 @@
-"""Token sampling (greedy, temperature / top-k / top-p) and stop conditions.
+"""Token sampling (penalties, bias, greedy, temperature / top-k / top-p), logprobs, and stop conditions.
+
+    tokens, logprobs = sample_with_logprobs(logits, reqs)   # logits [B, vocab]; logprobs[b] None unless asked
+
+process_logits() turns a batch's raw logits into the logits each row draws from, vectorised over the batch:
+logit_bias (one scatter), presence/frequency penalties from the output-token counts (one scatter_add over the
+padded output ids), repetition_penalty on every token seen (prompt + output), min_tokens masking eos and
+stop_token_ids, then temperature. Logprobs are log_softmax of these processed logits (before top-k/top-p), so
+they are the distribution the token is drawn from before truncation; with no penalty and temperature 0 or 1
+they are log_softmax of the model's logits.
 
 Output token i of a sampled request is drawn with a torch.Generator seeded from
 (request seed, i) alone, so a seed gives the same tokens whatever else shares the
@@ -14,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsakv.engine.request import FinishReason, Request, SamplingParams
+from dsakv.engine.request import FinishReason, Request, SamplingParams, TokenLogprobs
 
 MASK64 = (1 << 64) - 1
 
@@ -34,9 +43,10 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
     return req.generator
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One row of logits -> temperature-scaled logits with top-k / top-p rejects set to -inf."""
-    x = logits.float() / params.temperature
+def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool = False) -> torch.Tensor:
+    """One row of logits -> temperature-scaled logits (already scaled if `scaled`) with top-k / top-p rejects
+    set to -inf."""
+    x = logits.float() if scaled else logits.float() / params.temperature
     if params.top_k is not None and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -50,22 +60,112 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
-    """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request."""
+def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """Raw logits [B, vocab] -> float32 processed logits (module docstring); rows of requests without penalties
+    or bias are logits / temperature (greedy rows: unchanged)."""
+    x = logits.float()
+    rows = [b for b, r in enumerate(reqs) if r.params.penalised]
+    if rows:
+        x = x.clone()
+        _penalise(x, rows, reqs)
+    temps = [r.params.temperature if not r.params.greedy else 1.0 for r in reqs]
+    if any(t != 1.0 for t in temps):
+        x = x / torch.tensor(temps, dtype=torch.float32, device=x.device)[:, None]
+    return x
+
+
+def _penalise(x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
+    dev, vocab = x.device, x.shape[1]
+    sub = x[rows]
+    ps = [reqs[b].params for b in rows]
+
+    def col(vals: list[float]) -> torch.Tensor:
+        return torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
+
+    bias = [(i, t, v) for i, p in enumerate(ps) for t, v in p.logit_bias if t < vocab]
+    if bias:
+        i_, t_, v_ = zip(*bias, strict=True)
+        sub.index_put_((torch.tensor(i_, device=dev), torch.tensor(t_, device=dev)), torch.tensor(v_, device=dev), True)
+    outs = [reqs[b].output_ids for b in rows]
+    if any(p.presence_penalty or p.frequency_penalty for p in ps) and any(outs):
+        counts = _counts(outs, vocab, dev)
+        sub -= col([p.frequency_penalty for p in ps]) * counts
+        sub -= col([p.presence_penalty for p in ps]) * (counts > 0).float()
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen = _counts([list(reqs[b].prompt_ids) + reqs[b].output_ids for b in rows], vocab, dev) > 0
+        rp = col([p.repetition_penalty for p in ps]).expand_as(sub)
+        sub.copy_(torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub))
+    for i, b in enumerate(rows):
+        r = reqs[b]
+        if r.num_output_tokens < r.params.min_tokens:
+            ban = [
+                t for t in (*r.params.stop_token_ids, *([] if r.params.ignore_eos else r.eos_token_ids)) if t < vocab
+            ]
+            if ban:
+                sub[i, ban] = float("-inf")
+    x[rows] = sub
+
+
+def _counts(seqs: list[list[int]], vocab: int, dev: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] float32 counts of each token id in each sequence (one scatter_add over padded ids)."""
+    width = max(max((len(s) for s in seqs), default=0), 1)
+    ids = torch.full((len(seqs), width), vocab, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, : len(s)] = torch.tensor(s, dtype=torch.int64)
+    counts = torch.zeros(len(seqs), vocab + 1, dtype=torch.float32)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab].to(dev)
+
+
+def top_logprobs(logprobs: torch.Tensor, ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Rows of log-probabilities [R, vocab], the token of each row and how many alternatives -> TokenLogprobs."""
+    kmax = max(ks, default=0)
+    chosen = logprobs.gather(1, torch.tensor(list(ids), dtype=torch.int64, device=logprobs.device)[:, None])
+    chosen_l = chosen[:, 0].tolist()
+    if kmax:
+        vals, idx = torch.topk(logprobs, kmax, dim=-1)
+        vals_l, idx_l = vals.tolist(), idx.tolist()
+    out = []
+    for r, (t, k) in enumerate(zip(ids, ks, strict=True)):
+        top = tuple(zip(idx_l[r][:k], vals_l[r][:k], strict=True)) if k else ()
+        out.append(TokenLogprobs(int(t), float(chosen_l[r]), top))
+    return out
+
+
+def sample_with_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request, and its TokenLogprobs for the
+    requests whose params ask for logprobs (None for the others)."""
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"sample: logits of shape {tuple(logits.shape)} for {len(reqs)} requests")
-    out = logits.argmax(dim=-1).tolist()
+    x = process_logits(logits, reqs)
+    out = x.argmax(dim=-1).tolist()
     for b, req in enumerate(reqs):
         if req.params.greedy:
             continue
-        probs = torch.softmax(filter_logits(logits[b], req.params), dim=-1)
+        probs = torch.softmax(filter_logits(x[b], req.params, scaled=True), dim=-1)
         out[b] = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)).item())
-    return [int(t) for t in out]
+    tokens = [int(t) for t in out]
+    lps: list[TokenLogprobs | None] = [None] * len(reqs)
+    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    if want:
+        lp = torch.log_softmax(x[want], dim=-1)
+        got = top_logprobs(lp, [tokens[b] for b in want], [int(reqs[b].params.logprobs or 0) for b in want])
+        for b, g in zip(want, got, strict=True):
+            lps[b] = g
+    return tokens, lps
+
+
+def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
+    """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request."""
+    return sample_with_logprobs(logits, reqs)[0]
 
 
 def stop_reason(req: Request, token: int, max_seq_len: int | None = None) -> FinishReason | None:
     """Why `req` stops after appending `token` to its output (the token is kept), or None to go on."""
     p = req.params
+    if req.num_output_tokens < p.min_tokens:  # eos / stop ids were masked; length cannot end it before either
+        return None
     if not p.ignore_eos and token in req.eos_token_ids:
         return FinishReason.STOP
     if token in p.stop_token_ids:

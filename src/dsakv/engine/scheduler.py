@@ -48,6 +48,12 @@ Prefix-cache hook (None by default; dsakv.cache.hicache.HiCache implements it):
         many went back to the free list. Called before preempting, and before admitting.
     check_integrity()   (optional) called by Scheduler.check_integrity().
 
+n > 1 (params.n): sequences 1.. of a request wait (`unforked`) while sequence 0 prefills; when its prompt is
+computed they join the running set holding references to its whole prompt pages (all but the page of the
+prompt's last token) and recompute only that tail in pages of their own. If sequence 0 leaves first (abort,
+error) they queue as ordinary requests. A request with prompt_logprobs skips the prefix cache (every prompt
+position's logits are computed).
+
 Disaggregated serving:
 
     decode side   prealloc(req) -> page ids     reserve pages for the prompt + 1 token (status
@@ -180,6 +186,7 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}  # pages reserved, KV being transferred in
         self.kept: dict[str, Request] = {}  # finished with keep_pages: pages held until release()
         self.requests: dict[str, Request] = {}  # every unfinished request
+        self.unforked: dict[str, Request] = {}  # sequences 1.. of an n > 1 request, by id -> sequence 0
         self.num_preemptions = 0
         # speculative decoding (engine/speculative.py): draft tokens a decoding request may verify this step;
         # their pages are taken only from free pages (never by preempting), fewer or none when short
@@ -216,8 +223,14 @@ class Scheduler:
         if req.status is not RequestStatus.WAITING or req.page_ids or req.num_computed_tokens:
             raise ConfigError(f"request {req.request_id!r} is not new ({req!r})")
         self.check_fits(req.request_id, req.num_prompt_tokens, req.params.max_new_tokens)
+        for f in req.forks:
+            if f.request_id in self.requests or f.request_id in self.kept:
+                raise ConfigError(f"request id {f.request_id!r} is already in use: give each request a unique id")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        for f in req.forks:
+            self.requests[f.request_id] = f
+            self.unforked[f.request_id] = req
 
     def abort(self, request_id: str) -> Request | None:
         """Finish `request_id` with reason 'abort' and free its pages; None if it is unknown or finished.
@@ -233,9 +246,12 @@ class Scheduler:
             del self.awaiting_kv[request_id]
         elif req in self.ready:
             self.ready.remove(req)
+        elif request_id in self.unforked:
+            self.unforked.pop(request_id).forks.remove(req)
         else:
             self.waiting.remove(req)
         self._leave(req, keep_in_cache=True)  # only computed tokens go to the cache: none while WAITING_KV
+        self._orphan_forks(req)
         req.finish(FinishReason.ABORT)
         log.debug("aborted %s", req)
         return req
@@ -356,7 +372,7 @@ class Scheduler:
             cached_pages: IntArray = np.zeros(0, dtype=np.int64)
             cached = 0
             match = None
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and req.params.prompt_logprobs is None:  # prompt logprobs: compute all
                 match = self.prefix_cache.match_prefix(req.token_ids(0, req.num_tokens - 1))
                 cached_pages, cached = np.asarray(match.page_ids, dtype=np.int64), int(match.num_tokens)
                 if cached != cached_pages.size * self.page_size:
@@ -460,9 +476,35 @@ class Scheduler:
         self.waiting.appendleft(req)
         log.info("preempted %s: out of KV pages (%d free)", req.request_id, self.allocator.num_free)
 
+    def _fork(self, req: Request) -> None:
+        """req (sequence 0 of an n > 1 request) computed its prompt: its other sequences start running on its
+        whole prompt pages (a reference each), short of the page that holds the prompt's last token (each
+        recomputes that part in its own page, so the last prompt token's logits are its own)."""
+        share = (req.num_prompt_tokens - 1) // self.page_size
+        pages = np.asarray(req.page_ids[:share], dtype=np.int64)
+        for f in req.forks:
+            del self.unforked[f.request_id]
+            if pages.size:
+                self.allocator.incref(pages)
+                self.allocator.hold(f.request_id, pages)
+            f.page_ids = pages.tolist()
+            f.num_computed_tokens = share * self.page_size
+            f.status = RequestStatus.RUNNING
+            self.running.append(f)
+        log.debug("%s: %d sequences share %d prompt pages", req.request_id, len(req.forks) + 1, share)
+        req.forks = []
+
+    def _orphan_forks(self, req: Request) -> None:
+        """req leaves before its prompt was computed: its other sequences queue as requests of their own."""
+        for f in req.forks:
+            del self.unforked[f.request_id]
+            self.waiting.append(f)
+        req.forks = []
+
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
+        self._orphan_forks(req)
         del self.requests[req.request_id]
         if req.keep_pages and reason in (FinishReason.STOP, FinishReason.LENGTH):
             self.kept[req.request_id] = req
@@ -487,6 +529,8 @@ class Scheduler:
                 continue
             if tok is None:
                 raise ValueError(f"update: no token for {req.request_id}, whose chunk reached its last token")
+            if req.forks:
+                self._fork(req)
             req.output_ids.append(int(tok))
             got.append(req)
             reason = stop_reason(req, int(tok), self.max_seq_len)
@@ -573,7 +617,10 @@ class Scheduler:
                 raise IntegrityError(
                     f"pages held by {owner!r}, which is not a running, ready, kept or WAITING_KV request"
                 )
-        queued = len(self.running) + len(self.waiting) + len(self.ready) + len(self.awaiting_kv)
+        for rid in self.unforked:
+            if self.requests[rid].page_ids or self.allocator.held_by(rid).size:
+                raise IntegrityError(f"sequence {rid} waiting to fork holds pages")
+        queued = len(self.running) + len(self.waiting) + len(self.ready) + len(self.awaiting_kv) + len(self.unforked)
         if len(self.requests) != queued:
             raise IntegrityError(
                 f"{len(self.requests)} unfinished requests but {len(self.running)} running + {len(self.waiting)} "

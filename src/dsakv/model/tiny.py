@@ -9,6 +9,7 @@ mixes up tensors is caught. Imports torch and transformers (lazily), dsakv.spec.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from dsakv.errors import ConfigError
 from dsakv.spec.presets import preset_config
+from dsakv.util import byte_symbols
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ def make_tiny(
     overrides: dict[str, Any] | None = None,
     mtp: int = 0,
 ) -> Path:
-    """Write the tiny checkpoint (config.json + model.safetensors) to directory `path`; returns it.
+    """Write the tiny checkpoint (config.json + model.safetensors + a byte-level tokenizer, see tiny_tokenizer) to
+    directory `path`; returns it.
 
     `overrides` replaces config fields (e.g. rope_parameters for a yarn variant) before the model is built.
     `mtp` > 0 adds that many MTP (next-n) draft layers as GLM-5 / DeepSeek-V3 checkpoints store them
@@ -105,6 +108,8 @@ def make_tiny(
     model.save_pretrained(str(out))
     if mtp:
         write_mtp_layers(out, init_mtp(out, mtp, seed))
+    cfg = model.config
+    write_tiny_tokenizer(out, int(cfg.vocab_size), int(cfg.max_position_embeddings))
     log.info("wrote tiny %s checkpoint (seed %d, %d layers, %d MTP) to %s", arch, seed, layers, mtp, out)
     return out
 
@@ -138,3 +143,88 @@ def write_mtp_layers(ckpt: str | Path, draft: torch.nn.Module) -> None:
     for name, t in draft.state_dict().items():
         tensors[checkpoint_name(name, n)] = t.detach().to(torch.float32).contiguous().clone()
     save_file(tensors, str(files[0]), metadata={"format": "pt"})
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------------
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+ROLE_TOKENS = tuple(f"<|{r}|>" for r in ("system", "developer", "user", "assistant", "tool"))
+# {bos}<|role|>\n{content}\n ... <|assistant|>\n : the byte fallback's template (dsakv.serve.tokenizer) after a bos
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# merges are learned from this text (deterministic: same text, same merges, same tokenizer.json bytes)
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A tokenizer turns text into token ids, and a model reads the ids.
+User: What is the capital of France? Assistant: The capital of France is Paris.
+Question: How many pages does a request of one thousand tokens hold? Answer: sixty-three pages of sixteen tokens.
+The key-value cache holds the keys and the values of every layer; the lightning indexer picks the top-k tokens.
+def generate(prompt, max_tokens=16):
+    return [token for token in model(prompt)][:max_tokens]
+Hello, world! This is a small test of the tiny checkpoint's tokenizer, with numbers 0 1 2 3 4 5 6 7 8 9 10 100.
+In the beginning there was the prompt, and the prompt was prefilled, and then the decode began one token at a time.
+"""
+
+
+def tiny_tokenizer(vocab_size: int = 512, bos_token_id: int = 0, eos_token_id: int = 1) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` for the tiny checkpoint, built locally (no download).
+
+    Ids: bos 0 and eos 1 (the config's), byte b = id b + 2 (as dsakv's byte fallback), the chat role tokens
+    <|system|> <|developer|> <|user|> <|assistant|> <|tool|> next, then BPE merges learned from a fixed text up
+    to `vocab_size` ids. Any text round-trips (every byte has an id).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if (bos_token_id, eos_token_id) != (0, 1):
+        raise ConfigError(f"the tiny tokenizer puts bos/eos at ids 0/1, the config has {bos_token_id}/{eos_token_id}")
+    first_merge = 2 + 256 + len(ROLE_TOKENS)
+    if vocab_size < first_merge:
+        raise ConfigError(f"vocab_size {vocab_size} is too small for a byte-level tokenizer: give >= {first_merge}")
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + vocab_size - first_merge,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        min_frequency=1,
+    )
+    learn = Tokenizer(models.BPE())
+    learn.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    learn.train_from_iterator([_CORPUS], trainer)
+    merges = json.loads(learn.to_str())["model"]["merges"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges][: vocab_size - first_merge]
+    vocab: dict[str, int] = {BOS_TOKEN: bos_token_id, EOS_TOKEN: eos_token_id}
+    vocab |= {s: b + 2 for b, s in enumerate(byte_symbols())}
+    vocab |= {t: 2 + 256 + i for i, t in enumerate(ROLE_TOKENS)}
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in (BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)]
+    )
+    if tok.get_vocab_size() > vocab_size:
+        raise ConfigError(f"the tiny tokenizer has {tok.get_vocab_size()} ids, more than vocab_size {vocab_size}")
+    return tok
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, max_len: int | None = None) -> Path:
+    """tokenizer.json + tokenizer_config.json (with the chat template) in `path`, loadable by
+    transformers.AutoTokenizer.from_pretrained(path)."""
+    out = Path(path)
+    tiny_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    if max_len is not None:
+        cfg["model_max_length"] = max_len
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out

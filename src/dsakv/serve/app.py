@@ -3,16 +3,22 @@
     app = create_app(EngineBackend(engine), "tiny")          # uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Routes:
-    POST /v1/completions          prompt: text or token ids   -> choices[0].text, choices[0].token_ids (extension)
-    POST /v1/chat/completions     messages                    -> choices[0].message.content, choices[0].token_ids
-         "stream": true gives SSE chunks `data: {...}` ending with `data: [DONE]`; errors after the first byte
-         come as one `data: {"error": {...}}` chunk before [DONE].
-    GET  /v1/models               the served model
+    POST /v1/completions          prompt: text or token ids   -> choices[i].text, choices[i].token_ids (extension)
+    POST /v1/chat/completions     messages                    -> choices[i].message.content, choices[i].token_ids
+         "stream": true gives SSE chunks `data: {...}` ending with `data: [DONE]` (each chunk holds one choice,
+         by index); errors after the first byte come as one `data: {"error": {...}}` chunk before [DONE].
+         logprobs in OpenAI's shapes: completions {tokens, token_logprobs, top_logprobs, text_offset} (echo puts
+         the prompt first, its first token null), chat {content: [{token, logprob, bytes, top_logprobs}]}.
+         usage: prompt_tokens (once), completion_tokens (all choices), prompt_tokens_details.cached_tokens.
+    GET  /v1/models               the served model, with max_model_len
+    POST /tokenize                {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize              {"tokens"} -> {"prompt"}
     GET  /health                  backend.health(): 200 when ok, else 503
     GET  /metrics                 Prometheus text: request counters, TTFT/TPOT/e2e histograms, backend gauges
 
 Bad input is a 4xx with {"error": {"message", "type", "param", "code"}}, never a 500: 400 for malformed JSON,
-fields or sampling values (protocol.py), 404 for another model name, 413 when the prompt (or prompt +
+fields or sampling values (protocol.py) and for what the backend's `features` lack, 404 for another model name,
+413 when the prompt (or prompt +
 max_tokens) can never fit the KV pool; HTTP limits (serve/limits.py: body size 413, body timeout 408, nesting
 depth and lone surrogates 400, head/keep-alive timeouts, connection cap 503) sit in a middleware and the uvicorn
 protocol; an unexpected exception is a 500 with the same error body, and every status is counted in /metrics.
@@ -40,17 +46,43 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import CapacityError, DsakvError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, parse_json_body
 from dsakv.serve.metrics import ServerMetrics
 from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion
-from dsakv.serve.tokenizer import ByteTokenizer, Tokenizer
+from dsakv.serve.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REQUEST_TIMEOUT = 600.0  # seconds without any event from the backend before a request fails
 _END = object()
+
+
+@dataclass
+class _Choice:
+    """One of a request's n choices: its tokens, text (stop strings applied) and logprobs so far."""
+
+    index: int
+    detok: Detokenizer
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    pending: str = ""  # text held back while it may be the start of a stop string
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    started: bool = False  # a piece of it was formatted (the echo goes with the first)
+    finish_sent: bool = False
+    offset: int = 0  # completions logprobs' text_offset of the next token
+
+
+@dataclass
+class _Piece:
+    index: int
+    text: str
+    ids: list[int]
+    logprobs: list[TokenLogprobs]
 
 
 @dataclass
@@ -61,17 +93,31 @@ class _Generation:
     g: GenRequest
     prompt_ids: list[int]
     t0: float
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
+    choices: list[_Choice] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None  # set when every choice finished ("error"/"timeout" if the request failed)
     error: str | None = None
     t_first: float | None = None
     t_last: float | None = None
 
     @property
-    def usage(self) -> dict[str, int]:
-        n, m = len(self.prompt_ids), len(self.ids)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+    def ids(self) -> list[int]:
+        return self.choices[0].ids if self.choices else []
+
+    def completion_ids(self, c: _Choice) -> list[int]:
+        return [] if self.g.echo_only else c.ids
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        n = len(self.prompt_ids)
+        m = sum(len(self.completion_ids(c)) for c in self.choices)
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": m,
+            "total_tokens": n + m,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
+        }
 
 
 class _Server:
@@ -124,6 +170,7 @@ class _Server:
                     param=param,
                     code="context_length_exceeded",
                 )
+            self._check_features(g)
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
             try:
                 await self.call(self.backend.submit, rid, prompt_ids, g.params)
@@ -135,7 +182,30 @@ class _Server:
             self.metrics.rejected()
             raise
         self.metrics.started(len(prompt_ids))
-        return _Generation(rid, g, prompt_ids, t0)
+        gen = _Generation(rid, g, prompt_ids, t0)
+        gen.choices = [_Choice(i, self.tokenizer.detokenizer()) for i in range(g.params.n)]
+        return gen
+
+    def _check_features(self, g: GenRequest) -> None:
+        """400 for what this backend cannot do (the disaggregated router: plain generation only, for now)."""
+        have = getattr(self.backend, "features", frozenset())
+        p = g.params
+        asked = [
+            ("logprobs", p.logprobs is not None, "logprobs" if g.kind == "completion" else "top_logprobs"),
+            ("prompt_logprobs", p.prompt_logprobs is not None, "echo"),
+            ("n", p.n > 1, "n"),
+            ("penalties", p.penalised, "presence_penalty"),
+        ]
+        for feature, used, param in asked:
+            if used and feature not in have:
+                what = {"penalties": "penalties, logit_bias and min_tokens", "prompt_logprobs": "echo with logprobs"}
+                raise ApiError(
+                    400,
+                    f"{what.get(feature, feature)} are not supported by the {self.backend.name} backend "
+                    "(serve the model colocated for them)",
+                    param=param,
+                    code="unsupported_parameter",
+                )
 
     # ---- running ----------------------------------------------------------------------
 
@@ -148,12 +218,16 @@ class _Server:
                     await self.call(self.backend.abort, gen.rid)
                 return
 
-    async def run(self, request: Request, gen: _Generation) -> AsyncGenerator[tuple[str, list[int]], None]:
-        """(text delta, new token ids) pieces until gen.finish_reason is set."""
+    async def _abort_choice(self, gen: _Generation, index: int) -> None:
+        if len(gen.choices) == 1:
+            await self.call(self.backend.abort, gen.rid)
+        else:
+            await self.call(cast(Any, self.backend).abort_choice, gen.rid, index)
+
+    async def run(self, request: Request, gen: _Generation) -> AsyncGenerator[_Piece, None]:
+        """Pieces (choice, text delta, new token ids, their logprobs) until gen.finish_reason is set."""
         stops = gen.g.stop
         hold = max((len(s) for s in stops), default=1) - 1
-        detok = self.tokenizer.detokenizer()
-        pending = ""
         watcher = asyncio.create_task(self._watch_disconnect(request, gen))
         it = self.backend.events(gen.rid, self.timeout)
         try:
@@ -164,35 +238,57 @@ class _Server:
                     gen.finish_reason, gen.error = "timeout", str(e)
                     break
                 if got is _END:
-                    gen.finish_reason, gen.error = "error", "the backend ended the request without a final event"
+                    if all(c.finish_reason is not None for c in gen.choices):
+                        gen.finish_reason = "done"
+                    else:
+                        gen.finish_reason, gen.error = "error", "the backend ended the request without a final event"
                     break
                 ev = cast(TokenEvent, got)
+                if not 0 <= ev.choice < len(gen.choices):
+                    gen.finish_reason, gen.error = "error", f"the backend sent an event for choice {ev.choice}"
+                    break
+                c = gen.choices[ev.choice]
+                if ev.prompt_logprobs is not None:
+                    gen.prompt_logprobs = tuple(ev.prompt_logprobs)
+                if ev.choice == 0 and gen.cached_tokens is None and (ev.new_token_ids or ev.finished):
+                    gen.cached_tokens = int(ev.num_cached_tokens)
+                if c.finish_reason is not None:  # e.g. the abort that follows a stop string
+                    continue
                 now = time.perf_counter()
                 new = list(ev.new_token_ids)
+                lps = list(ev.logprobs)
                 if new:
                     gen.t_first = gen.t_first or now
                     gen.t_last = now
-                    gen.ids.extend(new)
+                    c.ids.extend(new)
+                    c.logprobs.extend(lps)
                     self.metrics.tokens(len(new))
-                pending += detok.feed(new)
+                c.pending += c.detok.feed(new)
                 if ev.finished:
-                    pending += detok.flush()
-                cut = min((i for i in (pending.find(s) for s in stops) if i >= 0), default=-1)
+                    c.pending += c.detok.flush()
+                cut = min((i for i in (c.pending.find(s) for s in stops) if i >= 0), default=-1)
                 if cut >= 0:
-                    pending = pending[:cut]
-                    gen.finish_reason = "stop"
-                    await self.call(self.backend.abort, gen.rid)
+                    c.pending = c.pending[:cut]
+                    c.finish_reason = "stop"
+                    await self._abort_choice(gen, c.index)
                 elif ev.finished:
-                    gen.finish_reason, gen.error = ev.finish_reason or "stop", ev.error
-                out = pending if gen.finish_reason is not None or not hold else pending[: max(len(pending) - hold, 0)]
-                pending = pending[len(out) :]
-                gen.text += out
-                if out or new:
-                    yield out, new
+                    c.finish_reason, c.error = ev.finish_reason or "stop", ev.error
+                done = c.finish_reason is not None
+                out = c.pending if done or not hold else c.pending[: max(len(c.pending) - hold, 0)]
+                c.pending = c.pending[len(out) :]
+                c.text += out
+                if c.finish_reason in ("error", "timeout"):
+                    gen.finish_reason, gen.error = c.finish_reason, c.error
+                elif all(x.finish_reason is not None for x in gen.choices):
+                    gen.finish_reason = "done"
+                if out or new or done:
+                    yield _Piece(c.index, out, new, lps)
         finally:
             watcher.cancel()
-            if gen.finish_reason is None:  # cancelled (client gone) or failed: free the request's pages
-                gen.finish_reason = "abort"
+            if gen.finish_reason is None or any(c.finish_reason is None for c in gen.choices):
+                # cancelled (client gone) or failed: free the request's pages
+                if gen.finish_reason is None:
+                    gen.finish_reason = "abort"
                 with anyio.CancelScope(shield=True):
                     await self.call(self.backend.abort, gen.rid)
             self._log_done(gen)
@@ -202,32 +298,104 @@ class _Server:
         ttft = gen.t_first - gen.t0 if gen.t_first is not None else None
         n = len(gen.ids)
         tpot = (gen.t_last - gen.t_first) / (n - 1) if n > 1 and gen.t_last and gen.t_first else None
-        self.metrics.done(gen.finish_reason or "abort", ttft, tpot, end - gen.t0)
+        reasons = [c.finish_reason or "abort" for c in gen.choices]
+        overall = gen.finish_reason if gen.finish_reason in ("error", "timeout", "abort") else reasons[0]
+        self.metrics.done(overall or "abort", ttft, tpot, end - gen.t0)
         log.info(
-            "request %s: prompt=%d output=%d ttft=%s e2e=%.3fs finish=%s%s",
+            "request %s: prompt=%d output=%d ttft=%s e2e=%.3fs cached=%d%s finish=%s%s",
             gen.rid,
             len(gen.prompt_ids),
             n,
             f"{ttft:.3f}s" if ttft is not None else "-",
             end - gen.t0,
-            gen.finish_reason,
+            gen.cached_tokens or 0,
+            f" n={len(gen.choices)} ({sum(len(c.ids) for c in gen.choices)} tokens in all)"
+            if len(gen.choices) > 1
+            else "",
+            overall if len(reasons) == 1 or overall != reasons[0] else ",".join(reasons),
             f" error={gen.error}" if gen.error else "",
         )
 
     # ---- responses ----------------------------------------------------------------------
 
-    def _choice(self, gen: _Generation, text: str, ids: list[int], finish: str | None, final: bool) -> dict:
-        c: dict[str, Any] = {"index": 0}
-        if gen.g.kind == "completion":
-            c["text"] = text
-        elif final and not gen.g.stream:
-            c["message"] = {"role": "assistant", "content": text}
+    # ---- logprobs in the OpenAI shapes ------------------------------------------------------
+
+    def _token_str(self, t: int) -> str:
+        return self.tokenizer.decode([t])
+
+    def _completion_logprobs(
+        self, entries: list[TokenLogprobs | None], ids: list[int], offset: int
+    ) -> tuple[dict[str, Any], int]:
+        """The legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}; an entry None (the
+        first prompt token) has null logprob and top. The sampled token is always among top_logprobs."""
+        tokens, lps, tops, offs = [], [], [], []
+        for t, e in zip(ids, entries, strict=True):
+            s = self._token_str(t)
+            tokens.append(s)
+            offs.append(offset)
+            offset += len(s)
+            if e is None:
+                lps.append(None)
+                tops.append(None)
+                continue
+            lps.append(e.logprob)
+            top = {self._token_str(i): v for i, v in e.top}
+            top.setdefault(s, e.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}, offset
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs]) -> dict[str, Any]:
+        def one(t: int, v: float) -> dict[str, Any]:
+            return {"token": self._token_str(t), "logprob": v, "bytes": list(self.tokenizer.token_bytes(t))}
+
+        content = [one(e.token_id, e.logprob) | {"top_logprobs": [one(i, v) for i, v in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+
+    def _echo(self, gen: _Generation) -> tuple[str, list[int], list[TokenLogprobs | None]]:
+        text = gen.g.prompt_text if gen.g.prompt_text is not None else self.tokenizer.decode(gen.prompt_ids)
+        lps: list[TokenLogprobs | None] = [None, *(gen.prompt_logprobs or ())]
+        return text, gen.prompt_ids, lps
+
+    # ---- responses ----------------------------------------------------------------------
+
+    def _choice(
+        self, gen: _Generation, c: _Choice, text: str, ids: list[int], lps: list[TokenLogprobs], final: bool
+    ) -> dict:
+        """A choice object: the whole choice (final, not streamed) or one streamed piece of it."""
+        g = gen.g
+        finish = c.finish_reason if final or g.stream else None
+        if finish in ("error", "timeout"):
+            finish = None
+        out: dict[str, Any] = {"index": c.index}
+        logprobs: dict[str, Any] | None = None
+        if g.kind == "completion":
+            if g.echo_only:
+                text, ids, lps = "", [], []
+            first = not c.started
+            echo_text = ""
+            entries: list[TokenLogprobs | None] = list(lps)
+            tok_ids = list(ids)
+            if g.echo and first:
+                echo_text, p_ids, p_lps = self._echo(gen)
+                entries, tok_ids = p_lps + entries, p_ids + tok_ids
+            out["text"] = echo_text + text
+            if g.logprobs is not None:
+                if len(entries) != len(tok_ids):  # echo without prompt logprobs from the backend
+                    entries = [None] * (len(tok_ids) - len(entries)) + entries
+                logprobs, c.offset = self._completion_logprobs(entries, tok_ids, c.offset)
+        elif final and not g.stream:
+            out["message"] = {"role": "assistant", "content": text}
+            if g.logprobs is not None:
+                logprobs = self._chat_logprobs(lps)
         else:
-            c["delta"] = {"content": text} if text or finish is None else {}
-        c["logprobs"] = None
-        c["finish_reason"] = finish
-        c["token_ids"] = ids
-        return c
+            out["delta"] = {"content": text} if text or finish is None else {}
+            if g.logprobs is not None and lps:
+                logprobs = self._chat_logprobs(lps)
+        c.started = True
+        out["logprobs"] = logprobs
+        out["finish_reason"] = finish
+        out["token_ids"] = ids
+        return out
 
     def _envelope(self, gen: _Generation, choices: list[dict], chunk: bool) -> dict[str, Any]:
         obj = (
@@ -251,41 +419,47 @@ class _Server:
         err = self._error_of(gen)
         if err is not None:
             raise err
-        body = self._envelope(gen, [self._choice(gen, gen.text, gen.ids, gen.finish_reason, True)], False)
+        choices = [self._choice(gen, c, c.text, c.ids, c.logprobs, True) for c in gen.choices]
+        body = self._envelope(gen, choices, False)
         body["usage"] = gen.usage
         body["prompt_token_ids"] = gen.prompt_ids
         return JSONResponse(body)
 
     async def stream(self, request: Request, gen: _Generation) -> AsyncIterator[bytes]:
-        """SSE chunks; the chunk that ends the request carries finish_reason (an empty one if no text came)."""
+        """SSE chunks; the chunk that ends a choice carries its finish_reason (an empty one if no text came)."""
 
         def sse(obj: dict[str, Any]) -> bytes:
             return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
-        def chunk(text: str, ids: list[int], finish: str | None) -> dict[str, Any]:
-            return self._envelope(gen, [self._choice(gen, text, ids, finish, False)], True)
+        def chunk(c: _Choice, text: str, ids: list[int], lps: list[TokenLogprobs]) -> dict[str, Any]:
+            return self._envelope(gen, [self._choice(gen, c, text, ids, lps, False)], True)
 
         first = True
-        if gen.g.kind == "chat":  # OpenAI's first chat chunk: the role
-            head = chunk("", [], None)
-            head["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            head["prompt_token_ids"], first = gen.prompt_ids, False
-            yield sse(head)
-        finish_sent = False
-        async with contextlib.aclosing(self.run(request, gen)) as pieces:
-            async for text, ids in pieces:
-                finish = gen.finish_reason if gen.finish_reason not in ("error", "timeout") else None
-                c = chunk(text, ids, finish)
+        if gen.g.kind == "chat":  # OpenAI's first chat chunk of each choice: the role
+            for c in gen.choices:
+                head = self._envelope(gen, [{"index": c.index, "delta": {"role": "assistant", "content": ""}}], True)
+                head["choices"][0] |= {"logprobs": None, "finish_reason": None, "token_ids": []}
                 if first:
-                    c["prompt_token_ids"], first = gen.prompt_ids, False
-                finish_sent = finish is not None
-                yield sse(c)
+                    head["prompt_token_ids"], first = gen.prompt_ids, False
+                yield sse(head)
+        async with contextlib.aclosing(self.run(request, gen)) as pieces:
+            async for piece in pieces:
+                c = gen.choices[piece.index]
+                if c.finish_sent:
+                    continue
+                ch = chunk(c, piece.text, piece.ids, piece.logprobs)
+                if first:
+                    ch["prompt_token_ids"], first = gen.prompt_ids, False
+                c.finish_sent = ch["choices"][0]["finish_reason"] is not None
+                yield sse(ch)
         err = self._error_of(gen)
         if err is not None:
             yield sse(err.body())
         else:
-            if not finish_sent:
-                yield sse(chunk("", [], gen.finish_reason))
+            for c in gen.choices:
+                if not c.finish_sent:
+                    c.finish_reason = c.finish_reason or gen.finish_reason
+                    yield sse(chunk(c, "", [], []))
             if gen.g.include_usage:
                 tail = self._envelope(gen, [], True)
                 tail["usage"] = gen.usage
@@ -361,6 +535,32 @@ def create_app(
             "tokenizer": srv.tokenizer.name,
         }
         return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = parse_json_body(await request.body(), srv.guard.limits)
+        limit = await srv.call(backend.max_prompt_tokens)
+        if "messages" in body:
+            msgs = parse_chat({"messages": body["messages"]}).messages
+            assert msgs is not None
+            ids = srv.tokenizer.render_chat(msgs)
+        else:
+            p = body.get("prompt")
+            if not isinstance(p, str):
+                raise ApiError(400, f"'prompt' = {p!r} must be a string (or give 'messages')", param="prompt")
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise ApiError(400, f"'add_special_tokens' = {add!r} must be true or false", param="add_special_tokens")
+            ids = srv.tokenizer.encode(p, add)
+        return {"count": len(ids), "max_model_len": limit + 1, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = parse_json_body(await request.body(), srv.guard.limits)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ApiError(400, f"'tokens' = {ids!r} must be a list of token ids (integers >= 0)", param="tokens")
+        return {"prompt": srv.tokenizer.decode(ids)}
 
     async def generate(request: Request, kind: str) -> Response:
         gen = await srv.admit(request, kind)

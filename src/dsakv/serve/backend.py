@@ -4,6 +4,6 @@ The contract lives in dsakv.engine.backend so the disaggregated router (dsakv.di
 importing the serve layer above it.
 """
 
-from dsakv.engine.backend import FINISH_REASONS, GenerationBackend, TokenEvent
+from dsakv.engine.backend import FEATURES, FINISH_REASONS, GenerationBackend, TokenEvent
 
-__all__ = ["FINISH_REASONS", "GenerationBackend", "TokenEvent"]
+__all__ = ["FEATURES", "FINISH_REASONS", "GenerationBackend", "TokenEvent"]

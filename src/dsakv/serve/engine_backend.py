@@ -25,24 +25,35 @@ from typing import Any
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.errors import ConfigError
-from dsakv.serve.backend import TokenEvent
+from dsakv.serve.backend import FEATURES, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
 def _event(out: RequestOutput) -> TokenEvent:
     reason = str(out.finish_reason) if out.finish_reason is not None else None
-    return TokenEvent(tuple(out.new_token_ids), bool(out.finished), reason if out.finished else None, out.error)
+    return TokenEvent(
+        tuple(out.new_token_ids),
+        bool(out.finished),
+        reason if out.finished else None,
+        out.error,
+        tuple(out.new_logprobs),
+        out.prompt_logprobs,
+        out.choice_index,
+        out.num_cached_tokens,
+    )
 
 
 class EngineBackend:
     """GenerationBackend over one in-process Engine (see module docstring)."""
 
     name = "colocated"
+    features = frozenset(FEATURES)
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._queues: dict[str, queue.SimpleQueue[TokenEvent]] = {}
+        self._choices: dict[str, list[str]] = {}  # request id -> the engine ids of its n choices
         self._qlock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -81,43 +92,68 @@ class EngineBackend:
         with self._qlock:
             if request_id in self._queues:
                 raise ConfigError(f"request id {request_id!r} is already in flight: give each request a unique id")
-            self._queues[request_id] = queue.SimpleQueue()
+            q: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+            ids = [request_id] + [f"{request_id}/{i}" for i in range(1, params.n)]  # Engine's names for choices
+            for rid in ids:
+                self._queues[rid] = q
+            self._choices[request_id] = ids
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id)
         except BaseException:
             with self._qlock:
-                self._queues.pop(request_id, None)
+                for rid in self._choices.pop(request_id, [request_id]):
+                    self._queues.pop(rid, None)
             raise
         self._wake.set()
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
         with self._qlock:
             q = self._queues.get(request_id)
+            ids = self._choices.get(request_id, [request_id])
         if q is None:
             raise KeyError(f"unknown request id {request_id!r}: submit() it first")
-        finished = False
+        done: set[int] = set()
         try:
-            while True:
+            while len(done) < len(ids):
                 try:
                     ev = q.get(timeout=timeout)
                 except queue.Empty:
                     raise TimeoutError(
                         f"request {request_id}: no token within {timeout:g} s (engine busy or stalled)"
                     ) from None
-                finished = ev.finished
+                if ev.choice in done:
+                    continue  # e.g. the engine's copy of an abort already reported
+                if ev.finished:
+                    done.add(ev.choice)
                 yield ev
-                if finished:
-                    return
         finally:
             with self._qlock:
-                self._queues.pop(request_id, None)
-            if not finished:  # the reader gave up (timeout, closed iterator): free the request's pages
-                self.engine.abort(request_id)
+                for rid in ids:
+                    self._queues.pop(rid, None)
+                self._choices.pop(request_id, None)
+            if len(done) < len(ids):  # the reader gave up (timeout, closed iterator): free the request's pages
+                for i, rid in enumerate(ids):
+                    if i not in done:
+                        self.engine.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        out = self.engine.abort(request_id)
-        if out is not None:
-            self._put(out)  # the final 'abort' event now; the copy step() reports later finds no queue
+        """Abort a request (all its choices), or one choice by its engine id '<id>/<i>'."""
+        with self._qlock:
+            ids = self._choices.get(request_id, [request_id])
+        for rid in ids:
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._put(out)  # the final 'abort' event now; the copy step() reports later is skipped
+        self._wake.set()
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Abort choice `index` of a request only (its stop string matched); the others go on."""
+        with self._qlock:
+            ids = self._choices.get(request_id, [request_id])
+        if 0 <= index < len(ids):
+            out = self.engine.abort(ids[index])
+            if out is not None:
+                self._put(out)
         self._wake.set()
 
     # ---- state -----------------------------------------------------------------------
@@ -212,6 +248,7 @@ class EngineBackend:
         self._fatal = message
         with self._qlock:
             ids = list(self._queues)
+            choice = {rid: i for v in self._choices.values() for i, rid in enumerate(v)}
         for rid in ids:
             try:
                 self.engine.abort(rid)
@@ -220,7 +257,7 @@ class EngineBackend:
             with self._qlock:
                 q = self._queues.get(rid)
             if q is not None:
-                q.put(TokenEvent((), True, "error", f"engine step failed: {message}"))
+                q.put(TokenEvent((), True, "error", f"engine step failed: {message}", choice=choice.get(rid, 0)))
 
 
 __all__ = ["EngineBackend"]

@@ -9,14 +9,20 @@ Accepted (completions `/v1/completions`, chat `/v1/chat/completions`):
     temperature      number >= 0, default 1.0 (0 = greedy)
     top_p            number in (0, 1], default 1
     top_k            extension: int >= 1; null, 0 or -1 = off
-    seed             int in [0, 2**63) or null
-    n                1 only;  best_of: null or 1
+    seed             int in [0, 2**63) or null (choice i of n samples with seed + i)
+    n                1..64 choices (they share the prompt's pages);  best_of: null or equal to n
     stop             null, a string or a list of up to 4 non-empty strings (matched on the output text)
     stop_token_ids   extension: list of token ids that end generation (included in the output)
     ignore_eos       extension: bool
+    presence_penalty, frequency_penalty   numbers in [-2, 2];  repetition_penalty (extension): (0, 100]
+    min_tokens       extension: int in [0, max_tokens] (eos and stop_token_ids masked until then)
+    logit_bias       {"token id": bias in [-100, 100]}
+    logprobs         completions: int 0..20 (top alternatives per token); chat: bool, with top_logprobs 0..20
+    echo             completions: bool, the prompt (and with logprobs its prompt logprobs) before the text;
+                     max_tokens 0 is allowed with echo (one token is generated and dropped; not streamed)
     stream           bool;  stream_options: {"include_usage": bool}
-    echo, suffix, logprobs (completions) / logprobs, top_logprobs, tools (chat), presence/frequency_penalty != 0,
-    logit_bias: rejected with 400 (unsupported). Other fields (e.g. `user`) are ignored.
+    suffix, more than one prompt, tools (chat), response_format other than text: rejected with 400.
+    Other fields (e.g. `user`) are ignored.
 
 Imports the standard library, dsakv.errors and dsakv.engine.request (no torch).
 """
@@ -28,13 +34,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsakv.engine.request import SamplingParams
+from dsakv.engine.request import MAX_LOGPROBS, SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.serve.tokenizer import CHAT_ROLES
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 4
+MAX_N = 64
 
 
 class ApiError(Exception):
@@ -78,6 +85,9 @@ class GenRequest:
     include_usage: bool = False
     model: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    echo: bool = False  # completions: the prompt (and its logprobs) before each choice's text
+    logprobs: int | None = None  # completions' logprobs / chat's top_logprobs (0 with logprobs: true); None: off
+    echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -125,12 +135,19 @@ def _reject(body: dict[str, Any], name: str, ok: Any, what: str) -> None:
         raise bad(f"'{name}' = {v!r} is not supported by this server ({what})", name, code="unsupported_parameter")
 
 
-def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> tuple[SamplingParams, tuple[str, ...]]:
+def _sampling(
+    body: dict[str, Any],
+    max_tokens_names: tuple[str, ...],
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    min_max_tokens: int = 1,
+) -> tuple[SamplingParams, tuple[str, ...]]:
     max_tokens = DEFAULT_MAX_TOKENS
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens = _int(body, name, DEFAULT_MAX_TOKENS, minimum=1)
+            max_tokens = _int(body, name, DEFAULT_MAX_TOKENS, minimum=min_max_tokens)
             break
+    max_tokens = max(max_tokens, 1)  # echo with max_tokens 0: one token is generated and dropped
     temperature = body.get("temperature")
     if temperature is None:
         temperature = DEFAULT_TEMPERATURE
@@ -147,21 +164,39 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> tuple[
     if top_k is not None and top_k < 1:
         top_k = None
     seed = _int(body, "seed", None, minimum=0, maximum=2**63 - 1)
-    n = _int(body, "n", 1, minimum=1)
-    if n != 1:
-        raise bad(f"'n' = {n} is not supported: this server returns one choice per request (n = 1)", "n")
-    best_of = _int(body, "best_of", 1, minimum=1)
-    if best_of != 1:
-        raise bad(f"'best_of' = {best_of} is not supported (only 1)", "best_of", code="unsupported_parameter")
+    n = _int(body, "n", 1, minimum=1, maximum=MAX_N)
+    best_of = _int(body, "best_of", None, minimum=1, maximum=MAX_N)
+    if best_of is not None and best_of != n:
+        raise bad(
+            f"'best_of' = {best_of} is not supported unless it equals n = {n} (every choice is returned)",
+            "best_of",
+            code="unsupported_parameter",
+        )
+    pens = {}
     for pen in ("presence_penalty", "frequency_penalty"):
         v = body.get(pen)
         if v is not None and (not _is_num(v) or not -2 <= v <= 2):
             raise bad(f"'{pen}' = {v!r} must be a number in [-2, 2]", pen)
-        if v:
-            raise bad(f"'{pen}' = {v!r} is not supported (only 0)", pen, code="unsupported_parameter")
+        pens[pen] = float(v or 0.0)
+    rp = body.get("repetition_penalty")
+    if rp is not None and (not _is_num(rp) or not 0 < rp <= 100):
+        raise bad(f"'repetition_penalty' = {rp!r} must be a number in (0, 100] (1 = off)", "repetition_penalty")
+    min_tokens = _int(body, "min_tokens", 0, minimum=0, maximum=max_tokens)
     lb = body.get("logit_bias")
-    if lb not in (None, {}):
-        raise bad("'logit_bias' is not supported by this server", "logit_bias", code="unsupported_parameter")
+    bias: dict[int, float] = {}
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad(f"'logit_bias' = {lb!r} must be an object mapping token ids to biases", "logit_bias")
+        for k, v in lb.items():
+            try:
+                t = int(k)
+            except (TypeError, ValueError):
+                t = -1
+            if t < 0 or str(t) != str(k).strip():
+                raise bad(f"'logit_bias' key {k!r} must be a token id (a non-negative integer)", "logit_bias")
+            if not _is_num(v) or not -100 <= v <= 100:
+                raise bad(f"'logit_bias[{k}]' = {v!r} must be a number in [-100, 100]", "logit_bias")
+            bias[t] = float(v)
     stop = body.get("stop")
     if stop is None:
         stops: tuple[str, ...] = ()
@@ -190,6 +225,14 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> tuple[
             seed=seed,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=ignore_eos,
+            presence_penalty=pens["presence_penalty"],
+            frequency_penalty=pens["frequency_penalty"],
+            repetition_penalty=float(rp) if rp is not None else 1.0,
+            min_tokens=min_tokens,
+            logit_bias=tuple(bias.items()),
+            n=n,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ConfigError as e:
         raise bad(str(e)) from None
@@ -246,12 +289,36 @@ def parse_completion(body: dict[str, Any]) -> GenRequest:
             raise bad(
                 f"'prompt' must be a string or a list of token ids (integers), got {json.dumps(p)[:80]}", "prompt"
             )
-    _reject(body, "echo", (False,), "echo of the prompt")
     _reject(body, "suffix", ("",), "suffix")
-    _reject(body, "logprobs", (0,), "logprobs")
-    params, stops = _sampling(body, ("max_tokens",))
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise bad(f"'echo' = {echo!r} must be true or false", "echo")
+    lp = _int(body, "logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    zero = body.get("max_tokens") == 0
+    if zero and not echo:
+        raise bad("'max_tokens' = 0 must be an integer >= 1 (0 only with \"echo\": true)", "max_tokens")
+    if zero and body.get("stream"):
+        raise bad("'max_tokens' = 0 (echo only) cannot be streamed", "max_tokens")
+    params, stops = _sampling(
+        body, ("max_tokens",), lp, lp if echo and lp is not None else None, min_max_tokens=0 if echo else 1
+    )
     stream, include_usage = _stream(body)
-    return GenRequest("completion", text, ids, None, params, stops, stream, include_usage, _model(body))
+    return GenRequest(
+        "completion",
+        text,
+        ids,
+        None,
+        params,
+        stops,
+        stream,
+        include_usage,
+        _model(body),
+        echo=echo,
+        logprobs=lp,
+        echo_only=zero,
+    )
 
 
 def _content(m: dict[str, Any], i: int) -> str:
@@ -290,16 +357,23 @@ def parse_chat(body: dict[str, Any]) -> GenRequest:
         if role not in CHAT_ROLES:
             raise bad(f"'messages[{i}].role' = {role!r} must be one of {', '.join(CHAT_ROLES)}", f"messages[{i}].role")
         out.append({"role": role, "content": _content(m, i)})
-    _reject(body, "logprobs", (False,), "logprobs")
-    _reject(body, "top_logprobs", (0,), "logprobs")
+    want = body.get("logprobs", False)
+    if want is None:
+        want = False
+    if not isinstance(want, bool):
+        raise bad(f"'logprobs' = {want!r} must be true or false (chat; top_logprobs gives the count)", "logprobs")
+    top = _int(body, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if top is not None and not want:
+        raise bad("'top_logprobs' needs \"logprobs\": true", "top_logprobs")
     if body.get("tools"):
         raise bad("'tools' is not supported by this server", "tools", code="unsupported_parameter")
     rf = body.get("response_format")
     if rf is not None and rf != {"type": "text"}:
         raise bad('\'response_format\' other than {"type": "text"} is not supported', "response_format")
-    params, stops = _sampling(body, ("max_completion_tokens", "max_tokens"))
+    lp = (top or 0) if want else None
+    params, stops = _sampling(body, ("max_completion_tokens", "max_tokens"), lp)
     stream, include_usage = _stream(body)
-    return GenRequest("chat", None, None, out, params, stops, stream, include_usage, _model(body))
+    return GenRequest("chat", None, None, out, params, stops, stream, include_usage, _model(body), logprobs=lp)
 
 
 __all__ = ["ApiError", "DEFAULT_MAX_TOKENS", "GenRequest", "bad", "parse_chat", "parse_completion", "parse_json"]

@@ -6,13 +6,17 @@ back to bytes (invalid UTF-8 becomes U+FFFD) and renders every other id as `<|id
 
     "hi" -> [106, 107]          [106, 107, 1, 300] -> "hi<|1|><|300|>"
 
+`dsakv make-tiny` writes a real byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json with a chat
+template; same ids for bytes, see dsakv.model.tiny.tiny_tokenizer), which load_tokenizer picks up.
+
 Chat messages are rendered with the checkpoint's chat template when it has one, else with this template
 (then encoded as above):
 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 `Detokenizer` turns a stream of new ids into text deltas (never splitting a UTF-8 character).
-Imports the standard library (transformers only inside load_tokenizer); must not import torch, engine or disagg.
+Imports the standard library and dsakv.util (transformers only inside load_tokenizer); must not import torch,
+engine or disagg.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from dsakv.util import byte_symbols
+
 log = logging.getLogger(__name__)
 
 BYTE_OFFSET = 2  # byte b <-> token id b + BYTE_OFFSET
@@ -32,9 +38,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 class Tokenizer(Protocol):
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for (for logprobs' `bytes`; a piece of a character is not UTF-8)."""
+        ...
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]: ...
 
@@ -68,8 +78,13 @@ class ByteTokenizer:
                 "send prompts as token-id lists"
             )
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if BYTE_OFFSET <= token_id < 256 + BYTE_OFFSET:
+            return bytes([token_id - BYTE_OFFSET])
+        return f"<|{token_id}|>".encode()
 
     def decode(self, ids: Sequence[int]) -> str:
         d = self.detokenizer()
@@ -109,9 +124,29 @@ class HFTokenizer:
     def __init__(self, tok: Any, name: str) -> None:
         self.tok = tok
         self.name = name
+        self._bytes: dict[int, bytes] = {}
+        # byte-level BPE (GPT-2 style) tokens spell their bytes with printable stand-ins: invert that map
+        self._byte_of = {c: b for b, c in enumerate(byte_symbols())}
+        self._special = set(getattr(tok, "all_special_ids", ()) or ())
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        got = self._bytes.get(token_id)
+        if got is None:
+            piece = self.tok.convert_ids_to_tokens(int(token_id))
+            if (
+                isinstance(piece, str)
+                and piece
+                and token_id not in self._special
+                and all(c in self._byte_of for c in piece)
+            ):
+                got = bytes(self._byte_of[c] for c in piece)
+            else:
+                got = self.decode([token_id]).encode("utf-8")
+            self._bytes[token_id] = got
+        return got
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=False))
