@@ -123,6 +123,11 @@ CASES = [
     ("generate --model {tiny} --prompt-ids a,b", "--prompt-ids 'a,b' must be comma-separated token ids"),
     ("plan {badutf} --kv-budget 1GiB", "is not valid JSON"),
     ("plan glm-5.2 --kv-budget 1GiB --mem-fraction nan", "--mem-fraction nan must be in (0, 1]"),
+    (
+        "serve --role prefill --model {tiny} --port 9200 --pp-size 2 --hicache-ratio 2 --hicache-storage mooncake "
+        "--mooncake-master 127.0.0.1:50051",
+        "--hicache-storage mooncake with --pp-size 2: only a single-stage prefill can use the storage tier",
+    ),
 ]
 
 

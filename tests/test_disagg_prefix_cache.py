@@ -208,6 +208,18 @@ def test_prefill_role_prefix_cache_options():
         "hicache_layout": "page_first",
         "hicache_write_policy": "write_back",
         "hicache_selective_threshold": 2,
+        "hicache_storage": None,
     }
     with pytest.raises(ConfigError, match="--role prefill does not support --hicache-disk-dir"):
         _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_ratio": 0.5, "hicache_disk_dir": "/tmp/x"}))
+    # the shared storage tier: on a single-stage prefill only (its StorageConfig, as a colocated server gets it)
+    mc = {"hicache_storage": "mooncake", "mooncake_master": "127.0.0.1:50051", "mooncake_metadata": None}
+    mc |= {"mooncake_segment_size": "0", "mooncake_protocol": "tcp", "mooncake_device_names": ""}
+    mc |= {"host": "127.0.0.1", "hicache_storage_timeout": 1.5, "hicache_ratio": 2.0}
+    kw = _prefill_prefix_cache(argparse.Namespace(**{**base, **mc, "pp_size": 1}))
+    sc = kw["hicache_storage"]
+    assert (sc.backend, sc.master, sc.segment_bytes, sc.timeout) == ("mooncake", "127.0.0.1:50051", 0, 1.5)
+    with pytest.raises(ConfigError, match=r"^--hicache-storage mooncake with --pp-size 2: .* use --pp-size 1 or drop"):
+        _prefill_prefix_cache(argparse.Namespace(**{**base, **mc, "pp_size": 2}))
+    with pytest.raises(ConfigError, match="--role prefill does not support --hicache-storage file"):
+        _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_storage": "file", "pp_size": 1}))

@@ -41,6 +41,11 @@ SP = SamplingParams(max_new_tokens=3)
 @pytest.fixture(scope="module")
 def store() -> Iterator[str]:
     """A `dsakv store-master` process on loopback; yields its --mooncake-master address."""
+    yield from store_master()
+
+
+def store_master() -> Iterator[str]:
+    """Start `dsakv store-master` (128 MiB, loopback), yield its address, stop it (other modules' fixtures too)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsakv", "store-master", "--port", str(port), "--size", "128MiB"],

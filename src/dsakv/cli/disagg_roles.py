@@ -191,29 +191,36 @@ def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
     return rc
 
 
+def _disk_refusal(flags: list[str]) -> str:
+    return (
+        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
+        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
+        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
+    )
+
+
 def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
     """PrefillConfig keywords for the tree's cache branch, from argv (see prefill_cache_options)."""
-    return prefill_cache_options(options.cache_config(args))
+    if getattr(args, "hicache_storage", None) == "file":  # the file tier is the local disk tier
+        raise ConfigError(_disk_refusal(["--hicache-storage file"]))
+    return prefill_cache_options(options.cache_config(args), int(getattr(args, "pp_size", 1) or 1))
 
 
-def prefill_cache_options(cache: CacheConfig) -> dict[str, Any]:
-    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage) and the host
+def prefill_cache_options(cache: CacheConfig, pp_size: int = 1) -> dict[str, Any]:
+    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage), the host
     tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy, --hicache-selective-threshold:
-    stage 0's page copies are replayed on every stage). The disk tier is refused."""
+    stage 0's page copies are replayed on every stage) and, with --pp-size 1 only, the shared storage tier
+    (--hicache-storage mooncake --mooncake-master HOST:PORT, on stage 0's HiCache as on a colocated server).
+    The local disk tier is refused."""
     disk = [
         flag
-        for flag, val in (
-            ("--hicache-disk-dir", cache.disk_dir),
-            ("--hicache-disk-size", cache.disk_size),
-            ("--hicache-storage", cache.storage),
-        )
+        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
         if val is not None
     ]
     if disk:
-        raise ConfigError(
-            f"--role prefill does not support {', '.join(disk)} (the disk tier of the prefix cache) yet: "
-            "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier)"
-        )
+        raise ConfigError(_disk_refusal(disk))
+    if cache.storage is not None and pp_size > 1:
+        raise ConfigError(options.storage_pp_error(cache.storage.backend, pp_size))
     return {
         "prefix_cache": cache.prefix_cache,
         "hicache_ratio": cache.hicache_ratio,
@@ -221,6 +228,7 @@ def prefill_cache_options(cache: CacheConfig) -> dict[str, Any]:
         "hicache_layout": cache.layout,
         "hicache_write_policy": cache.write_policy,
         "hicache_selective_threshold": cache.selective_threshold,
+        "hicache_storage": cache.storage,
     }
 
 
@@ -254,12 +262,12 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
         rpc_timeout=cfg.transfer.rpc_timeout,
         decode=tuple(args.decode),
         debug_transfer_delay=cfg.transfer.debug_transfer_delay,
-        **prefill_cache_options(eng.cache),
+        **prefill_cache_options(eng.cache, pipe.pp_size),
     )
 
 
 def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
-    prefill_cache_options(cfg.engine.cache)  # refuse the disk tier before starting anything
+    prefill_cache_options(cfg.engine.cache, cfg.pipeline.pp_size)  # refuse the disk tier before starting anything
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
         return _launch_stages(args, cfg.pipeline.pp_size)
     from dsakv.disagg.prefill_worker import PrefillStage

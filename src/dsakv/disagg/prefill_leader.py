@@ -105,6 +105,7 @@ class PipelineLeader:
             hicache_layout=cfg.hicache_layout,
             hicache_write_policy=cfg.hicache_write_policy,
             hicache_selective_threshold=cfg.hicache_selective_threshold,
+            hicache_storage=cfg.hicache_storage,  # pp_size 1 only (PrefillConfig refuses more)
             runner=self._runner,
         )
         self.engine.on_schedule = self._on_schedule

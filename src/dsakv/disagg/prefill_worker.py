@@ -16,7 +16,8 @@ stage), and the StageContext they share (config, layer range, StageGroup, the re
 
 Stage 0's Engine decides page ids for every stage (all stage pools have the same page count); later stages
 mirror the books (PageMirror). Prefix cache (cfg.prefix_cache, device only, or with a host tier:
-cfg.hicache_ratio / hicache_size): stage 0's Engine runs a HiCache; a hit reuses page ids every stage wrote
+cfg.hicache_ratio / hicache_size; with pp_size 1 also the shared storage tier, cfg.hicache_storage): stage 0's
+Engine runs a HiCache; a hit reuses page ids every stage wrote
 in an earlier step (steps reach every stage in order, and a cached page is never reallocated while cached),
 so each stage computes only the rest and still transfers every prompt page. Stage 0 sends the cache's page
 set with a step/tick whenever it changes, and every host-tier copy its HiCache made (an observer), which

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dsakv.cache.hicache import HiCacheConfig
+from dsakv.cache.storage.base import StorageConfig
 from dsakv.disagg.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.messages import JobSpec
 from dsakv.disagg.stage_comm import StageGroup, default_dist_port
@@ -93,6 +94,8 @@ class PrefillConfig:
     hicache_layout: str = "layer_first"
     hicache_write_policy: str = "write_through"
     hicache_selective_threshold: int = 2
+    # storage (L3) tier: a shared Mooncake Store on stage 0's HiCache (pp_size 1 only; needs the host tier)
+    hicache_storage: StorageConfig | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -105,10 +108,15 @@ class PrefillConfig:
             )
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"--num-pages {self.num_pages} must be >= 1")
+        if self.hicache_storage is not None and self.pp_size > 1:
+            raise ConfigError(
+                f"hicache_storage ({self.hicache_storage.backend}) with pp_size {self.pp_size}: only a single-stage "
+                "prefill has a storage tier (later stages would need their own L3 loads); use pp_size 1"
+            )
 
     @property
     def cache_enabled(self) -> bool:
-        return self.prefix_cache or self.host_tier
+        return self.prefix_cache or self.host_tier or self.hicache_storage is not None
 
     @property
     def host_tier(self) -> bool:
