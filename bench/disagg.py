@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,23 +27,17 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import torch  # noqa: E402
 
+from dsakv.cli import options  # noqa: E402
 from dsakv.disagg.messages import Health, fetch_health  # noqa: E402
 from dsakv.disagg.router import RouterBackend, RouterConfig  # noqa: E402
 from dsakv.disagg.rpc import RpcError  # noqa: E402
+from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports  # noqa: E402
 
 PAGE_SIZE = 16
-
-
-def _port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 8 < 65535:
-            return p
 
 
 def _health(addr: str) -> Health | None:
@@ -71,29 +62,23 @@ def main() -> int:
     prompts = [[rng.randrange(2, 512) for _ in range(rng.randint(3, 90))] for _ in range(args.requests)]
     params = [SamplingParams(max_new_tokens=rng.randint(1, 8), ignore_eos=True) for _ in range(args.requests)]
 
-    eng = Engine(model, page_size=PAGE_SIZE, num_pages=args.pages)
+    eng = Engine(model, EngineConfig(layout=LayoutConfig(page_size=PAGE_SIZE), pool=PoolConfig(num_pages=args.pages)))
     t0 = time.perf_counter()
     ref = eng.generate(prompts, params)
     colo = time.perf_counter() - t0
 
     part = [int(x) for x in args.partition.split(",")]
-    dport, pport = _port(), _port()
-    common = ["--model", str(model), "--transfer-backend", args.backend, "--page-size", str(PAGE_SIZE)]
-    common += ["--num-pages", str(args.pages)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "dsakv", "serve", "--role", "decode", "--port", str(dport), *common],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    ]
+    dport, pport = free_ports(1), free_ports(len(part) + 1)  # stage k on pport + k, gloo on pport + pp_size
+    cfg = EngineConfig(layout=LayoutConfig(page_size=PAGE_SIZE), pool=PoolConfig(num_pages=args.pages))
+    common = ["--model", str(model), "--transfer-backend", args.backend, *options.engine_argv(cfg)]
+    env = dict(os.environ)  # as a user's shell would start them
+    procs = [Proc("decode", dsakv_cmd("serve", "--role", "decode", "--port", str(dport), *common), env=env, quiet=True)]
     for k in range(len(part)):
-        cmd = [sys.executable, "-m", "dsakv", "serve", "--role", "prefill", "--port", str(pport), *common]
+        cmd = dsakv_cmd("serve", "--role", "prefill", "--port", str(pport), *common)
         cmd += ["--pp-size", str(len(part)), "--pp-partition", args.partition, "--pp-rank", str(k)]
-        procs.append(
-            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        )
+        procs.append(Proc(f"prefill stage {k}", cmd, env=env, quiet=True))
+    for p in procs:
+        p.start()
     decode, prefill = f"127.0.0.1:{dport}", f"127.0.0.1:{pport}"
     try:
         end = time.monotonic() + 180
@@ -121,10 +106,7 @@ def main() -> int:
         router.stop()
     finally:
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            p.kill()
     ntok = sum(len(o) for o in ref)
     q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else [0.0] * 99
     print(f"workload: {args.requests} requests, {sum(map(len, prompts))} prompt tokens, {ntok} generated (greedy)")

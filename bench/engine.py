@@ -31,18 +31,21 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from dsakv.cli import options
+from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.plan.units import parse_size
-from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS
 
 log = logging.getLogger("bench.engine")
+BENCH_LAYOUT = LayoutConfig(kv_format="fp8-656", index_format="fp8-132", page_size=64)
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -59,16 +62,12 @@ def make_engine(
     formats: tuple[str, str] | None = None,
 ) -> Engine:
     kv, ix = formats or (args.kv_format, args.index_format)
-    return Engine(
-        model,
-        elide=elide,
-        kv_format=kv,
-        index_format=ix,
-        page_size=args.page_size,
-        max_tokens=batch * (tokens_per_seq + args.page_size),
-        max_batch_tokens=args.max_batch_tokens,
-        max_running_requests=min(64, args.max_batch_tokens),
+    cfg = EngineConfig(
+        layout=replace(options.layout_config(args), elide=elide, kv_format=kv, index_format=ix),
+        pool=PoolConfig(max_tokens=batch * (tokens_per_seq + args.page_size)),
+        scheduler=SchedulerConfig(args.max_batch_tokens, max_running_requests=min(64, args.max_batch_tokens)),
     )
+    return Engine(model, cfg)
 
 
 def prefill_tps(model: tuple, elide: bool, batch: int, args: argparse.Namespace) -> float:
@@ -245,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: make a tiny one in a temp dir)")
     ap.add_argument("--arch", default="glm_moe_dsa", choices=("glm_moe_dsa", "deepseek_v32"))
-    ap.add_argument("--kv-format", choices=KV_FORMATS, default="fp8-656")
-    ap.add_argument("--index-format", choices=INDEX_FORMATS, default="fp8-132")
-    ap.add_argument("--page-size", type=int, default=64)
+    options.add_layout_arguments(ap, BENCH_LAYOUT, elide=False)  # both elision settings run
     ap.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefill prompt length (default 256)")
     ap.add_argument("--decode-prompt-len", type=int, default=64, help="decode prompts' length (default 64)")

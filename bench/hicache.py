@@ -31,6 +31,7 @@ import argparse
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,8 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.host_pool import HOST_LAYOUTS, make_host_pool
-from dsakv.spec.layout import KVLayout
+from dsakv.cli import options
+from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
 from dsakv.spec.presets import load_spec
 
 
@@ -58,7 +60,7 @@ def _best(fn, repeat: int) -> float:
 def transfer(args: argparse.Namespace) -> None:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     spec = load_spec(args.model)
-    layout = KVLayout(spec, kv_format=args.kv_format, index_format=args.index_format, page_size=args.page_size)
+    layout = options.layout_config(args).layout(spec)
     pool = DevicePool(layout, args.pages, device=dev)
     for key in pool.keys:
         pool.tensor(key).random_(0, 256)
@@ -122,12 +124,12 @@ def workload(args: argparse.Namespace) -> None:
     system = rng.integers(2, 500, args.system_tokens).tolist()
     rounds = _workload(args.sessions, args.turns, args.system_tokens, args.user_tokens, args.seed + 1)
     sp = SamplingParams(max_new_tokens=args.new_tokens)
-    configs: list[tuple[str, dict[str, object]]] = [
-        ("cache off", {}),
-        ("device prefix cache", {"enable_prefix_cache": True}),
+    configs: list[tuple[str, CacheConfig]] = [
+        ("cache off", CacheConfig()),
+        ("device prefix cache", CacheConfig(prefix_cache=True)),
         (
             f"host tier x{args.hicache_ratio:g} {args.policy}",
-            {"enable_prefix_cache": True, "hicache_ratio": args.hicache_ratio, "hicache_write_policy": args.policy},
+            CacheConfig(prefix_cache=True, hicache_ratio=args.hicache_ratio, write_policy=args.policy),
         ),
     ]
     print(
@@ -137,15 +139,11 @@ def workload(args: argparse.Namespace) -> None:
     )
     base_ttft = None
     ref_outputs = None
-    for label, kw in configs:
-        eng = Engine(
-            (spec, model),
-            page_size=args.page_size,
-            max_tokens=args.device_tokens,
-            kv_format=args.kv_format,
-            index_format=args.index_format,
-            **kw,  # type: ignore[arg-type]
+    for label, cache in configs:
+        cfg = EngineConfig(
+            layout=options.layout_config(args), pool=PoolConfig(max_tokens=args.device_tokens), cache=cache
         )
+        eng = Engine((spec, model), cfg)
         eng.generate([system[:8] + [3]], SamplingParams(max_new_tokens=1))  # warm-up (not cached: 9 tokens)
         history = [list(system) for _ in range(args.sessions)]
         ttfts, outputs = [], []
@@ -199,7 +197,7 @@ def l3(args: argparse.Namespace) -> None:
     from dsakv.cache.storage.master import MasterProcess, StoreHolder
 
     spec = load_spec(args.model)
-    layout = KVLayout(spec, kv_format=args.kv_format, index_format=args.index_format, page_size=args.page_size)
+    layout = options.layout_config(args).layout(spec)
     n = args.l3_pages
     nbytes = n * layout.bytes_per_page
     master = MasterProcess().start()
@@ -267,13 +265,15 @@ def _l3_ttft(args: argparse.Namespace, cfg: object) -> None:
         rng = np.random.default_rng(args.seed + 7)
         prompts = [rng.integers(2, 500, args.l3_prompt_tokens).tolist() for _ in range(args.repeat)]
         sp = SamplingParams(max_new_tokens=1)
-        kw: dict[str, object] = dict(page_size=16, max_tokens=args.l3_prompt_tokens + 64)
-        store_kw = dict(kw, hicache_ratio=2.0, hicache_storage=cfg)
-        a = Engine(ckpt, **store_kw)  # type: ignore[arg-type]
+        plain_cfg = EngineConfig(
+            layout=LayoutConfig(page_size=16), pool=PoolConfig(max_tokens=args.l3_prompt_tokens + 64)
+        )
+        store_cfg = replace(plain_cfg, cache=CacheConfig(hicache_ratio=2.0, storage=cfg))  # type: ignore[arg-type]
+        a = Engine(ckpt, store_cfg)
         for p in prompts:
             a.generate([p], sp)
-        b = Engine(ckpt, **store_kw)  # type: ignore[arg-type]
-        plain = Engine(ckpt, **kw)  # type: ignore[arg-type]
+        b = Engine(ckpt, store_cfg)
+        plain = Engine(ckpt, plain_cfg)
         plain.generate([prompts[0][:32]], sp)  # warm up
         t_hit, t_cold = [], []
         for p in prompts:

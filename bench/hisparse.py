@@ -23,6 +23,7 @@ import torch
 from dsakv.cache.hisparse import HiSparsePool
 from dsakv.plan import Deployment, fmt_bytes, parse_size, plan
 from dsakv.spec import KVLayout, load_spec
+from dsakv.util import ceil_div
 
 
 def capacity(args: argparse.Namespace) -> None:
@@ -64,7 +65,7 @@ def swap_bench(args: argparse.Namespace) -> None:
     spec = load_spec(args.model)
     layout = KVLayout(spec, layer_start=2, layer_end=6, page_size=64)  # producer 2 and shared 3, 4, 5
     page = layout.page_size
-    pages_per_req = -(-args.context // page)
+    pages_per_req = ceil_div(args.context, page)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pool = HiSparsePool(layout, pages_per_req * args.requests, args.buffer, args.requests, device, pin_memory=True)
     for r in range(args.requests):

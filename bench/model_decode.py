@@ -19,10 +19,11 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.util import ceil_div
 
 
 def decode_ms(model, layout, ctx: int, steps: int) -> float:
-    pool = DevicePool(layout, -(-(ctx + steps) // layout.page_size) + 1)
+    pool = DevicePool(layout, ceil_div(ctx + steps, layout.page_size) + 1)
     slots = torch.arange(ctx + steps)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, model.spec.vocab_size, (ctx,), generator=g)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from dsakv.engine.engine import Engine
+from dsakv.engine.mtp_fit import FIT_NEW_TOKENS, fit_mtp, fit_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_draft, load_model
-from dsakv.model.mtp_fit import FIT_NEW_TOKENS, fit_mtp, fit_prompts
 from dsakv.model.tiny import make_tiny
 
 

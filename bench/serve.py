@@ -26,22 +26,23 @@ import os
 import random
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from dsakv.cli import options
+from dsakv.engine.config import LayoutConfig
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.plan.units import fmt_bytes, parse_size
-from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS, KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -173,22 +174,13 @@ async def drive(url: str, w: Workload, concurrency: int, warmup: float, window: 
 # ---- servers -------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Server:
     """`dsakv serve` in a subprocess on a free 127.0.0.1 port."""
 
     def __init__(self, model: Path, budget: str, elide: bool, args: argparse.Namespace, log: Path) -> None:
-        self.port = _free_port()
+        self.port = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "dsakv",
+        self.cmd = dsakv_cmd(
             "serve",
             "--model",
             str(model),
@@ -196,12 +188,7 @@ class Server:
             str(self.port),
             "--kv-budget",
             budget,
-            "--page-size",
-            str(args.page_size),
-            "--kv-format",
-            args.kv_format,
-            "--index-format",
-            args.index_format,
+            *options.layout_argv(replace(options.layout_config(args), elide=elide)),
             "--prefix-cache",
             "--threads",
             "1",
@@ -209,17 +196,18 @@ class Server:
             "warning",
             "--max-batch-tokens",
             str(args.max_batch_tokens),
-            "--elide" if elide else "--no-elide",
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.log = open(log, "w")  # noqa: SIM115
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        )
+        log.write_text("")
+        self.log = log
+        # SIGINT to the server alone (uvicorn's graceful shutdown), as a user's Ctrl-C would
+        self.proc = Proc("serve", self.cmd, log, env={**os.environ, "OMP_NUM_THREADS": "1"}, new_session=False)
+        self.proc.start()
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log.name}")
+                raise RuntimeError(f"server exited ({self.proc.poll()}); see {self.log.name}")
             try:
                 r = httpx.get(f"{self.url}/health", timeout=2)
                 if r.status_code == 200:
@@ -244,13 +232,7 @@ class Server:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+        self.proc.stop(timeout=30, sig=signal.SIGINT)
 
 
 # ---- one run, one arm ----------------------------------------------------------------------------------
@@ -553,9 +535,7 @@ def main() -> int:
         help="KV byte budgets, comma-separated; each is KV-bound if the dense pool holds fewer tokens than "
         "concurrency x max session context, else KV-ample (default 20MiB,128MiB)",
     )
-    p.add_argument("--kv-format", choices=KV_FORMATS, default="fp32")
-    p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp32")
-    p.add_argument("--page-size", type=int, default=16)
+    options.add_layout_arguments(p, LayoutConfig(page_size=16), elide=False)  # both elision settings run
     p.add_argument("--max-batch-tokens", type=int, default=512)
     p.add_argument("--system-tokens", type=int, default=384)
     p.add_argument("--first-user-tokens", type=int, default=128)
@@ -600,9 +580,7 @@ def main() -> int:
         args.seed,
     )
     for elide in (True, False):
-        lay = KVLayout(
-            spec, elide=elide, kv_format=args.kv_format, index_format=args.index_format, page_size=args.page_size
-        )
+        lay = replace(options.layout_config(args), elide=elide).layout(spec)
         print(f"elide={elide}: {lay.bytes_per_token} B/token, page {fmt_bytes(lay.bytes_per_token * args.page_size)}")
     demand = args.concurrency * w.max_context
     configs = []

@@ -34,6 +34,7 @@ from dsakv.disagg.compat import KeyPair  # noqa: E402
 from dsakv.disagg.manifest import BackendMeta, Manifest  # noqa: E402
 from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
 from dsakv.spec import KVLayout, load_spec  # noqa: E402
+from dsakv.util import ceil_div
 
 FULL_TOKENS = 32768
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     spec = load_spec("glm-5.2")
     layout = KVLayout(spec, 0, 78, draft_layers=1)  # fp8-656 KV + fp8-132 index-K, elided, page 64
-    pages = -(-args.tokens // layout.page_size)
+    pages = ceil_div(args.tokens, layout.page_size)
     tokens = pages * layout.page_size
     print(
         f"GLM-5.2 decode layout: {len(layout.layers)} layers ({spec.num_layers} + {layout.draft_layers} draft), "

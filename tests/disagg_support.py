@@ -1,96 +1,41 @@
 """Test support for the disaggregated-serving tests: real `dsakv serve --role ...` processes on 127.0.0.1.
 
+Processes and ports come from dsakv.util.procs (Proc, free_ports: the launcher the demo and benches use too).
 Every process runs in its own session (process group), logs to a file, and is killed with its group by
-`Cluster.close()` (a fixture finalizer), so nothing outlives a test even when it fails.
+`Cluster.close()` (a fixture finalizer), so nothing outlives a test even when it fails. Worker options are the
+configuration tree rendered to argv (dsakv.cli.options.engine_argv).
 """
 
 from __future__ import annotations
 
-import os
-import random
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsakv.cli.options import engine_argv
 from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.router import RouterBackend, RouterConfig
 from dsakv.disagg.rpc import RpcClient, RpcError
+from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
 from dsakv.engine.request import SamplingParams
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports
+
+__all__ = ["Cluster", "Proc", "assert_clean", "call", "free_ports", "run_requests", "wait_for", "worker_config"]
 
 PAGE_SIZE = 16
 NUM_PAGES = 96  # 1536 tokens per pool: small pools register fast
 
 
-def free_ports(n: int) -> int:
-    """The first of n consecutive free ports, below the kernel's ephemeral range (so engines that bind random
-    ports -- mooncake, UCX -- cannot take them between this check and our use)."""
-    lo, _hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    top = min(lo, 32768) - n - 1
-    for _ in range(500):
-        base = random.randint(20000, top)
-        socks = []
-        try:
-            for k in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + k))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
-@dataclass
-class Proc:
-    name: str
-    cmd: list[str]
-    log: Path
-    addr: str
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Proc:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
-        with open(self.log, "ab") as f:
-            self.popen = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        if self.popen is not None:
-            try:
-                self.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+def worker_config(elide: bool) -> EngineConfig:
+    """Every test worker's engine: exact fp32 rows, PAGE_SIZE x NUM_PAGES, 256 tokens per step."""
+    return EngineConfig(
+        layout=LayoutConfig(elide=elide, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE),
+        pool=PoolConfig(num_pages=NUM_PAGES),
+        scheduler=SchedulerConfig(max_batch_tokens=256),
+    )
 
 
 def call(addr: str, method: str, params: Any = None, timeout: float = 5.0) -> Any:
@@ -130,7 +75,7 @@ class Cluster:
     routers: list[RouterBackend] = field(default_factory=list)
 
     def _serve(self, name: str, addr: str, args: list[str]) -> Proc:
-        cmd = [sys.executable, "-m", "dsakv", "serve", "--model", str(self.model), *args]
+        cmd = dsakv_cmd("serve", "--model", str(self.model), *args)
         p = Proc(name, cmd, self.logdir / f"{name}.log", addr).start()
         self.procs.append(p)
         return p
@@ -138,8 +83,7 @@ class Cluster:
     def decode(self, name: str, backend: str, elide: bool, port: int | None = None, extra: Sequence[str] = ()) -> Proc:
         port = port or free_ports(1)
         args = ["--role", "decode", "--port", str(port), "--transfer-backend", backend]
-        args += ["--elide" if elide else "--no-elide", "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES)]
-        args += ["--max-batch-tokens", "256", "--kv-format", "fp32", "--index-format", "fp32", *extra]
+        args += [*engine_argv(worker_config(elide)), *extra]
         return self._serve(name, f"127.0.0.1:{port}", args)
 
     def prefill(
@@ -156,8 +100,7 @@ class Cluster:
         port = port or free_ports(n + 1)
         args = ["--role", "prefill", "--port", str(port), "--transfer-backend", backend, "--pp-size", str(n)]
         args += ["--pp-partition", ",".join(map(str, partition)), "--worker-name", name]
-        args += ["--elide" if elide else "--no-elide", "--page-size", str(PAGE_SIZE), "--num-pages", str(NUM_PAGES)]
-        args += ["--max-batch-tokens", "256", "--kv-format", "fp32", "--index-format", "fp32", *extra]
+        args += [*engine_argv(worker_config(elide)), *extra]
         out = []
         for k in ranks if ranks is not None else range(n):
             out.append(self._serve(f"{name}-s{k}", f"127.0.0.1:{port + k}", [*args, "--pp-rank", str(k)]))

@@ -14,6 +14,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
 from dsakv.spec.layout import KVLayout
+from dsakv.util import ceil_div
 
 
 @dataclass
@@ -61,7 +62,7 @@ def greedy_pp(
 ) -> tuple[list[SeqRun], list[DevicePool]]:
     """greedy() over pipeline stages: one pool per layout, stage_forward chained (one layout: forward)."""
     p = layouts[0].page_size
-    need = [-(-(len(pr) + steps) // p) for pr in prompts]
+    need = [ceil_div(len(pr) + steps, p) for pr in prompts]
     num_pages = num_pages or sum(need) + 3
     pools = [DevicePool(lay, num_pages) for lay in layouts]
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))

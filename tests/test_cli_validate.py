@@ -16,6 +16,7 @@ import pytest
 
 from dsakv.cli import disagg_roles, serve_cmd
 from dsakv.cli.main import main
+from dsakv.serve import server
 from engine_support import tiny_path
 
 T = "{tiny}"
@@ -135,7 +136,7 @@ def no_serving(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a bad config got past validation and would start serving")
 
-    monkeypatch.setattr(serve_cmd, "serve_http", refuse)
+    monkeypatch.setattr(server, "run_http", refuse)
     monkeypatch.setattr(serve_cmd, "run_colocated", refuse)
     monkeypatch.setattr(disagg_roles, "run_role", refuse)
 

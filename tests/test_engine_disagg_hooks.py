@@ -12,6 +12,7 @@ from dsakv.engine.engine import Engine, NoFreePages
 from dsakv.engine.request import FinishReason, SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import Kind
+from dsakv.util import ceil_div
 from engine_support import engine, greedy_params, hf_greedy, prompts_for
 
 
@@ -42,10 +43,10 @@ def test_prefill_keep_pages_then_decode_elsewhere() -> None:
             outs = prefill.step()
         (first,) = outs[-1].output_ids
         src = prefill.pages_of(rid)
-        assert len(src) == -(-len(p) // 4)
+        assert len(src) == ceil_div(len(p), 4)
         prefill.check_integrity()
         dst = decode.prealloc(rid, p, greedy_params(24))
-        assert len(dst) == -(-(len(p) + 1) // 4)
+        assert len(dst) == ceil_div(len(p) + 1, 4)
         decode.check_integrity()
         skipped = copy_pages(prefill, src, decode, dst)
         assert skipped == [

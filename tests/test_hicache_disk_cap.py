@@ -19,10 +19,11 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.disk_tier import DiskTier
 from dsakv.cache.hicache import HiCache, HiCacheConfig, PrefixMatch
 from dsakv.cache.page_copy import gather_rows, scatter_rows
-from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
+from dsakv.cli.options import add_cache_arguments, cache_config
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.presets import load_spec
+from dsakv.util import ceil_div
 
 PS = 4
 LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
@@ -55,7 +56,7 @@ def _run(c: HiCache, tokens: list[int]) -> PrefixMatch:
         assert torch.equal(gather_rows(c.device, m.page_ids), _rows(toks[: m.num_tokens]))
     c.allocator.incref(m.page_ids)
     c.allocator.hold("r", m.page_ids)
-    need = -(-len(toks) // PS) - m.page_ids.size
+    need = ceil_div(len(toks), PS) - m.page_ids.size
     if c.allocator.num_free < need:
         c.evict(need - c.allocator.num_free)
     own = c.allocator.alloc(need, owner="r")
@@ -130,9 +131,9 @@ def test_cap_smaller_than_one_page_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_cli_disk_size_option() -> None:
     p = argparse.ArgumentParser()
-    add_hicache_arguments(p)
-    kw = hicache_kwargs(p.parse_args(["--hicache-disk-dir", "/tmp/x", "--hicache-disk-size", "1GiB"]))
-    assert (kw["hicache_disk_dir"], kw["hicache_disk_size"]) == ("/tmp/x", 2**30)
-    assert hicache_kwargs(p.parse_args([]))["hicache_disk_size"] is None
+    add_cache_arguments(p)
+    kw = cache_config(p.parse_args(["--hicache-disk-dir", "/tmp/x", "--hicache-disk-size", "1GiB"]))
+    assert (kw.disk_dir, kw.disk_size) == ("/tmp/x", 2**30)
+    assert cache_config(p.parse_args([])).disk_size is None
     with pytest.raises(ConfigError, match="--hicache-disk-size"):
-        hicache_kwargs(p.parse_args(["--hicache-disk-size", "lots"]))
+        cache_config(p.parse_args(["--hicache-disk-size", "lots"]))

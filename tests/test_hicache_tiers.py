@@ -19,6 +19,7 @@ from dsakv.cache.hicache import HiCache, HiCacheConfig, PrefixMatch
 from dsakv.cache.page_copy import gather_rows
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.presets import load_spec
+from dsakv.util import ceil_div
 
 PS = 4
 LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
@@ -52,7 +53,7 @@ class Harness:
         self.alloc.hold(rid, m.page_ids)
         if m.num_tokens:
             assert torch.equal(gather_rows(self.dev, m.page_ids), _expected_rows(toks[: m.num_tokens]))
-        need = -(-len(toks) // PS) - m.page_ids.size
+        need = ceil_div(len(toks), PS) - m.page_ids.size
         if self.alloc.num_free < need:
             self.cache.evict(need - self.alloc.num_free)
         if self.alloc.num_free < need:  # not admitted (other requests hold the pages): give everything back

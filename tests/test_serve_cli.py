@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,9 @@ from dsakv.engine.request import SamplingParams
 from dsakv.plan.capacity import max_total_num_tokens
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util.procs import free_ports
 from engine_support import tiny_path
 from serve_support import make_engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_parser_stays_light():
@@ -46,7 +40,7 @@ def test_serve_process_end_to_end(tmp_path):
         // 16
     )
     assert pages == budget // (5376 * 16)  # 36 pages: 12 layers x (320 KV + 128 index) B/token, no elision
-    port = _free_port()
+    port = free_ports(1)
     log = tmp_path / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,12 @@ from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util import ceil_div
+from dsakv.util.procs import free_ports
 from engine_support import tiny_path
 from serve_support import make_engine
 
 TOK = load_tokenizer(tiny_path("glm_moe_dsa"), 512)  # make-tiny's byte-level BPE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _descendants(pid: int) -> list[int]:
@@ -57,7 +52,7 @@ def _descendants(pid: int) -> list[int]:
 def demo(tmp_path_factory):
     """`dsakv demo` serving (not --once) on a free port; SIGTERM stops it and its workers."""
     log_dir = tmp_path_factory.mktemp("demo")
-    port = _free_port()
+    port = free_ports(1)
     cmd = [
         sys.executable,
         "-m",
@@ -228,7 +223,7 @@ def test_demo_once_json(tmp_path):
     # every stage moved exactly its layout's bytes: prompt pages x bytes per page (index-K on producers only)
     spec = ModelSpec.from_path(model)
     prompts = [*demo_prompts(8), summary["chat_prompt_ids"]]
-    pages = sum(-(-len(p) // 16) for p in prompts)
+    pages = sum(ceil_div(len(p), 16) for p in prompts)
     assert [(r["count"], r["bytes"]) for r in summary["transfer"]] == [
         (9, pages * KVLayout(spec, 0, 6, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),
         (9, pages * KVLayout(spec, 6, 12, kv_format="fp32", index_format="fp32", page_size=16).bytes_per_page),

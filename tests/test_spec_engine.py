@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from dsakv.engine.engine import Engine
+from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.speculative import accept_tokens
 from dsakv.errors import ConfigError
 from dsakv.model.loader import load_draft, load_model
-from dsakv.model.mtp_fit import fit_mtp, fit_prompts
 from dsakv.model.tiny import make_tiny
 from dsakv.plan.capacity import Deployment, plan
 

@@ -21,6 +21,7 @@ import torch
 
 from dsakv.errors import CapacityError
 from dsakv.spec.layout import BufferKey, KVLayout
+from dsakv.util import ceil_div
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class DevicePool:
 
     @classmethod
     def for_tokens(cls, layout: KVLayout, max_tokens: int, device: str | torch.device = "cpu") -> DevicePool:
-        return cls(layout, -(-max_tokens // layout.page_size), device)
+        return cls(layout, ceil_div(max_tokens, layout.page_size), device)
 
     @property
     def page_size(self) -> int:

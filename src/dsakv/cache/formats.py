@@ -29,12 +29,13 @@ import torch
 
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import (
-    INDEX_FORMATS,
-    KV_FORMATS,
+    INDEX_FORMAT_BYTES,
+    KV_FORMAT_BYTES,
     QUANT_GROUP,
     index_bytes_per_token,
     kv_bytes_per_token,
 )
+from dsakv.util import ceil_div
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -46,7 +47,7 @@ _AMAX_FLOOR = 1e-12
 
 
 def _groups(dim: int) -> int:
-    return -(-dim // QUANT_GROUP)
+    return ceil_div(dim, QUANT_GROUP)
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -269,16 +270,14 @@ def _check_slots(slots: torch.Tensor, capacity: int, n: int | None) -> torch.Ten
 
 def make_kv_codec(fmt: str, kv_lora_rank: int, rope_dim: int) -> Codec:
     """Codec for one layer's MLA cache: values are [latent (kv_lora_rank) | rope key (rope_dim)]."""
-    if fmt not in KV_FORMATS:
-        raise ConfigError(f"unknown KV format {fmt!r}: use one of {', '.join(KV_FORMATS)}")
+    KV_FORMAT_BYTES.check(fmt)
     codec = Codec(fmt, "kv", kv_lora_rank + rope_dim, kv_lora_rank, (kv_bytes_per_token(fmt, kv_lora_rank, rope_dim),))
     return codec
 
 
 def make_index_codec(fmt: str, index_head_dim: int) -> Codec:
     """Codec for one producer layer's index-K: values are [index_head_dim]."""
-    if fmt not in INDEX_FORMATS:
-        raise ConfigError(f"unknown index-K format {fmt!r}: use one of {', '.join(INDEX_FORMATS)}")
+    INDEX_FORMAT_BYTES.check(fmt)
     d = index_head_dim
     if fmt == "fp8-132":
         segments: tuple[int, ...] = (d, 4 * _groups(d))

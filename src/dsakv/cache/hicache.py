@@ -134,10 +134,8 @@ class HiCacheConfig:
             raise ConfigError(f"hicache_ratio = {self.hicache_ratio} must be > 0 (host pool = ratio x device pool)")
         if self.hicache_size is not None and self.hicache_size <= 0:
             raise ConfigError(f"hicache_size = {self.hicache_size} bytes must be > 0")
-        if self.layout not in HOST_LAYOUTS:
-            raise ConfigError(f"host layout {self.layout!r} is unknown: use one of {', '.join(HOST_LAYOUTS)}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ConfigError(f"write policy {self.write_policy!r} is unknown: use one of {', '.join(WRITE_POLICIES)}")
+        HOST_LAYOUTS.check(self.layout)
+        WRITE_POLICIES.check(self.write_policy)
         if self.disk_size is not None and self.disk_dir is None:
             raise ConfigError(f"disk_size = {self.disk_size} B given without disk_dir: give a disk tier directory")
         if self.disk_size is not None and self.disk_size <= 0:

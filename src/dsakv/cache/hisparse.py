@@ -36,6 +36,7 @@ from dsakv.cache.kv_access import codec_for
 from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, Kind, KVLayout
+from dsakv.util import ceil_div
 
 RequestId = Hashable
 
@@ -177,7 +178,7 @@ class HiSparsePool:
         pin_memory: bool = False,
     ) -> HiSparsePool:
         """The pool the planner sized (dsakv.plan.hisparse.HiSparseFigures: logical_tokens, max_requests)."""
-        return cls(layout, -(-logical_tokens // layout.page_size), buffer_size, max_requests, device, pin_memory)
+        return cls(layout, ceil_div(logical_tokens, layout.page_size), buffer_size, max_requests, device, pin_memory)
 
     # ---- sizes -------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from dsakv.cache.page_copy import (
 )
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, KVLayout
+from dsakv.util import Registry
 
 
 def host_pages_for(
@@ -243,13 +244,13 @@ class PageFirstHostPool(HostPool):
         put(self.buffer, as_index(host_ids), rows.to("cpu"))
 
 
-HOST_LAYOUTS: dict[str, type[HostPool]] = {cls.name: cls for cls in (LayerFirstHostPool, PageFirstHostPool)}
+HOST_LAYOUTS: Registry[type[HostPool]] = Registry(
+    "host layout", flag="--hicache-layout", unknown="host layout {name!r} is unknown: use one of {choices}"
+)
+for _cls in (LayerFirstHostPool, PageFirstHostPool):
+    HOST_LAYOUTS.add(_cls.name, _cls)
 
 
 def make_host_pool(layout_name: str, layout: KVLayout, num_pages: int, pin_memory: bool = False) -> HostPool:
     """A host pool of `num_pages` pages in the named physical layout."""
-    try:
-        cls = HOST_LAYOUTS[layout_name]
-    except KeyError:
-        raise ConfigError(f"host layout {layout_name!r} is unknown: use one of {', '.join(HOST_LAYOUTS)}") from None
-    return cls(layout, num_pages, pin_memory)
+    return HOST_LAYOUTS.get(layout_name)(layout, num_pages, pin_memory)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from dsakv.errors import ConfigError
+from dsakv.util import Registry
 
 if TYPE_CHECKING:
     from dsakv.cache.radix import RadixNode
@@ -61,15 +62,16 @@ class WriteThroughSelective(WritePolicy):
         ctl.backup([n for n in path if not n.on_host and n.hit_count >= self.threshold])
 
 
-WRITE_POLICIES: dict[str, type[WritePolicy]] = {
-    cls.name: cls for cls in (WriteThrough, WriteBack, WriteThroughSelective)
-}
+WRITE_POLICIES: Registry[type[WritePolicy]] = Registry(
+    "write policy", flag="--hicache-write-policy", unknown="write policy {name!r} is unknown: use one of {choices}"
+)
+for _cls in (WriteThrough, WriteBack, WriteThroughSelective):
+    WRITE_POLICIES.add(_cls.name, _cls)
 
 
 def make_write_policy(name: str, threshold: int = 2) -> WritePolicy:
     """The named write policy; `threshold` is the hit count write_through_selective waits for."""
-    if name not in WRITE_POLICIES:
-        raise ConfigError(f"write policy {name!r} is unknown: use one of {', '.join(WRITE_POLICIES)}")
-    if name == WriteThroughSelective.name:
+    cls = WRITE_POLICIES.get(name)
+    if cls is WriteThroughSelective:
         return WriteThroughSelective(threshold)
-    return WRITE_POLICIES[name]()
+    return cls()

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsakv.cli import options
+from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
 from dsakv.errors import ConfigError
+from dsakv.util import ceil_div
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports, port_free
 
 if TYPE_CHECKING:
     from dsakv.disagg.messages import Health
@@ -38,6 +39,16 @@ if TYPE_CHECKING:
 DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
 HOST_TIER_RATIO = 2.0
+DEMO_LAYOUT = LayoutConfig(page_size=16)
+
+
+def demo_engine_config(args: argparse.Namespace, host_tier: bool) -> EngineConfig:
+    """The decode worker's (and the colocated reference's) engine: the demo's layout and pool, with the host tier
+    (write_back, ratio HOST_TIER_RATIO) when `host_tier`."""
+    cache = CacheConfig(hicache_ratio=HOST_TIER_RATIO, write_policy="write_back") if host_tier else CacheConfig()
+    return EngineConfig(
+        layout=options.layout_config(args, DEMO_LAYOUT), pool=PoolConfig(num_pages=args.num_pages), cache=cache
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,9 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint (default: `dsakv make-tiny` into --log-dir)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port (default 8000; 0 = any free port)")
     p.add_argument("--pp-size", type=int, default=2, help="prefill pipeline stages, one process each (default 2)")
-    p.add_argument("--transfer-backend", default="mooncake", help="mooncake (default), nixl or local")
-    p.add_argument("--elide", action=argparse.BooleanOptionalAction, default=True, help="index-K elision (on)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    options.add_backend_argument(p)
+    options.add_layout_arguments(p, DEMO_LAYOUT)
     p.add_argument("--num-pages", type=int, default=256, help="pages per worker pool (default 256)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per demo request (default 16)")
     p.add_argument("--startup-timeout", type=float, default=180.0, help="seconds to wait for the workers (180)")
@@ -85,72 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
 
-def _free_ports(n: int) -> int:
-    """The first of n consecutive free ports on 127.0.0.1."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for k in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + k))
-                socks.append(t)
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise ConfigError(f"found no {n} consecutive free ports on 127.0.0.1")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-class _Child:
-    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
-        self.name, self.cmd, self.log = name, cmd, log
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-
 def _say(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
-def _wait_ready(url: str, children: list[_Child], timeout: float) -> dict[str, Any]:
+def _wait_ready(url: str, children: list[Proc], timeout: float) -> dict[str, Any]:
     import httpx
 
     end = time.monotonic() + timeout
@@ -194,12 +143,13 @@ def _print_capacity(args: argparse.Namespace, spec: Any) -> None:
     """The planner's tables for this deployment: same bytes for dense and elided, per role and stage."""
     from dsakv.cli.plan_cmd import print_plan
     from dsakv.plan import Deployment, plan
-    from dsakv.spec.layout import KVLayout
 
-    full = KVLayout(spec, elide=True, kv_format="fp32", index_format="fp32", page_size=args.page_size)
+    lay = options.layout_config(args, DEMO_LAYOUT)
+    full = replace(lay, elide=True).layout(spec)
     budget = args.num_pages * full.bytes_per_page
     out = sys.stderr if args.json else sys.stdout
-    common = {"kv_format": "fp32", "index_format": "fp32", "page_size": args.page_size, "kv_budget": budget}
+    common: dict[str, Any] = {"kv_format": lay.kv_format, "index_format": lay.index_format}
+    common |= {"page_size": lay.page_size, "kv_budget": budget}
     _say(args, f"capacity at the decode pool's {budget:,} bytes per worker ({args.num_pages} elided pages):")
     print_plan(plan(Deployment(spec, role="decode", **common)), "decode", file=out)
     print_plan(
@@ -265,10 +215,7 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     out.update(chat_ids=chat_ids, chat_prompt_ids=list(chat_prompt), chat_text=text, chat_stream_done=done)
 
     status.update("running the same requests on a colocated engine")
-    ref_kwargs: dict[str, Any] = {"elide": args.elide, "page_size": args.page_size, "num_pages": args.num_pages}
-    if args.host_tier:
-        ref_kwargs.update(hicache_ratio=HOST_TIER_RATIO, hicache_write_policy="write_back")
-    ref_engine = Engine(model_dir, **ref_kwargs)
+    ref_engine = Engine(model_dir, demo_engine_config(args, args.host_tier))
     params = SamplingParams(max_new_tokens=args.max_tokens, ignore_eos=True)
     ref = ref_engine.generate([*prompts, list(chat_prompt)], params)
     matched = sum(a == b for a, b in zip([*got, chat_ids], ref, strict=True))
@@ -290,7 +237,7 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
         out["colocated_cache"] = {k: cs[k] for k in ("hit_tokens", "host_hit_tokens", "offload_bytes") if k in cs}
 
     status.update("reading transfer figures from the prefill stages")
-    prompt_pages = sum(-(-len(p) // args.page_size) for p in [*prompts, list(chat_prompt)])
+    prompt_pages = sum(ceil_div(len(p), args.page_size) for p in [*prompts, list(chat_prompt)])
     rows = []
     for k in range(args.pp_size):
         h = _stage_health(f"127.0.0.1:{ports['prefill'] + k}")
@@ -361,18 +308,16 @@ def _print_transfers(args: argparse.Namespace, rows: list[dict[str, Any]], model
     from rich.console import Console
     from rich.table import Table
 
-    from dsakv.spec.layout import KVLayout
     from dsakv.spec.model import ModelSpec
 
     spec = ModelSpec.from_path(model_dir)
+    layout = options.layout_config(args, DEMO_LAYOUT)
     t = Table(title="[4] KV moved prefill -> decode (each PP stage sends its own layers)", title_justify="left")
     for col in ("stage", "layers", "index-K layers", "transfers", "bytes", "layout figure", "seconds", "MB/s"):
         t.add_column(col, justify="left" if col in ("layers", "index-K layers") else "right")
     for r in rows:
         lo, hi = (r.get("layers") or [0, spec.num_layers - 1])[:2]
-        lay = KVLayout(
-            spec, lo, hi + 1, elide=args.elide, kv_format="fp32", index_format="fp32", page_size=args.page_size
-        )
+        lay = layout.layout(spec, lo, hi + 1)
         idx = [k.layer for k in lay.keys if k.kind.value == "index_k"]
         nbytes, secs = int(r.get("bytes", 0)), float(r.get("seconds", 0.0))
         t.add_row(
@@ -393,8 +338,8 @@ def run(args: argparse.Namespace) -> int:
     if args.pp_size < 1:
         raise ConfigError(f"--pp-size {args.pp_size} must be >= 1")
     if args.port == 0:
-        args.port = _free_ports(1)
-    elif not _port_free(args.port):
+        args.port = free_ports(1)
+    elif not port_free(args.port):
         raise ConfigError(f"port {args.port} on 127.0.0.1 is taken: pass --port N (or --port 0 for any free port)")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="dsakv-demo-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -406,38 +351,29 @@ def run(args: argparse.Namespace) -> int:
         from dsakv.model.tiny import make_tiny
 
         model_dir = make_tiny(log_dir / "tiny", seed=0)
-    from dsakv.spec.layout import KVLayout
     from dsakv.spec.model import ModelSpec
 
     spec = ModelSpec.from_path(model_dir)
-    lay = {
-        e: KVLayout(spec, elide=e, kv_format="fp32", index_format="fp32", page_size=args.page_size)
-        for e in (True, False)
-    }
-    prefill_port = _free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
-    decode_port = _free_ports(1)
+    layout = options.layout_config(args, DEMO_LAYOUT)
+    lay = {e: replace(layout, elide=e).layout(spec) for e in (True, False)}
+    prefill_port = free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
+    decode_port = free_ports(1)
     url = f"http://127.0.0.1:{args.port}"
-    pool = [
-        "--page-size",
-        str(args.page_size),
-        "--num-pages",
-        str(args.num_pages),
-        "--threads",
-        "1",
-        "--transfer-backend",
-        args.transfer_backend,
-        "--elide" if args.elide else "--no-elide",
-    ]
-    dsakv = [sys.executable, "-m", "dsakv", "serve", "--model", str(model_dir)]
-    host = ["--hicache-ratio", str(HOST_TIER_RATIO), "--hicache-write-policy", "write_back"] if args.host_tier else []
+    decode_cfg = demo_engine_config(args, args.host_tier)
+    prefill_cfg = demo_engine_config(args, args.host_tier and args.prefill_prefix_cache)
+    if args.prefill_prefix_cache:
+        prefill_cfg = replace(prefill_cfg, cache=replace(prefill_cfg.cache, prefix_cache=True))
+    common = ["--threads", "1", "--transfer-backend", args.transfer_backend]
+    dsakv = dsakv_cmd("serve", "--model", str(model_dir))
     specs = [
-        ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *pool, *host]),
+        ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *options.engine_argv(decode_cfg), *common]),
         (
             "prefill",
             [
                 *dsakv,
-                *("--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size), *pool),
-                *(["--prefix-cache", *host] if args.prefill_prefix_cache else []),
+                *("--role", "prefill", "--port", str(prefill_port), "--pp-size", str(args.pp_size)),
+                *options.engine_argv(prefill_cfg),
+                *common,
             ],
         ),
         (
@@ -471,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
     )
     _say(args, f"  router (OpenAI API): {url}   logs: {log_dir}")
     _print_capacity(args, spec)
-    children: list[_Child] = []
+    children: list[Proc] = []
     summary: dict[str, Any] = {}
     stopping: list[int] = []
 
@@ -486,7 +422,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with console.status("starting decode, prefill stages and router") as status:
             for name, cmd in specs:
-                children.append(_Child(name, cmd, log_dir / f"{name}.log"))
+                children.append(Proc(name, cmd, log_dir / f"{name}.log").start())
             t0 = time.monotonic()
             status.update("waiting for the prefill-decode handshake (router /health)")
             health = _wait_ready(url, children, args.startup_timeout)

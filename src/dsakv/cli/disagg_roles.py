@@ -1,12 +1,14 @@
-"""`dsakv serve --role prefill|decode|router`: the disaggregated roles (called by dsakv.cli.serve_cmd).
+"""`dsakv serve --role prefill|decode|router`: the disaggregated roles (called by dsakv.cli.serve_cmd with the
+configuration tree it read from argv; this module never imports serve_cmd).
 
     dsakv serve --role decode  --model DIR --port 9100 [--transfer-backend mooncake|nixl] [--no-elide]
     dsakv serve --role prefill --model DIR --port 9200 --pp-size 2 [--pp-partition 7,5] [--pp-rank K]
     dsakv serve --role router  --port 8000 --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 [--model DIR]
 
-serve_cmd adds the shared options (--model --host --port --elide --kv-format --index-format --page-size
---kv-budget/--num-pages/--max-tokens --max-batch-tokens --max-running-requests --dtype --threads --seed ...);
-this module adds only role-specific ones. Heavy imports (torch, the engine) happen inside run_role.
+serve_cmd adds the shared options (--model --host --port and the tree's layout / pool / cache / engine groups);
+this module adds the transfer and pipeline groups (dsakv.cli.options) and the router's. The roles' own configs
+(DecodeConfig, PrefillConfig, RouterConfig) are built from the tree here, at the boundary. Heavy imports (torch,
+the engine) happen inside run_role.
 Without --pp-rank, a prefill with --pp-size N > 1 starts its N stages as child processes and waits.
 """
 
@@ -16,50 +18,22 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
 
+from dsakv.cli import options
+from dsakv.engine.config import CacheConfig, Config, TransferConfig
 from dsakv.errors import ConfigError
+from dsakv.util.procs import Proc, dsakv_cmd, stop_all
 
 log = logging.getLogger("dsakv.disagg")
-
-BACKEND_CHOICES = ("mooncake", "nixl", "local")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("disaggregated serving (--role prefill | decode | router)")
-    g.add_argument(
-        "--transfer-backend",
-        choices=BACKEND_CHOICES,
-        default="mooncake",
-        help="KV transfer engine (default mooncake; both peers must use the same)",
-    )
-    g.add_argument("--pp-size", type=int, default=1, help="prefill: pipeline stages, one process each (default 1)")
-    g.add_argument(
-        "--pp-rank",
-        type=int,
-        default=None,
-        help="prefill: run only this stage (default: start all --pp-size stages as child processes)",
-    )
-    g.add_argument(
-        "--pp-partition",
-        default=None,
-        metavar="N,N,..",
-        help="prefill: layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)",
-    )
-    g.add_argument(
-        "--dist-port", type=int, default=None, help="prefill: stage 0's gloo rendezvous port (default --port + pp-size)"
-    )
-    g.add_argument("--stage0-host", default=None, help="prefill: host of stage 0 (default --host)")
-    g.add_argument(
-        "--stage-timeout",
-        type=float,
-        default=10.0,
-        help="prefill: bound on every activation send/receive between stages; a stage silent this long is "
-        "dropped and the pipeline re-forms (default 10 s)",
-    )
+    options.add_transfer_arguments(g)
+    options.add_pipeline_arguments(g)
     g.add_argument(
         "--prefill",
         action="append",
@@ -80,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="router: seconds from dispatch until a request's prefill + KV transfer must be done (default 30)",
     )
-    g.add_argument("--rpc-timeout", type=float, default=5.0, help="bound on every control-plane call (default 5 s)")
     g.add_argument(
         "--queue-timeout", type=float, default=60.0, help="router: how long a request may wait for a free pair (60 s)"
     )
@@ -100,36 +73,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--worker-name", default=None, help="prefill/decode: name in logs and handshakes")
     g.add_argument(
-        "--mooncake-timeout",
-        type=int,
-        default=None,
-        help="mooncake's own per-transfer timeout in seconds (MC_TRANSFER_TIMEOUT, min 5; default 30)",
-    )
-    g.add_argument(
         "--startup-wait",
         type=float,
         default=60.0,
         help="prefill: how long the startup handshake with --decode workers waits for them to come up (60 s)",
     )
-    g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
-def _partition(args: argparse.Namespace) -> tuple[int, ...] | None:
-    from dsakv.plan.capacity import parse_partition
-
-    return parse_partition(str(args.pp_partition)) if args.pp_partition else None
-
-
-def _backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    if args.transfer_backend == "mooncake":
-        opts: dict[str, Any] = {"hostname": args.host}
-        if args.mooncake_timeout is not None:
-            opts["engine_timeout_s"] = args.mooncake_timeout
+def _backend_options(host: str, transfer: TransferConfig) -> dict[str, Any]:
+    if transfer.backend == "mooncake":
+        opts: dict[str, Any] = {"hostname": host}
+        if transfer.mooncake_timeout is not None:
+            opts["engine_timeout_s"] = transfer.mooncake_timeout
         return opts
-    if args.transfer_backend == "nixl":
+    if transfer.backend == "nixl":
         from dsakv.disagg.backends.nixl import LOOPBACK_UCX_ENV
 
-        return {"env": LOOPBACK_UCX_ENV} if args.host in ("127.0.0.1", "localhost") else {}
+        return {"env": LOOPBACK_UCX_ENV} if host in ("127.0.0.1", "localhost") else {}
     return {}
 
 
@@ -168,25 +128,23 @@ def _threads(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads if args.threads is not None else 1)
 
 
-def run_decode(args: argparse.Namespace) -> int:
-    from dsakv.cli.serve_cmd import engine_kwargs, model_dir_of
+def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-    from dsakv.spec.model import ModelSpec
 
-    model_dir = model_dir_of(args)
+    model_dir = options.model_dir_of(args)
     _threads(args)
-    spec = ModelSpec.from_path(model_dir)
-    cfg = DecodeConfig(
-        model=str(model_dir),
-        host=args.host,
-        port=args.port,
-        name=args.worker_name,
-        engine=engine_kwargs(args, spec),
-        backend=args.transfer_backend,
-        backend_options=_backend_options(args),
-        rpc_timeout=args.rpc_timeout,
+    worker = DecodeWorker(
+        DecodeConfig(
+            model=str(model_dir),
+            host=args.host,
+            port=args.port,
+            name=args.worker_name,
+            engine=cfg.engine.options(),
+            backend=cfg.transfer.backend,
+            backend_options=_backend_options(args.host, cfg.transfer),
+            rpc_timeout=cfg.transfer.rpc_timeout,
+        )
     )
-    worker = DecodeWorker(cfg)
     _install_sigterm(worker.request_stop)
     _start_or_exit(worker)
     log.info("decode worker %s ready on %s", worker.name, worker.address)
@@ -198,29 +156,16 @@ def run_decode(args: argparse.Namespace) -> int:
     return _exit_now(0)
 
 
-def _stage_pages(args: argparse.Namespace, spec: Any, ranges: list[tuple[int, int]]) -> int | None:
-    """Every stage of a worker has the same page count: the minimum over stages for --kv-budget."""
-    from dsakv.cli.serve_cmd import num_pages_for
-
-    if args.kv_budget is not None:
-        return min(int(num_pages_for(args, spec, a, b) or 0) for a, b in ranges)
-    if args.num_pages is not None:
-        return int(args.num_pages)
-    if args.max_tokens is not None:
-        return -(-int(args.max_tokens) // args.page_size)
-    return None
-
-
-def _launch_stages(args: argparse.Namespace) -> int:
+def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
     """Start every stage of the prefill worker as a child process and supervise them: a stage that dies is
     started again (it rejoins the pipeline), unless it dies again within 30 s three times in a row (then all
     stop and the exit code is its). SIGTERM / SIGINT stop them all."""
     argv = list(sys.argv[1:])
-    cmds = [[sys.executable, "-m", "dsakv", *argv, "--pp-rank", str(k)] for k in range(args.pp_size)]
-    procs = [subprocess.Popen(c) for c in cmds]
+    procs = [Proc(f"stage {k}", dsakv_cmd(*argv, "--pp-rank", str(k)), env=dict(os.environ)) for k in range(pp_size)]
     for k, p in enumerate(procs):
+        p.new_session = False  # one process group with this supervisor: Ctrl-C reaches every stage
+        p.start()
         log.info("prefill: started stage %d (pid %d)", k, p.pid)
-    started = [time.monotonic()] * len(procs)
     quick_deaths = [0] * len(procs)
     stopping: list[bool] = []
     _install_sigterm(lambda: stopping.append(True))
@@ -232,7 +177,7 @@ def _launch_stages(args: argparse.Namespace) -> int:
                 code = p.poll()
                 if code is None:
                     continue
-                quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - started[k] < 30 else 1
+                quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - p.started_at < 30 else 1
                 if quick_deaths[k] >= 3:
                     log.error("prefill: stage %d exited with code %s three times in a row: stopping", k, code)
                     rc = code or 1
@@ -240,103 +185,101 @@ def _launch_stages(args: argparse.Namespace) -> int:
                     break
                 log.warning("prefill: stage %d (pid %d) exited with code %s: starting it again", k, p.pid, code)
                 time.sleep(1.0)
-                procs[k] = subprocess.Popen(cmds[k])
-                started[k] = time.monotonic()
+                p.start()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs, timeout=15)
     return rc
 
 
+def _disk_refusal(flags: list[str]) -> str:
+    return (
+        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
+        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
+        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
+    )
+
+
 def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """PrefillConfig keywords for the tree's cache branch, from argv (see prefill_cache_options)."""
+    if getattr(args, "hicache_storage", None) == "file":  # the file tier is the local disk tier
+        raise ConfigError(_disk_refusal(["--hicache-storage file"]))
+    return prefill_cache_options(options.cache_config(args), int(getattr(args, "pp_size", 1) or 1))
+
+
+def prefill_cache_options(cache: CacheConfig, pp_size: int = 1) -> dict[str, Any]:
     """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage), the host
     tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy, --hicache-selective-threshold:
     stage 0's page copies are replayed on every stage) and, with --pp-size 1 only, the shared storage tier
     (--hicache-storage mooncake --mooncake-master HOST:PORT, on stage 0's HiCache as on a colocated server).
     The local disk tier is refused."""
-    from dsakv.cli.hicache_options import storage_config, storage_pp_error
-    from dsakv.plan.units import parse_size
-
-    storage = getattr(args, "hicache_storage", None)
     disk = [
         flag
-        for flag, val in (
-            ("--hicache-disk-dir", getattr(args, "hicache_disk_dir", None)),
-            ("--hicache-disk-size", getattr(args, "hicache_disk_size", None)),
-            ("--hicache-storage file", "file" if storage == "file" else None),
-        )
+        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
         if val is not None
     ]
     if disk:
-        raise ConfigError(
-            f"--role prefill does not support {', '.join(disk)} (the local disk tier of the prefix cache) yet: "
-            "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
-            "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
-        )
-    pp_size = int(getattr(args, "pp_size", 1) or 1)
-    if storage is not None and pp_size > 1:
-        raise ConfigError(storage_pp_error(storage, pp_size))
-    size = getattr(args, "hicache_size", None)
+        raise ConfigError(_disk_refusal(disk))
+    if cache.storage is not None and pp_size > 1:
+        raise ConfigError(options.storage_pp_error(cache.storage.backend, pp_size))
     return {
-        "prefix_cache": bool(getattr(args, "prefix_cache", False)),
-        "hicache_ratio": getattr(args, "hicache_ratio", None),
-        "hicache_size": parse_size(size, "--hicache-size") if size else None,
-        "hicache_layout": getattr(args, "hicache_layout", "layer_first"),
-        "hicache_write_policy": getattr(args, "hicache_write_policy", "write_through"),
-        "hicache_selective_threshold": getattr(args, "hicache_selective_threshold", 2),
-        "hicache_storage": storage_config(args),
+        "prefix_cache": cache.prefix_cache,
+        "hicache_ratio": cache.hicache_ratio,
+        "hicache_size": cache.hicache_size,
+        "hicache_layout": cache.layout,
+        "hicache_write_policy": cache.write_policy,
+        "hicache_selective_threshold": cache.selective_threshold,
+        "hicache_storage": cache.storage,
     }
 
 
-def run_prefill(args: argparse.Namespace) -> int:
-    prefix_cache = _prefill_prefix_cache(args)
-    if args.pp_size > 1 and args.pp_rank is None:
-        return _launch_stages(args)
-    from dsakv.cli.serve_cmd import model_dir_of
-    from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage, split_layers
-    from dsakv.spec.model import ModelSpec
+def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: Any) -> Any:
+    """The PrefillConfig of this stage from the tree (plus the process's address, name and --decode peers)."""
+    from dsakv.disagg.prefill_worker import PrefillConfig, split_layers
 
-    model_dir = model_dir_of(args)
-    _threads(args)
-    spec = ModelSpec.from_path(model_dir)
-    partition = _partition(args)
-    ranges = split_layers(spec.num_layers, args.pp_size, partition)
-    cfg = PrefillConfig(
-        model=str(model_dir),
-        pp_size=args.pp_size,
-        pp_rank=args.pp_rank or 0,
-        partition=partition,
+    pipe, eng = cfg.pipeline, cfg.engine
+    ranges = split_layers(spec.num_layers, pipe.pp_size, pipe.partition)
+    return PrefillConfig(
+        model=model_dir,
+        pp_size=pipe.pp_size,
+        pp_rank=pipe.pp_rank or 0,
+        partition=pipe.partition,
         host=args.host,
         port=args.port,
-        stage0_host=args.stage0_host,
-        dist_port=args.dist_port,
+        stage0_host=pipe.stage0_host,
+        dist_port=pipe.dist_port,
         name=args.worker_name,
-        elide=args.elide,
-        kv_format=args.kv_format,
-        index_format=args.index_format,
-        page_size=args.page_size,
-        num_pages=_stage_pages(args, spec, ranges),
-        max_batch_tokens=args.max_batch_tokens,
-        max_running_requests=args.max_running_requests,
-        dtype=args.dtype,
-        backend=args.transfer_backend,
-        backend_options=_backend_options(args),
-        stage_timeout=args.stage_timeout,
-        rpc_timeout=args.rpc_timeout,
+        elide=eng.layout.elide,
+        kv_format=eng.layout.kv_format,
+        index_format=eng.layout.index_format,
+        page_size=eng.layout.page_size,
+        num_pages=eng.pool.pages_given([eng.layout.layout(spec, a, b) for a, b in ranges]),
+        max_batch_tokens=eng.scheduler.max_batch_tokens,
+        max_running_requests=eng.scheduler.max_running_requests,
+        dtype=eng.dtype,
+        backend=cfg.transfer.backend,
+        backend_options=_backend_options(args.host, cfg.transfer),
+        stage_timeout=pipe.stage_timeout,
+        rpc_timeout=cfg.transfer.rpc_timeout,
         decode=tuple(args.decode),
-        debug_transfer_delay=args.debug_transfer_delay,
-        **prefix_cache,
+        debug_transfer_delay=cfg.transfer.debug_transfer_delay,
+        **prefill_cache_options(eng.cache, pipe.pp_size),
     )
-    stage = PrefillStage(cfg)
+
+
+def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
+    prefill_cache_options(cfg.engine.cache, cfg.pipeline.pp_size)  # refuse the disk tier before starting anything
+    if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
+        return _launch_stages(args, cfg.pipeline.pp_size)
+    from dsakv.disagg.prefill_worker import PrefillStage
+    from dsakv.spec.model import ModelSpec
+
+    model_dir = options.model_dir_of(args)
+    _threads(args)
+    pcfg = prefill_config(args, cfg, str(model_dir), ModelSpec.from_path(model_dir))
+    stage = PrefillStage(pcfg)
     _install_sigterm(stage.request_stop)
     _start_or_exit(stage, startup_wait=args.startup_wait)
-    print(f"dsakv prefill stage {cfg.pp_rank}/{cfg.pp_size} ready on {stage.address} (pid {os.getpid()})", flush=True)
+    print(f"dsakv prefill stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {stage.address} (pid {os.getpid()})", flush=True)
     try:
         stage.serve_forever()
     finally:
@@ -344,19 +287,19 @@ def run_prefill(args: argparse.Namespace) -> int:
     return _exit_now(0)
 
 
-def run_router(args: argparse.Namespace) -> int:
-    from dsakv.cli.serve_cmd import serve_http
+def run_router(args: argparse.Namespace, cfg: Config) -> int:
+    from dsakv.cli.http_options import http_limits
     from dsakv.disagg.router import RouterBackend, RouterConfig
     from dsakv.serve.app import create_app
+    from dsakv.serve.server import run_http
     from dsakv.serve.tokenizer import load_tokenizer
 
     vocab = None
     name = args.served_model_name or "dsakv"
     if args.model:
-        from dsakv.cli.serve_cmd import model_dir_of
         from dsakv.spec.model import ModelSpec
 
-        model_dir = model_dir_of(args)
+        model_dir = options.model_dir_of(args)
         vocab = ModelSpec.from_path(model_dir).vocab_size
         name = args.served_model_name or model_dir.resolve().name
     backend = RouterBackend(
@@ -364,23 +307,24 @@ def run_router(args: argparse.Namespace) -> int:
             prefill=tuple(args.prefill),
             decode=tuple(args.decode),
             kv_timeout=args.kv_timeout,
-            rpc_timeout=args.rpc_timeout,
+            rpc_timeout=cfg.transfer.rpc_timeout,
             health_interval=args.health_interval,
             queue_timeout=args.queue_timeout,
-            seed=args.seed,
+            seed=cfg.engine.seed,
             affinity_min_gain_pages=args.affinity_min_gain_pages,
             affinity_max_imbalance=args.affinity_max_imbalance,
         )
     )
     app = create_app(backend, name, load_tokenizer(args.model, vocab), request_timeout=args.request_timeout)
-    return serve_http(app, args)
+    return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
 
 
-def run_role(args: argparse.Namespace) -> int:
+def run_role(args: argparse.Namespace, cfg: Config | None = None) -> int:
+    cfg = cfg if cfg is not None else options.config_from_args(args)
     if args.role == "decode":
-        return run_decode(args)
+        return run_decode(args, cfg)
     if args.role == "prefill":
-        return run_prefill(args)
+        return run_prefill(args, cfg)
     if args.role == "router":
-        return run_router(args)
+        return run_router(args, cfg)
     raise ConfigError(f"--role {args.role} is not a disaggregated role: use prefill, decode or router")

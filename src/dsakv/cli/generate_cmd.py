@@ -10,10 +10,9 @@ import json
 import sys
 from pathlib import Path
 
-from dsakv.cli.hicache_options import add_hicache_arguments, hicache_kwargs
+from dsakv.cli import options
 from dsakv.cli.validate import validate_checkpoint, validate_generate, validate_pool
 from dsakv.errors import ConfigError
-from dsakv.spec.layout import DEFAULT_PAGE_SIZE, INDEX_FORMATS, KV_FORMATS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -50,29 +49,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     smp.add_argument("--seed", type=int, default=None, help="seed of each request's sampler (default random)")
     smp.add_argument("--stop-token-ids", default="", metavar="IDS", help="extra stop tokens, e.g. 7,8")
     smp.add_argument("--ignore-eos", action="store_true", help="do not stop at the checkpoint's eos token")
-    kv = p.add_argument_group("KV pool")
-    kv.add_argument("--no-elide", action="store_true", help="allocate index-K for shared layers too (no elision)")
-    kv.add_argument("--kv-format", choices=KV_FORMATS, default="fp32", help="MLA KV row format (default fp32, exact)")
-    kv.add_argument("--index-format", choices=INDEX_FORMATS, default="fp32", help="index-K format (default fp32)")
-    kv.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE, help=f"tokens per page ({DEFAULT_PAGE_SIZE})")
-    kv.add_argument("--num-pages", type=int, default=None, help="pool pages (default: enough for --max-tokens)")
-    kv.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
-    hc = add_hicache_arguments(p)
+    kv = p.add_argument_group("KV pool (size it with --kv-budget, --num-pages or --max-tokens)")
+    options.add_layout_arguments(kv)
+    options.add_pool_arguments(kv)
+    hc = options.add_cache_arguments(p)
     hc.add_argument(
         "--sequential", action="store_true", help="run the prompts one after another (later ones reuse prefixes)"
     )
     run_g = p.add_argument_group("engine")
-    run_g.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per step (chunked prefill budget)")
-    run_g.add_argument(
-        "--speculative-num-steps",
-        type=int,
-        default=0,
-        metavar="K",
-        help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
-        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution",
-    )
-    run_g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights (float32)")
-    run_g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    options.add_engine_arguments(run_g)
+    options.add_speculative_argument(run_g)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
 
@@ -132,20 +118,7 @@ def run(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(parse_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
     )
-    engine = Engine(
-        model_dir,
-        elide=not args.no_elide,
-        kv_format=args.kv_format,
-        index_format=args.index_format,
-        page_size=args.page_size,
-        num_pages=args.num_pages,
-        max_tokens=args.max_tokens,
-        max_batch_tokens=args.max_batch_tokens,
-        dtype=getattr(torch, args.dtype),
-        seed=args.seed,
-        speculative_num_steps=args.speculative_num_steps,
-        **hicache_kwargs(args),
-    )
+    engine = Engine(model_dir, options.engine_config(args))
     ids: list[str] = []
     final = {}
     for batch in [[p] for p in prompts] if args.sequential else [prompts]:

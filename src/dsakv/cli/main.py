@@ -1,6 +1,8 @@
 """The `dsakv` command: a thin argparse front over one module per subcommand.
 
-Subcommand modules are imported lazily so `dsakv plan` never imports torch.
+`main` imports only the module of the subcommand it runs (`dsakv --help` imports none of them, `dsakv plan` never
+imports the serving stack); each module keeps torch and the engine inside run(), so parsing stays light.
+`build_parser()` without arguments loads every subcommand (for tests and documentation).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterable
 
 from dsakv.errors import DsakvError
 
@@ -22,7 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the subcommands in `commands` (default: all) get their options (and their module
+    imported); the others are listed with their help line."""
+    load = set(COMMANDS) if commands is None else set(commands)
     parser = argparse.ArgumentParser(
         prog="dsakv",
         description=(
@@ -33,14 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(module)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        if name in load:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand argv names (its first word that is not an option), if it is one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = command_of(argv)
+    parser = build_parser([chosen] if chosen else [])
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         + "; byte-level BPE tokenizer with a chat template (byte b = id b+2, bos 0, eos 1)"
     )
     if args.fit_mtp:
-        from dsakv.model.mtp_fit import fit_mtp
+        from dsakv.engine.mtp_fit import fit_mtp
 
         fit = fit_mtp(out, seed=args.seed)
         print(

@@ -147,7 +147,7 @@ def validate_serve(args: argparse.Namespace) -> None:
             check_host(args.stage0_host, "--stage0-host")
         storage = getattr(args, "hicache_storage", None)
         if storage == "mooncake" and pp > 1:
-            from dsakv.cli.hicache_options import storage_pp_error
+            from dsakv.cli.options import storage_pp_error
 
             raise ConfigError(storage_pp_error(storage, pp))
     for p in getattr(args, "prefill", None) or ():

@@ -1,14 +1,15 @@
 """Engine: the reference DSA engine, a checkpoint on a paged, ownership-aware KV pool.
 
-    engine = Engine("ckpt_dir", elide=True, kv_format="fp32", index_format="fp32", page_size=16, max_tokens=4096)
+    engine = Engine("ckpt_dir", EngineConfig(layout=LayoutConfig(page_size=16), pool=PoolConfig(max_tokens=4096)))
+    engine = Engine("ckpt_dir", page_size=16, max_tokens=4096)     # the same, flat (EngineConfig.OPTIONS)
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():        # RequestOutput: new_token_ids, output_ids, finished, finish_reason
             ...
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8))   # -> [[...], [...]]
 
-The pool is DevicePool(layout, num_pages) with layout = KVLayout(spec, elide, kv_format,
-index_format, page_size): the very object the capacity planner sizes. All public methods
+The pool is DevicePool(layout, num_pages) with layout = config.layout.layout(spec) (a KVLayout): the
+very object the capacity planner sizes; num_pages = config.pool.pages([layout]). All public methods
 take one lock (`engine.lock`), so a server may call add_request/abort from other threads while one
 thread loops on step().
 
@@ -38,17 +39,16 @@ import torch
 
 from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.cache.device_pool import DevicePool
+from dsakv.engine.config import EngineConfig
 from dsakv.engine.model_runner import ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from dsakv.engine.sampling import sample_with_logprobs, top_logprobs
 from dsakv.engine.scheduler import NoFreePages, PrefixCache, ScheduledChunk, Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
-from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
+from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_TOKENS = 16384
 
 
 class StepRunner(Protocol):
@@ -105,35 +105,31 @@ class Engine:
     def __init__(
         self,
         model: str | Path | tuple[ModelSpec, Any],
+        config: EngineConfig | None = None,
         *,
-        elide: bool = True,
-        kv_format: str = "fp32",
-        index_format: str = "fp32",
-        page_size: int = DEFAULT_PAGE_SIZE,
-        num_pages: int | None = None,
-        max_tokens: int | None = None,
-        max_batch_tokens: int = 512,
-        max_running_requests: int | None = None,
-        dtype: torch.dtype = torch.float32,
         eos_token_ids: Sequence[int] | None = None,
         prefix_cache: PrefixCache | None = None,
-        seed: int | None = None,
         check_every_step: bool = False,
-        enable_prefix_cache: bool = False,
-        hicache_ratio: float | None = None,
-        hicache_size: int | None = None,
-        hicache_layout: str = "layer_first",
-        hicache_write_policy: str = "write_through",
-        hicache_selective_threshold: int = 2,
-        hicache_disk_dir: str | Path | None = None,
-        hicache_disk_size: int | None = None,
-        hicache_storage: Any = None,
         layout: KVLayout | None = None,
         runner: Callable[[DevicePool], StepRunner] | None = None,
-        speculative_num_steps: int = 0,
+        speculative_num_steps: int | None = None,
         draft: Any = None,
         spec_poison_rejected: bool = False,
+        **options: Any,
     ) -> None:
+        """`config` is the engine branch of the configuration tree; or give its flat options instead
+        (`EngineConfig.OPTIONS`: elide, kv_format, index_format, page_size, num_pages, max_tokens, kv_budget,
+        max_batch_tokens, max_running_requests, dtype, seed, speculative_num_steps, enable_prefix_cache, hicache_*).
+
+        `speculative_num_steps` K > 0 (here or in the tree) turns on MTP speculative decoding: `draft` is the MTP
+        layer (default: load_draft from the checkpoint), the pool holds one draft layer's KV / index-K, and
+        `spec_poison_rejected` (testing) writes NaN into rejected positions after each step."""
+        if config is not None and options:
+            raise ConfigError(f"give config or engine options ({', '.join(sorted(options))}), not both")
+        cfg = config if config is not None else EngineConfig.from_options(**options)
+        if speculative_num_steps is not None:  # the keyword wins over the tree's (validated there)
+            cfg = replace(cfg, speculative_num_steps=speculative_num_steps)
+        self.config = cfg
         self.model_dir: Path | None = None
         if isinstance(model, tuple):
             self.spec, self.model = model
@@ -141,71 +137,42 @@ class Engine:
             from dsakv.model.loader import load_model
 
             self.model_dir = Path(model)
-            self.spec, self.model = load_model(self.model_dir, dtype=dtype)
+            self.spec, self.model = load_model(self.model_dir, dtype=getattr(torch, cfg.dtype))
         self.model.eval()
-        if isinstance(speculative_num_steps, bool) or not isinstance(speculative_num_steps, int):
-            raise ConfigError(f"speculative_num_steps = {speculative_num_steps!r} must be an integer >= 0")
-        if speculative_num_steps < 0:
-            raise ConfigError(f"speculative_num_steps = {speculative_num_steps} must be >= 0 (0 = no speculation)")
-        self.speculative_num_steps = speculative_num_steps
+        self.speculative_num_steps = speculative_num_steps = cfg.speculative_num_steps
         if speculative_num_steps and draft is None:
             if self.model_dir is None:
                 raise ConfigError("speculative decoding needs the MTP draft: pass draft= (load_draft) with the model")
             from dsakv.model.loader import load_draft
 
-            draft = load_draft(self.model_dir, dtype=dtype)
+            draft = load_draft(self.model_dir, dtype=getattr(torch, cfg.dtype))
         self.draft = draft if speculative_num_steps else None
         if layout is not None and self.draft is not None:
             raise ConfigError("speculative decoding with an injected layout is not supported (PD roles: not yet)")
-        self.layout = layout or KVLayout(
-            self.spec,
-            elide=elide,
-            kv_format=kv_format,
-            index_format=index_format,
-            page_size=page_size,
-            draft_layers=1 if self.draft is not None else 0,
-        )
+        self.layout = layout or cfg.layout.layout(self.spec, draft_layers=cfg.draft_layers)
         page_size = self.layout.page_size
-        if num_pages is not None and max_tokens is not None:
-            raise ConfigError(f"give num_pages ({num_pages}) or max_tokens ({max_tokens}), not both")
-        if num_pages is None:
-            tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-            if tokens < 1:
-                raise ConfigError(f"max_tokens = {tokens} must be >= 1")
-            num_pages = -(-tokens // page_size)
+        num_pages = cfg.pool.pages([self.layout])
         self.pool = DevicePool(self.layout, num_pages, device=self.model.device)
         self.allocator = PageAllocator(num_pages, name="device pool")
         # prefix cache (dsakv.cache.hicache): any host-tier or disk option turns it on
         self.prefix_cache: PrefixCache | None = prefix_cache
-        if hicache_disk_size is not None and not hicache_disk_dir:
-            raise ConfigError(f"hicache_disk_size = {hicache_disk_size} B needs hicache_disk_dir (the disk tier)")
-        on = enable_prefix_cache or hicache_ratio is not None or hicache_size is not None or hicache_disk_dir
-        if on or hicache_storage is not None:
+        if cfg.cache.disk_size is not None and not cfg.cache.disk_dir:
+            raise ConfigError(f"hicache_disk_size = {cfg.cache.disk_size} B needs hicache_disk_dir (the disk tier)")
+        if cfg.cache.enabled:
             if prefix_cache is not None:
                 raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
-            from dsakv.cache.hicache import HiCache, HiCacheConfig, model_fingerprint
+            from dsakv.cache.hicache import HiCache, model_fingerprint
 
-            hc = HiCacheConfig(
-                hicache_ratio=hicache_ratio,
-                hicache_size=hicache_size,
-                layout=hicache_layout,
-                write_policy=hicache_write_policy,
-                selective_threshold=hicache_selective_threshold,
-                disk_dir=str(hicache_disk_dir) if hicache_disk_dir else None,
-                disk_size=hicache_disk_size,
-                model_hash=model_fingerprint(self.model, self.model_dir)
-                if hicache_disk_dir or hicache_storage is not None
-                else None,
-                storage=hicache_storage,  # a StorageConfig (cache/storage): the mooncake tier
-            )
-            self.prefix_cache = HiCache(self.pool, self.allocator, hc)
+            stored = cfg.cache.disk_dir or cfg.cache.storage is not None
+            model_hash = model_fingerprint(self.model, self.model_dir) if stored else None
+            self.prefix_cache = HiCache(self.pool, self.allocator, cfg.cache.hicache(model_hash))
         max_pos = self.spec.raw.get("max_position_embeddings")
         self.max_seq_len: int | None = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
         self.scheduler = Scheduler(
             self.allocator,
             page_size,
-            max_batch_tokens=max_batch_tokens,
-            max_running_requests=max_running_requests,
+            max_batch_tokens=cfg.scheduler.max_batch_tokens,
+            max_running_requests=cfg.scheduler.max_running_requests,
             max_seq_len=self.max_seq_len,
             prefix_cache=self.prefix_cache,
         )
@@ -231,7 +198,7 @@ class Engine:
             else read_eos_token_ids(self.spec, self.model_dir)
         )
         self.check_every_step = check_every_step
-        self._rng = random.Random(seed)
+        self._rng = random.Random(cfg.seed)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._lock = threading.RLock()

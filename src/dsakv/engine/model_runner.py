@@ -22,6 +22,7 @@ import torch
 from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.model.batch import ForwardBatch
+from dsakv.util import ceil_div
 
 
 class StepModel(Protocol):
@@ -35,10 +36,10 @@ def build_batch(chunks: Sequence[ScheduledChunk], page_size: int) -> ForwardBatc
     ends = np.array([c.end for c in chunks], dtype=np.int64)
     starts = np.array([c.start for c in chunks], dtype=np.int64)
     max_len = int(ends.max())
-    max_pages = -(-max_len // page_size)
+    max_pages = ceil_div(max_len, page_size)
     page_table = np.full((len(chunks), max_pages), -1, dtype=np.int64)
     for b, c in enumerate(chunks):
-        pages = c.request.page_ids[: -(-c.end // page_size)]
+        pages = c.request.page_ids[: ceil_div(c.end, page_size)]
         page_table[b, : len(pages)] = pages
     t = np.arange(max_len, dtype=np.int64)
     slot_table = page_table[:, t // page_size] * page_size + t % page_size

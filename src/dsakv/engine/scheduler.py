@@ -85,6 +85,7 @@ from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.engine.request import FinishReason, Request, RequestStatus
 from dsakv.engine.sampling import stop_reason
 from dsakv.errors import CapacityError, ConfigError, NoFreePages
+from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class SchedulerOutput:
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+    return ceil_div(tokens, page_size)
 
 
 class Scheduler:

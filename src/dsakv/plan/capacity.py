@@ -17,6 +17,7 @@ from dsakv.plan.hisparse import HISPARSE_ROLES, HiSparseFigures, check_buffer_si
 from dsakv.plan.weights import stage_weight_bytes, weight_format_for
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util import ceil_div
 
 ROLES = ("colocated", "prefill", "decode")
 DRAFT_PLACEMENTS = ("every", "last")
@@ -36,7 +37,7 @@ def max_total_num_tokens(budget_bytes: int, layout: KVLayout) -> int:
 
 
 def pages_for_tokens(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+    return ceil_div(tokens, page_size)
 
 
 def even_partition(num_layers: int, pp: int) -> tuple[int, ...]:

@@ -17,11 +17,13 @@ Page of an fp8-656 MLA KV buffer, one row per token:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from dsakv.errors import ConfigError
 from dsakv.spec.model import ModelSpec
+from dsakv.util import Registry, ceil_div
 
 DEFAULT_PAGE_SIZE = 64
 QUANT_GROUP = 128
@@ -52,39 +54,46 @@ class BufferKey:
 
 
 def _groups(dim: int) -> int:
-    return -(-dim // QUANT_GROUP)
+    return ceil_div(dim, QUANT_GROUP)
+
+
+# Row formats by name -> bytes per token. KV: f(kv_lora_rank, rope_dim); index-K: f(index_head_dim).
+KV_FORMAT_BYTES: Registry[Callable[[int, int], int]] = Registry(
+    "KV format", flag="--kv-format", unknown="unknown KV format {name!r}: use one of {choices}"
+)
+INDEX_FORMAT_BYTES: Registry[Callable[[int], int]] = Registry(
+    "index-K format", flag="--index-format", unknown="unknown index-K format {name!r}: use one of {choices}"
+)
+# 512 fp8 + 4 fp32 scales + 64 bf16 rope = 656 for DeepSeek/GLM
+KV_FORMAT_BYTES.add("fp8-656", lambda rank, rope: rank + 4 * _groups(rank) + 2 * rope)
+KV_FORMAT_BYTES.add("fp8-576", lambda rank, rope: rank + rope)  # plain fp8 latent + fp8 rope
+KV_FORMAT_BYTES.add("bf16", lambda rank, rope: 2 * (rank + rope))
+KV_FORMAT_BYTES.add("fp32", lambda rank, rope: 4 * (rank + rope))
+
+
+def _fp4_index_bytes(d: int) -> int:
+    if d % 2:
+        raise ConfigError(f"index format 'fp4-68' needs an even index_head_dim, got {d}")
+    return d // 2 + 4 * _groups(d)  # 128 fp4 (64 B) + one fp32 scale per 128 values
+
+
+INDEX_FORMAT_BYTES.add("fp8-132", lambda d: d + 4 * _groups(d))  # 128 fp8 + one fp32 scale per 128 values
+INDEX_FORMAT_BYTES.add("fp4-68", _fp4_index_bytes)
+INDEX_FORMAT_BYTES.add("bf16", lambda d: 2 * d)
+INDEX_FORMAT_BYTES.add("fp32", lambda d: 4 * d)
+
+KV_FORMATS = KV_FORMAT_BYTES.names()  # ("fp8-656", "fp8-576", "bf16", "fp32")
+INDEX_FORMATS = INDEX_FORMAT_BYTES.names()  # ("fp8-132", "fp4-68", "bf16", "fp32")
 
 
 def kv_bytes_per_token(fmt: str, kv_lora_rank: int, rope_dim: int) -> int:
     """Bytes per token of one layer's MLA latent cache in format `fmt`."""
-    if fmt == "fp8-656":  # 512 fp8 + 4 fp32 scales + 64 bf16 rope = 656 for DeepSeek/GLM
-        return kv_lora_rank + 4 * _groups(kv_lora_rank) + 2 * rope_dim
-    if fmt == "fp8-576":  # plain fp8 latent + fp8 rope
-        return kv_lora_rank + rope_dim
-    if fmt == "bf16":
-        return 2 * (kv_lora_rank + rope_dim)
-    if fmt == "fp32":
-        return 4 * (kv_lora_rank + rope_dim)
-    raise ConfigError(f"unknown KV format {fmt!r}: use one of {', '.join(KV_FORMATS)}")
+    return KV_FORMAT_BYTES.get(fmt)(kv_lora_rank, rope_dim)
 
 
 def index_bytes_per_token(fmt: str, index_head_dim: int) -> int:
     """Bytes per token of one layer's index-K cache in format `fmt`."""
-    if fmt == "fp8-132":  # 128 fp8 + one fp32 scale per 128 values
-        return index_head_dim + 4 * _groups(index_head_dim)
-    if fmt == "fp4-68":  # 128 fp4 (64 B) + one fp32 scale per 128 values
-        if index_head_dim % 2:
-            raise ConfigError(f"index format 'fp4-68' needs an even index_head_dim, got {index_head_dim}")
-        return index_head_dim // 2 + 4 * _groups(index_head_dim)
-    if fmt == "bf16":
-        return 2 * index_head_dim
-    if fmt == "fp32":
-        return 4 * index_head_dim
-    raise ConfigError(f"unknown index-K format {fmt!r}: use one of {', '.join(INDEX_FORMATS)}")
-
-
-KV_FORMATS = ("fp8-656", "fp8-576", "bf16", "fp32")
-INDEX_FORMATS = ("fp8-132", "fp4-68", "bf16", "fp32")
+    return INDEX_FORMAT_BYTES.get(fmt)(index_head_dim)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend", flag="-
 class MooncakeBackend(TransferBackend): ...
 
 BACKENDS.get("nixl")   # ConfigError naming the value, the flag and the choices when unknown
+
+`unknown` rewords that error (fields: what, name, flag, choices), e.g. "host layout {name!r} is unknown: use one
+of {choices}". `names()` is the ordered tuple of names (argparse choices, a public FORMATS tuple).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """An ordered name -> entry map with one error text for unknown names."""
 
-    def __init__(self, what: str, flag: str | None = None) -> None:
+    def __init__(self, what: str, flag: str | None = None, unknown: str | None = None) -> None:
         self.what = what
         self.flag = flag
+        self.unknown = unknown
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -46,10 +50,20 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            where = f" ({self.flag})" if self.flag else ""
-            raise ConfigError(
-                f"unknown {self.what} {name!r}{where}: choose one of {', '.join(self._entries) or '(none)'}"
-            ) from None
+            raise ConfigError(self.unknown_error(name)) from None
+
+    def unknown_error(self, name: object) -> str:
+        """The error text for a name that is not registered."""
+        choices = ", ".join(self._entries) or "(none)"
+        if self.unknown is not None:
+            return self.unknown.format(what=self.what, name=name, flag=self.flag, choices=choices)
+        where = f" ({self.flag})" if self.flag else ""
+        return f"unknown {self.what} {name!r}{where}: choose one of {choices}"
+
+    def check(self, name: str) -> str:
+        """`name` itself if registered, else the ConfigError of get()."""
+        self.get(name)
+        return name
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._entries)

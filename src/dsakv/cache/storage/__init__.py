@@ -10,9 +10,19 @@ from dsakv.cache.storage.base import (
     StorageError,
     chain_hashes,
     layout_identity,
-    make_storage,
     page_checksum,
 )
+from dsakv.spec.layout import KVLayout
+
+
+def make_storage(layout: KVLayout, model_hash: str | None, config: StorageConfig) -> StorageBackend:
+    """The configured backend (imports the backend modules, which register themselves, on first use; here and not
+    in base.py, which they import)."""
+    import dsakv.cache.storage.file  # noqa: F401
+    import dsakv.cache.storage.mooncake  # noqa: F401
+
+    return STORAGE_BACKENDS.get(config.backend)(layout, model_hash, config)
+
 
 __all__ = [
     "STORAGE_BACKENDS",

@@ -237,11 +237,3 @@ class StorageBackend:
 STORAGE_BACKENDS: Registry[Callable[[KVLayout, str | None, StorageConfig], StorageBackend]] = Registry(
     "storage backend", flag="--hicache-storage"
 )
-
-
-def make_storage(layout: KVLayout, model_hash: str | None, config: StorageConfig) -> StorageBackend:
-    """The configured backend (imports its module on first use)."""
-    import dsakv.cache.storage.file  # noqa: F401
-    import dsakv.cache.storage.mooncake  # noqa: F401
-
-    return STORAGE_BACKENDS.get(config.backend)(layout, model_hash, config)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 from dsakv.errors import ConfigError
+from dsakv.util.procs import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -44,24 +45,9 @@ def master_binary() -> str:
 
 
 def free_port(host: str = "127.0.0.1", span: int = 3) -> int:
-    """A port p with p .. p+span-1 free on `host` (the master, its metadata server and its metrics)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            p = int(s.getsockname()[1])
-        if p + span >= 65535:
-            continue
-        ok = True
-        for q in range(p + 1, p + span):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, q))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return p
-    raise RuntimeError("no run of free ports found")
+    """A port p with p .. p+span-1 free on `host` (the master, its metadata server and its metrics): below the
+    ephemeral range, never handed out twice in this process (dsakv.util.procs.free_ports)."""
+    return free_ports(span, host=host)
 
 
 def _listening(host: str, port: int) -> bool:

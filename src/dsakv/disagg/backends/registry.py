@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 from dsakv.disagg.backends.base import TransferBackend
-from dsakv.errors import ConfigError
+from dsakv.util import Registry
 
 DEFAULT_BACKEND = "mooncake"
-BACKENDS: dict[str, type[TransferBackend]] = {}
+BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend")
 
 B = TypeVar("B", bound=type[TransferBackend])
 
@@ -25,18 +25,14 @@ def register_backend(cls: B) -> B:
     """Class decorator: make `cls` available as make_backend(cls.name)."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
-    BACKENDS[cls.name] = cls
+    BACKENDS.add(cls.name, cls)
     return cls
 
 
 def backend_names() -> tuple[str, ...]:
-    return tuple(BACKENDS)
+    return BACKENDS.names()
 
 
 def make_backend(name: str = DEFAULT_BACKEND, **options: Any) -> TransferBackend:
     """Construct the backend registered as `name` with its keyword options."""
-    try:
-        cls = BACKENDS[name]
-    except KeyError:
-        raise ConfigError(f"unknown transfer backend {name!r}: choose one of {', '.join(BACKENDS)}") from None
-    return cls(**options)
+    return BACKENDS.get(name)(**options)

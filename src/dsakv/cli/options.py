@@ -1,0 +1,396 @@
+"""The command-line spelling of the configuration tree (dsakv.engine.config), shared by `serve`, `generate`,
+`demo` and the benches: each option is declared once here, read back into the tree once, and rendered back to
+argv for child processes (the demo's workers, the tests' and benches' clusters).
+
+    add_layout_arguments / add_pool_arguments / add_cache_arguments / add_engine_arguments   (argparse groups)
+    add_speculative_argument                                                                  (serve, generate)
+    add_transfer_arguments / add_pipeline_arguments                                           (serve's roles)
+    config_from_args(args) -> Config      engine_config(args) -> EngineConfig     layout_config(args) ...
+    engine_argv(EngineConfig) -> ["--page-size", "16", ...]                                   (the inverse)
+
+No torch: `dsakv --help` and `dsakv plan` stay light.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from dsakv.cache.storage.base import StorageConfig
+from dsakv.engine.config import (
+    DTYPES,
+    CacheConfig,
+    Config,
+    EngineConfig,
+    LayoutConfig,
+    PipelineConfig,
+    PoolConfig,
+    SchedulerConfig,
+    TransferConfig,
+)
+from dsakv.errors import ConfigError
+from dsakv.plan.units import parse_size
+from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS
+
+# --transfer-backend choices (the registry in dsakv.disagg.backends holds the same names; importing it here would
+# pull the transfer engines into `dsakv --help`; tests/test_layering.py checks the two agree)
+BACKEND_CHOICES = ("mooncake", "nixl", "local")
+
+
+# ---- declaring options ------------------------------------------------------------------------------------------
+
+
+def add_layout_arguments(
+    g: argparse._ActionsContainer, defaults: LayoutConfig = LayoutConfig(), elide: bool = True
+) -> None:
+    """--elide/--no-elide (unless elide=False: a bench that runs both), --kv-format, --index-format, --page-size."""
+    if elide:
+        g.add_argument(
+            "--elide",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.elide,
+            help="index-K only for producer layers (--no-elide: for shared layers too)",
+        )
+    kv_note = ", exact" if defaults.kv_format == "fp32" else ""
+    g.add_argument(
+        "--kv-format",
+        choices=KV_FORMATS,
+        default=defaults.kv_format,
+        help=f"MLA KV row format (default {defaults.kv_format}{kv_note})",
+    )
+    g.add_argument(
+        "--index-format",
+        choices=INDEX_FORMATS,
+        default=defaults.index_format,
+        help=f"index-K format (default {defaults.index_format})",
+    )
+    g.add_argument("--page-size", type=int, default=defaults.page_size, help=f"tokens per page ({defaults.page_size})")
+
+
+def add_pool_arguments(g: argparse._ActionsContainer, kv_budget: bool = True) -> None:
+    """--kv-budget (optional) | --num-pages | --max-tokens, mutually exclusive."""
+    size = g.add_mutually_exclusive_group()
+    if kv_budget:
+        size.add_argument(
+            "--kv-budget", default=None, metavar="SIZE", help="pool bytes, e.g. 64MiB (pages = planner's)"
+        )
+    size.add_argument("--num-pages", type=int, default=None, help="pool pages")
+    size.add_argument("--max-tokens", type=int, default=None, help="pool tokens (default 16384)")
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--prefix-cache and the --hicache-* options; returns their group (callers may add to it)."""
+    hc = p.add_argument_group("prefix cache and host tier (HiCache); any --hicache-* option turns the cache on")
+    hc.add_argument("--prefix-cache", action="store_true", help="reuse cached prefixes (device pool only)")
+    hc.add_argument("--hicache-ratio", type=float, default=None, help="host tier = ratio x device pool bytes")
+    hc.add_argument("--hicache-size", default=None, metavar="SIZE", help="host tier bytes, e.g. 2GiB")
+    hc.add_argument("--hicache-layout", default="layer_first", help="host layout: layer_first (default), page_first")
+    hc.add_argument(
+        "--hicache-write-policy",
+        default="write_through",
+        help="write_through (default), write_back (offload on eviction), write_through_selective (after N hits)",
+    )
+    hc.add_argument("--hicache-selective-threshold", type=int, default=2, help="hits before a selective backup")
+    hc.add_argument("--hicache-disk-dir", default=None, metavar="DIR", help="disk tier (survives a restart)")
+    hc.add_argument(
+        "--hicache-disk-size",
+        default=None,
+        metavar="SIZE",
+        help="cap on the disk tier's page files, e.g. 1GiB; least recently used pages are deleted (default: no cap)",
+    )
+    hc.add_argument(
+        "--hicache-storage",
+        default=None,
+        choices=("file", "mooncake"),
+        help="storage (L3) tier: file (page files in --hicache-disk-dir) or mooncake (a Mooncake Store shared by "
+        "every instance on one master; needs a host tier and --mooncake-master). Default: file when "
+        "--hicache-disk-dir is given, else none",
+    )
+    hc.add_argument(
+        "--mooncake-master",
+        default=None,
+        metavar="HOST:PORT",
+        help="Mooncake master of the storage tier (start one with `dsakv store-master --port PORT`)",
+    )
+    hc.add_argument(
+        "--mooncake-metadata",
+        default=None,
+        metavar="URL",
+        help="its HTTP metadata server (default http://HOST:PORT+1/metadata, as dsakv store-master runs it)",
+    )
+    hc.add_argument(
+        "--mooncake-segment-size",
+        default="0",
+        metavar="SIZE",
+        help="memory this instance adds to the store, e.g. 4GiB (default 0: pages live in the store-master's "
+        "memory and outlive this server)",
+    )
+    hc.add_argument("--mooncake-protocol", default="tcp", help="Mooncake transport: tcp (default) or rdma")
+    hc.add_argument("--mooncake-device-names", default="", help="RDMA devices for --mooncake-protocol rdma")
+    hc.add_argument(
+        "--hicache-storage-timeout",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="longest a storage-tier call may delay a request; past it the request computes instead (default 2)",
+    )
+    return hc
+
+
+def add_engine_arguments(
+    g: argparse._ActionsContainer,
+    defaults: SchedulerConfig = SchedulerConfig(),
+    running: bool = True,
+    threads: int | None = None,
+) -> None:
+    """--max-batch-tokens, --max-running-requests (unless running=False), --dtype, --threads."""
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=defaults.max_batch_tokens,
+        help="tokens per step (chunked prefill budget)",
+    )
+    if running:
+        g.add_argument("--max-running-requests", type=int, default=None, help="requests per batch (default 64)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="weights (float32)")
+    default = "torch's choice" if threads is None else str(threads)
+    g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
+
+
+def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> None:
+    """--speculative-num-steps K (EngineConfig.speculative_num_steps); `note` ends its help (what the command adds)."""
+    g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
+        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution" + note,
+    )
+
+
+def add_backend_argument(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--transfer-backend",
+        choices=BACKEND_CHOICES,
+        default="mooncake",
+        help="KV transfer engine (default mooncake; both peers must use the same)",
+    )
+
+
+def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
+    add_backend_argument(g)
+    g.add_argument("--rpc-timeout", type=float, default=5.0, help="bound on every control-plane call (default 5 s)")
+    g.add_argument(
+        "--mooncake-timeout",
+        type=int,
+        default=None,
+        help="mooncake's own per-transfer timeout in seconds (MC_TRANSFER_TIMEOUT, min 5; default 30)",
+    )
+    g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+
+
+def add_pipeline_arguments(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--pp-size", type=int, default=1, help="prefill: pipeline stages, one process each (default 1)")
+    g.add_argument(
+        "--pp-rank",
+        type=int,
+        default=None,
+        help="prefill: run only this stage (default: start all --pp-size stages as child processes)",
+    )
+    g.add_argument(
+        "--pp-partition",
+        default=None,
+        metavar="N,N,..",
+        help="prefill: layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)",
+    )
+    g.add_argument(
+        "--dist-port", type=int, default=None, help="prefill: stage 0's gloo rendezvous port (default --port + pp-size)"
+    )
+    g.add_argument("--stage0-host", default=None, help="prefill: host of stage 0 (default --host)")
+    g.add_argument(
+        "--stage-timeout",
+        type=float,
+        default=10.0,
+        help="prefill: bound on every activation send/receive between stages; a stage silent this long is "
+        "dropped and the pipeline re-forms (default 10 s)",
+    )
+
+
+# ---- reading them back into the tree ----------------------------------------------------------------------------
+
+
+def _size(args: argparse.Namespace, attr: str) -> int | None:
+    text = getattr(args, attr, None)
+    return parse_size(text, "--" + attr.replace("_", "-")) if text else None
+
+
+def layout_config(args: argparse.Namespace, defaults: LayoutConfig = LayoutConfig()) -> LayoutConfig:
+    return LayoutConfig(
+        elide=getattr(args, "elide", defaults.elide),
+        kv_format=getattr(args, "kv_format", defaults.kv_format),
+        index_format=getattr(args, "index_format", defaults.index_format),
+        page_size=getattr(args, "page_size", defaults.page_size),
+    )
+
+
+def pool_config(args: argparse.Namespace) -> PoolConfig:
+    return PoolConfig(
+        num_pages=getattr(args, "num_pages", None),
+        max_tokens=getattr(args, "max_tokens", None),
+        kv_budget=_size(args, "kv_budget"),
+    )
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_batch_tokens=getattr(args, "max_batch_tokens", SchedulerConfig.max_batch_tokens),
+        max_running_requests=getattr(args, "max_running_requests", None),
+    )
+
+
+def storage_config(args: argparse.Namespace) -> StorageConfig | None:
+    """The StorageConfig of --hicache-storage mooncake (None otherwise: the file tier uses --hicache-disk-dir)."""
+    backend = getattr(args, "hicache_storage", None)
+    if backend is None or backend == "file":
+        if backend == "file" and not getattr(args, "hicache_disk_dir", None):
+            raise ConfigError("--hicache-storage file needs --hicache-disk-dir DIR (where the page files go)")
+        if getattr(args, "mooncake_master", None):
+            raise ConfigError("--mooncake-master given without --hicache-storage mooncake: add it, or drop the master")
+        return None
+    if getattr(args, "hicache_disk_dir", None):
+        raise ConfigError("--hicache-disk-dir is the file storage tier: give it or --hicache-storage mooncake")
+    host = getattr(args, "host", None)
+    return StorageConfig(
+        backend=backend,
+        master=args.mooncake_master,
+        metadata=args.mooncake_metadata,
+        segment_bytes=parse_size(args.mooncake_segment_size, "--mooncake-segment-size")
+        if args.mooncake_segment_size not in (None, "0")
+        else 0,
+        protocol=args.mooncake_protocol,
+        device_names=args.mooncake_device_names,
+        local_hostname=host if host and host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1",
+        timeout=args.hicache_storage_timeout,
+    )
+
+
+def storage_pp_error(backend: str, pp_size: int) -> str:
+    """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
+    return (
+        f"--hicache-storage {backend} with --pp-size {pp_size}: only a single-stage prefill can use the storage "
+        "tier (later stages would need their own L3 loads); use --pp-size 1 or drop --hicache-storage"
+    )
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    return CacheConfig(
+        prefix_cache=bool(getattr(args, "prefix_cache", False)),
+        hicache_ratio=getattr(args, "hicache_ratio", None),
+        hicache_size=_size(args, "hicache_size"),
+        layout=getattr(args, "hicache_layout", "layer_first"),
+        write_policy=getattr(args, "hicache_write_policy", "write_through"),
+        selective_threshold=getattr(args, "hicache_selective_threshold", 2),
+        disk_dir=getattr(args, "hicache_disk_dir", None),
+        disk_size=_size(args, "hicache_disk_size"),
+        storage=storage_config(args),
+    )
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        layout=layout_config(args),
+        pool=pool_config(args),
+        scheduler=scheduler_config(args),
+        cache=cache_config(args),
+        dtype=getattr(args, "dtype", "float32"),
+        seed=getattr(args, "seed", None),
+        speculative_num_steps=getattr(args, "speculative_num_steps", 0),
+    )
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(
+        backend=getattr(args, "transfer_backend", "mooncake"),
+        mooncake_timeout=getattr(args, "mooncake_timeout", None),
+        rpc_timeout=getattr(args, "rpc_timeout", 5.0),
+        debug_transfer_delay=getattr(args, "debug_transfer_delay", 0.0),
+    )
+
+
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    from dsakv.plan.capacity import parse_partition
+
+    text = getattr(args, "pp_partition", None)
+    return PipelineConfig(
+        pp_size=getattr(args, "pp_size", 1),
+        pp_rank=getattr(args, "pp_rank", None),
+        partition=parse_partition(str(text)) if text else None,
+        dist_port=getattr(args, "dist_port", None),
+        stage0_host=getattr(args, "stage0_host", None),
+        stage_timeout=getattr(args, "stage_timeout", 10.0),
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The whole tree from parsed argv (options a command does not declare take the tree's defaults)."""
+    return Config(engine=engine_config(args), transfer=transfer_config(args), pipeline=pipeline_config(args))
+
+
+def model_dir_of(args: argparse.Namespace) -> Path:
+    """--model DIR, checked to be a checkpoint directory."""
+    if not args.model:
+        raise ConfigError(f"--role {args.role} needs --model DIR (a checkpoint directory; `dsakv make-tiny DIR`)")
+    d = Path(args.model)
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    return d
+
+
+# ---- rendering the tree back to argv (child processes) ----------------------------------------------------------
+
+
+def layout_argv(layout: LayoutConfig) -> list[str]:
+    return [
+        "--elide" if layout.elide else "--no-elide",
+        *("--kv-format", layout.kv_format, "--index-format", layout.index_format),
+        *("--page-size", str(layout.page_size)),
+    ]
+
+
+def _opt(flag: str, value: Any) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def engine_argv(cfg: EngineConfig, defaults: EngineConfig = EngineConfig()) -> list[str]:
+    """argv that `dsakv serve` reads back into `cfg` (options equal to `defaults` are left out, except the layout,
+    which is always spelled out)."""
+    out = layout_argv(cfg.layout)
+    out += _opt("--num-pages", cfg.pool.num_pages) + _opt("--max-tokens", cfg.pool.max_tokens)
+    out += _opt("--kv-budget", f"{cfg.pool.kv_budget}B" if cfg.pool.kv_budget is not None else None)
+    if cfg.scheduler.max_batch_tokens != defaults.scheduler.max_batch_tokens:
+        out += ["--max-batch-tokens", str(cfg.scheduler.max_batch_tokens)]
+    out += _opt("--max-running-requests", cfg.scheduler.max_running_requests)
+    c, d = cfg.cache, defaults.cache
+    if c.prefix_cache:
+        out.append("--prefix-cache")
+    out += _opt("--hicache-ratio", c.hicache_ratio) + _opt("--hicache-size", c.hicache_size)
+    if c.layout != d.layout:
+        out += ["--hicache-layout", c.layout]
+    if c.write_policy != d.write_policy:
+        out += ["--hicache-write-policy", c.write_policy]
+    if c.selective_threshold != d.selective_threshold:
+        out += ["--hicache-selective-threshold", str(c.selective_threshold)]
+    out += _opt("--hicache-disk-dir", c.disk_dir) + _opt("--hicache-disk-size", c.disk_size)
+    if c.storage is not None:  # the mooncake tier (its local hostname follows the child's --host)
+        st = c.storage
+        out += ["--hicache-storage", st.backend, *_opt("--mooncake-master", st.master)]
+        out += _opt("--mooncake-metadata", st.metadata) + ["--mooncake-segment-size", f"{st.segment_bytes}B"]
+        out += ["--mooncake-protocol", st.protocol, "--hicache-storage-timeout", str(st.timeout)]
+        out += _opt("--mooncake-device-names", st.device_names or None)
+    if cfg.dtype != defaults.dtype:
+        out += ["--dtype", cfg.dtype]
+    if cfg.speculative_num_steps != defaults.speculative_num_steps:
+        out += ["--speculative-num-steps", str(cfg.speculative_num_steps)]
+    return out + _opt("--seed", cfg.seed)

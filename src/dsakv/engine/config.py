@@ -1,0 +1,265 @@
+"""The configuration tree: every option a process of dsakv runs with, as frozen dataclasses, built once.
+
+    Config
+    ├── engine: EngineConfig          what an Engine (colocated, decode) or a prefill stage runs with
+    │   ├── layout: LayoutConfig      elide, kv_format, index_format, page_size  -> KVLayout per layer range
+    │   ├── pool: PoolConfig          num_pages | max_tokens | kv_budget          -> pages (planner's figure)
+    │   ├── scheduler: SchedulerConfig  max_batch_tokens, max_running_requests
+    │   ├── cache: CacheConfig        prefix cache + host tier + disk tier         -> HiCacheConfig
+    │   └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
+    ├── transfer: TransferConfig      KV transfer backend and control-plane bounds (disaggregated roles)
+    └── pipeline: PipelineConfig      PP prefill: stages, partition, rendezvous, stage timeout
+
+`dsakv.cli.options` builds the tree from argv (`serve`, `generate`, `demo` and the benches share it) and
+renders it back to argv for child processes. `Engine(model, config)` takes the engine branch; the flat keyword
+spelling `Engine(model, page_size=4, max_tokens=64)` goes through `EngineConfig.from_options`, the one table
+that maps those names onto the tree. The transfer and pipeline branches are plain data the disaggregated roles
+read; this module imports only spec and plan (no torch), so building a tree stays light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from dsakv.errors import ConfigError
+from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
+from dsakv.util import ceil_div
+
+if TYPE_CHECKING:
+    from dsakv.cache.hicache import HiCacheConfig
+    from dsakv.cache.storage.base import StorageConfig
+    from dsakv.spec.model import ModelSpec
+
+DEFAULT_MAX_TOKENS = 16384
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """What a pool stores per token: index-K elision and the row formats, in pages of `page_size` tokens."""
+
+    elide: bool = True
+    kv_format: str = "fp32"
+    index_format: str = "fp32"
+    page_size: int = DEFAULT_PAGE_SIZE
+
+    def layout(
+        self, spec: ModelSpec, layer_start: int = 0, layer_end: int | None = None, draft_layers: int = 0
+    ) -> KVLayout:
+        """The KVLayout of the main layers [layer_start, layer_end) (all of them by default), plus `draft_layers`
+        MTP draft layers (1 when the engine speculates)."""
+        return KVLayout(
+            spec,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            elide=self.elide,
+            kv_format=self.kv_format,
+            index_format=self.index_format,
+            page_size=self.page_size,
+            draft_layers=draft_layers,
+        )
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Device pool size: at most one of `num_pages`, `max_tokens` or `kv_budget` (bytes; pages as the planner
+    sizes a pool, floored to whole pages). None of them: DEFAULT_MAX_TOKENS tokens."""
+
+    num_pages: int | None = None
+    max_tokens: int | None = None
+    kv_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_pages is not None and self.max_tokens is not None:
+            raise ConfigError(f"give num_pages ({self.num_pages}) or max_tokens ({self.max_tokens}), not both")
+        if self.kv_budget is not None and (self.num_pages is not None or self.max_tokens is not None):
+            raise ConfigError(
+                f"give kv_budget ({self.kv_budget} B) or num_pages / max_tokens, not both (--kv-budget sizes the "
+                "pool as the planner does)"
+            )
+
+    def pages_given(self, layouts: Sequence[KVLayout]) -> int | None:
+        """Pages the options name, or None when none was given. With `kv_budget`, every layout (one per PP stage)
+        gets the same count: the minimum over them of the planner's figure."""
+        if self.kv_budget is not None:
+            from dsakv.plan.capacity import max_total_num_tokens
+
+            return min(max_total_num_tokens(self.kv_budget, lay) // lay.page_size for lay in layouts)
+        if self.num_pages is not None:
+            return self.num_pages
+        if self.max_tokens is not None:
+            return self.pages_for_tokens(self.max_tokens, layouts[0].page_size)
+        return None
+
+    def pages(self, layouts: Sequence[KVLayout]) -> int:
+        """Pages of the pool: `pages_given`, else enough for DEFAULT_MAX_TOKENS."""
+        given = self.pages_given(layouts)
+        return self.pages_for_tokens(DEFAULT_MAX_TOKENS, layouts[0].page_size) if given is None else given
+
+    @staticmethod
+    def pages_for_tokens(tokens: int, page_size: int) -> int:
+        if tokens < 1:
+            raise ConfigError(f"max_tokens = {tokens} must be >= 1")
+        return ceil_div(tokens, page_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_tokens: int = 512  # tokens per step (the chunked-prefill budget)
+    max_running_requests: int | None = None  # requests per batch (None: the scheduler's default)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Prefix cache (`prefix_cache`) and its host / disk tiers; any tier option turns the cache on."""
+
+    prefix_cache: bool = False
+    hicache_ratio: float | None = None  # host pool = ratio x device pool bytes
+    hicache_size: int | None = None  # or host pool bytes
+    layout: str = "layer_first"  # host layout (dsakv.cache.host_pool.HOST_LAYOUTS)
+    write_policy: str = "write_through"  # dsakv.cache.write_policy.WRITE_POLICIES
+    selective_threshold: int = 2
+    disk_dir: str | None = None
+    disk_size: int | None = None  # disk tier cap in bytes; None = unbounded
+    storage: StorageConfig | None = None  # the mooncake storage (L3) tier (the file tier is disk_dir)
+
+    @property
+    def host_tier(self) -> bool:
+        return self.hicache_ratio is not None or self.hicache_size is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefix_cache or self.host_tier or bool(self.disk_dir) or self.storage is not None
+
+    def hicache(self, model_hash: str | None = None) -> HiCacheConfig:
+        """The cache layer's own options (validated there: layout, write policy, sizes)."""
+        from dsakv.cache.hicache import HiCacheConfig
+
+        return HiCacheConfig(
+            hicache_ratio=self.hicache_ratio,
+            hicache_size=self.hicache_size,
+            layout=self.layout,
+            write_policy=self.write_policy,
+            selective_threshold=self.selective_threshold,
+            disk_dir=str(self.disk_dir) if self.disk_dir else None,
+            disk_size=self.disk_size,
+            model_hash=model_hash,
+            storage=self.storage,
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    dtype: str = "float32"  # weights: float32 | bfloat16
+    seed: int | None = None  # seed for requests that give none
+    speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+        k = self.speculative_num_steps
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise ConfigError(f"speculative_num_steps = {k!r} must be an integer >= 0")
+        if k < 0:
+            raise ConfigError(f"speculative_num_steps = {k} must be >= 0 (0 = no speculation)")
+
+    @property
+    def draft_layers(self) -> int:
+        """MTP draft layers the pool holds: 1 when the engine speculates (its layout's `draft_layers`)."""
+        return 1 if self.speculative_num_steps else 0
+
+    # The flat keyword spelling (Engine(model, page_size=4, ...), DecodeConfig.engine): name -> (branch, field).
+    OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
+        "elide": ("layout", "elide"),
+        "kv_format": ("layout", "kv_format"),
+        "index_format": ("layout", "index_format"),
+        "page_size": ("layout", "page_size"),
+        "num_pages": ("pool", "num_pages"),
+        "max_tokens": ("pool", "max_tokens"),
+        "kv_budget": ("pool", "kv_budget"),
+        "max_batch_tokens": ("scheduler", "max_batch_tokens"),
+        "max_running_requests": ("scheduler", "max_running_requests"),
+        "enable_prefix_cache": ("cache", "prefix_cache"),
+        "hicache_ratio": ("cache", "hicache_ratio"),
+        "hicache_size": ("cache", "hicache_size"),
+        "hicache_layout": ("cache", "layout"),
+        "hicache_write_policy": ("cache", "write_policy"),
+        "hicache_selective_threshold": ("cache", "selective_threshold"),
+        "hicache_disk_dir": ("cache", "disk_dir"),
+        "hicache_disk_size": ("cache", "disk_size"),
+        "hicache_storage": ("cache", "storage"),
+        "dtype": ("", "dtype"),
+        "seed": ("", "seed"),
+        "speculative_num_steps": ("", "speculative_num_steps"),
+    }
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The tree from the flat keyword names of OPTIONS (dtype may be a torch.dtype or its name)."""
+        unknown = sorted(set(options) - set(cls.OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}: use {', '.join(cls.OPTIONS)}")
+        branches: dict[str, dict[str, Any]] = {"layout": {}, "pool": {}, "scheduler": {}, "cache": {}, "": {}}
+        for name, value in options.items():
+            branch, attr = cls.OPTIONS[name]
+            if attr == "dtype" and not isinstance(value, str):
+                value = str(value).removeprefix("torch.")
+            if attr == "disk_dir" and isinstance(value, Path):
+                value = str(value)
+            branches[branch][attr] = value
+        return cls(
+            layout=LayoutConfig(**branches["layout"]),
+            pool=PoolConfig(**branches["pool"]),
+            scheduler=SchedulerConfig(**branches["scheduler"]),
+            cache=CacheConfig(**branches["cache"]),
+            **branches[""],
+        )
+
+    def options(self) -> dict[str, Any]:
+        """The flat keyword spelling of this tree (inverse of from_options; defaults included)."""
+        return {
+            name: getattr(getattr(self, branch) if branch else self, attr)
+            for name, (branch, attr) in self.OPTIONS.items()
+        }
+
+    def with_options(self, **options: Any) -> EngineConfig:
+        """A copy with some flat options replaced."""
+        return EngineConfig.from_options(**{**self.options(), **options})
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """KV transfer and control plane of the disaggregated roles."""
+
+    backend: str = "mooncake"  # dsakv.disagg.backends registry name
+    mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
+    rpc_timeout: float = 5.0  # bound on every control-plane call
+    debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline-parallel prefill: stage k of a worker at --port P listens on P + k."""
+
+    pp_size: int = 1
+    pp_rank: int | None = None  # None: start every stage as a child process
+    partition: tuple[int, ...] | None = None  # layers per stage (None: even split, earlier stages larger)
+    dist_port: int | None = None  # gloo rendezvous on stage 0 (None: port + pp_size)
+    stage0_host: str | None = None
+    stage_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """The root of the tree."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)

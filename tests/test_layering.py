@@ -1,0 +1,187 @@
+"""The import graph of src/dsakv: no cycle between modules, and no import against the layer order
+
+    util, errors < spec < plan < cache < model < engine < disagg < serve < testing < cli (and __main__)
+
+(a module may import its own layer and the layers below it). Every `import` counts, at module level, inside
+functions and under TYPE_CHECKING alike: a lazy import hides a dependency from the interpreter, not from the
+design. Read with ast; nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+LAYERS = ("util", "spec", "plan", "cache", "model", "engine", "disagg", "serve", "testing", "cli")
+RANK = {name: i for i, name in enumerate(LAYERS)} | {"errors": 0, "__main__": len(LAYERS)}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((SRC / "dsakv").rglob("*.py"))}
+
+
+def layer(mod: str) -> str:
+    """The layer of dsakv.X.Y... is X (dsakv itself, the version string, sits at the bottom)."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "errors"
+
+
+def imports_of(mod: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
+    """(imported dsakv module, line) for every import statement in the file, resolved to the deepest module."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[tuple[str, int]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from pkg import sub` imports the submodule pkg.sub where it is one
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "dsakv" or name.startswith("dsakv."):
+                while name not in known and "." in name:  # `import dsakv.x.y.Class`-like spellings
+                    name = name.rpartition(".")[0]
+                out.add((name, node.lineno))
+    return out
+
+
+def graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = modules()
+    known = set(mods)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    violations = []
+    for mod, path in mods.items():
+        for target, line in sorted(imports_of(mod, path, known)):
+            if target == mod:
+                continue
+            edges[mod].add(target)
+            src_layer, dst_layer = layer(mod), layer(target)
+            if RANK[dst_layer] > RANK[src_layer]:
+                violations.append(
+                    f"{path.relative_to(SRC)}:{line}: {mod} ({src_layer}) imports {target} ({dst_layer}), "
+                    f"a higher layer (order: {' < '.join(LAYERS)})"
+                )
+    return edges, violations
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    unknown = sorted({layer(m) for m in modules()} - set(RANK))
+    assert not unknown, f"packages {unknown} are in no layer: add them to LAYERS in {Path(__file__).name}"
+
+
+def test_no_import_against_the_layer_order():
+    _edges, violations = graph()
+    assert not violations, "\n".join(violations)
+
+
+def test_no_import_cycle_between_modules():
+    edges, _ = graph()
+    found = cycles(edges)
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_sees_lazy_relative_and_from_imports(tmp_path):
+    """The walk finds function-level, `from pkg import submodule` and relative imports (so the tests above can
+    fail), and the cycle finder reports a two-module cycle."""
+    known = {"dsakv.cli.serve_cmd", "dsakv.cli.disagg_roles", "dsakv.cli", "dsakv.engine.engine", "dsakv.cli.x"}
+    f = tmp_path / "x.py"
+    f.write_text(
+        "from dsakv.cli import disagg_roles\n"
+        "from . import serve_cmd\n"
+        "def run():\n"
+        "    import dsakv.engine.engine\n"
+        "    from dsakv.engine.engine import Engine\n"
+    )
+    got = imports_of("dsakv.cli.x", f, known)
+    assert got == {
+        ("dsakv.cli.disagg_roles", 1),
+        ("dsakv.cli.serve_cmd", 2),
+        ("dsakv.engine.engine", 4),
+        ("dsakv.engine.engine", 5),
+    }
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_cli_backend_choices_are_the_registry():
+    """cli/options.py spells the --transfer-backend choices without importing the transfer layer (so
+    `dsakv --help` stays light); they must be the registry's names."""
+    from dsakv.cli.options import BACKEND_CHOICES
+    from dsakv.disagg.backends import backend_names
+
+    assert set(BACKEND_CHOICES) == set(backend_names()) == {"local", "mooncake", "nixl"}
+
+
+def test_subcommands_load_lazily():
+    """`dsakv --help` imports no subcommand module; `dsakv plan` only plan's (and never torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io; from dsakv.cli import main as m\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try: m.main(['--help'])\n"
+        "    except SystemExit: pass\n"
+        "assert 'serve' in out.getvalue() and 'make-tiny' in out.getvalue(), out.getvalue()\n"
+        "cmds = sorted(n for n in sys.modules if n.startswith('dsakv.cli.') and n.endswith('_cmd'))\n"
+        "assert cmds == [], cmds\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    assert m.main(['plan', 'glm-5.2', '--kv-budget', '1GiB']) == 0\n"
+        "cmds = sorted(n for n in sys.modules if n.startswith('dsakv.cli.') and n.endswith('_cmd'))\n"
+        "assert cmds == ['dsakv.cli.plan_cmd'], cmds\n"
+        "heavy = [n for n in ('torch', 'dsakv.engine.engine', 'dsakv.serve.app') if n in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
