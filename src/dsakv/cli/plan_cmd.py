@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     host = p.add_argument_group("host tier (HiCache)")
     host.add_argument("--hicache-ratio", type=float, help="host pool = ratio x device pool bytes")
     host.add_argument("--hicache-size", help="host pool bytes per GPU, e.g. 128GiB")
+    host.add_argument(
+        "--hicache-storage-size",
+        help="L3 storage bytes for this deployment's pages (Mooncake Store / page files), e.g. 1TiB: tokens it holds",
+    )
     hs = p.add_argument_group("HiSparse (decode keeps index-K for every token, KV rows on the host)")
     hs.add_argument(
         "--hisparse-ratio",
@@ -92,6 +96,9 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         tp=args.tp,
         hicache_ratio=args.hicache_ratio,
         hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
+        hicache_storage_size=parse_size(args.hicache_storage_size, "--hicache-storage-size")
+        if args.hicache_storage_size
+        else None,
         hisparse_ratio=args.hisparse_ratio,
         hisparse_buffer=args.hisparse_buffer,
     )
@@ -125,6 +132,10 @@ def print_plan(rp: RolePlan, title: str, file: TextIO | None = None) -> None:
     if show_host:
         t.add_column("host tokens dense", justify="right")
         t.add_column("host tokens elided", justify="right")
+    show_storage = any(s.storage_tokens_elided is not None for s in rp.stages)
+    if show_storage:
+        t.add_column("L3 tokens dense", justify="right")
+        t.add_column("L3 tokens elided", justify="right")
     for s in rp.stages:
         mark = "◀ binding" if s.stage == rp.binding_elided and d.pp > 1 else ""
         layers = f"{s.layer_start}-{s.layer_end - 1}" + (f" +{s.draft_layers} draft" if s.draft_layers else "")
@@ -141,6 +152,8 @@ def print_plan(rp: RolePlan, title: str, file: TextIO | None = None) -> None:
         ]
         if show_host:
             row += [f"{s.host_tokens_dense or 0:,}", f"{s.host_tokens_elided or 0:,}"]
+        if show_storage:
+            row += [f"{s.storage_tokens_dense or 0:,}", f"{s.storage_tokens_elided or 0:,}"]
         t.add_row(*row)
     console.print(t)
     console.print(

@@ -92,6 +92,8 @@ class Deployment:
     tp: int = 1
     hicache_ratio: float | None = None
     hicache_size: int | None = None
+    # L3 (cache/storage: Mooncake Store or page files): bytes of storage this stage's pages may fill
+    hicache_storage_size: int | None = None
     hisparse_ratio: float | None = None
     hisparse_buffer: int | None = None
     # "every": each PP stage holds the draft layers (the seeds' accounting); "last": only the last stage, where
@@ -196,6 +198,9 @@ class StagePlan:
     host_tokens_dense: int | None = None
     host_tokens_elided: int | None = None
     host_bytes: int | None = None
+    storage_bytes: int | None = None
+    storage_tokens_dense: int | None = None
+    storage_tokens_elided: int | None = None
     hisparse_dense: HiSparseFigures | None = None
     hisparse_elided: HiSparseFigures | None = None
 
@@ -225,6 +230,9 @@ class StagePlan:
             "host_bytes": self.host_bytes,
             "host_tokens_dense": self.host_tokens_dense,
             "host_tokens_elided": self.host_tokens_elided,
+            "storage_bytes": self.storage_bytes,
+            "storage_tokens_dense": self.storage_tokens_dense,
+            "storage_tokens_elided": self.storage_tokens_elided,
             **self._hisparse_dict(),
         }
 
@@ -344,6 +352,26 @@ def host_tokens(d: Deployment, layout: KVLayout, device_tokens: int) -> tuple[in
     return host_bytes, int(pages * layout.page_size)
 
 
+# Every stored page (either storage backend) is its payload (exactly layout.bytes_per_page: the layout's keys,
+# INDEX_K only for producers) plus one record of this many bytes (cache/storage/base.py META: magic, layout id,
+# page hash, payload size, checksum); tests/test_plan_storage.py checks the two agree.
+STORAGE_RECORD_BYTES = 104
+
+
+def storage_tokens(d: Deployment, layout: KVLayout) -> int | None:
+    """Tokens the L3 tier holds for this layout: whole pages of payload + record in `hicache_storage_size`."""
+    if d.hicache_storage_size is None:
+        return None
+    per_page = layout.bytes_per_page + STORAGE_RECORD_BYTES
+    pages = d.hicache_storage_size // per_page
+    if pages < 1:
+        raise CapacityError(
+            f"--hicache-storage-size {d.hicache_storage_size} B holds no page ({per_page} B per stored page for "
+            f"layers {layout.describe_range()}): raise it to at least {per_page} B"
+        )
+    return int(pages * layout.page_size)
+
+
 def plan_stage(d: Deployment, stage: int) -> StagePlan:
     dense, elided = d.layout(stage, elide=False), d.layout(stage, elide=True)
     budget, weights = d.stage_budget(stage)
@@ -371,6 +399,9 @@ def plan_stage(d: Deployment, stage: int) -> StagePlan:
         host_tokens_dense=htd,
         host_tokens_elided=hte,
         host_bytes=hb2 if hb2 is not None else hb,
+        storage_bytes=d.hicache_storage_size,
+        storage_tokens_dense=storage_tokens(d, dense),
+        storage_tokens_elided=storage_tokens(d, elided),
         hisparse_dense=hs_dense,
         hisparse_elided=hs_elided,
     )

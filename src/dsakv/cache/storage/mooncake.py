@@ -5,7 +5,7 @@ Per page `h` (chain hash, see base.py) two objects, under `dsakv/<layout_id>/<h>
     <key>        the payload: the page's buffers in layout order, exactly layout.bytes_per_page bytes
                  (put with batch_put_from_multi_buffers straight from the host pool's pages: one object per
                  page whatever the host layout, no staging copy)
-    <key>.meta   72 B record written after the payload: magic, layout_id, h, payload bytes, checksum
+    <key>.meta   104 B record (base.META) written after the payload: magic, layout_id, h, payload bytes, checksum
 
 A page is stored iff both exist (a writer that dies between the two left no hit). A read fetches the records,
 refuses any of another identity or size, reads the payloads straight into host-pool pages (batch_get_into_
