@@ -386,12 +386,7 @@ class Engine:
                         if lp is not None:
                             chunks[i].request.output_logprobs.append(lp)
             except Exception as e:  # the step failed: its requests finish with the error, pages come back
-                log.exception("model step failed for %d requests", len(chunks))
-                failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
-                outputs.extend(RequestOutput.of(r, 0) for r in failed)
-                if self.check_every_step:
-                    self.check_integrity()
-                return outputs
+                return self._fail_step(sched, outputs, e, "model")
             for c in chunks:
                 if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
                     self._decode_tokens += 1
@@ -404,20 +399,25 @@ class Engine:
                 self.check_integrity()
             return outputs
 
+    def _fail_step(self, sched: Any, outputs: list[RequestOutput], e: Exception, what: str) -> list[RequestOutput]:
+        """A step raised: its requests finish with the error and their pages (and draft state) come back."""
+        log.exception("%s step failed for %d requests", what, len(sched.chunks))
+        failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
+        if self.speculator is not None:
+            for r in failed:
+                self.speculator.forget(r.request_id)
+        outputs.extend(RequestOutput.of(r, 0) for r in failed)
+        if self.check_every_step:
+            self.check_integrity()
+        return outputs
+
     def _spec_step(self, sched: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """step() with speculative decoding (engine/speculative.py): draft, verify, accept, roll back."""
         chunks = sched.chunks
         try:
             produced = self.speculator.run(chunks)
         except Exception as e:  # the step failed: its requests finish with the error, pages come back
-            log.exception("speculative step failed for %d requests", len(chunks))
-            failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
-            for r in failed:
-                self.speculator.forget(r.request_id)
-            outputs.extend(RequestOutput.of(r, 0) for r in failed)
-            if self.check_every_step:
-                self.check_integrity()
-            return outputs
+            return self._fail_step(sched, outputs, e, "speculative")
         for c in chunks:
             if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
                 self._decode_tokens += 1 + c.num_draft

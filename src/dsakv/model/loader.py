@@ -123,25 +123,27 @@ def build_model(cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], *, dty
     dcfg = DSAConfig.from_dict(cfg, spec)
     with torch.device("meta"):
         model = DSAModel(dcfg)
-    expected = model.state_dict()
-    sd = _convert(state_dict, spec)
+    _assign(model, _convert(state_dict, spec), dtype, f"checkpoint {name!r} does not match its config", "tensor")
+    return model.eval()
+
+
+def _assign(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype, what: str, kind: str) -> None:
+    """Check `sd` names and shapes against the (meta) `module`, cast (norm-like tensors stay fp32), assign."""
+    expected = module.state_dict()
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing or unexpected:
         raise ConfigError(
-            f"checkpoint {name!r} does not match its config: {len(missing)} missing tensors "
-            f"{missing[:6]}{' ...' if len(missing) > 6 else ''}, {len(unexpected)} unexpected "
-            f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+            f"{what}: {len(missing)} missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+            f"{len(unexpected)} unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
         )
     for k, ref in expected.items():
         if tuple(sd[k].shape) != tuple(ref.shape):
             raise ConfigError(
-                f"checkpoint tensor {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
+                f"checkpoint {kind} {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
             )
-        keep32 = k.endswith(_FP32_SUFFIXES)
-        sd[k] = sd[k].to(torch.float32 if keep32 else dtype).contiguous()
-    model.load_state_dict(sd, strict=True, assign=True)
-    return model.eval()
+        sd[k] = sd[k].to(torch.float32 if k.endswith(_FP32_SUFFIXES) else dtype).contiguous()
+    module.load_state_dict(sd, strict=True, assign=True)
 
 
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[ModelSpec, DSAModel]:
@@ -176,23 +178,11 @@ def build_draft(
     dcfg = DSAConfig.from_dict(cfg, spec)
     with torch.device("meta"):
         draft = MTPDraft(dcfg, num_layers)
-    expected = draft.state_dict()
-    sd = _convert(state_dict, spec, draft_layers=num_layers)
-    missing = sorted(set(expected) - set(sd))
-    unexpected = sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise ConfigError(
-            f"checkpoint {name!r}: its MTP layer(s) {spec.num_layers}..{spec.num_layers + num_layers - 1} do not "
-            f"match the config: {len(missing)} missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
-            f"{len(unexpected)} unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
-        )
-    for k, ref in expected.items():
-        if tuple(sd[k].shape) != tuple(ref.shape):
-            raise ConfigError(
-                f"checkpoint MTP tensor {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
-            )
-        sd[k] = sd[k].to(torch.float32 if k.endswith(_FP32_SUFFIXES) else dtype).contiguous()
-    draft.load_state_dict(sd, strict=True, assign=True)
+    what = (
+        f"checkpoint {name!r}: its MTP layer(s) {spec.num_layers}..{spec.num_layers + num_layers - 1} do not "
+        "match the config"
+    )
+    _assign(draft, _convert(state_dict, spec, draft_layers=num_layers), dtype, what, "MTP tensor")
     return draft.eval()
 
 
