@@ -95,6 +95,7 @@ class PipelineLeader:
         self.ctx = ctx
         self.engine = Engine(
             (ctx.spec, ctx.model),
+            model_dir=cfg.model,  # loaded once by the stage; the checkpoint still names the weights fingerprint
             layout=ctx.layout,
             num_pages=ctx.num_pages,
             max_batch_tokens=cfg.max_batch_tokens,

@@ -115,6 +115,7 @@ class Engine:
         speculative_num_steps: int | None = None,
         draft: Any = None,
         spec_poison_rejected: bool = False,
+        model_dir: str | Path | None = None,
         **options: Any,
     ) -> None:
         """`config` is the engine branch of the configuration tree; or give its flat options instead
@@ -123,14 +124,15 @@ class Engine:
 
         `speculative_num_steps` K > 0 (here or in the tree) turns on MTP speculative decoding: `draft` is the MTP
         layer (default: load_draft from the checkpoint), the pool holds one draft layer's KV / index-K, and
-        `spec_poison_rejected` (testing) writes NaN into rejected positions after each step."""
+        `spec_poison_rejected` (testing) writes NaN into rejected positions after each step. `model_dir` names the
+        checkpoint of an already loaded `(spec, model)` (its generation_config, its cached weights fingerprint)."""
         if config is not None and options:
             raise ConfigError(f"give config or engine options ({', '.join(sorted(options))}), not both")
         cfg = config if config is not None else EngineConfig.from_options(**options)
         if speculative_num_steps is not None:  # the keyword wins over the tree's (validated there)
             cfg = replace(cfg, speculative_num_steps=speculative_num_steps)
         self.config = cfg
-        self.model_dir: Path | None = None
+        self.model_dir: Path | None = Path(model_dir) if model_dir is not None else None
         if isinstance(model, tuple):
             self.spec, self.model = model
         else:
