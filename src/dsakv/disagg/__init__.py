@@ -6,7 +6,7 @@
     make_backend("mooncake" | "nixl" | "local") register / meta / connect / submit / poll / wait
 
 The transfer layer (manifest, compat, transfer_plan, backends, errors) imports only spec and cache. The
-serving roles built on it import dsakv.engine as well: the control plane (messages, lifecycle, wire, router:
+serving roles built on it import dsakv.engine as well: the control plane (messages, lifecycle, wire, router*:
 engine.request / engine.backend, standard library only, no torch) and the workers (prefill_leader: an Engine;
 prefill_follower: engine.sampling; decode_worker: an Engine). Nothing in disagg imports serve or cli.
 
@@ -16,7 +16,9 @@ Serving roles (see docs/architecture.md "disagg: serving roles" for the RPC grap
     worker_service                  RPC service + liveness/health/integrity + threads of every worker
     prefill_worker                  PrefillStage: StageContext + make_role(PipelineLeader | PipelineFollower)
                                     + KvSender (kv_sender)
-    decode_worker, router           DecodeWorker, RouterBackend
+    decode_worker                   DecodeWorker
+    router                          RouterBackend: router_peers (PeerTable), router_requests (RequestBook),
+                                    router_dispatch (Dispatcher), router_events (EventPoller)
 """
 
 from dsakv.disagg.backends import (

@@ -5,6 +5,10 @@
     backend.submit("r1", prompt_ids, SamplingParams(max_new_tokens=16))
     for ev in backend.events("r1", timeout=60): ...      # TokenEvent(new_token_ids, finished, reason, error)
 
+The parts, sharing the router's one lock: PeerTable (router_peers: workers, pairs, side RPCs), RequestBook
+(router_requests: records, queue, counters, token streams), Dispatcher (router_dispatch) and one EventPoller
+thread per decode (router_events). This class checks requests, runs the threads, and reports health/metrics.
+
 Per request (one dispatcher thread):
   1. pick a pair: a healthy decode and a healthy prefill that have handshaken (the health thread asks
      prefill.connect(decode) for every pair, again whenever a decode restarts or a prefill re-forms);
@@ -18,42 +22,33 @@ Per request (one dispatcher thread):
 A decode that stops answering fails all its requests at once with an error naming it; everything else
 (prefill stage loss, transfer timeouts, deadlines) is failed by the decode worker and arrives as an event.
 
-Imports dsakv.disagg.{rpc, messages}, dsakv.engine.request and the serving contract dsakv.serve.backend
-(TokenEvent; standard library only) -- no torch: a router process is light.
+Imports dsakv.disagg.{rpc, messages, router_*}, dsakv.engine.request and the serving contract
+dsakv.engine.backend (TokenEvent; standard library only) -- no torch: a router process is light.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import queue
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dsakv.disagg.errors import IncompatiblePeer, Unavailable
-from dsakv.disagg.lifecycle import ROUTER, Ledger, Phase, RouterRequest, attempt_id
-from dsakv.disagg.messages import (
-    ABORT,
-    EVENTS,
-    PREALLOC,
-    SUBMIT,
-    Abort,
-    EventsQuery,
-    Prealloc,
-    Submit,
-)
+from dsakv.disagg.lifecycle import Phase, RouterRequest
+from dsakv.disagg.messages import ABORT, Abort
+from dsakv.disagg.router_dispatch import Dispatcher
+from dsakv.disagg.router_events import EventPoller
 from dsakv.disagg.router_peers import PeerState, PeerTable
+from dsakv.disagg.router_requests import RequestBook
 from dsakv.disagg.routing import AffinityRule
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError
+from dsakv.disagg.rpc import RpcClient
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
-from dsakv.errors import CapacityError, ConfigError, NoFreePages
+from dsakv.errors import CapacityError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +100,10 @@ class RouterConfig:
 
 
 class RouterBackend:
+    """The router process's backend: a PeerTable (workers, pairs, side RPCs), a RequestBook (the requests and
+    their token streams), a Dispatcher (queue -> pair) and an EventPoller per decode (decode events -> tokens),
+    sharing one lock. This class checks what a client sends, runs the threads and reports health/metrics."""
+
     name = "disaggregated"
 
     def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
@@ -114,28 +113,15 @@ class RouterBackend:
         rule = AffinityRule(cfg.affinity_min_gain_pages, cfg.affinity_max_imbalance)
         self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule)
         self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
-        self._reqs: Ledger[RouterRequest] = Ledger(ROUTER, clock, keep_done=True)  # done: until its events are read
-        self._by_wire: dict[str, RouterRequest] = {}
-        self._queue: deque[str] = deque()
+        self.book = RequestBook(self.peers, self._lock, clock, t.queue)
+        self.counters = self.book.counters
+        self.dispatcher = Dispatcher(self.book, self.peers, t, self._lock)
+        self.poller = EventPoller(self.book, self.peers, t, self._lock)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
         self._rng = random.Random(cfg.seed)
-        self.counters = dict.fromkeys(
-            (
-                "requests_total",
-                "finished_total",
-                "failed_total",
-                "aborted_total",
-                "retries_total",
-                "tokens_total",
-                "routed_affinity_total",
-                "routed_load_total",
-                "routed_matched_pages_total",
-            ),
-            0,
-        )
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -145,10 +131,13 @@ class RouterBackend:
                 return
             self._started = True
         self.poll_health()
-        targets = [(self._health_loop, "router-health"), (self._dispatch_loop, "router-dispatch")]
-        targets += [(self.peers.side_loop, "router-side")]
+        targets: list[tuple[Callable[[], None], str]] = [
+            (self._health_loop, "router-health"),
+            (functools.partial(self.dispatcher.loop, self._stop, self._wake), "router-dispatch"),
+            (self.peers.side_loop, "router-side"),
+        ]
         for addr in self.decodes:
-            targets.append((functools.partial(self._events_loop, addr), f"router-events-{addr}"))
+            targets.append((functools.partial(self.poller.loop, addr, self._stop), f"router-events-{addr}"))
         for fn, name in targets:
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()
@@ -160,7 +149,7 @@ class RouterBackend:
         self._stop.set()
         self._wake.set()
         with self._lock:
-            live = self._live()
+            live = self.book.live()
         for r in live:
             self.abort(r.rid)
         self.peers.stop_side()
@@ -203,44 +192,23 @@ class RouterBackend:
         if params.seed is None and not params.greedy:
             params = replace(params, seed=self._rng.getrandbits(63))  # prefill and decode must draw alike
         with self._lock:
-            if request_id in self._reqs:
-                raise ConfigError(f"request id {request_id!r} is already in use: give each request a unique id")
-            req = self._reqs.add(RouterRequest(rid=request_id, prompt=list(prompt_ids), params=params))
-            req.t_submit = req.since
-            req.deadline = req.since + self.t.queue
-            self._queue.append(request_id)
-            self.counters["requests_total"] += 1
+            self.book.add(request_id, prompt_ids, params)
         self._wake.set()
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
         with self._lock:
-            req = self._reqs.get(request_id)
+            req = self.book.get(request_id)
         if req is None:
             raise ConfigError(f"unknown request id {request_id!r}")
-        return self._iter_events(req, timeout)
-
-    def _iter_events(self, req: RouterRequest, timeout: float) -> Iterator[TokenEvent]:
-        while True:
-            try:
-                ev = req.q.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(
-                    f"request {req.rid}: no token within {timeout:g}s (state {req.phase.value}, decode {req.decode}, "
-                    f"prefill {req.prefill})"
-                ) from None
-            yield ev
-            if ev.finished:
-                with self._lock:
-                    self._reqs.pop(req.rid)
-                return
+        return self.book.stream(req, timeout)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            req = self._reqs.get(request_id)
+            req = self.book.get(request_id)
             if req is None or req.phase is Phase.DONE:
                 return
             wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
-            self._finish(req, "abort", None)
+            self.book.finish(req, "abort", None)
             self.counters["aborted_total"] += 1
         if wire is not None and decode is not None:
             self.peers.post((decode, ABORT, Abort(wire, "aborted by the client")))
@@ -250,7 +218,7 @@ class RouterBackend:
     def record(self, request_id: str) -> RouterRequest | None:
         """The router's lifecycle record of a request (read it, do not change it); None once its events were read."""
         with self._lock:
-            return self._reqs.get(request_id)
+            return self.book.get(request_id)
 
     def health(self) -> dict[str, Any]:
         with self._lock:
@@ -262,8 +230,8 @@ class RouterBackend:
                 "backend": self.name,
                 "pages_used": used,
                 "pages_total": total,
-                "in_flight": len(self._live()),
-                "queued": len(self._queue),
+                "in_flight": len(self.book.live()),
+                "queued": len(self.book.queue),
                 "routing": {
                     "decode": "fewest in flight, then most free pages, then fewest running + waiting",
                     "prefill": "prefix affinity, else fewest in flight (disagg/routing.py)",
@@ -281,8 +249,8 @@ class RouterBackend:
     def metrics(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
-            out["router_in_flight"] = float(len(self._live()))
-            out["router_queued"] = float(len(self._queue))
+            out["router_in_flight"] = float(len(self.book.live()))
+            out["router_queued"] = float(len(self.book.queue))
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
             out["prefill_workers_up"] = float(sum(p.ok for p in self.prefills.values()))
             out["pairs_ready"] = float(len(self.peers.usable_pairs()))
@@ -304,218 +272,25 @@ class RouterBackend:
             caps += [p.health.capacity_tokens - 1 for p in self.prefills.values() if p.health is not None]
         return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
 
-    # ---- bookkeeping -------------------------------------------------------------------------------------
-
-    def _live(self) -> list[RouterRequest]:
-        return self._reqs.in_phase(Phase.QUEUED, Phase.DISPATCHED, Phase.DECODING)
-
-    def _push(
-        self, req: RouterRequest, tokens: list[int], finished: bool, reason: str | None, error: str | None
-    ) -> None:
-        if req.phase is Phase.DONE:
-            return
-        if tokens:
-            req.tokens += len(tokens)
-            self.counters["tokens_total"] += len(tokens)
-            if req.t_first is None:
-                req.t_first = time.monotonic()
-        if finished:
-            self._release_slot(req)
-            self._reqs.move(req, Phase.DONE, error)
-            if reason == "error":
-                self.counters["failed_total"] += 1
-            elif reason != "abort":
-                self.counters["finished_total"] += 1
-        req.q.put(TokenEvent(tuple(tokens), finished, reason, error))
-
-    def _finish(self, req: RouterRequest, reason: str, error: str | None) -> None:
-        self._push(req, [], True, reason, error)
-
-    def _release_slot(self, req: RouterRequest) -> None:
-        if req.wire is not None:
-            self._by_wire.pop(req.wire, None)
-        if req.decode is not None and req.decode in self.decodes and req.phase in (Phase.DISPATCHED, Phase.DECODING):
-            self.decodes[req.decode].inflight -= 1
-        if req.prefill is not None and req.prefill in self.prefills and req.phase is Phase.DISPATCHED:
-            self.prefills[req.prefill].inflight -= 1
-
-    # ---- dispatch ----------------------------------------------------------------------------------------
-
-    def _dispatch_loop(self) -> None:
-        while not self._stop.is_set():
-            placed = self.dispatch_next()
-            if placed is None:
-                self._wake.wait(0.05)
-                self._wake.clear()
-            elif not placed:
-                time.sleep(0.01 if len(self._queue) > 1 else 0.02)
+    # ---- one step of each thread (tests drive these directly) ----------------------------------------------
 
     def dispatch_next(self) -> bool | None:
         """One dispatch attempt for the request at the head of the queue: None if the queue is empty, True if it
         was placed (or finished), False if it went back to the queue (or failed at its queue deadline)."""
-        with self._lock:
-            rid = self._queue.popleft() if self._queue else None
-            req = self._reqs.get(rid) if rid is not None else None
-        if rid is None:
-            return None
-        if req is None or req.phase is not Phase.QUEUED:
-            return True
-        if self._dispatch(req):
-            return True
-        with self._lock:
-            if req.phase is Phase.QUEUED:
-                if self._reqs.now() >= req.deadline:
-                    self._finish(
-                        req,
-                        "error",
-                        f"request {req.rid}: no prefill/decode pair could take it within "
-                        f"{self.t.queue:g}s ({self.peers.why_no_pair()})",
-                    )
-                else:
-                    self._queue.append(req.rid)
-        return False
-
-    def _dispatch(self, req: RouterRequest) -> bool:
-        """One attempt to place `req`; True if it was dispatched (or finished), False to retry later."""
-        choice = self.peers.pick(req.prompt)
-        if choice is None:
-            return False
-        p_addr, d_addr = choice.prefill, choice.decode
-        dec, pre = self.decodes[d_addr], self.prefills[p_addr]
-        with self._lock:
-            req.attempt += 1
-            wire = attempt_id(req.rid, req.attempt)
-        try:
-            res = dec.client.request(
-                PREALLOC,
-                Prealloc(
-                    rid=wire,
-                    prompt_ids=req.prompt,
-                    params=req.params,
-                    prefill=pre.health.name if pre.health is not None else p_addr,
-                    num_stages=pre.num_stages,
-                    kv_timeout=self.t.kv,
-                ),
-            )
-        except PeerUnavailable as e:
-            self.peers.mark_down(dec, str(e))
-            return False
-        except NoFreePages:
-            dec.busy_until = time.monotonic() + self.t.busy_backoff
-            return False
-        except IncompatiblePeer:  # the prefill re-formed and has not handshaken again yet
-            with self._lock:
-                self.pairs[(p_addr, d_addr)].ok = False
-            return False
-        except RpcError as e:
-            with self._lock:
-                self._finish(req, "error", f"decode {d_addr} refused request {req.rid}: {e}")
-            return True
-        with self._lock:
-            if req.phase is not Phase.QUEUED:  # aborted meanwhile
-                self.peers.post((d_addr, ABORT, Abort(wire, "aborted")))
-                return True
-            req.wire, req.decode, req.prefill = wire, d_addr, p_addr
-            self._reqs.move(req, Phase.DISPATCHED)
-            self._by_wire[wire] = req
-            dec.inflight += 1
-            pre.inflight += 1
-        try:
-            pre.client.request(
-                SUBMIT,
-                Submit(
-                    rid=wire,
-                    prompt_ids=req.prompt,
-                    params=req.params,
-                    seed=int(req.params.seed or 0),
-                    decode=d_addr,
-                    decode_boot=res.boot,
-                    dst_pages=res.pages,
-                    kv_timeout=self.t.kv,
-                ),
-            )
-        except RpcError as e:
-            self.peers.post((d_addr, ABORT, Abort(wire, f"prefill {p_addr} refused it: {e}")))
-            with self._lock:
-                if req.phase is Phase.DISPATCHED:
-                    self._release_slot(req)
-                    req.wire, req.decode, req.prefill = None, None, None
-                    self._reqs.move(req, Phase.QUEUED)
-                retry = isinstance(e, (PeerUnavailable, Unavailable))
-                if not retry:
-                    self._finish(req, "error", f"prefill {p_addr} refused request {req.rid}: {e}")
-                    return True
-                self.counters["retries_total"] += 1
-            if isinstance(e, PeerUnavailable):
-                self.peers.mark_down(pre, str(e))
-            else:
-                with self._lock:
-                    pre.ok, pre.error = False, str(e)
-            return False
-        self.peers.sent(choice)
-        with self._lock:
-            self.counters[f"routed_{choice.reason}_total"] += 1
-            self.counters["routed_matched_pages_total"] += choice.matched_pages
-        return True
-
-    # ---- events ---------------------------------------------------------------------------------------------
-
-    def _events_loop(self, addr: str) -> None:
-        client = RpcClient(addr, timeout=self.t.poll_wait + self.t.rpc)
-        while not self._stop.is_set():
-            if not self.poll_events(addr, client, self.t.poll_wait):
-                self._stop.wait(0.05)
+        return self.dispatcher.next()
 
     def poll_events(self, addr: str, client: RpcClient, wait: float) -> bool:
         """One long-poll of decode `addr`'s events (resynchronising its cursor first after a restart); the
         events go to their requests. False if nothing could be asked (the decode is down or failed)."""
-        dec = self.decodes[addr]
-        if not dec.ok:
-            return False
-        try:
-            if not dec.ready:
-                res = client.request(EVENTS, EventsQuery(since=1 << 62, wait=0))
-                with self._lock:
-                    self._fail_decode_requests(dec, f"decode {addr} restarted: its requests were lost")
-                    if res.boot == dec.boot:  # the same process came back: free what it still runs
-                        for wire in dec.orphans:
-                            self.peers.post((addr, ABORT, Abort(wire, "failed by the router")))
-                    dec.orphans.clear()
-                    dec.boot, dec.cursor, dec.ready = res.boot, res.cursor, True
-                return True
-            res = client.request(EVENTS, EventsQuery(since=dec.cursor, wait=wait))
-        except PeerUnavailable as e:
-            self.peers.mark_down(dec, str(e))
-            return False
-        except RpcError as e:
-            log.warning("router: events from %s failed: %s", addr, e)
-            self._stop.wait(0.05)
-            return False
-        with self._lock:
-            if res.boot != dec.boot:
-                dec.ready = False
-                return True
-            for ev in res.events:
-                req = self._by_wire.get(ev.rid)
-                if req is None or req.decode != addr:
-                    continue
-                if req.phase is Phase.DISPATCHED:
-                    pre = self.prefills.get(req.prefill or "")
-                    if pre is not None:
-                        pre.inflight -= 1
-                    self._reqs.move(req, Phase.DECODING)
-                self._push(req, ev.tokens, ev.finished, ev.reason, ev.error)
-            dec.cursor = res.cursor
-        return True
+        return self.poller.poll(addr, client, wait)
 
-    def _fail_decode_requests(self, dec: PeerState, why: str) -> None:
-        for req in list(self._by_wire.values()):
-            if req.decode == dec.addr and req.phase in (Phase.DISPATCHED, Phase.DECODING):
-                if req.wire is not None:
-                    dec.orphans.append(req.wire)
-                self._finish(req, "error", f"request {req.rid}: {why}")
+    def poll_health(self) -> None:
+        """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
+        self.peers.poll_health()
 
-    # ---- health -------------------------------------------------------------------------------------------
+    def drain_side(self) -> int:
+        """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""
+        return self.peers.drain_side()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.t.health_interval):
@@ -524,15 +299,8 @@ class RouterBackend:
             except Exception:
                 log.exception("router: health poll failed")
 
-    def poll_health(self) -> None:
-        """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
-        self.peers.poll_health()
-
     def _decode_down(self, dec: PeerState, why: str) -> None:
-        self._fail_decode_requests(dec, f"decode {dec.addr} is unavailable ({why})")
+        self.book.fail_decode(dec, f"decode {dec.addr} is unavailable ({why})")
 
-    def drain_side(self) -> int:
-        """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""
-        return self.peers.drain_side()
 
-    __all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
+__all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
