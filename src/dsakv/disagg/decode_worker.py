@@ -55,12 +55,15 @@ from dsakv.disagg.messages import (
     StageDone,
     StageDoneReply,
     StageInfo,
+    WireLogprobs,
+    unpack_logprobs,
 )
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.wire import page_list
 from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.engine import Engine
+from dsakv.engine.request import RequestOutput
 from dsakv.errors import ConfigError, NoFreePages
 
 log = logging.getLogger(__name__)
@@ -133,6 +136,8 @@ class DecodeWorker:
         self.events = EventLog()
         self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
         self._suppress: set[str] = set()  # failed while inbound: their abort output is not an event
+        self._choices: dict[str, int] = {}  # n > 1 requests: how many choices (the forks '<rid>/<i>' abort with it)
+        self._forks_left: dict[str, int] = {}  # ... and how many of its forks have not finished
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self.counters = dict.fromkeys(("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes"), 0)
@@ -228,6 +233,9 @@ class DecodeWorker:
         stages = self.registry.stages_of(prefill, n)
         st = self.engine.stats()
         need = -(-(len(prompt) + 1) // st.page_size)
+        if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
+            tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
+            need += (p.params.n - 1) * -(-(tail + 1) // st.page_size)
         if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
             self.counters["busy"] += 1
             raise NoFreePages(
@@ -245,6 +253,9 @@ class DecodeWorker:
             )
             self.inbound.add(inb)
             inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
+            if p.params.n > 1:
+                self._choices[rid] = p.params.n
+                self._forks_left[rid] = p.params.n - 1
             self.counters["prealloc"] += 1
         return Preallocated(pages=page_list(pages), boot=self.boot)
 
@@ -263,6 +274,10 @@ class DecodeWorker:
                 inb.hold_until = max(inb.hold_until, self.inbound.now() + p.quarantine_s)
             if p.first_token is not None:
                 inb.first_token = p.first_token
+                inb.first_logprobs = p.first_logprobs.unpack()[0] if p.first_logprobs is not None else None
+                inb.prompt_logprobs = unpack_logprobs(p.prompt_logprobs)
+            if p.stage == 0:
+                inb.cached_tokens = p.cached_tokens
             waiting = inb.phase is Phase.AWAITING_KV
             if waiting and not ok:
                 self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
@@ -297,12 +312,23 @@ class DecodeWorker:
                     self._fail(inb, why, reason="abort")
                 self._maybe_release(inb)
                 return True
-        return self.engine.abort(rid) is not None
+            if p.choice is not None:  # one choice of an n > 1 request (its stop string matched)
+                return self.engine.abort(rid if p.choice == 0 else f"{rid}/{p.choice}") is not None
+        return self._abort_choices(rid)
+
+    def _abort_choices(self, rid: str) -> bool:
+        """Abort every choice of request `rid`: the forks '<rid>/<i>' first (aborting choice 0 before it forked
+        would queue them as requests of their own)."""
+        found = False
+        for i in range(self._choices.get(rid, 1) - 1, 0, -1):
+            found = self.engine.abort(f"{rid}/{i}") is not None or found
+        return self.engine.abort(rid) is not None or found
 
     # ---- inbound requests ------------------------------------------------------------------------------
 
     def _start(self, inb: InboundKv) -> None:
-        self.engine.start_decode(inb.rid, inb.first_token if inb.first_token is not None else 0)
+        first = inb.first_token if inb.first_token is not None else 0
+        self.engine.start_decode(inb.rid, first, inb.first_logprobs, inb.prompt_logprobs or (), inb.cached_tokens)
         self.inbound.move(inb, Phase.DECODING)
         self.counters["started"] += 1
         self.counters["kv_bytes"] += inb.bytes
@@ -312,6 +338,7 @@ class DecodeWorker:
         self.inbound.move(inb, Phase.FAILED, error)
         self.counters["kv_failed"] += 1
         self._suppress.add(inb.rid)
+        self._suppress.update(f"{inb.rid}/{i}" for i in range(1, self._choices.get(inb.rid, 1)))
         self.events.append(inb.rid, [], True, reason, error if reason == "error" else None)
         log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
 
@@ -321,7 +348,9 @@ class DecodeWorker:
         hard = inb.deadline + self.backend.quarantine_s
         if (inb.settled() and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
             self.inbound.move(inb, Phase.DONE)
-            self.engine.abort(inb.rid)
+            self._abort_choices(inb.rid)
+            self._choices.pop(inb.rid, None)
+            self._forks_left.pop(inb.rid, None)
             self._wake.set()
 
     # ---- loops ---------------------------------------------------------------------------------------
@@ -330,25 +359,55 @@ class DecodeWorker:
         eng = self.engine
         while not self.service.stopping.is_set():
             try:
-                outs = eng.step()
+                outs = self.step_once()
             except Exception:
                 log.exception("decode %s: engine step failed", self.name)
                 time.sleep(0.05)
                 continue
-            for o in outs:
-                if o.request_id in self._suppress:
-                    if o.finished:
-                        self._suppress.discard(o.request_id)
-                    continue
-                self.counters["tokens"] += len(o.new_token_ids)
-                if o.finished:
-                    self.counters["finished"] += 1
-                reason = o.finish_reason.value if o.finish_reason is not None else None
-                self.events.append(o.request_id, list(o.new_token_ids), o.finished, reason, o.error)
             sch = eng.scheduler
             if not outs and not (sch.running or sch.ready or sch.waiting):
                 self._wake.wait(0.005)
                 self._wake.clear()
+
+    def step_once(self) -> int:
+        """One engine step; its outputs become events (the step thread loops on this). Returns how many."""
+        outs = self.engine.step()
+        for o in outs:
+            if o.request_id in self._suppress:
+                if o.finished:
+                    self._suppress.discard(o.request_id)
+                continue
+            self.counters["tokens"] += len(o.new_token_ids)
+            if o.finished:
+                self.counters["finished"] += 1
+            self._event(o)
+        return len(outs)
+
+    def _event(self, o: RequestOutput) -> None:
+        """One engine output as an event of its request (choice i > 0 of an n > 1 request runs as '<rid>/<i>')."""
+        rid, i = o.request_id, o.choice_index
+        if i:
+            rid = rid[: -len(f"/{i}")]
+            if o.finished:
+                with self._lock:
+                    left = self._forks_left.get(rid, 1) - 1
+                    if left > 0:
+                        self._forks_left[rid] = left
+                    else:  # every fork finished: an abort of the request is choice 0's alone now
+                        self._forks_left.pop(rid, None)
+                        self._choices.pop(rid, None)
+        reason = o.finish_reason.value if o.finish_reason is not None else None
+        self.events.append(
+            rid,
+            list(o.new_token_ids),
+            o.finished,
+            reason,
+            o.error,
+            choice=i,
+            logprobs=WireLogprobs.pack(o.new_logprobs) if o.new_logprobs else None,
+            prompt_logprobs=WireLogprobs.pack(o.prompt_logprobs) if o.prompt_logprobs is not None else None,
+            cached_tokens=o.num_cached_tokens if i == 0 else 0,
+        )
 
     def check_deadlines(self) -> None:
         """Fail every request whose KV did not arrive by its deadline; free failed requests' pages once no

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from dsakv.disagg.messages import EventRow, Events
+from dsakv.disagg.messages import EventRow, Events, WireLogprobs
 
 
 class EventLog:
@@ -28,11 +28,25 @@ class EventLog:
             return self._seq
 
     def append(
-        self, rid: str, tokens: list[int], finished: bool, reason: str | None = None, error: str | None = None
+        self,
+        rid: str,
+        tokens: list[int],
+        finished: bool,
+        reason: str | None = None,
+        error: str | None = None,
+        *,
+        choice: int = 0,
+        logprobs: WireLogprobs | None = None,
+        prompt_logprobs: WireLogprobs | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         with self._cond:
             self._seq += 1
-            self._events.append(EventRow(self._seq, rid, list(tokens), bool(finished), reason, error))
+            row = EventRow(
+                self._seq, rid, list(tokens), bool(finished), reason, error, choice, logprobs, prompt_logprobs,
+                cached_tokens,
+            )  # fmt: skip
+            self._events.append(row)
             self._cond.notify_all()
 
     def since(self, cursor: int, wait_s: float = 0.0, limit: int = 10_000) -> Events:

@@ -9,7 +9,7 @@
 
 A transfer that times out after the engine took it reports the backend's quarantine (the decode keeps the
 pages that long: the engine may still write them). Imports numpy, dsakv.disagg.{backends, bootstrap,
-messages, transfer_plan, worker_service, wire}; never torch.
+messages, transfer_plan, worker_service, wire}, dsakv.engine.request; never torch.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from dsakv.disagg.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
 from dsakv.disagg.errors import TransferTimeout
 from dsakv.disagg.lifecycle import StageJob
-from dsakv.disagg.messages import KV_FAILED, STAGE_DONE, KvFailed, StageDone
+from dsakv.disagg.messages import KV_FAILED, STAGE_DONE, KvFailed, StageDone, WireLogprobs
 from dsakv.disagg.rpc import RpcError
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.transfer_plan import TransferPlan
 from dsakv.disagg.worker_service import Notifier
+from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class Transfer:
     job: StageJob
     src_pages: list[int]
     first_token: int | None  # the last stage's sampled token, reported with the transfer
+    first_logprobs: TokenLogprobs | None = None  # last stage: its logprobs (params.logprobs)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
+    cached_tokens: int = 0  # stage 0: the prefix cache's hit
 
 
 class KvSender:
@@ -141,7 +145,19 @@ class KvSender:
 
     def _report(self, x: Transfer, err: str | None, quarantine: float, nbytes: int) -> None:
         job = x.job
-        done = StageDone(job.rid, self.prefill, self.stage, err is None, err, quarantine, nbytes, x.first_token)
+        done = StageDone(
+            job.rid,
+            self.prefill,
+            self.stage,
+            err is None,
+            err,
+            quarantine,
+            nbytes,
+            x.first_token,
+            WireLogprobs.pack([x.first_logprobs]) if x.first_logprobs is not None else None,
+            WireLogprobs.pack(x.prompt_logprobs),
+            x.cached_tokens,
+        )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:
             self.notifier.client(job.decode).request(STAGE_DONE, done, timeout=timeout)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from dsakv.engine.backend import TokenEvent
-from dsakv.engine.request import SamplingParams
+from dsakv.engine.request import SamplingParams, TokenLogprobs
 from dsakv.errors import ConfigError, DsakvError
 
 
@@ -118,6 +118,7 @@ class RouterRequest(Tracked):
     tokens: int = 0
     t_submit: float = 0.0
     t_first: float | None = None
+    done: set[int] = field(default_factory=set)  # choices (of params.n) that finished
 
 
 @dataclass(kw_only=True)
@@ -131,6 +132,8 @@ class StageJob(Tracked):
     params: SamplingParams
     seed: int
     pending: set[int] = field(default_factory=set)  # stage 0: stages that still read its pages
+    prompt_ids: list[int] | None = None  # the last stage of a PP prefill: prompt logprobs / penalties need them
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # last stage: prompt tokens 1..
 
     @property
     def transferring(self) -> bool:
@@ -147,6 +150,9 @@ class InboundKv(Tracked):
     kv_timeout: float
     reported: dict[int, bool] = field(default_factory=dict)
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None  # of the first token (the last stage's), params.logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # prompt tokens 1.. (the last stage's)
+    cached_tokens: int = 0  # stage 0's prefix-cache hit
     hold_until: float = 0.0  # a timed-out transfer may still write until then
     dead: set[int] = field(default_factory=set)
     bytes: int = 0

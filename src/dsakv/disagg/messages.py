@@ -27,11 +27,51 @@ constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsak
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsakv.disagg.rpc import Rpc, Service
-from dsakv.engine.request import SamplingParams
+from dsakv.engine.request import SamplingParams, TokenLogprobs
+
+# ---- logprobs on the wire ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireLogprobs:
+    """Log-probabilities of a run of tokens (engine.request.TokenLogprobs, column-wise): token i is token_ids[i]
+    with logprob logprobs[i], its best alternatives top_ids[i] with top_logprobs[i] (best first). Floats travel
+    as msgpack float64, so float32 values arrive exact."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    @classmethod
+    def pack(cls, entries: Sequence[TokenLogprobs] | None) -> WireLogprobs | None:
+        if entries is None:
+            return None
+        return cls(
+            [int(e.token_id) for e in entries],
+            [float(e.logprob) for e in entries],
+            [[int(t) for t, _ in e.top] for e in entries],
+            [[float(v) for _, v in e.top] for e in entries],
+        )
+
+    def unpack(self) -> tuple[TokenLogprobs, ...]:
+        n = len(self.token_ids)
+        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == n:
+            raise ValueError(f"logprobs of {n} tokens with {len(self.logprobs)} values and {len(self.top_ids)} tops")
+        return tuple(
+            TokenLogprobs(t, lp, tuple(zip(ids, vals, strict=True)))
+            for t, lp, ids, vals in zip(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs, strict=True)
+        )
+
+
+def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
+    return w.unpack() if w is not None else None
+
 
 # ---- common: liveness, health, integrity ----------------------------------------------------------------
 
@@ -178,6 +218,7 @@ class Submitted:
 class Abort:
     rid: str
     why: str = "aborted"
+    choice: int | None = None  # decode, params.n > 1: only this choice (None: every choice)
 
 
 @dataclass(frozen=True)
@@ -239,6 +280,9 @@ class StageDone:
     quarantine_s: float = 0.0  # a timed-out transfer may still write the pages this long
     bytes: int = 0
     first_token: int | None = None  # the last stage's sampled token
+    first_logprobs: WireLogprobs | None = None  # last stage: the first token's (params.logprobs)
+    prompt_logprobs: WireLogprobs | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
+    cached_tokens: int = 0  # stage 0: prompt tokens its prefix cache supplied
 
 
 @dataclass(frozen=True)
@@ -272,6 +316,10 @@ class EventRow:
     finished: bool
     reason: str | None = None
     error: str | None = None
+    choice: int = 0  # which of the request's params.n choices (rid is the request's)
+    logprobs: WireLogprobs | None = None  # of `tokens`, when params.logprobs is set
+    prompt_logprobs: WireLogprobs | None = None  # choice 0's first event, when params.prompt_logprobs is set
+    cached_tokens: int = 0  # the prefill's prefix-cache hit (prompt tokens), choice 0
 
 
 @dataclass(frozen=True)
@@ -311,6 +359,7 @@ class JobSpec:
     left: float
     params: SamplingParams
     seed: int
+    prompt_ids: list[int] | None = None  # for the last stage: prompt logprobs / repetition penalty need them
 
 
 @dataclass(frozen=True)

@@ -4,18 +4,20 @@ this stage's layers, pass the step on, send the KV.
     recv (StepMsg + hidden + top-k from stage k-1) ─► drop what stage 0 dropped ─► replay host-tier copies
         ─► book the prefix cache's page set (PageMirror) ─► book new jobs and each row's pages
         ─► this stage's layers ─► send to stage k+1 (not on the last stage)
-        ─► last stage: sample the first token of every finished prompt (the request's seeded stream)
+        ─► last stage: prompt logprobs of the step's chunks (params.prompt_logprobs); the first token of every
+           finished prompt (the request's seeded stream, penalties and bias; with its logprobs)
         ─► every finished prompt: KvSender (this stage's layers -> the decode's pages)
     a tick: the same books, forwarded (no compute)
     transfer reported ─► mirror release, RELEASED to stage 0
 
-Imports torch, dsakv.{cache, engine.sampling, model} and dsakv.disagg; never serve or cli.
+Imports torch, dsakv.{cache, engine, model} and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,8 +35,10 @@ from dsakv.disagg.rpc import Rpc
 from dsakv.disagg.stage_comm import StageLinkError, StageMessage
 from dsakv.disagg.stage_context import StageContext, decode_batch, job_of
 from dsakv.disagg.wire import pages_for
-from dsakv.engine.request import Request
-from dsakv.engine.sampling import sample
+from dsakv.engine.engine import read_eos_token_ids
+from dsakv.engine.model_runner import logits_at
+from dsakv.engine.request import Request, TokenLogprobs
+from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
 from dsakv.model.dsa_model import StageCarry
 
 
@@ -54,6 +58,7 @@ class PipelineFollower:
             self.host_pool = make_host_pool(cfg.hicache_layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)
         self.replayed = {"offload_pages": 0, "load_pages": 0}
+        self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(cfg.model)) if cfg.model else ()  # min_tokens masks them
 
     def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
         return {}
@@ -75,7 +80,10 @@ class PipelineFollower:
             carry = ctx.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
         if not ctx.last:
             ctx.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
-        firsts = self._sample(carry, meta.seqs) if ctx.last else {}
+        firsts: dict[str, tuple[int, TokenLogprobs | None]] = {}
+        if ctx.last:
+            self._prompt_logprobs(carry, meta.seqs)
+            firsts = self._sample(carry, meta.seqs)
         with self.lock:
             ctx.counters["steps"] += 1
             for row in meta.seqs:
@@ -83,7 +91,9 @@ class PipelineFollower:
                 if row.last and job is not None:
                     ctx.jobs.move(job, Phase.TRANSFERRING)
                     src = row.pages[: pages_for(job.prompt_len, ctx.page_size)]
-                    ctx.sender.queue(Transfer(job, src, firsts.get(row.rid)))
+                    tok, lps = firsts.get(row.rid, (None, None))
+                    plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
+                    ctx.sender.queue(Transfer(job, src, tok, lps, plps))
 
     def _book(self, meta: StepMsg) -> None:
         ctx = self.ctx
@@ -112,9 +122,41 @@ class PipelineFollower:
         for row in meta.seqs:
             self.mirror.hold(row.rid, row.pages)
 
-    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, int]:
-        """Last stage: the first generated token of every sequence whose prompt completed this step (token 0 of
-        the request's seeded stream: the decode worker draws tokens 1.. from the same seed)."""
+    def _prompt_logprobs(self, carry: StageCarry, seqs: list[StepRow]) -> None:
+        """Last stage: the prompt logprobs of this step's chunks (params.prompt_logprobs), from the hidden states of
+        the same forward; position t gives prompt token t + 1 (stage 0 skips the prefix cache for these)."""
+        want: list[tuple[StageJob, StepRow, list[int]]] = []
+        with self.lock:
+            for row in seqs:
+                job = self.ctx.jobs.get(row.rid)
+                if job is None or job.params.prompt_logprobs is None:
+                    continue
+                end = row.start + row.num_tokens
+                pos = list(range(max(row.start, len(job.prompt_logprobs)), min(end, job.prompt_len - 1)))
+                if pos and (job.prompt_ids is None or pos[0] != len(job.prompt_logprobs)):
+                    raise StageLinkError(
+                        f"stage {self.ctx.rank}: prompt logprobs of {row.rid} from position {pos[0]} but it has "
+                        f"{len(job.prompt_logprobs)} (or no prompt ids from stage 0)"
+                    )
+                if pos:
+                    want.append((job, row, pos))
+        if not want:
+            return
+        spans = [(r.start, r.start + r.num_tokens) for r in seqs]
+        index = {id(r): i for i, r in enumerate(seqs)}
+        positions: list[list[int]] = [[] for _ in seqs]
+        for _, row, pos in want:
+            positions[index[id(row)]] = pos
+        logits = logits_at(self.ctx.model, carry.hidden, spans, positions)
+        for job, row, pos in want:
+            assert job.prompt_ids is not None
+            k = int(job.params.prompt_logprobs or 0)
+            job.prompt_logprobs.extend(prompt_token_logprobs(logits[index[id(row)]], job.prompt_ids, pos, k))
+
+    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Last stage: the first generated token (and its logprobs) of every sequence whose prompt completed this
+        step: token 0 of the request's seeded stream, drawn from the logits after its penalties, bias, min_tokens
+        and temperature (the decode worker draws tokens 1.. from the same seed and params)."""
         assert carry.logits is not None
         rows, reqs = [], []
         with self.lock:
@@ -122,11 +164,20 @@ class PipelineFollower:
                 job = self.ctx.jobs.get(row.rid)
                 if row.last and job is not None:
                     rows.append(i)
-                    reqs.append(Request(request_id=row.rid, prompt_ids=(0,), params=job.params, sampling_seed=job.seed))
+                    prompt = tuple(job.prompt_ids) if job.prompt_ids else (0,)
+                    reqs.append(
+                        Request(
+                            request_id=row.rid,
+                            prompt_ids=prompt,
+                            params=job.params,
+                            sampling_seed=job.seed,
+                            eos_token_ids=self.eos_token_ids,
+                        )
+                    )
         if not rows:
             return {}
-        toks = sample(carry.logits[rows], reqs)
-        return {req.request_id: int(tok) for req, tok in zip(reqs, toks, strict=True)}
+        toks, lps = sample_with_logprobs(carry.logits[rows], reqs)
+        return {req.request_id: (int(t), lp) for req, t, lp in zip(reqs, toks, lps, strict=True)}
 
     def on_transferred(self, job: StageJob, ok: bool) -> None:
         ctx = self.ctx

@@ -54,7 +54,7 @@ from dsakv.disagg.stage_comm import StageLinkError, StageMessage
 from dsakv.disagg.stage_context import StageContext, encode_batch, job_spec
 from dsakv.disagg.wire import page_list, pages_for
 from dsakv.engine.engine import Engine
-from dsakv.engine.model_runner import build_batch
+from dsakv.engine.model_runner import build_batch, logits_at
 from dsakv.engine.request import FinishReason, RequestOutput
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError
@@ -76,8 +76,19 @@ class PipelineRunner:
         self.step = 0
         self.ran = False
         self.outbox: tuple[StageMessage, StepMsg] | None = None
+        if ctx.last:  # the Engine computes prompt logprobs where the last layer is (here only when pp_size is 1)
+            self.run_with_prompt_logits = self._run_with_prompt_logits
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        return self._forward(chunks)[0]
+
+    def _run_with_prompt_logits(
+        self, chunks: Sequence[ScheduledChunk], positions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        logits, hidden = self._forward(chunks)
+        return logits, logits_at(self.ctx.model, hidden, [(c.start, c.end) for c in chunks], positions)
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor]:
         self.ran = True
         self.step += 1
         batch = build_batch(chunks, self.ctx.page_size)
@@ -86,7 +97,7 @@ class PipelineRunner:
             carry = self.ctx.model.stage_forward(batch, self.pool)
         if meta is not None:
             self.outbox = (StageMessage(self.step, to_wire(meta), carry.hidden, carry.topk), meta)
-        return carry.logits if self.ctx.last else None
+        return (carry.logits if self.ctx.last else None), carry.hidden
 
 
 class PipelineLeader:
@@ -144,8 +155,12 @@ class PipelineLeader:
                     f"request {rid}: {len(p.dst_pages)} decode pages for a {len(prompt)}-token prompt, need "
                     f"{pages_for(len(prompt), ps)} of {ps} tokens"
                 )
-            # one token: the first, sampled where the last stage is (here only when this is the last stage)
-            one = replace(p.params, max_new_tokens=1, ignore_eos=True, seed=p.seed)
+            # one token: the first, sampled where the last stage is (here only when this is the last stage), with
+            # the request's penalties and bias (min_tokens >= 1 masks eos / stop ids for it as on decode); one
+            # choice (decode forks the others)
+            ps_ = p.params
+            last_needs_prompt = ctx.size > 1 and (ps_.prompt_logprobs is not None or ps_.penalised)
+            one = replace(ps_, max_new_tokens=1, min_tokens=min(ps_.min_tokens, 1), n=1, seed=p.seed)
             self.engine.add_request(prompt, one, rid, keep_pages=True)  # ConfigError / CapacityError: nothing kept
             job = StageJob(
                 rid=rid,
@@ -155,6 +170,7 @@ class PipelineLeader:
                 dst_pages=p.dst_pages,
                 params=p.params,
                 seed=p.seed,
+                prompt_ids=list(prompt) if last_needs_prompt else None,
             )
             ctx.jobs.add(job)
             job.deadline = ctx.jobs.now() + p.kv_timeout
@@ -265,8 +281,11 @@ class PipelineLeader:
             ctx.jobs.move(job, Phase.TRANSFERRING)
             job.pending = set(range(ctx.size))
             src = page_list(self.engine.pages_of(job.rid))[: pages_for(job.prompt_len, ctx.page_size)]
-            first = o.new_token_ids[0] if ctx.last and o.new_token_ids else None
-            ctx.sender.queue(Transfer(job, src, first))
+            if ctx.last and o.new_token_ids:  # the first token, its logprobs and the prompt's travel with the KV
+                lps = o.new_logprobs[0] if o.new_logprobs else None
+                ctx.sender.queue(Transfer(job, src, o.new_token_ids[0], lps, o.prompt_logprobs, o.num_cached_tokens))
+            else:
+                ctx.sender.queue(Transfer(job, src, None, cached_tokens=o.num_cached_tokens))
 
     def _take_drops(self) -> list[str]:
         drops, self._drops = self._drops, []

@@ -46,7 +46,7 @@ from dsakv.disagg.router_requests import RequestBook
 from dsakv.disagg.routing import AffinityRule
 from dsakv.disagg.rpc import RpcClient
 from dsakv.disagg.timeouts import Timeouts
-from dsakv.engine.backend import TokenEvent
+from dsakv.engine.backend import FEATURES, TokenEvent
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 
@@ -105,6 +105,7 @@ class RouterBackend:
     sharing one lock. This class checks what a client sends, runs the threads and reports health/metrics."""
 
     name = "disaggregated"
+    features = frozenset(FEATURES)  # logprobs + echo (the last prefill stage), n (forked on decode), penalties
 
     def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -214,6 +215,18 @@ class RouterBackend:
             self.peers.post((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and phase is Phase.DISPATCHED:
                 self.peers.post((prefill, ABORT, Abort(wire, "aborted by the client")))
+
+    def abort_choice(self, request_id: str, index: int) -> None:
+        """Abort choice `index` of an n > 1 request only (its stop string matched); the others go on."""
+        with self._lock:
+            req = self.book.get(request_id)
+            if req is None or req.phase is Phase.DONE or index in req.done or not 0 <= index < req.params.n:
+                return
+            wire, decode = req.wire, req.decode
+            if req.phase is Phase.QUEUED or wire is None or decode is None:
+                self.book.push(req, [], True, "abort", None, index)
+                return
+        self.peers.post((decode, ABORT, Abort(wire, "choice aborted by the client", choice=index)))
 
     def record(self, request_id: str) -> RouterRequest | None:
         """The router's lifecycle record of a request (read it, do not change it); None once its events were read."""

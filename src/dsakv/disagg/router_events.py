@@ -66,6 +66,6 @@ class EventPoller:
                 if req is None or req.decode != addr:
                     continue
                 self.book.decoding(req)
-                self.book.push(req, ev.tokens, ev.finished, ev.reason, ev.error)
+                self.book.push(req, ev.tokens, ev.finished, ev.reason, ev.error, ev.choice, ev)
             dec.cursor = res.cursor
         return True

@@ -6,12 +6,13 @@ flight, the counters, and the token stream the client reads.
     book.dispatched(req, wire, decode, prefill)  DISPATCHED: the attempt id maps to it, both workers count it
     book.requeue(req)                         back to QUEUED (the prefill refused the submit: tried again)
     book.decoding(req)                        the first decode event: the prefill is done with it
-    book.push(req, tokens, finished, reason, error)   tokens to the client; finished -> DONE, slots released
+    book.push(req, tokens, finished, reason, error, choice, row)   one choice's tokens (+ the decode's
+                                              logprobs); all params.n finished -> DONE, slots released
     book.fail_decode(dec, why)                every request on that decode fails at once
     book.stream(req, timeout)                 the client's TokenEvents (the record goes once it has finished)
 
 Every method is called with `lock` held (it is the router's lock, shared with the PeerTable), except `stream`.
-Imports dsakv.disagg.{lifecycle, router_peers} and the serving contract; no torch.
+Imports dsakv.disagg.{lifecycle, messages, router_peers} and the serving contract; no torch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 from dsakv.disagg.lifecycle import ROUTER, Ledger, Phase, RouterRequest
+from dsakv.disagg.messages import EventRow, unpack_logprobs
 from dsakv.disagg.router_peers import PeerState, PeerTable
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
@@ -93,9 +95,18 @@ class RequestBook:
             self.ledger.move(req, Phase.DECODING)
 
     def push(
-        self, req: RouterRequest, tokens: list[int], finished: bool, reason: str | None, error: str | None
+        self,
+        req: RouterRequest,
+        tokens: list[int],
+        finished: bool,
+        reason: str | None,
+        error: str | None,
+        choice: int = 0,
+        row: EventRow | None = None,
     ) -> None:
-        if req.phase is Phase.DONE:
+        """Hand one choice's event to the client; the request is DONE once all params.n choices finished. `row`:
+        the decode's event (its logprobs, prompt logprobs, the prefill's cache hit)."""
+        if req.phase is Phase.DONE or choice in req.done or not 0 <= choice < req.params.n:
             return
         if tokens:
             req.tokens += len(tokens)
@@ -103,16 +114,24 @@ class RequestBook:
             if req.t_first is None:
                 req.t_first = time.monotonic()
         if finished:
+            req.done.add(choice)
+        if len(req.done) == req.params.n:
             self._release_slot(req)
             self.ledger.move(req, Phase.DONE, error)
             if reason == "error":
                 self.counters["failed_total"] += 1
             elif reason != "abort":
                 self.counters["finished_total"] += 1
-        req.q.put(TokenEvent(tuple(tokens), finished, reason, error))
+        lps = unpack_logprobs(row.logprobs) if row is not None else None
+        plps = unpack_logprobs(row.prompt_logprobs) if row is not None else None
+        cached = row.cached_tokens if row is not None else 0
+        req.q.put(TokenEvent(tuple(tokens), finished, reason, error, lps or (), plps, choice, cached))
 
     def finish(self, req: RouterRequest, reason: str, error: str | None) -> None:
-        self.push(req, [], True, reason, error)
+        """Every choice not finished yet ends with `reason`."""
+        for i in range(req.params.n):
+            if i not in req.done:
+                self.push(req, [], True, reason, error, i)
 
     def fail_decode(self, dec: PeerState, why: str) -> None:
         """Fail every request dispatched to `dec`; their attempt ids become its orphans (aborted once it is back)."""
@@ -135,6 +154,7 @@ class RequestBook:
 
     def stream(self, req: RouterRequest, timeout: float) -> Iterator[TokenEvent]:
         """The request's events; TimeoutError if none comes within `timeout`. Call without the lock."""
+        done: set[int] = set()
         while True:
             try:
                 ev = req.q.get(timeout=timeout)
@@ -145,6 +165,8 @@ class RequestBook:
                 ) from None
             yield ev
             if ev.finished:
+                done.add(ev.choice)
+            if len(done) >= req.params.n:  # every choice finished
                 with self.lock:
                     self.ledger.pop(req.rid)
                 return

@@ -170,6 +170,7 @@ def job_spec(job: StageJob, now: float) -> JobSpec:
         left=max(0.0, job.deadline - now),
         params=job.params,
         seed=job.seed,
+        prompt_ids=job.prompt_ids,
     )
 
 
@@ -182,6 +183,7 @@ def job_of(d: JobSpec) -> StageJob:
         dst_pages=list(d.dst_pages),
         params=d.params,
         seed=d.seed,
+        prompt_ids=list(d.prompt_ids) if d.prompt_ids is not None else None,
     )
 
 

@@ -41,8 +41,8 @@ from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.config import EngineConfig
 from dsakv.engine.model_runner import ModelRunner
-from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams
-from dsakv.engine.sampling import sample_with_logprobs, top_logprobs
+from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprobs
+from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
 from dsakv.engine.scheduler import NoFreePages, PrefixCache, ScheduledChunk, Scheduler, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError, DsakvError
 from dsakv.spec.layout import KVLayout
@@ -313,15 +313,28 @@ class Engine:
         to (token t at slot page_ids[t // page_size] * page_size + t % page_size). Then start_decode() it, or
         abort() it if the transfer fails. Raises CapacityError if it can never fit, NoFreePages if not now."""
         with self._lock:
-            req = self._new_request(request_id, prompt_ids, params, False)
+            req = self._with_forks(self._new_request(request_id, prompt_ids, params, False))
             return self.scheduler.prealloc(req)
 
-    def start_decode(self, request_id: str, first_token: int) -> RequestOutput:
-        """Decode worker: the prompt's KV is in the prealloc'd pages and the prefill sampled `first_token`; the
-        request now decodes. The returned output (first token; finished if that token stops it) is also
-        reported by the next step()."""
+    def start_decode(
+        self,
+        request_id: str,
+        first_token: int,
+        first_logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
+        cached_tokens: int = 0,
+    ) -> RequestOutput:
+        """Decode worker: the prompt's KV is in the prealloc'd pages and the prefill sampled `first_token` (with
+        its logprobs and the prompt's, when the params ask; `cached_tokens`: the prefill's prefix-cache hit, for
+        usage); the request now decodes, and with params.n > 1 its other choices start on its prompt pages as
+        add_request's do. The returned output (first token; finished if that token stops it) is also reported
+        by the next step()."""
         with self._lock:
             req = self.scheduler.start_decode(request_id, first_token)
+            if first_logprobs is not None:
+                req.output_logprobs = [first_logprobs]
+            req.prompt_logprobs = list(prompt_logprobs)
+            req.num_cached_tokens = int(cached_tokens)
             out = RequestOutput.of(req, 1)
             self._pending.append(out)
             return out
@@ -463,9 +476,8 @@ class Engine:
                 raise IntegrityError(
                     f"{req.request_id}: prompt logprobs from position {pos[0]}, has {len(req.prompt_logprobs)}"
                 )
-            ids = [req.prompt_ids[t + 1] for t in pos]
             k = int(req.params.prompt_logprobs or 0)
-            req.prompt_logprobs.extend(top_logprobs(torch.log_softmax(lg, dim=-1), ids, [k] * len(ids)))
+            req.prompt_logprobs.extend(prompt_token_logprobs(lg, req.prompt_ids, pos, k))
 
     def generate(
         self,

@@ -88,22 +88,38 @@ class ModelRunner:
         """run(), plus float32 logits [len(positions[b]), vocab] at the given token positions of each chunk (each
         in chunk.start..chunk.end - 1): the prefill pass's logits for prompt logprobs, from the same forward."""
         stage_forward = getattr(self.model, "stage_forward", None)
-        norm = getattr(getattr(self.model, "model", None), "norm", None)
-        head = getattr(self.model, "lm_head", None)
-        if stage_forward is None or norm is None or head is None:
+        if stage_forward is None:
             raise ValueError(f"{type(self.model).__name__} cannot return logits at every position (prompt logprobs)")
         batch = build_batch(chunks, self.page_size)
-        offsets = np.cumsum([0] + [c.num_tokens for c in chunks])
         with torch.inference_mode():
             out = stage_forward(batch, self.pool)
             logits = out.logits
-            extra = []
-            for b, (c, pos) in enumerate(zip(chunks, positions, strict=True)):
-                if any(not c.start <= t < c.end for t in pos):
-                    raise ValueError(f"positions {list(pos)} are not all in chunk {c.start}..{c.end - 1}")
-                idx = torch.tensor([int(offsets[b]) + t - c.start for t in pos], dtype=torch.int64)
-                h = out.hidden[idx.to(out.hidden.device)]
-                extra.append(head(norm(h)).float() if len(pos) else h.new_zeros((0, logits.shape[1])).float())
+            extra = logits_at(self.model, out.hidden, [(c.start, c.end) for c in chunks], positions)
         if logits.dim() != 2 or logits.shape[0] != len(chunks):
             raise ValueError(f"the model returned logits of shape {tuple(logits.shape)} for {len(chunks)} sequences")
         return logits, extra
+
+
+def logits_at(
+    model: object, hidden: torch.Tensor, spans: Sequence[tuple[int, int]], positions: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """float32 logits [len(positions[b]), vocab] of the last stage's hidden states `hidden` (the step's tokens,
+    row after row; row b holds tokens spans[b] = [start, end)) at the token positions of each row: the prefill
+    pass's logits for prompt logprobs (colocated, and the last stage of a PP prefill)."""
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    head = getattr(model, "lm_head", None)
+    if norm is None or head is None:
+        raise ValueError(f"{type(model).__name__} cannot return logits at every position (prompt logprobs)")
+    offsets = np.cumsum([0] + [end - start for start, end in spans])
+    vocab = int(head.weight.shape[0])
+    extra = []
+    with torch.inference_mode():
+        for b, ((start, end), pos) in enumerate(zip(spans, positions, strict=True)):
+            if any(not start <= t < end for t in pos):
+                raise ValueError(f"positions {list(pos)} are not all in chunk {start}..{end - 1}")
+            if not pos:
+                extra.append(torch.zeros((0, vocab), dtype=torch.float32))
+                continue
+            idx = torch.tensor([int(offsets[b]) + t - start for t in pos], dtype=torch.int64, device=hidden.device)
+            extra.append(head(norm(hidden[idx])).float())
+    return extra

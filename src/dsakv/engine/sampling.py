@@ -133,6 +133,15 @@ def top_logprobs(logprobs: torch.Tensor, ids: Sequence[int], ks: Sequence[int]) 
     return out
 
 
+def prompt_token_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], positions: Sequence[int], k: int
+) -> list[TokenLogprobs]:
+    """Prompt logprobs from the prefill pass: the logits [len(positions), vocab] at prompt positions t give prompt
+    token t + 1's log_softmax (raw logits: no penalty, no temperature) and its k best alternatives."""
+    ids = [prompt_ids[t + 1] for t in positions]
+    return top_logprobs(torch.log_softmax(logits.float(), dim=-1), ids, [k] * len(ids))
+
+
 def sample_with_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request, and its TokenLogprobs for the
     requests whose params ask for logprobs (None for the others)."""

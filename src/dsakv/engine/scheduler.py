@@ -60,7 +60,9 @@ Disaggregated serving:
                                                WAITING_KV) for a prefill worker to write into;
                   start_decode(rid, first)     the KV has arrived: num_computed = prompt, output
                                                = [first]; the request joins the running set at the
-                                               next admission (it needs no new page) and decodes.
+                                               next admission (it needs no new page) and decodes;
+                                               n > 1: its other sequences fork onto its prompt pages
+                                               then (they wait in `unforked` from prealloc on).
     prefill side  Request.keep_pages=True      on finishing (stop/length) its pages stay held under
                   release(rid)                 its id (pages_of(rid)) until release(rid), so they can
                                                be transferred first.
@@ -271,11 +273,17 @@ class Scheduler:
                 f"request {req.request_id}: its {req.num_prompt_tokens} prompt tokens need {need} pages but only "
                 f"{self.allocator.num_free} of {self.allocator.num_pages} are free now: retry when requests finish"
             )
+        for f in req.forks:
+            if f.request_id in self.requests or f.request_id in self.kept:
+                raise ConfigError(f"request id {f.request_id!r} is already in use: give each request a unique id")
         req.page_ids = self.allocator.alloc(need, owner=req.request_id).tolist()
         req.status = RequestStatus.WAITING_KV
         req.kv_from_peer = True
         self.requests[req.request_id] = req
         self.awaiting_kv[req.request_id] = req
+        for f in req.forks:  # n > 1: they fork onto its prompt pages at start_decode
+            self.requests[f.request_id] = f
+            self.unforked[f.request_id] = req
         return np.asarray(req.page_ids, dtype=np.int64)
 
     def start_decode(self, request_id: str, first_token: int) -> Request:
@@ -285,6 +293,8 @@ class Scheduler:
         if req is None:
             raise ConfigError(f"request {request_id!r} is not waiting for its KV: prealloc() it first")
         req.num_computed_tokens = req.num_prompt_tokens
+        if req.forks:
+            self._fork(req)
         req.output_ids.append(int(first_token))
         reason = stop_reason(req, int(first_token), self.max_seq_len)
         if reason is not None:

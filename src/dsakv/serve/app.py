@@ -187,7 +187,7 @@ class _Server:
         return gen
 
     def _check_features(self, g: GenRequest) -> None:
-        """400 for what this backend cannot do (the disaggregated router: plain generation only, for now)."""
+        """400 for what this backend cannot do (its `features`; the colocated and router backends do all)."""
         have = getattr(self.backend, "features", frozenset())
         p = g.params
         asked = [
