@@ -261,16 +261,16 @@ def test_n4_forks_on_decode_one_transfer_and_reproduces_per_seed(pd):
     assert r["usage"]["prompt_tokens"] == len(p_ids) and r["usage"]["completion_tokens"] == 20
     # streamed: every choice's chunks carry its index and end with its finish_reason
     events = sse_events(url, "/v1/completions", {"model": MODEL, **body, "n": 4, "stream": True})
-    per = {
-        i: [t for ev in events for ch in ev["choices"] if ch["index"] == i for t in ch["token_ids"]] for i in range(4)
-    }
-    assert [per[i] for i in range(4)] == got
-    assert sorted(ch["index"] for ev in events for ch in ev["choices"] if ch["finish_reason"] == "length") == [
-        0,
-        1,
-        2,
-        3,
-    ]
+    pieces = [ch for ev in events for ch in ev["choices"]]
+    assert [[t for ch in pieces if ch["index"] == i for t in ch["token_ids"]] for i in range(4)] == got
+    assert sorted(ch["index"] for ch in pieces if ch["finish_reason"] == "length") == [0, 1, 2, 3]
+    # a stop string ends each choice on its own (the router aborts that choice on decode; pd checks nothing leaks)
+    greedy = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = post(url, "/v1/completions", greedy)["choices"][0]["text"]
+    stop = text[10:14]
+    s = post(url, "/v1/completions", {**greedy, "n": 2, "stop": [stop]})
+    assert [c["finish_reason"] for c in s["choices"]] == ["stop", "stop"]
+    assert [c["text"] for c in s["choices"]] == [text[: text.index(stop)]] * 2
 
 
 def test_penalties_min_tokens_bias_and_seeds_equal_colocated(pd):
