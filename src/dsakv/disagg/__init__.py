@@ -8,7 +8,8 @@
 The transfer layer (manifest, compat, transfer_plan, backends, errors) imports only spec and cache. The
 serving roles built on it import dsakv.engine as well: the control plane (messages, lifecycle, wire, router*:
 engine.request / engine.backend, standard library only, no torch) and the workers (prefill_leader: an Engine;
-prefill_follower: engine.sampling; decode_worker: an Engine). Nothing in disagg imports serve or cli.
+prefill_follower: engine.sampling, model_runner.logits_at, read_eos_token_ids; decode_worker: an Engine).
+Nothing in disagg imports serve or cli.
 
 Serving roles (see docs/architecture.md "disagg: serving roles" for the RPC graph):
     messages / codec / rpc          typed control plane: message dataclasses, one codec, service specs
