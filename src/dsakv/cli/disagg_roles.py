@@ -238,6 +238,8 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
 
     pipe, eng = cfg.pipeline, cfg.engine
     ranges = split_layers(spec.num_layers, pipe.pp_size, pipe.partition)
+    drafts = [0] * (len(ranges) - 1) + [eng.draft_layers]  # MTP: the last stage holds the draft layer's keys
+    layouts = [eng.layout.layout(spec, a, b, draft_layers=d) for (a, b), d in zip(ranges, drafts, strict=True)]
     return PrefillConfig(
         model=model_dir,
         pp_size=pipe.pp_size,
@@ -252,7 +254,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
         kv_format=eng.layout.kv_format,
         index_format=eng.layout.index_format,
         page_size=eng.layout.page_size,
-        num_pages=eng.pool.pages_given([eng.layout.layout(spec, a, b) for a, b in ranges]),
+        num_pages=eng.pool.pages_given(layouts),
         max_batch_tokens=eng.scheduler.max_batch_tokens,
         max_running_requests=eng.scheduler.max_running_requests,
         dtype=eng.dtype,
@@ -262,6 +264,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
         rpc_timeout=cfg.transfer.rpc_timeout,
         decode=tuple(args.decode),
         debug_transfer_delay=cfg.transfer.debug_transfer_delay,
+        speculative_num_steps=eng.speculative_num_steps,
         **prefill_cache_options(eng.cache, pipe.pp_size),
     )
 
@@ -294,6 +297,8 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
     from dsakv.serve.server import run_http
     from dsakv.serve.tokenizer import load_tokenizer
 
+    if cfg.engine.speculative_num_steps:
+        log.info("router: --speculative-num-steps is the workers' (the decode speculates); the router ignores it")
     vocab = None
     name = args.served_model_name or "dsakv"
     if args.model:

@@ -20,7 +20,6 @@ import logging
 from dsakv.cli import disagg_roles, options
 from dsakv.cli.http_options import add_http_arguments, http_limits
 from dsakv.engine.config import Config
-from dsakv.errors import ConfigError
 
 log = logging.getLogger("dsakv.serve")
 
@@ -62,7 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_engine_arguments(eng)
     eng.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
     options.add_speculative_argument(
-        eng, " (colocated role; the pool then holds the draft layer's KV and index-K, /metrics shows dsakv_spec_*)"
+        eng,
+        " (colocated and decode: the pool then holds the draft layer's KV and index-K, /metrics or the decode's "
+        "health shows dsakv_spec_* / spec; prefill: its last stage loads the MTP layer and sends the draft "
+        "layer's KV and last hidden state with the prompt's KV -- give the same flag to prefill and decode, the "
+        "handshake refuses a mismatch; router: ignored)",
     )
     disagg_roles.add_arguments(p)
 
@@ -136,10 +139,4 @@ def run(args: argparse.Namespace) -> int:
     cfg = options.config_from_args(args)
     if args.role == "colocated":
         return run_colocated(args, cfg)
-    if cfg.engine.speculative_num_steps:
-        raise ConfigError(
-            f"--speculative-num-steps {cfg.engine.speculative_num_steps} with --role {args.role}: disaggregated "
-            "roles do not speculate yet (the prefill would have to send the draft layer's KV); serve --role "
-            "colocated, or drop it"
-        )
     return int(disagg_roles.run_role(args, cfg) or 0)

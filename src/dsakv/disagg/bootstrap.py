@@ -2,7 +2,8 @@
 
     stage k ── rpc HANDSHAKE Hello(prefill, stage, num_stages, rpc, manifest) ──► decode
             ◄── HelloReply(manifest (decode's), boot, name) ─────────────────────
-    both sides run compat.check_pair(stage manifest, decode manifest): buffers pair by BufferKey, a key held
+    both sides run compat.check_draft (MTP: the last stage holds exactly the decode's draft layers, earlier
+    stages none) and compat.check_pair(stage manifest, decode manifest): buffers pair by BufferKey, a key held
     by one side only is skipped only if it is the INDEX_K of a shared layer; anything else is refused with
     IncompatiblePeer naming layer, kind and both sizes (the stage's connect fails loudly).
     stage k then connects its TransferBackend to the decode's (backend meta in the manifest) and keeps a
@@ -24,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from dsakv.disagg.backends.base import Peer, TransferBackend
-from dsakv.disagg.compat import Pairing, check_pair
+from dsakv.disagg.compat import Pairing, check_draft, check_pair
 from dsakv.disagg.errors import IncompatiblePeer
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import HANDSHAKE, Hello, LinkSummary
@@ -109,6 +110,7 @@ class DecodeLinks:
         finally:
             client.close()
         theirs = Manifest.from_bytes(reply.manifest)
+        check_draft(self.manifest, theirs, self.hello.stage, self.hello.num_stages)
         pairing = check_pair(self.manifest, theirs)
         peer = self.backend.connect(theirs)
         link = DecodeLink(addr, reply.boot, theirs, pairing, PairTable.of(pairing.pairs), peer)
@@ -150,6 +152,7 @@ class StageRegistry:
     def accept(self, hello: Hello) -> tuple[StageEntry, Pairing]:
         """Check a stage's hello; raise IncompatiblePeer (or ManifestError) naming what differs."""
         theirs = Manifest.from_bytes(hello.manifest)
+        check_draft(theirs, self.manifest, hello.stage, hello.num_stages)
         pairing = check_pair(theirs, self.manifest)
         entry = StageEntry(
             prefill=hello.prefill,

@@ -14,6 +14,7 @@ holding 0-77 (+ draft) with no span to align:
 Rules, checked in this order (the first failing group raises IncompatiblePeer):
 - same model identity hash, page size and main-layer count;
 - at least one layer in common;
+- (check_draft, at the handshake) the prefill's last stage holds exactly the decode's draft (MTP) layers;
 - for every key of a common layer: held by both with the same bytes per page and
   the same format; a key held by one side only is skipped when it is the INDEX_K
   of a shared layer (one-sided elision), and refused otherwise.
@@ -182,6 +183,38 @@ def check_pair(sender: Manifest, receiver: Manifest) -> Pairing:
             ", ".join(str(s.key) for s in skipped[:8]),
         )
     return Pairing(sender.worker, receiver.worker, common, tuple(pairs), tuple(skipped))
+
+
+def check_draft(sender: Manifest, receiver: Manifest, stage: int, num_stages: int) -> None:
+    """MTP in PD: the prefill's last stage (the one with the final hidden states) holds exactly the decode's draft
+    layers and sends their KV / INDEX_K; earlier stages hold none. Raise IncompatiblePeer saying what to change."""
+    mine, theirs = tuple(sender.draft_layers), tuple(receiver.draft_layers)
+    last = stage == num_stages - 1
+    where = f"prefill {sender.worker!r} (stage {stage} of {num_stages})"
+    if not last:
+        if mine:
+            raise IncompatiblePeer(
+                f"{where} holds draft layer(s) {list(mine)}, but only the last stage runs the MTP layer: start every "
+                "stage with the same --speculative-num-steps and --pp-size"
+            )
+        return
+    if mine == theirs:
+        return
+    if not mine:
+        raise IncompatiblePeer(
+            f"decode {receiver.worker!r} speculates (draft layer(s) {list(theirs)}: --speculative-num-steps) but "
+            f"{where} sends no draft-layer KV: start the prefill with --speculative-num-steps K as well (its last "
+            "stage then computes the draft layer's KV for the prompt), or the decode without it"
+        )
+    if not theirs:
+        raise IncompatiblePeer(
+            f"{where} sends draft layer(s) {list(mine)} (--speculative-num-steps) but decode {receiver.worker!r} "
+            "does not speculate: start the decode with --speculative-num-steps K as well, or the prefill without it"
+        )
+    raise IncompatiblePeer(
+        f"{where} holds draft layer(s) {list(mine)} but decode {receiver.worker!r} holds {list(theirs)}: both "
+        "must run the same number of MTP layers"
+    )
 
 
 def pair(sender: Manifest, receiver: Manifest) -> list[KeyPair]:

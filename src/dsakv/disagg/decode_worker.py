@@ -2,8 +2,9 @@
 
     router ─ PREALLOC Prealloc(rid, prompt, params, prefill, num_stages, kv_timeout) ─► pages (held, WAITING_KV)
     prefill stage k ─ transfer (its layers' paired keys) ─► those pages
-                    ─ STAGE_DONE StageDone(rid, k, ok, error, first token (last stage)) ─►
+                    ─ STAGE_DONE StageDone(rid, k, ok, error, first token + MTP draft hidden (last stage)) ─►
     when every stage reported ok and the first token is known: Engine.start_decode -> continuous batching
+    (with --speculative-num-steps K: engine/speculative.py on the received KV, the draft layer's included)
     router ◄─ EVENTS EventsQuery(since, wait) -> Events: token events of every request (EventLog, long-poll)
 (the RPCs: messages.DECODE_SERVICE)
 
@@ -27,6 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import torch
 
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
@@ -104,13 +108,25 @@ def _refused(addr: str, timeout: float = 0.5) -> bool:
         return False
 
 
+def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
+    """The prefill's draft hidden state (MTP) of `inb` as a tensor [H]; None if none came or it is malformed
+    (then the first decode step drafts nothing, which changes no output)."""
+    raw = inb.draft_hidden
+    if raw is None:
+        return None
+    if len(raw) != 4 * hidden_size:
+        log.warning("request %s: a %d-byte draft hidden state, expected %d: unused", inb.rid, len(raw), 4 * hidden_size)
+        return None
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy())
+
+
 class DecodeWorker:
     def __init__(
         self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.cfg = cfg
         self.t = cfg.timeouts
-        self.engine = Engine(model if model is not None else Path(cfg.model), **cfg.engine)
+        self.engine = Engine(model if model is not None else Path(cfg.model), model_dir=cfg.model, **cfg.engine)
         self.backend = make_backend(cfg.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         self.service = WorkerService(
@@ -221,6 +237,7 @@ class DecodeWorker:
             ],
             counters=dict(self.counters),
             integrity=self.integrity(),
+            spec=self.engine.spec_stats(),
         )
 
     def _rpc_handshake(self, hello: Hello) -> HelloReply:
@@ -278,6 +295,8 @@ class DecodeWorker:
                 inb.prompt_logprobs = unpack_logprobs(p.prompt_logprobs)
             if p.stage == 0:
                 inb.cached_tokens = p.cached_tokens
+            if p.draft_hidden is not None:
+                inb.draft_hidden = p.draft_hidden
             waiting = inb.phase is Phase.AWAITING_KV
             if waiting and not ok:
                 self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
@@ -328,7 +347,14 @@ class DecodeWorker:
 
     def _start(self, inb: InboundKv) -> None:
         first = inb.first_token if inb.first_token is not None else 0
-        self.engine.start_decode(inb.rid, first, inb.first_logprobs, inb.prompt_logprobs or (), inb.cached_tokens)
+        self.engine.start_decode(
+            inb.rid,
+            first,
+            inb.first_logprobs,
+            inb.prompt_logprobs or (),
+            inb.cached_tokens,
+            draft_hidden=draft_hidden_of(inb, self.engine.spec.hidden_size),
+        )
         self.inbound.move(inb, Phase.DECODING)
         self.counters["started"] += 1
         self.counters["kv_bytes"] += inb.bytes

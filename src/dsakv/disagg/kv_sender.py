@@ -3,7 +3,7 @@
     sender.queue(Transfer(job, src_pages, first_token))     after the step that computed the prompt's last chunk
     loop: batch what is queued -> per transfer: handshaken link (decode boot checked) -> TransferPlan(paired
           keys, src pages -> job.dst_pages) -> backend.submit(deadline) ... backend.wait
-          -> STAGE_DONE StageDone(rid, stage, ok, error, quarantine, bytes, first token) to the decode
+          -> STAGE_DONE StageDone(rid, stage, ok, error, quarantine, bytes, first token, draft hidden) to the decode
           -> on_done(job, ok): the role frees its books (stage 0: one release of N; stage k: tells stage 0)
     sender.fail(job, why)                                   KV_FAILED: the stage dropped it before its transfer
 
@@ -46,6 +46,7 @@ class Transfer:
     first_logprobs: TokenLogprobs | None = None  # last stage: its logprobs (params.logprobs)
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
     cached_tokens: int = 0  # stage 0: the prefix cache's hit
+    draft_hidden: bytes | None = None  # MTP on the last stage: the draft's output at the prompt's last entry
 
 
 class KvSender:
@@ -157,6 +158,7 @@ class KvSender:
             WireLogprobs.pack([x.first_logprobs]) if x.first_logprobs is not None else None,
             WireLogprobs.pack(x.prompt_logprobs),
             x.cached_tokens,
+            x.draft_hidden,
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

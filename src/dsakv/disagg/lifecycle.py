@@ -34,6 +34,8 @@ from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams, TokenLogprobs
 from dsakv.errors import ConfigError, DsakvError
 
+Blob = bytes  # InboundKv has a field named `bytes`
+
 
 class Phase(enum.Enum):
     QUEUED = "queued"
@@ -156,6 +158,7 @@ class InboundKv(Tracked):
     hold_until: float = 0.0  # a timed-out transfer may still write until then
     dead: set[int] = field(default_factory=set)
     bytes: int = 0
+    draft_hidden: Blob | None = None  # MTP: the last stage's draft output (StageDone.draft_hidden)
 
     def missing(self) -> list[int]:
         return [k for k in range(self.num_stages) if k not in self.reported]

@@ -73,6 +73,9 @@ def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
     return w.unpack() if w is not None else None
 
 
+Blob = bytes  # a raw-bytes field type where a message also has a field named `bytes`
+
+
 # ---- common: liveness, health, integrity ----------------------------------------------------------------
 
 
@@ -172,6 +175,7 @@ class Health:
     max_prompt_tokens: int | None = None
     inbound: int | None = None
     failed_held: int | None = None
+    spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
@@ -283,6 +287,7 @@ class StageDone:
     first_logprobs: WireLogprobs | None = None  # last stage: the first token's (params.logprobs)
     prompt_logprobs: WireLogprobs | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
     cached_tokens: int = 0  # stage 0: prompt tokens its prefix cache supplied
+    draft_hidden: Blob | None = None  # last stage with MTP: float32 [H], the draft's output at the last entry
 
 
 @dataclass(frozen=True)
@@ -345,6 +350,7 @@ class StepRow:
     num_tokens: int
     pages: list[int]
     last: bool  # the prompt's last chunk: the stage transfers the request after this step
+    next_token: int | None = None  # the prompt token after this chunk (not last): the draft layer's last entry
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ this stage's layers, pass the step on, send the KV.
         ─► this stage's layers ─► send to stage k+1 (not on the last stage)
         ─► last stage: prompt logprobs of the step's chunks (params.prompt_logprobs); the first token of every
            finished prompt (the request's seeded stream, penalties and bias; with its logprobs)
+           (with MTP: the draft layer's KV for the step's tokens, engine.speculative.draft_prefill, and the draft
+           hidden of every finished prompt)
         ─► every finished prompt: KvSender (this stage's layers -> the decode's pages)
     a tick: the same books, forwarded (no compute)
     transfer reported ─► mirror release, RELEASED to stage 0
@@ -39,6 +41,7 @@ from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
 from dsakv.engine.request import Request, TokenLogprobs
 from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
+from dsakv.engine.speculative import draft_prefill
 from dsakv.model.dsa_model import StageCarry
 
 
@@ -84,6 +87,7 @@ class PipelineFollower:
         if ctx.last:
             self._prompt_logprobs(carry, meta.seqs)
             firsts = self._sample(carry, meta.seqs)
+        drafts = self._draft(batch, carry, meta.seqs, firsts) if ctx.draft is not None else {}
         with self.lock:
             ctx.counters["steps"] += 1
             for row in meta.seqs:
@@ -93,7 +97,25 @@ class PipelineFollower:
                     src = row.pages[: pages_for(job.prompt_len, ctx.page_size)]
                     tok, lps = firsts.get(row.rid, (None, None))
                     plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
-                    ctx.sender.queue(Transfer(job, src, tok, lps, plps))
+                    ctx.sender.queue(Transfer(job, src, tok, lps, plps, draft_hidden=drafts.get(row.rid)))
+
+    def _draft(
+        self, batch: Any, carry: StageCarry, seqs: list[StepRow], firsts: dict[str, tuple[int, TokenLogprobs | None]]
+    ) -> dict[str, bytes]:
+        """Last stage with MTP: the draft layer's KV for the step's tokens (entry i: hidden i + token i+1; after a
+        chunk, the next prompt token stage 0 sent, or the first token); the draft hidden of each finished prompt."""
+        after = []
+        for row in seqs:
+            if row.last:  # a dropped request (no job, no first token) still needs some token: its KV is not sent
+                nxt: int | None = firsts[row.rid][0] if row.rid in firsts else 0
+            else:
+                nxt = row.next_token
+            if nxt is None:
+                raise StageLinkError(f"stage {self.ctx.rank}: {row.rid}'s chunk came without the token after it")
+            after.append(nxt)
+        assert self.ctx.draft is not None
+        out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, carry.hidden, after)
+        return {row.rid: self.ctx.draft_hidden(out[i]) for i, row in enumerate(seqs) if row.rid in firsts}
 
     def _book(self, meta: StepMsg) -> None:
         ctx = self.ctx

@@ -4,7 +4,8 @@
     loop: control (RELEASED / ABORT from other threads, KV deadlines) ─► engine.step():
           scheduler (chunked prefill, prefix cache, preemption) ─► PipelineRunner.run(chunks):
               ForwardBatch ─► this stage's layers ─► StepMsg (rows, new jobs, drops, cache set, host copies)
-              + hidden + top-k; logits only if stage 0 is also the last stage
+              + hidden + top-k; logits only if stage 0 is also the last stage (then, with MTP, the draft
+              layer's KV for the step's tokens and the draft's hidden state of every finished prompt)
           ─► once Engine.step returned (its lock released): the step to stage 1 (StageGroup, gloo)
           ─► outputs: a request whose prompt finished goes TRANSFERRING (KvSender; first token if last stage);
              a failed step's requests are dropped (decode told)
@@ -56,7 +57,9 @@ from dsakv.disagg.wire import page_list, pages_for
 from dsakv.engine.engine import Engine
 from dsakv.engine.model_runner import build_batch, logits_at
 from dsakv.engine.request import FinishReason, RequestOutput
+from dsakv.engine.sampling import sample
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from dsakv.engine.speculative import draft_prefill
 from dsakv.errors import CapacityError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ class PipelineRunner:
         self.step = 0
         self.ran = False
         self.outbox: tuple[StageMessage, StepMsg] | None = None
+        self.draft_out: dict[str, bytes] = {}  # MTP (pp_size 1): this step's draft hidden per finished prompt
         if ctx.last:  # the Engine computes prompt logprobs where the last layer is (here only when pp_size is 1)
             self.run_with_prompt_logits = self._run_with_prompt_logits
 
@@ -91,13 +95,27 @@ class PipelineRunner:
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor]:
         self.ran = True
         self.step += 1
+        self.draft_out = {}
         batch = build_batch(chunks, self.ctx.page_size)
         meta = self.step_msg(chunks, batch) if self.ctx.size > 1 else None
         with torch.no_grad():
             carry = self.ctx.model.stage_forward(batch, self.pool)
         if meta is not None:
             self.outbox = (StageMessage(self.step, to_wire(meta), carry.hidden, carry.topk), meta)
+        if self.ctx.draft is not None and carry.logits is not None:
+            self._draft(chunks, batch, carry.hidden, carry.logits)
         return (carry.logits if self.ctx.last else None), carry.hidden
+
+    def _draft(self, chunks: Sequence[ScheduledChunk], batch: Any, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """MTP on a single-stage prefill: the draft layer's KV for the step's tokens; a finished prompt's token
+        after it is the first token, drawn here as the Engine draws it next (the request's seeded stream)."""
+        assert self.ctx.draft is not None
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        firsts = dict(zip(rows, sample(logits[rows], [chunks[i].request for i in rows]), strict=True)) if rows else {}
+        after = [firsts[i] if i in firsts else c.request.token_ids(c.end, c.end + 1)[0] for i, c in enumerate(chunks)]
+        out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, hidden, after)
+        for i in rows:
+            self.draft_out[chunks[i].request.request_id] = self.ctx.draft_hidden(out[i])
 
 
 class PipelineLeader:
@@ -283,7 +301,10 @@ class PipelineLeader:
             src = page_list(self.engine.pages_of(job.rid))[: pages_for(job.prompt_len, ctx.page_size)]
             if ctx.last and o.new_token_ids:  # the first token, its logprobs and the prompt's travel with the KV
                 lps = o.new_logprobs[0] if o.new_logprobs else None
-                ctx.sender.queue(Transfer(job, src, o.new_token_ids[0], lps, o.prompt_logprobs, o.num_cached_tokens))
+                drafted = self.runner.draft_out.pop(job.rid, None)
+                ctx.sender.queue(
+                    Transfer(job, src, o.new_token_ids[0], lps, o.prompt_logprobs, o.num_cached_tokens, drafted)
+                )
             else:
                 ctx.sender.queue(Transfer(job, src, None, cached_tokens=o.num_cached_tokens))
 
@@ -297,9 +318,9 @@ class PipelineLeader:
         now = self.ctx.jobs.now()
         for c in chunks:
             rid = c.request.request_id
-            seqs.append(
-                StepRow(rid, c.start, c.num_tokens, list(c.request.page_ids), c.end == c.request.num_prompt_tokens)
-            )
+            last = c.end == c.request.num_prompt_tokens
+            after = None if last else c.request.token_ids(c.end, c.end + 1)[0]  # the last stage's draft entry
+            seqs.append(StepRow(rid, c.start, c.num_tokens, list(c.request.page_ids), last, after))
             job = self.ctx.jobs.get(rid)
             if job is not None and c.start == c.request.num_cached_tokens:  # its first chunk since admission
                 new_jobs[rid] = job_spec(job, now)

@@ -10,11 +10,13 @@ Imports torch, dsakv.{spec, plan, cache, model} and dsakv.disagg; never engine, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from dsakv.disagg.worker_service import Notifier
 from dsakv.errors import ConfigError
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
+from dsakv.model.mtp import MTPDraft
 from dsakv.plan.capacity import even_partition
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -96,6 +99,9 @@ class PrefillConfig:
     hicache_selective_threshold: int = 2
     # storage (L3) tier: a shared Mooncake Store on stage 0's HiCache (pp_size 1 only; needs the host tier)
     hicache_storage: StorageConfig | None = field(default=None, hash=False)
+    # MTP (the decode speculates with K steps): the last stage loads the draft layer, computes its KV / INDEX_K
+    # for the prompt and sends it with its other keys, plus the draft's last hidden state; K itself is the decode's
+    speculative_num_steps: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -108,11 +114,18 @@ class PrefillConfig:
             )
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError(f"--num-pages {self.num_pages} must be >= 1")
+        if isinstance(self.speculative_num_steps, bool) or self.speculative_num_steps < 0:
+            raise ConfigError(f"--speculative-num-steps {self.speculative_num_steps!r} must be an integer >= 0")
         if self.hicache_storage is not None and self.pp_size > 1:
             raise ConfigError(
                 f"hicache_storage ({self.hicache_storage.backend}) with pp_size {self.pp_size}: only a single-stage "
                 "prefill has a storage tier (later stages would need their own L3 loads); use pp_size 1"
             )
+
+    @property
+    def draft_layers(self) -> int:
+        """Draft (MTP) layers on the last stage: 1 with speculation (the decode reuses one layer K times)."""
+        return 1 if self.speculative_num_steps else 0
 
     @property
     def cache_enabled(self) -> bool:
@@ -207,13 +220,31 @@ class StageContext:
     stop: threading.Event = field(default_factory=threading.Event)
     down_reason: str | None = None
     sender_: KvSender | None = None
+    draft: MTPDraft | None = None  # the last stage with MTP: the draft layer (its keys are in `layout`)
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes:
+        """The wire form of one draft hidden state [H] (StageDone.draft_hidden): float32 bytes."""
+        return bytes(hidden.detach().float().cpu().contiguous().numpy().tobytes())
 
     @classmethod
     def build(
-        cls, cfg: PrefillConfig, spec: ModelSpec, model: DSAModel, clock: Callable[[], float] = time.monotonic
+        cls,
+        cfg: PrefillConfig,
+        spec: ModelSpec,
+        model: DSAModel,
+        clock: Callable[[], float] = time.monotonic,
+        draft: MTPDraft | None = None,
     ) -> StageContext:
+        """`draft`: the MTP layer for the last stage with cfg.speculative_num_steps (default: load_draft)."""
         ranges = split_layers(spec.num_layers, cfg.pp_size, cfg.partition)
         a, b = ranges[cfg.pp_rank]
+        drafts = cfg.draft_layers if cfg.pp_rank == cfg.pp_size - 1 else 0
+        if drafts and draft is None:
+            from dsakv.model.loader import load_draft
+
+            draft = load_draft(Path(cfg.model), dtype=model.dtype)
+        if draft is not None:
+            draft.to(model.device)
         t = cfg.timeouts
         group = StageGroup(
             cfg.pp_rank,
@@ -230,17 +261,19 @@ class StageContext:
             spec=spec,
             model=model,
             ranges=ranges,
-            layout=cls.layout_of(cfg, model, a, b),
+            layout=cls.layout_of(cfg, model, a, b, drafts),
             num_pages=cfg.num_pages or pages_for(DEFAULT_MAX_TOKENS, cfg.page_size),
             group=group,
             notifier=Notifier(t.rpc, t.connect),
             jobs=Ledger(PREFILL_STAGE, clock),
             down_reason="pipeline not formed yet" if cfg.pp_size > 1 else None,
+            draft=draft if drafts else None,
         )
 
     @staticmethod
-    def layout_of(cfg: PrefillConfig, model: DSAModel, start: int, end: int) -> KVLayout:
-        return model.layout_for(
+    def layout_of(cfg: PrefillConfig, model: DSAModel, start: int, end: int, draft_layers: int = 0) -> KVLayout:
+        """The stage's pool layout: layers [start, end), plus the draft layer's keys on the last stage with MTP."""
+        lay = model.layout_for(
             elide=cfg.elide,
             kv_format=cfg.kv_format,
             index_format=cfg.index_format,
@@ -248,6 +281,7 @@ class StageContext:
             layer_start=start,
             layer_end=end,
         )
+        return dataclasses.replace(lay, draft_layers=draft_layers) if draft_layers else lay
 
     @property
     def rank(self) -> int:

@@ -150,7 +150,10 @@ class Engine:
             draft = load_draft(self.model_dir, dtype=getattr(torch, cfg.dtype))
         self.draft = draft if speculative_num_steps else None
         if layout is not None and self.draft is not None:
-            raise ConfigError("speculative decoding with an injected layout is not supported (PD roles: not yet)")
+            raise ConfigError(
+                "speculative decoding with an injected layout is not supported (a PD prefill stage runs the draft "
+                "with engine.speculative.draft_prefill; a decode builds its own layout)"
+            )
         self.layout = layout or cfg.layout.layout(self.spec, draft_layers=cfg.draft_layers)
         page_size = self.layout.page_size
         num_pages = cfg.pool.pages([self.layout])
@@ -323,18 +326,22 @@ class Engine:
         first_logprobs: TokenLogprobs | None = None,
         prompt_logprobs: Sequence[TokenLogprobs] = (),
         cached_tokens: int = 0,
+        draft_hidden: torch.Tensor | None = None,
     ) -> RequestOutput:
         """Decode worker: the prompt's KV is in the prealloc'd pages and the prefill sampled `first_token` (with
         its logprobs and the prompt's, when the params ask; `cached_tokens`: the prefill's prefix-cache hit, for
         usage); the request now decodes, and with params.n > 1 its other choices start on its prompt pages as
         add_request's do. The returned output (first token; finished if that token stops it) is also reported
-        by the next step()."""
+        by the next step(). With speculation, `draft_hidden` [H] (the prefill's draft output at the prompt's last
+        entry, engine.speculative.draft_prefill) lets the first decode step verify a draft."""
         with self._lock:
             req = self.scheduler.start_decode(request_id, first_token)
             if first_logprobs is not None:
                 req.output_logprobs = [first_logprobs]
             req.prompt_logprobs = list(prompt_logprobs)
             req.num_cached_tokens = int(cached_tokens)
+            if self.speculator is not None and draft_hidden is not None and not req.is_finished:
+                self.speculator.seed(req, draft_hidden)
             out = RequestOutput.of(req, 1)
             self._pending.append(out)
             return out

@@ -375,8 +375,11 @@ class Scheduler:
             self.ready.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1))
-            budget -= 1
+            drafts = 0  # PD with MTP: the prefill's draft hidden state seeded a draft (Speculator.seed)
+            if self.draft_lookahead is not None:
+                drafts = self._grow_drafts(req, min(self.draft_lookahead(req), budget - 1))
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, drafts))
+            budget -= 1 + drafts
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             cached_pages: IntArray = np.zeros(0, dtype=np.int64)

@@ -22,6 +22,11 @@ Pool slots of one decoding request with k = 3 drafts (n = num_computed before th
     target KV   valid   | t_n   d1   d2   d3     (written by verify; kept up to n+a, a = accepted drafts)
     draft KV    valid   | d1'   d2'  (chain)     (rewritten by extend for n..n+a)
 
+Disaggregated (PD): the prefill stage holding the last main layer runs `draft_prefill` on every step's batch
+(the draft layer's KV / INDEX_K for the prompt, in the same slots, shipped with the other keys) and sends the
+draft's output at the prompt's last entry; the decode's `Speculator.seed` turns it into d1, so the decode
+drafts from its first step exactly as a colocated engine does after its own prefill step.
+
 Imports torch, dsakv.{cache,model} and dsakv.engine; must not import disagg, serve or cli.
 """
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -190,6 +195,31 @@ def _sample_at(req: Request, logits: torch.Tensor, index: int) -> int:
     return int(torch.multinomial(probs, 1, generator=g).item())
 
 
+def draft_prefill(
+    target: DSAModel, draft: MTPDraft, pool: DevicePool, batch: ForwardBatch, hidden: torch.Tensor, after: Sequence[int]
+) -> torch.Tensor:
+    """A prefill step's draft extend (PD, the stage with the last main layer): the draft layer's KV / INDEX_K for
+    every new token of `batch` (the target's batch, just run), written at the target's own slots.
+
+    `hidden` [T, H] is the target's residual stream after its last layer (this function norms it); entry i pairs
+    hidden i with token i+1: inside a sequence the batch's next token, after sequence b's last token `after[b]`
+    (the next prompt token of a chunk that does not end the prompt, or the sampled first token). Returns the
+    draft's output [B, H] at each sequence's last entry (the hidden state the decode drafts d1 from, and the
+    "previous hidden" its chain continues with) -- what the colocated _extend keeps in DraftState.hidden.
+    """
+    if len(after) != batch.batch_size:
+        raise ValueError(f"draft_prefill: {len(after)} next tokens for a batch of {batch.batch_size} sequences")
+    ends = torch.cumsum(batch.extend_lens, 0) - 1
+    ids = batch.input_ids.clone()
+    ids[:-1] = batch.input_ids[1:]
+    ids[ends] = torch.tensor(list(after), dtype=ids.dtype)
+    shifted = replace(batch, input_ids=ids, positions=batch.positions + 1)
+    with torch.inference_mode():
+        normed = target.model.norm(hidden.to(target.device, target.dtype))
+    out = draft.step(target, shifted, normed, pool)
+    return out[ends.to(out.device)]
+
+
 class Speculator:
     """Drafts with the MTP layer and verifies with the target, for the engine's step (see module docstring)."""
 
@@ -237,6 +267,14 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+    def seed(self, req: Request, hidden: torch.Tensor) -> None:
+        """A request whose prompt was prefilled elsewhere (PD) starts decoding: `hidden` [H] is the draft's output
+        at the prompt's last entry (draft_prefill); its d1 is drawn here as the colocated _extend draws it."""
+        h = hidden.to(self.target.device).reshape(-1)
+        logits = self.draft.logits(self.target, h[None])
+        tok, q = _draw(logits[0], req, req.num_output_tokens)
+        self.states[req.request_id] = DraftState(req.num_computed_tokens, [tok], [q], h.clone())
 
     # ---- one step ------------------------------------------------------------------------------
 
