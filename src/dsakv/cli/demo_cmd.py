@@ -4,6 +4,8 @@
                           # a checked batch of requests, capacity and transfer tables, then a clean shutdown
     dsakv demo --serve    # the same, then keep serving until Ctrl-C
     dsakv demo --json     # a JSON summary as the last stdout line (the narrative goes to stderr)
+    dsakv demo --speculative-num-steps 2   # MTP in PD: the tiny checkpoint gets a fitted MTP layer (make-tiny --mtp 1
+                          # --fit-mtp), the prefill's last stage sends the draft layer's KV, the decode speculates
 
 It makes a tiny GLM-5.2-shaped checkpoint (or uses --model), starts `dsakv serve --role decode`, `--role prefill
 --pp-size N` and `--role router` as child processes (each in its own process group, logs under --log-dir), waits
@@ -63,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv demo --json --port 0\n"
         "  dsakv demo --serve            # keep the deployment up after the checks\n"
         "  dsakv demo --pp-size 3 --transfer-backend nixl --no-elide\n"
+        "  dsakv demo --speculative-num-steps 2   # MTP speculative decoding on the decode, draft KV from prefill\n"
         "\n"
         "with --serve:   curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\\n"
         '                  -d \'{"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}\''
@@ -89,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=True,
         help="prefix cache on the PP prefill worker (serve --role prefill --prefix-cache, plus the host tier with "
         "--host-tier; on)",
+    )
+    options.add_speculative_argument(
+        p,
+        " (on the prefill and decode workers: the prefill's last stage sends the draft layer's KV and hidden state, "
+        "the decode speculates; the made tiny checkpoint then gets an MTP layer fitted on fit_prompts, two of which "
+        "join the checked batch; the colocated reference runs without MTP)",
     )
     p.add_argument("--serve", action="store_true", help="after the checks, keep serving until Ctrl-C")
     p.add_argument("--once", action="store_true", help=argparse.SUPPRESS)  # the default since --serve exists
@@ -174,6 +183,11 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
 
     out: dict[str, Any] = {"router": url}
     prompts = demo_prompts(args.requests)
+    if args.speculative_num_steps:  # two prompts the fitted MTP layer predicts well (the others: ~0 acceptance)
+        from dsakv.engine.mtp_fit import fit_prompts
+        from dsakv.spec.model import ModelSpec
+
+        prompts += fit_prompts(ModelSpec.from_path(model_dir).vocab_size, 2)
     status.update(f"sending {len(prompts)} concurrent completions through the router")
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -248,6 +262,15 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
         out["prefill_prefix_cache"] = pc = _prefill_cache_check(args, url, ports["prefill"], prompts[0], got[0])
     dec = _stage_health(f"127.0.0.1:{ports['decode']}")
     out["decode_integrity"] = dec.integrity
+    if args.speculative_num_steps:
+        out["speculative"] = sp = dec.spec or {}
+        _say(
+            args,
+            f"    MTP (K={args.speculative_num_steps}) on the decode, drafting from its first step on the prefill's "
+            f"draft KV: {sp.get('spec_accepted_tokens', 0):g} of {sp.get('spec_draft_tokens', 0):g} drafts accepted "
+            f"(rate {sp.get('spec_acceptance_rate', 0):.3f}), {sp.get('spec_mean_accepted_length', 0):.2f} tokens "
+            f"per verify step",
+        )
 
     metrics = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
@@ -274,6 +297,8 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     out["ok"] = bool(matched == total and done and len(chat_ids) == args.max_tokens and dec.integrity == "ok")
     if args.prefill_prefix_cache:
         out["ok"] = out["ok"] and pc["repeat_equal"] and pc["integrity"] == "ok"
+    if args.speculative_num_steps:
+        out["ok"] = out["ok"] and out["speculative"].get("spec_verify_steps", 0) > 0
     return out
 
 
@@ -317,12 +342,13 @@ def _print_transfers(args: argparse.Namespace, rows: list[dict[str, Any]], model
         t.add_column(col, justify="left" if col in ("layers", "index-K layers") else "right")
     for r in rows:
         lo, hi = (r.get("layers") or [0, spec.num_layers - 1])[:2]
-        lay = layout.layout(spec, lo, hi + 1)
+        drafts = 1 if args.speculative_num_steps and hi == spec.num_layers - 1 else 0  # MTP: the last stage's
+        lay = layout.layout(spec, lo, hi + 1, draft_layers=drafts)
         idx = [k.layer for k in lay.keys if k.kind.value == "index_k"]
         nbytes, secs = int(r.get("bytes", 0)), float(r.get("seconds", 0.0))
         t.add_row(
             str(r["stage"]),
-            f"{lo}-{hi}",
+            f"{lo}-{hi}" + (f" +draft {spec.num_layers}" if drafts else ""),
             ",".join(map(str, idx)),
             str(r.get("count", 0)),
             f"{nbytes:,}",
@@ -350,10 +376,20 @@ def run(args: argparse.Namespace) -> int:
     else:
         from dsakv.model.tiny import make_tiny
 
-        model_dir = make_tiny(log_dir / "tiny", seed=0)
+        mtp = 1 if args.speculative_num_steps else 0
+        model_dir = make_tiny(log_dir / ("tiny-mtp" if mtp else "tiny"), seed=0, mtp=mtp)
+        if mtp:  # make-tiny --mtp 1 --fit-mtp: a draft worth running (deterministic, a few seconds on a CPU)
+            from dsakv.engine.mtp_fit import fit_mtp
+
+            fit_mtp(model_dir, num_prompts=16, steps=60)
     from dsakv.spec.model import ModelSpec
 
     spec = ModelSpec.from_path(model_dir)
+    if args.speculative_num_steps and not spec.num_draft_layers:
+        raise ConfigError(
+            f"--speculative-num-steps {args.speculative_num_steps} needs an MTP layer, but --model {args.model} has "
+            "num_nextn_predict_layers = 0: write one with `dsakv make-tiny DIR --mtp 1 --fit-mtp`, or drop --model"
+        )
     layout = options.layout_config(args, DEMO_LAYOUT)
     lay = {e: replace(layout, elide=e).layout(spec) for e in (True, False)}
     prefill_port = free_ports(args.pp_size + 1)  # stage k on +k, the gloo rendezvous on +pp_size
@@ -363,6 +399,9 @@ def run(args: argparse.Namespace) -> int:
     prefill_cfg = demo_engine_config(args, args.host_tier and args.prefill_prefix_cache)
     if args.prefill_prefix_cache:
         prefill_cfg = replace(prefill_cfg, cache=replace(prefill_cfg.cache, prefix_cache=True))
+    if args.speculative_num_steps:  # both workers (the handshake refuses a mismatch); the reference runs without
+        decode_cfg = replace(decode_cfg, speculative_num_steps=args.speculative_num_steps)
+        prefill_cfg = replace(prefill_cfg, speculative_num_steps=args.speculative_num_steps)
     common = ["--threads", "1", "--transfer-backend", args.transfer_backend]
     dsakv = dsakv_cmd("serve", "--model", str(model_dir))
     specs = [
@@ -403,7 +442,13 @@ def run(args: argparse.Namespace) -> int:
     _say(
         args,
         f"  prefill: {args.pp_size} PP stage(s) on 127.0.0.1:{prefill_port}..{prefill_port + args.pp_size - 1}"
-        f"; decode on 127.0.0.1:{decode_port}; KV transfer: {args.transfer_backend}",
+        f"; decode on 127.0.0.1:{decode_port}; KV transfer: {args.transfer_backend}"
+        + (
+            f"; MTP speculative decoding K={args.speculative_num_steps} (draft layer {spec.num_layers} on the last "
+            "prefill stage and the decode)"
+            if args.speculative_num_steps
+            else ""
+        ),
     )
     _say(args, f"  router (OpenAI API): {url}   logs: {log_dir}")
     _print_capacity(args, spec)
