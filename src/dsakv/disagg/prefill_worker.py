@@ -6,7 +6,7 @@
         StepMsg (rows, new jobs, drops, prefix-cache set, host-tier copies) + hidden [T, H] + top-k over gloo
     every stage, when a request's last prompt chunk ran: KvSender -- TransferPlan(its own layers' paired keys,
         its pages -> the decode's pages) on its TransferBackend, bounded by the request's deadline, then
-        STAGE_DONE StageDone(rid, stage, ok, error, first token (last stage)) to the decode.
+        STAGE_DONE StageDone(rid, stage, ok, error, first token + MTP draft hidden (last stage)) to the decode.
     every stage k > 0 then tells stage 0 RELEASED(rid); stage 0 frees the request's pages once all N stages
         released them, so a page is never reused while a stage still reads it.
 
