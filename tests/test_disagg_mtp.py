@@ -165,7 +165,7 @@ def _expected_bytes(ckpt, prompts: list[list[int]]) -> int:
 def test_mtp_pd_tokens_equal_colocated_without_mtp(world, reference, ckpt, topo):
     backend, cluster, decode, prefills = world
     stages = prefills[topo]
-    router = cluster.router([stages[0].addr], [decode.addr])
+    router = cluster.router([stages[0].addr], [decode.addr], rpc_timeout=10.0)  # health waits for a spec step
     try:
         assert router.wait_ready(60), router.health()
         tag = f"{backend}-{topo}"
