@@ -237,8 +237,13 @@ class DecodeWorker:
             ],
             counters=dict(self.counters),
             integrity=self.integrity(),
-            spec=self.engine.spec_stats(),
+            spec=self._spec_counters(),
         )
+
+    def _spec_counters(self) -> dict[str, float] | None:
+        """Engine.spec_stats() without the engine lock (plain counters): health must not wait for another step."""
+        sp = self.engine.speculator
+        return sp.stats.to_dict() if sp is not None else None
 
     def _rpc_handshake(self, hello: Hello) -> HelloReply:
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
