@@ -20,13 +20,21 @@ never given another producer's top-k: its rows come only from `swap_in` of its o
 `store_kv` writes a token's KV to the host (the backup every later swap-in reads) and, for the newest page, to
 the hot buffer; `store_index` writes index-K to the device. Stats: hot-buffer hits / lookups, rows and bytes
 swapped in per layer (this step and in total).
+
+A model step runs on the pool through `step_access(batch)` (a HiSparseStep, what the model's StepContext uses
+in place of PoolAccess): writes and index-K reads go by logical slot as on a DevicePool (KV writes: host, and
+the newest page's rows to the hot block), and it is the attention's row source: `on_topk` after a producer's
+top-k swaps in the missing rows of every one-token (decode) row of the step, and `read_selected` reads those
+tokens' selected rows from the hot buffer (other tokens, prefill chunks, read their rows from the host KV).
+`prepare(entries, running)` (the engine's runner, before each step) admits, grows and releases requests.
 Imports torch and dsakv.spec/cache; must not import model or engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +44,9 @@ from dsakv.cache.kv_access import codec_for
 from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, Kind, KVLayout
+
+if TYPE_CHECKING:
+    from dsakv.model.batch import ForwardBatch
 from dsakv.util import ceil_div
 
 RequestId = Hashable
@@ -194,6 +205,27 @@ class HiSparsePool:
     def hot_rows(self) -> int:
         return self.max_requests * self.block_rows
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes (as DevicePool.nbytes): index-K of the logical pool + the hot KV rows."""
+        return self.device_bytes
+
+    @property
+    def num_admitted(self) -> int:
+        return len(self._reqs)
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Stats plus the sizes, for logs and /metrics."""
+        return {
+            **self.stats.to_dict(),
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "logical_tokens": self.logical_pages * self.page_size,
+            "hot_buffers": self.max_requests,
+            "hot_buffers_used": len(self._reqs),
+            "device_buffer_size": self.buffer_size,
+        }
+
     # ---- tensors by key (a key the layout does not hold raises KeyError naming layer and kind) ----------------
 
     def _get(self, table: dict[BufferKey, torch.Tensor], key: BufferKey, where: str) -> torch.Tensor:
@@ -264,6 +296,61 @@ class HiSparsePool:
         if req is not None:
             self._free_blocks.append(req.block)
             self._free_blocks.sort()
+
+    def load_newest(self, rid: RequestId) -> int:
+        """Copy the tokens of the request's newest page that are already in the host KV (a prefix computed before
+        it was admitted: a PD transfer, a shared prompt, a recompute) into its hot block; returns the tokens copied."""
+        req = self._req(rid)
+        if not req.length:
+            return 0
+        pos = np.arange(self._newest_start(req), req.length, dtype=np.int64)
+        src = torch.from_numpy(req.pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+        dst = as_index(req.block * self.block_rows + self.buffer_size + pos % self.page_size, self.device)
+        for layer in self.layout.layers:
+            put(self.hot_tensor(layer), dst, take(self._host_rows(layer), src).to(self.device))
+        return int(pos.size)
+
+    def prepare(
+        self, entries: Sequence[tuple[RequestId, npt.ArrayLike, int, int]], running: Iterable[RequestId]
+    ) -> None:
+        """Before a step: `entries` = (request id, its page ids in token order, chunk start, chunk end) per batch row.
+
+        Requests admitted but neither in `running` nor in this step are released (finished, aborted, preempted).
+        A row whose request is not admitted, or whose start / pages differ from what the pool holds (recomputed
+        after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded from the
+        host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
+        self.begin_step()
+        live = set(running) | {e[0] for e in entries}
+        for rid in [r for r in self._reqs if r not in live]:
+            self.release(rid)
+        rids = []
+        for rid, page_ids, start, end in entries:
+            pages = np.asarray(page_ids, dtype=np.int64)[: ceil_div(end, self.page_size)]
+            req = self._reqs.get(rid)
+            if req is not None and (
+                req.length != start
+                or req.pages.size > pages.size
+                or not np.array_equal(req.pages, pages[: req.pages.size])
+            ):
+                self.release(rid)
+                req = None
+            if req is None:
+                self.admit(rid, pages[: ceil_div(start, self.page_size)], start)
+                self.load_newest(rid)
+            held = self._reqs[rid].pages.size
+            self.grow(rid, end, pages[held:])
+            rids.append(rid)
+        self._step_rids = rids
+
+    def step_access(self, batch: ForwardBatch, device: torch.device | None = None) -> HiSparseStep:
+        """The access a model step uses (StepContext.pool and .rows), for the rows `prepare` was given."""
+        rids = getattr(self, "_step_rids", None)
+        if rids is None or len(rids) != batch.batch_size:
+            raise ValueError(
+                f"HiSparse step of {batch.batch_size} sequences but prepare() was given "
+                f"{'none' if rids is None else len(rids)}: call prepare(entries, running) before each step"
+            )
+        return HiSparseStep(self, list(rids), batch, device or self.device)
 
     def _req(self, rid: RequestId) -> _Request:
         try:
@@ -418,3 +505,98 @@ class HiSparsePool:
         """{position: LRU slot} of the request's resident rows for `layer` (newest page not included)."""
         res = self._req(rid).layers[layer]
         return {int(p): int(s) for s, p in enumerate(res.slot_pos) if p >= 0}
+
+
+class HiSparseStep:
+    """One model step on a HiSparsePool: PoolAccess's write/read by logical slot, and the attention row source.
+
+    write(KV): host rows at the logical slots, and the newest page's tokens into their request's hot block.
+    write/read(INDEX_K): the device index-K at the logical slots. read(KV): the host rows (prefill tokens, the
+    expanded path). on_topk / read_selected: the hot buffer, for the step's one-token (decode) rows on the
+    absorbed path; a shared layer never swaps in (its producer's on_topk did, for its whole group)."""
+
+    def __init__(self, pool: HiSparsePool, rids: list[RequestId], batch: ForwardBatch, device: torch.device) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.rids = rids
+        self.device = device
+        ext = batch.extend_lens.to("cpu", torch.int64).numpy()
+        pos = batch.positions.to("cpu", torch.int64).numpy()
+        reqs = [pool._req(r) for r in rids]
+        self.tok_row = np.repeat(np.arange(len(rids)), ext)
+        blocks = np.array([r.block for r in reqs], dtype=np.int64)
+        newest = np.array([pool._newest_start(r) for r in reqs], dtype=np.int64)
+        is_new = pos >= newest[self.tok_row]
+        rows = blocks[self.tok_row] * pool.block_rows + pool.buffer_size + pos % pool.page_size
+        self.hot_dst = as_index(rows[is_new], device)
+        self.hot_src = torch.from_numpy(np.flatnonzero(is_new)).to(device)
+        self.all_new = bool(is_new.all())
+        self.first = np.cumsum(ext) - ext  # first token of each row
+        self.hot_rows_of = np.flatnonzero(ext == 1)  # batch rows served from the hot buffer
+        self.tok_hot = (ext == 1)[self.tok_row]  # per token
+        self.swapped = False
+
+    def codec(self, kind: Kind) -> Any:
+        return self.pool.kv_codec if kind is Kind.KV else self.pool.index_codec
+
+    def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+        p = self.pool
+        if key.kind is Kind.INDEX_K:
+            buf = p.index_tensor(key.layer)
+            assert p.index_codec is not None
+            p.index_codec.write(buf, slots.to(buf.device), values.to(buf.device), self.page_size)
+            return
+        p.kv_codec.write(p.host_tensor(key.layer), slots.to("cpu"), values.to("cpu"), self.page_size)
+        if self.hot_dst.numel():
+            hot = p.hot_tensor(key.layer)
+            vals = values if self.all_new else values.index_select(0, self.hot_src.to(values.device))
+            p.kv_codec.write(hot, self.hot_dst, vals.to(hot.device), 1)
+
+    def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
+        p = self.pool
+        if key.kind is Kind.INDEX_K:
+            buf = p.index_tensor(key.layer)
+            assert p.index_codec is not None
+            return p.index_codec.read(buf, slots.to(buf.device), self.page_size)
+        out = p.kv_codec.read(p.host_tensor(key.layer), slots.to("cpu"), self.page_size)
+        return out.to(self.device, non_blocking=True)
+
+    # ---- the attention row source (dsakv.model.attention.RowSource) --------------------------------------------
+
+    def on_topk(self, producer: int, topk: torch.Tensor, mla_path: str) -> None:
+        """A producer's top-k [T, index_topk] (-1 padded): swap in the missing rows of its group, decode rows."""
+        self.swapped = mla_path == "absorbed" and self.hot_rows_of.size > 0
+        if not self.swapped:
+            return
+        sel = topk.to("cpu")
+        self.pool.swap_in(producer, {self.rids[b]: sel[int(self.first[b])] for b in self.hot_rows_of})
+
+    def read_selected(
+        self, layer: int, sel: torch.Tensor, valid: torch.Tensor, table: torch.Tensor, tok_seq: torch.Tensor, q0: int
+    ) -> torch.Tensor:
+        """Float32 KV rows [E x k, r + d] of tokens q0..q0+E's selected positions `sel` [E, k] (`valid` false:
+        padding, any row): hot rows for the step's decode tokens, host rows (slot table) for the others."""
+        p = self.pool
+        e, k = sel.shape
+        hot = self.tok_hot[q0 : q0 + e] if self.swapped else np.zeros(e, dtype=bool)
+        parts: list[tuple[np.ndarray, torch.Tensor]] = []
+        if hot.any():
+            idx = np.flatnonzero(hot)
+            picks = torch.where(valid, sel, -1)[torch.from_numpy(idx).to(sel.device)].to("cpu")
+            rows = torch.stack(
+                [p.rows_for(layer, self.rids[self.tok_row[q0 + i]], picks[j]) for j, i in enumerate(idx)]
+            )
+            vals = p.kv_codec.read(p.hot_tensor(layer), rows.clamp(min=0).reshape(-1).to(p.device), 1)
+            parts.append((idx, vals.to(self.device)))
+        if not hot.all():
+            idx = np.flatnonzero(~hot)
+            it = torch.from_numpy(idx).to(sel.device)
+            slots = table[tok_seq[q0 + it, None], sel[it]]
+            parts.append((idx, self.read(BufferKey(layer, Kind.KV), slots.reshape(-1))))
+        if len(parts) == 1:
+            return parts[0][1]
+        width = parts[0][1].shape[-1]
+        out = torch.empty((e, k, width), dtype=parts[0][1].dtype, device=self.device)
+        for idx, vals in parts:
+            out[torch.from_numpy(idx).to(self.device)] = vals.view(idx.size, k, width)
+        return out.view(e * k, width)

@@ -12,6 +12,8 @@ Imports torch and dsakv.spec / dsakv.cache; must not import model, engine or dis
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dsakv.cache.device_pool import DevicePool
@@ -25,6 +27,16 @@ def codec_for(layout: KVLayout, kind: Kind) -> Codec:
     if kind is Kind.KV:
         return make_kv_codec(layout.kv_format, spec.kv_lora_rank, spec.qk_rope_head_dim)
     return make_index_codec(layout.index_format, spec.index_head_dim)
+
+
+class TokenAccess(Protocol):
+    """What a model step reads and writes token values through: PoolAccess, or a HiSparse step."""
+
+    page_size: int
+
+    def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor: ...
 
 
 class PoolAccess:

@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_g = p.add_argument_group("engine")
     options.add_engine_arguments(run_g)
     options.add_speculative_argument(run_g)
+    options.add_hisparse_arguments(p)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
 
@@ -149,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)
+        if engine.hisparse_stats() is not None:
+            print(json.dumps({"hisparse": engine.hisparse_stats()}), file=sys.stderr)
         if engine.spec_stats() is not None:
             print(json.dumps({"speculative": engine.spec_stats()}), file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0

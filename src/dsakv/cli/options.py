@@ -3,7 +3,7 @@
 argv for child processes (the demo's workers, the tests' and benches' clusters).
 
     add_layout_arguments / add_pool_arguments / add_cache_arguments / add_engine_arguments   (argparse groups)
-    add_speculative_argument                                                                  (serve, generate)
+    add_speculative_argument / add_hisparse_arguments                                         (serve, generate)
     add_transfer_arguments / add_pipeline_arguments                                           (serve's roles)
     config_from_args(args) -> Config      engine_config(args) -> EngineConfig     layout_config(args) ...
     engine_argv(EngineConfig) -> ["--page-size", "16", ...]                                   (the inverse)
@@ -23,6 +23,7 @@ from dsakv.engine.config import (
     CacheConfig,
     Config,
     EngineConfig,
+    HiSparseConfig,
     LayoutConfig,
     PipelineConfig,
     PoolConfig,
@@ -170,6 +171,51 @@ def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> N
     )
 
 
+def add_hisparse_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--hisparse, --hisparse-top-k, --hisparse-device-buffer-size, --hisparse-host-to-device-ratio."""
+    d = HiSparseConfig()
+    g = p.add_argument_group(
+        "HiSparse decode (index-K of every token + a hot buffer of KV rows on the device, all KV on the host)"
+    )
+    g.add_argument(
+        "--hisparse",
+        action="store_true",
+        help="decode with HiSparse: each step copies only the missing top-k rows host -> device per layer; the "
+        "pool options size the logical pool (--kv-budget: the device budget, as `dsakv plan --hisparse-ratio`; "
+        "--max-tokens / --num-pages: logical tokens)" + note,
+    )
+    g.add_argument(
+        "--hisparse-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="rows each query selects (default and only value: the model's index_topk; checked)",
+    )
+    g.add_argument(
+        "--hisparse-device-buffer-size",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="hot KV rows per layer per request, >= top-k (default 2 x top-k), plus one page for the newest tokens",
+    )
+    g.add_argument(
+        "--hisparse-host-to-device-ratio",
+        type=float,
+        default=d.host_to_device_ratio,
+        metavar="R",
+        help=f"logical tokens per device hot row (default {d.host_to_device_ratio:g})",
+    )
+
+
+def hisparse_config(args: argparse.Namespace) -> HiSparseConfig:
+    return HiSparseConfig(
+        enabled=bool(getattr(args, "hisparse", False)),
+        top_k=getattr(args, "hisparse_top_k", None),
+        device_buffer_size=getattr(args, "hisparse_device_buffer_size", None),
+        host_to_device_ratio=getattr(args, "hisparse_host_to_device_ratio", HiSparseConfig().host_to_device_ratio),
+    )
+
+
 def add_backend_argument(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--transfer-backend",
@@ -304,6 +350,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pool=pool_config(args),
         scheduler=scheduler_config(args),
         cache=cache_config(args),
+        hisparse=hisparse_config(args),
         dtype=getattr(args, "dtype", "float32"),
         seed=getattr(args, "seed", None),
         speculative_num_steps=getattr(args, "speculative_num_steps", 0),
@@ -393,4 +440,9 @@ def engine_argv(cfg: EngineConfig, defaults: EngineConfig = EngineConfig()) -> l
         out += ["--dtype", cfg.dtype]
     if cfg.speculative_num_steps != defaults.speculative_num_steps:
         out += ["--speculative-num-steps", str(cfg.speculative_num_steps)]
+    h = cfg.hisparse
+    if h.enabled:
+        out += ["--hisparse", *_opt("--hisparse-top-k", h.top_k)]
+        out += _opt("--hisparse-device-buffer-size", h.device_buffer_size)
+        out += ["--hisparse-host-to-device-ratio", str(h.host_to_device_ratio)]
     return out + _opt("--seed", cfg.seed)

@@ -6,6 +6,7 @@
     │   ├── pool: PoolConfig          num_pages | max_tokens | kv_budget          -> pages (planner's figure)
     │   ├── scheduler: SchedulerConfig  max_batch_tokens, max_running_requests
     │   ├── cache: CacheConfig        prefix cache + host tier + disk tier         -> HiCacheConfig
+    │   ├── hisparse: HiSparseConfig  HiSparse decode: hot KV rows on the device, KV on the host
     │   └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
     ├── transfer: TransferConfig      KV transfer backend and control-plane bounds (disaggregated roles)
     └── pipeline: PipelineConfig      PP prefill: stages, partition, rendezvous, stage timeout
@@ -152,11 +153,72 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class HiSparseConfig:
+    """HiSparse decode (dsakv.cache.hisparse): index-K of every token and a hot buffer of `device_buffer_size` KV
+    rows per layer per request (+ one page for the newest tokens) on the device, the MLA KV of every token on the
+    host. The pool options then size the logical pool: `kv_budget` is the device budget (the planner's
+    --hisparse-ratio figures), `num_pages` / `max_tokens` the logical tokens, of which 1 / host_to_device_ratio
+    are hot rows on the device."""
+
+    enabled: bool = False
+    top_k: int | None = None  # rows each query selects: the model's index_topk (checked against it)
+    device_buffer_size: int | None = None  # hot rows per layer per request (None: 2 x top_k)
+    host_to_device_ratio: float = 4.0  # logical tokens / device hot rows
+
+    def __post_init__(self) -> None:
+        from dsakv.plan.hisparse import check_buffer_size, check_ratio
+
+        check_ratio(self.host_to_device_ratio)
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)):
+            raise ConfigError(f"hisparse top_k = {self.top_k!r} must be an integer (the model's index_topk)")
+        check_buffer_size(self.device_buffer_size)
+
+    def buffer_for(self, index_topk: int) -> int:
+        """device_buffer_size for a model whose indexer selects `index_topk` rows (checked: top_k, >= top_k)."""
+        if self.top_k is not None and self.top_k != index_topk:
+            raise ConfigError(
+                f"--hisparse-top-k {self.top_k} differs from the model's index_topk {index_topk}: every query selects "
+                f"index_topk rows; leave --hisparse-top-k out or pass {index_topk}"
+            )
+        size = self.device_buffer_size if self.device_buffer_size is not None else 2 * index_topk
+        if size < index_topk:
+            raise ConfigError(
+                f"--hisparse-device-buffer-size {size} is smaller than the top-k {index_topk}: one query's selected "
+                f"rows must fit the buffer; pass at least {index_topk}"
+            )
+        return size
+
+    def sizing(self, layout: KVLayout, pool: PoolConfig) -> tuple[int, int, int]:
+        """(logical pages, hot request buffers, device_buffer_size) of a HiSparse pool of `layout`.
+
+        kv_budget: the planner's figures (dsakv.plan.hisparse.hisparse_figures) for that device budget. Otherwise
+        the logical tokens of num_pages / max_tokens (default DEFAULT_MAX_TOKENS), with device hot rows =
+        floor(logical / host_to_device_ratio) cut into whole request buffers (at least one)."""
+        from dsakv.plan.hisparse import hisparse_figures, hot_rows_per_request
+
+        buf = self.buffer_for(layout.spec.index_topk)
+        page = layout.page_size
+        if pool.kv_budget is not None:
+            fig = hisparse_figures(pool.kv_budget, layout, self.host_to_device_ratio, buf)
+            if not fig.max_requests:
+                raise ConfigError(
+                    f"kv_budget {pool.kv_budget} B gives {fig.device_tokens} hot rows, less than one request buffer "
+                    f"of {hot_rows_per_request(buf, page)} rows: raise --kv-budget or lower "
+                    "--hisparse-device-buffer-size"
+                )
+            return fig.logical_tokens // page, fig.max_requests, buf
+        pages = pool.pages([layout])
+        hot = int(pages * page / self.host_to_device_ratio)
+        return pages, max(1, hot // hot_rows_per_request(buf, page)), buf
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)
     dtype: str = "float32"  # weights: float32 | bfloat16
     seed: int | None = None  # seed for requests that give none
     speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
@@ -195,6 +257,10 @@ class EngineConfig:
         "hicache_disk_dir": ("cache", "disk_dir"),
         "hicache_disk_size": ("cache", "disk_size"),
         "hicache_storage": ("cache", "storage"),
+        "hisparse": ("hisparse", "enabled"),
+        "hisparse_top_k": ("hisparse", "top_k"),
+        "hisparse_device_buffer_size": ("hisparse", "device_buffer_size"),
+        "hisparse_host_to_device_ratio": ("hisparse", "host_to_device_ratio"),
         "dtype": ("", "dtype"),
         "seed": ("", "seed"),
         "speculative_num_steps": ("", "speculative_num_steps"),
@@ -206,7 +272,14 @@ class EngineConfig:
         unknown = sorted(set(options) - set(cls.OPTIONS))
         if unknown:
             raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}: use {', '.join(cls.OPTIONS)}")
-        branches: dict[str, dict[str, Any]] = {"layout": {}, "pool": {}, "scheduler": {}, "cache": {}, "": {}}
+        branches: dict[str, dict[str, Any]] = {
+            "layout": {},
+            "pool": {},
+            "scheduler": {},
+            "cache": {},
+            "hisparse": {},
+            "": {},
+        }
         for name, value in options.items():
             branch, attr = cls.OPTIONS[name]
             if attr == "dtype" and not isinstance(value, str):
@@ -219,6 +292,7 @@ class EngineConfig:
             pool=PoolConfig(**branches["pool"]),
             scheduler=SchedulerConfig(**branches["scheduler"]),
             cache=CacheConfig(**branches["cache"]),
+            hisparse=HiSparseConfig(**branches["hisparse"]),
             **branches[""],
         )
 

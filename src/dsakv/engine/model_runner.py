@@ -13,20 +13,21 @@ must not import disagg, serve or cli.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hisparse import HiSparsePool
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.model.batch import ForwardBatch
 from dsakv.util import ceil_div
 
 
 class StepModel(Protocol):
-    def forward(self, batch: ForwardBatch, pool: DevicePool) -> torch.Tensor: ...
+    def forward(self, batch: ForwardBatch, pool: Any) -> torch.Tensor: ...
 
 
 def build_batch(chunks: Sequence[ScheduledChunk], page_size: int) -> ForwardBatch:
@@ -123,3 +124,28 @@ def logits_at(
             idx = torch.tensor([int(offsets[b]) + t - start for t in pos], dtype=torch.int64, device=hidden.device)
             extra.append(head(norm(hidden[idx])).float())
     return extra
+
+
+class HiSparseRunner(ModelRunner):
+    """ModelRunner on a HiSparsePool: before each step the pool admits / grows the step's requests and releases
+    those no longer `running` (finished, aborted, preempted); slots are the pool's logical slots."""
+
+    def __init__(self, model: StepModel, pool: HiSparsePool, running: Callable[[], Iterable[str]]) -> None:
+        self.model = model
+        self.pool = pool  # type: ignore[assignment]
+        self.hisparse = pool
+        self.running = running
+
+    def _prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
+        entries = [(c.request.request_id, c.request.page_ids, c.start, c.end) for c in chunks]
+        self.hisparse.prepare(entries, self.running())
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        self._prepare(chunks)
+        return super().run(chunks)
+
+    def run_with_prompt_logits(
+        self, chunks: Sequence[ScheduledChunk], positions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self._prepare(chunks)
+        return super().run_with_prompt_logits(chunks, positions)

@@ -46,12 +46,13 @@ Imports torch, dsakv.cache and dsakv.model.{config,layers,rope}.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsakv.cache.kv_access import PoolAccess
+from dsakv.cache.kv_access import TokenAccess
 from dsakv.model.config import DSAConfig
 from dsakv.model.layers import RMSNorm
 from dsakv.model.rope import rotation_matrix
@@ -64,6 +65,17 @@ MLA_PATHS = ("auto", "absorbed", "expanded")
 TopK = torch.Tensor  # int64 [T, index_topk]: selected key positions per token, ascending, -1 padded
 
 
+class RowSource(Protocol):
+    """Where the absorbed path reads the selected KV rows instead of pool-by-slot (HiSparse: a hot device buffer,
+    dsakv.cache.hisparse.HiSparseStep): told each producer's top-k first, then asked for the rows."""
+
+    def on_topk(self, producer: int, topk: TopK, mla_path: str) -> None: ...
+
+    def read_selected(
+        self, layer: int, sel: torch.Tensor, valid: torch.Tensor, table: torch.Tensor, tok_seq: torch.Tensor, q0: int
+    ) -> torch.Tensor: ...
+
+
 @dataclass
 class StepContext:
     """What every layer of one step shares: where each token sits, the slot table, rope tables, the pool."""
@@ -71,7 +83,7 @@ class StepContext:
     out_slots: torch.Tensor  # int64 [T]
     cos: torch.Tensor  # [T, rope_dim / 2]
     sin: torch.Tensor
-    pool: PoolAccess
+    pool: TokenAccess
     table: torch.Tensor  # int64 [B, S_max] token slots of each sequence (-1 beyond its length)
     seq_lens: torch.Tensor  # int64 [B]
     tok_seq: torch.Tensor  # int64 [T] sequence of each new token
@@ -81,6 +93,7 @@ class StepContext:
     mla_path: str  # "absorbed" or "expanded", chosen once per step
     decode_only: bool  # every sequence has one new token (T == B, tok_seq == arange(B))
     _memo: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: RowSource | None = None  # None: selected rows are read from `pool` by slot
 
     @property
     def num_tokens(self) -> int:
@@ -226,6 +239,8 @@ class MLAttention(nn.Module):
 
         if self.indexer is not None:
             topk = self.indexer(x, q_resid, ctx, self.layer)
+            if ctx.rows is not None:
+                ctx.rows.on_topk(self.layer, topk, ctx.mla_path)
         else:
             if prev_topk is None:
                 raise ValueError(
@@ -260,8 +275,12 @@ class MLAttention(nn.Module):
         o_lat = x.new_empty(t, h, r)
         k = sel.shape[1]
         for q0, q1 in ctx.query_blocks(k * max(r + self.rope_dim, h)):
-            slots = ctx.table[ctx.tok_seq[q0:q1, None], sel[q0:q1]]  # [E, k]
-            rows = ctx.pool.read(kv_key, slots.reshape(-1)).to(x.dtype).view(q1 - q0, k, r + self.rope_dim)
+            if ctx.rows is None:
+                slots = ctx.table[ctx.tok_seq[q0:q1, None], sel[q0:q1]]  # [E, k]
+                flat = ctx.pool.read(kv_key, slots.reshape(-1))
+            else:
+                flat = ctx.rows.read_selected(self.layer, sel[q0:q1], valid[q0:q1], ctx.table, ctx.tok_seq, q0)
+            rows = flat.to(x.dtype).view(q1 - q0, k, r + self.rope_dim)
             scores = torch.matmul(query[q0:q1], rows.transpose(1, 2)) * self.scaling  # [E, H, k]
             scores = scores.masked_fill(~valid[q0:q1, None, :], float("-inf"))
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)

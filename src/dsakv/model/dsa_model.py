@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hisparse import HiSparsePool
 from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
@@ -106,7 +107,7 @@ class DSAModel(nn.Module):
             page_size=page_size,
         )
 
-    def check_pool(self, pool: DevicePool) -> None:
+    def check_pool(self, pool: DevicePool | HiSparsePool) -> None:
         """Raise ValueError unless the pool's layout was built for this model."""
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
@@ -114,7 +115,7 @@ class DSAModel(nn.Module):
                 f"not this model {self.spec.name!r} ({self.spec.identity_hash()}): build it with model.layout_for()"
             )
 
-    def make_context(self, batch: ForwardBatch, pool: DevicePool) -> StepContext:
+    def make_context(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> StepContext:
         """The step's shared tensors, built vectorised on the model's device (no loop over sequences)."""
         _check_batch(batch)
         self.check_pool(pool)
@@ -144,11 +145,16 @@ class DSAModel(nn.Module):
             s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim,
         )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
+        if isinstance(pool, HiSparsePool):  # logical slots; selected rows from the hot buffer (cache/hisparse.py)
+            hs = pool.step_access(batch, dev)
+            return StepContext(
+                out_slots, cos, sin, hs, table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b, rows=hs
+            )
         return StepContext(
             out_slots, cos, sin, PoolAccess(pool), table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b
         )
 
-    def forward(self, batch: ForwardBatch, pool: DevicePool) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> torch.Tensor:  # type: ignore[override]
         """Write the new tokens' KV (and producers' index-K) at batch.out_slots; logits [B, vocab] float32.
 
         The pool must hold every main layer (layout layers 0..num_layers-1); see stage_forward for PP stages.
@@ -164,7 +170,9 @@ class DSAModel(nn.Module):
         assert out.logits is not None
         return out.logits
 
-    def stage_forward(self, batch: ForwardBatch, pool: DevicePool, carry: StageCarry | None = None) -> StageCarry:
+    def stage_forward(
+        self, batch: ForwardBatch, pool: DevicePool | HiSparsePool, carry: StageCarry | None = None
+    ) -> StageCarry:
         """Run the layers the pool holds (pool.layout.layer_start..end) for one step: one pipeline stage.
 
         The first stage (layer_start 0) embeds batch.input_ids and takes no carry; a later stage takes the

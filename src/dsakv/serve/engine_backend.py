@@ -204,6 +204,14 @@ class EngineBackend:
             looked = float(cache.get("lookup_tokens", 0))
             m["prefix_cache_hit_tokens_total"] = hit
             m["prefix_cache_hit_rate"] = hit / looked if looked else 0.0
+        hs = self.engine.hisparse_stats()
+        if hs is not None:  # dsakv_hisparse_hit_rate, ..._rows_in_total, per layer ..._layer3_rows_in_last_step
+            for k, v in hs.items():
+                if isinstance(v, dict):
+                    stem = k.removesuffix("_last_step")
+                    m.update({f"hisparse_layer{layer}_{stem}_last_step": float(n) for layer, n in v.items()})
+                else:
+                    m[f"hisparse_{k}"] = float(v)
         spec = self.engine.spec_stats()
         if spec is not None:  # speculative decoding: dsakv_spec_acceptance_rate, dsakv_spec_mean_accepted_length, ...
             m.update({k: float(v) for k, v in spec.items()})
