@@ -3,14 +3,20 @@
     python bench/hisparse.py                                   # GLM-5.2, 64 GiB device, ratio 10, 2048-row buffers
     python bench/hisparse.py --part swap --threads 1            # on a shared (loaded) CPU
     python bench/hisparse.py --budget 96GiB --ratio 8 --context 131072 --buffer 2048 --requests 64 --topk 2048
+    python bench/hisparse.py --part decode --threads 1           # real Engine decode, tiny checkpoint
 
 Part 1 (capacity, planner figures): for plain (no HiSparse, elided), HiSparse with dense index-K (SGLang) and
 HiSparse with elision: logical tokens, longest context one request can hold, concurrent requests of --context
 tokens, device and host bytes. Part 2 (swap-in, the real HiSparsePool on CPU or CUDA): --requests requests of
 --context tokens, a fresh random top-k of --topk positions per request (a fraction --reuse kept from the last
 step) for one producer group of GLM-5.2 (a producer and its 3 shared layers); time of HiSparsePool.swap_in
-against, in the same process, a baseline that copies the same missing rows one row at a time. Decode tok/s
-through the model is not measured here (the model does not yet read rows through the pool).
+against, in the same process, a baseline that copies the same missing rows one row at a time.
+
+Part 3 (decode, a real Engine on a tiny checkpoint, fp32 formats): at one device budget (--decode-budget), for
+plain (elided), HiSparse dense and HiSparse + elision, same process: logical tokens and the concurrent requests
+of --decode-context (+ --decode-tokens) tokens each holds (requests admitted and run, not a formula); decode
+tok/s of that many requests, and of the largest batch all three hold (same batch); the greedy tokens of the
+common batch must be identical across the three (checked).
 """
 
 from __future__ import annotations
@@ -120,6 +126,102 @@ def swap_bench(args: argparse.Namespace) -> None:
     )
 
 
+def decode_bench(args: argparse.Namespace) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from dsakv.engine.engine import Engine
+    from dsakv.engine.request import SamplingParams
+    from dsakv.model.loader import load_model
+    from dsakv.model.tiny import make_tiny
+
+    budget = parse_size(args.decode_budget, "--decode-budget")
+    ctx, new = args.decode_context, args.decode_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = load_model(make_tiny(Path(tmp) / "tiny", seed=0))
+    modes = {
+        "plain (elided)": dict(elide=True),
+        "HiSparse dense": dict(elide=False, hisparse=True),
+        "HiSparse + elision": dict(elide=True, hisparse=True),
+    }
+    hs = dict(hisparse_device_buffer_size=args.decode_buffer, hisparse_host_to_device_ratio=args.ratio)
+
+    def engine(opts: dict) -> Engine:
+        kw = {**opts, **(hs if opts.get("hisparse") else {})}
+        return Engine(loaded, page_size=16, kv_budget=budget, max_batch_tokens=4096, max_running_requests=256, **kw)
+
+    def holds(eng: Engine) -> int:
+        per = ceil_div(ctx + new, 16)
+        n = eng.allocator.num_pages // per
+        return min(n, eng.hisparse.max_requests) if eng.hisparse is not None else n
+
+    def decode(eng: Engine, n: int) -> tuple[float, list[list[int]]]:
+        prompts = [torch.randint(2, 500, (ctx,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(n)]
+        sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        ids = [eng.add_request(p, sp) for p in prompts]
+        out: dict[str, list[int]] = {r: [] for r in ids}
+        t0 = None
+        timed = 0
+        while eng.has_unfinished():
+            for o in eng.step():
+                out[o.request_id].extend(o.new_token_ids)
+            if t0 is None and all(out[r] for r in ids):  # every request has its first token: decode from here
+                if eng.scheduler.num_running != n:
+                    raise RuntimeError(f"only {eng.scheduler.num_running} of {n} requests run at once ({eng.stats()})")
+                t0, timed = time.perf_counter(), sum(map(len, out.values()))
+        assert t0 is not None
+        dt = time.perf_counter() - t0
+        return (sum(map(len, out.values())) - timed) / dt, [out[r] for r in ids]
+
+    engines = {name: engine(opts) for name, opts in modes.items()}
+    cap = {name: holds(e) for name, e in engines.items()}
+    common = min(cap.values())
+    rows, same = [], []
+    for name, eng in engines.items():
+        tps_common, toks = decode(eng, common)
+        same.append(toks)
+        tps_max, _ = decode(eng, cap[name])
+        st = eng.hisparse.stats_dict() if eng.hisparse is not None else {}
+        rows.append(
+            {
+                "mode": name,
+                "logical_tokens": eng.allocator.num_pages * 16,
+                "requests": cap[name],
+                "device_bytes": eng.pool.nbytes,
+                "host_bytes": eng.hisparse.host_bytes if eng.hisparse is not None else 0,
+                "tok_s_common": tps_common,
+                "tok_s_max": tps_max,
+                "hit_rate": st.get("hit_rate"),
+            }
+        )
+    identical = all(t == same[0] for t in same)
+    print(
+        f"decode (Engine, tiny GLM checkpoint: 12 layers, index_topk 16, fp32): device budget {fmt_bytes(budget)}, "
+        f"ratio {args.ratio:g}, buffer {args.decode_buffer}, requests of {ctx} + {new} tokens, "
+        f"{torch.get_num_threads()} torch threads"
+    )
+    print(
+        f"{'mode':<20}{'logical tok':>12}{'requests':>10}{'device':>11}{'host':>11}"
+        f"{f'tok/s @{common}':>12}{'tok/s @max':>12}{'hit rate':>10}"
+    )
+    for r in rows:
+        hit = f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-"
+        print(
+            f"{r['mode']:<20}{r['logical_tokens']:>12,}{r['requests']:>10}{fmt_bytes(r['device_bytes']):>11}"
+            f"{fmt_bytes(r['host_bytes']):>11}{r['tok_s_common']:>12.1f}{r['tok_s_max']:>12.1f}{hit:>10}"
+        )
+    p, d, e = rows
+    print(
+        f"HiSparse + elision holds {e['requests'] / p['requests']:.2f}x the requests of plain and "
+        f"{e['requests'] / d['requests']:.2f}x HiSparse dense; decode tok/s at the common batch of {common}: "
+        f"{e['tok_s_common'] / p['tok_s_common']:.2f}x plain, {e['tok_s_common'] / d['tok_s_common']:.2f}x dense; "
+        f"greedy tokens identical across the three: {identical}"
+    )
+    if not identical:
+        raise SystemExit("HiSparse tokens differ from the plain decode")
+    return {"budget": budget, "context": ctx, "new_tokens": new, "rows": rows, "identical": identical}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="glm-5.2")
@@ -132,14 +234,20 @@ def main() -> None:
     p.add_argument("--reuse", type=float, default=0.8, help="fraction of the top-k kept from the last step")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--part", choices=("both", "capacity", "swap"), default="both")
+    p.add_argument("--decode-budget", default="16MiB", help="device budget of the decode part (tiny checkpoint)")
+    p.add_argument("--decode-context", type=int, default=512, help="prompt tokens per request (decode part)")
+    p.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per request (decode part)")
+    p.add_argument("--decode-buffer", type=int, default=32, help="device_buffer_size of the decode part")
+    p.add_argument("--part", choices=("both", "capacity", "swap", "decode", "all"), default="both")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.part in ("both", "capacity"):
+    if args.part in ("both", "capacity", "all"):
         capacity(args)
-    if args.part in ("both", "swap"):
+    if args.part in ("both", "swap", "all"):
         swap_bench(args)
+    if args.part in ("decode", "all"):
+        decode_bench(args)
 
 
 if __name__ == "__main__":

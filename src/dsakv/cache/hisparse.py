@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -44,9 +44,6 @@ from dsakv.cache.kv_access import codec_for
 from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import BufferKey, Kind, KVLayout
-
-if TYPE_CHECKING:
-    from dsakv.model.batch import ForwardBatch
 from dsakv.util import ceil_div
 
 RequestId = Hashable
@@ -342,15 +339,18 @@ class HiSparsePool:
             rids.append(rid)
         self._step_rids = rids
 
-    def step_access(self, batch: ForwardBatch, device: torch.device | None = None) -> HiSparseStep:
-        """The access a model step uses (StepContext.pool and .rows), for the rows `prepare` was given."""
+    def step_access(
+        self, extend_lens: torch.Tensor, positions: torch.Tensor, device: torch.device | None = None
+    ) -> HiSparseStep:
+        """The access a model step uses (StepContext.pool and .rows), for the rows `prepare` was given: new tokens
+        per row `extend_lens` [B] and the position of every new token `positions` [T] (ForwardBatch's)."""
         rids = getattr(self, "_step_rids", None)
-        if rids is None or len(rids) != batch.batch_size:
+        if rids is None or len(rids) != extend_lens.numel():
             raise ValueError(
-                f"HiSparse step of {batch.batch_size} sequences but prepare() was given "
+                f"HiSparse step of {extend_lens.numel()} sequences but prepare() was given "
                 f"{'none' if rids is None else len(rids)}: call prepare(entries, running) before each step"
             )
-        return HiSparseStep(self, list(rids), batch, device or self.device)
+        return HiSparseStep(self, list(rids), extend_lens, positions, device or self.device)
 
     def _req(self, rid: RequestId) -> _Request:
         try:
@@ -515,13 +515,20 @@ class HiSparseStep:
     expanded path). on_topk / read_selected: the hot buffer, for the step's one-token (decode) rows on the
     absorbed path; a shared layer never swaps in (its producer's on_topk did, for its whole group)."""
 
-    def __init__(self, pool: HiSparsePool, rids: list[RequestId], batch: ForwardBatch, device: torch.device) -> None:
+    def __init__(
+        self,
+        pool: HiSparsePool,
+        rids: list[RequestId],
+        extend_lens: torch.Tensor,
+        positions: torch.Tensor,
+        device: torch.device,
+    ) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.rids = rids
         self.device = device
-        ext = batch.extend_lens.to("cpu", torch.int64).numpy()
-        pos = batch.positions.to("cpu", torch.int64).numpy()
+        ext = extend_lens.to("cpu", torch.int64).numpy()
+        pos = positions.to("cpu", torch.int64).numpy()
         reqs = [pool._req(r) for r in rids]
         self.tok_row = np.repeat(np.arange(len(rids)), ext)
         blocks = np.array([r.block for r in reqs], dtype=np.int64)
@@ -534,7 +541,11 @@ class HiSparseStep:
         self.first = np.cumsum(ext) - ext  # first token of each row
         self.hot_rows_of = np.flatnonzero(ext == 1)  # batch rows served from the hot buffer
         self.tok_hot = (ext == 1)[self.tok_row]  # per token
+        hot_j = np.full(len(rids), -1, dtype=np.int64)
+        hot_j[self.hot_rows_of] = np.arange(self.hot_rows_of.size)
+        self.hot_j = hot_j[self.tok_row]  # per token: its row among the decode rows (-1: not one)
         self.swapped = False
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (positions, hot rows)
 
     def codec(self, kind: Kind) -> Any:
         return self.pool.kv_codec if kind is Kind.KV else self.pool.index_codec
@@ -564,29 +575,46 @@ class HiSparseStep:
     # ---- the attention row source (dsakv.model.attention.RowSource) --------------------------------------------
 
     def on_topk(self, producer: int, topk: torch.Tensor, mla_path: str) -> None:
-        """A producer's top-k [T, index_topk] (-1 padded): swap in the missing rows of its group, decode rows."""
+        """A producer's top-k [T, index_topk] (ascending, -1 padded): swap in the missing rows of its group for the
+        decode rows, and keep per layer of the group those rows' hot-row table [decode rows, index_topk]."""
         self.swapped = mla_path == "absorbed" and self.hot_rows_of.size > 0
         if not self.swapped:
             return
-        sel = topk.to("cpu")
-        self.pool.swap_in(producer, {self.rids[b]: sel[int(self.first[b])] for b in self.hot_rows_of})
+        p = self.pool
+        sel = topk.to("cpu")[torch.from_numpy(self.first[self.hot_rows_of])]  # [decode rows, index_topk]
+        rids = [self.rids[b] for b in self.hot_rows_of]
+        p.swap_in(producer, {rid: sel[j] for j, rid in enumerate(rids)})
+        valid = (sel >= 0).numpy()
+        for layer in p.groups[producer]:
+            table = np.zeros(sel.shape, dtype=np.int64)  # padding reads row 0 (masked by attention)
+            for j, rid in enumerate(rids):
+                req = p._reqs[rid]
+                table[j, valid[j]] = req.block * p.block_rows + req.layers[layer].rows
+            self._tables[layer] = (sel.to(self.device), as_index(table, p.device))
 
     def read_selected(
         self, layer: int, sel: torch.Tensor, valid: torch.Tensor, table: torch.Tensor, tok_seq: torch.Tensor, q0: int
     ) -> torch.Tensor:
         """Float32 KV rows [E x k, r + d] of tokens q0..q0+E's selected positions `sel` [E, k] (`valid` false:
-        padding, any row): hot rows for the step's decode tokens, host rows (slot table) for the others."""
+        padding, any row): hot rows for the step's decode tokens, host rows (slot table) for the others. A decode
+        token's picks must be the top-k its layer's group swapped in (its producer's), else ValueError."""
         p = self.pool
         e, k = sel.shape
         hot = self.tok_hot[q0 : q0 + e] if self.swapped else np.zeros(e, dtype=bool)
         parts: list[tuple[np.ndarray, torch.Tensor]] = []
         if hot.any():
             idx = np.flatnonzero(hot)
-            picks = torch.where(valid, sel, -1)[torch.from_numpy(idx).to(sel.device)].to("cpu")
-            rows = torch.stack(
-                [p.rows_for(layer, self.rids[self.tok_row[q0 + i]], picks[j]) for j, i in enumerate(idx)]
-            )
-            vals = p.kv_codec.read(p.hot_tensor(layer), rows.clamp(min=0).reshape(-1).to(p.device), 1)
+            it = torch.from_numpy(idx).to(sel.device)
+            j = torch.from_numpy(self.hot_j[q0 + idx]).to(self.device)
+            got = self._tables.get(layer)
+            picks = torch.where(valid, sel, -1)[it]
+            if got is None or not torch.equal(picks, got[0][j, :k]):
+                raise ValueError(
+                    f"layer {layer}: the decode rows select positions its group's swap-in (the top-k of layer "
+                    f"{p.spec.producer_of(layer)}) did not make resident"
+                )
+            rows = got[1][j.to(got[1].device), :k]
+            vals = p.kv_codec.read(p.hot_tensor(layer), rows.reshape(-1), 1)
             parts.append((idx, vals.to(self.device)))
         if not hot.all():
             idx = np.flatnonzero(~hot)

@@ -146,7 +146,7 @@ class DSAModel(nn.Module):
         )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
         if isinstance(pool, HiSparsePool):  # logical slots; selected rows from the hot buffer (cache/hisparse.py)
-            hs = pool.step_access(batch, dev)
+            hs = pool.step_access(batch.extend_lens, batch.positions, dev)
             return StepContext(
                 out_slots, cos, sin, hs, table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b, rows=hs
             )
