@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from dsakv.cache.device_pool import Region
 from dsakv.cache.kv_access import codec_for
 from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
@@ -210,6 +211,16 @@ class HiSparsePool:
     @property
     def num_admitted(self) -> int:
         return len(self._reqs)
+
+    def regions(self) -> dict[BufferKey, Region]:
+        """The memory a PD decode registers for the prefill to write a prompt into, by logical page, in layout
+        order: the host KV of each KV key and the device index-K of each INDEX_K key (the hot buffer is never a
+        transfer target); the same keys and page bytes as a DevicePool of the layout, so the manifests match."""
+        out = {}
+        for b in self.layout.buffers:
+            t = self._host[b.key] if b.key.kind is Kind.KV else self._index[b.key]
+            out[b.key] = Region(int(t.data_ptr()), int(t.shape[1]), int(t.shape[0]))
+        return out
 
     def stats_dict(self) -> dict[str, Any]:
         """Stats plus the sizes, for logs and /metrics."""
