@@ -15,6 +15,7 @@ import torch
 
 from dsakv.cache.hisparse import HiSparseStep
 from dsakv.engine.config import HiSparseConfig
+from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.plan.hisparse import hisparse_figures
 from dsakv.spec.layout import Kind
@@ -210,3 +211,27 @@ def test_bad_hisparse_options_are_refused() -> None:
         HiSparseConfig(host_to_device_ratio=0.5)
     spec, _ = tiny_model("glm_moe_dsa")
     assert HiSparseConfig(enabled=True).buffer_for(spec.index_topk) == 2 * INDEX_TOPK
+
+
+def test_forks_sampling_and_prompt_logprobs_equal_plain() -> None:
+    """n = 2 forks (sharing the prompt's pages, each admitted with its newest page loaded from the host), seeded
+    sampling with logprobs, and prompt logprobs (the prefill read from the host KV): all as a plain engine."""
+    prompt = prompts_for([75], seed=9)[0]
+    sp = SamplingParams(
+        max_new_tokens=20, ignore_eos=True, temperature=0.8, top_k=50, seed=7, n=2, logprobs=2, prompt_logprobs=1
+    )
+
+    def outs(**kw: object) -> list[tuple]:
+        eng = engine("glm_moe_dsa", page_size=PAGE, max_tokens=512, **kw)
+        eng.add_request(prompt, sp, request_id="r")
+        seen = []
+        while eng.has_unfinished():
+            for o in eng.step():
+                seen.append((o.request_id, o.new_token_ids, repr(o.new_logprobs), repr(o.prompt_logprobs)))
+        return sorted(seen)
+
+    plain = outs()
+    hs = outs(hisparse=True, hisparse_device_buffer_size=BUFFER)
+    assert {r for r, *_ in hs} == {"r", "r/1"} and sum(len(t) for _, t, *_ in hs) == 40
+    assert any(pl != "None" for *_, pl in hs)
+    assert hs == plain
