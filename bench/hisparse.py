@@ -177,10 +177,16 @@ def decode_bench(args: argparse.Namespace) -> dict:
     cap = {name: holds(e) for name, e in engines.items()}
     common = min(cap.values())
     rows, same = [], []
+    best: dict[str, list[float]] = {name: [0.0, 0.0] for name in engines}
+    for rep in range(args.repeat):  # modes interleaved, best of --repeat (the load of a shared box swings)
+        for name, eng in engines.items():
+            tps_common, toks = decode(eng, common)
+            if rep == 0:
+                same.append(toks)
+            tps_max, _ = decode(eng, cap[name])
+            best[name] = [max(best[name][0], tps_common), max(best[name][1], tps_max)]
     for name, eng in engines.items():
-        tps_common, toks = decode(eng, common)
-        same.append(toks)
-        tps_max, _ = decode(eng, cap[name])
+        tps_common, tps_max = best[name]
         st = eng.hisparse.stats_dict() if eng.hisparse is not None else {}
         rows.append(
             {
@@ -198,7 +204,7 @@ def decode_bench(args: argparse.Namespace) -> dict:
     print(
         f"decode (Engine, tiny GLM checkpoint: 12 layers, index_topk 16, fp32): device budget {fmt_bytes(budget)}, "
         f"ratio {args.ratio:g}, buffer {args.decode_buffer}, requests of {ctx} + {new} tokens, "
-        f"{torch.get_num_threads()} torch threads"
+        f"{torch.get_num_threads()} torch threads, best of {args.repeat}"
     )
     print(
         f"{'mode':<20}{'logical tok':>12}{'requests':>10}{'device':>11}{'host':>11}"
@@ -238,6 +244,7 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=512, help="prompt tokens per request (decode part)")
     p.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per request (decode part)")
     p.add_argument("--decode-buffer", type=int, default=32, help="device_buffer_size of the decode part")
+    p.add_argument("--repeat", type=int, default=1, help="decode part: best of this many runs, modes interleaved")
     p.add_argument("--part", choices=("both", "capacity", "swap", "decode", "all"), default="both")
     args = p.parse_args()
     if args.threads:
