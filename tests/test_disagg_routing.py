@@ -9,10 +9,24 @@ from dataclasses import replace
 
 import pytest
 
-from dsakv.disagg.messages import CONNECT, HEALTH, Connected, Health
+from dsakv.cache.allocator import PageAllocator
+from dsakv.cache.radix import RadixCache
+from dsakv.disagg.messages import CACHE_EVENTS, CONNECT, HEALTH, CacheEvents, Connected, Health
+from dsakv.disagg.prefix_events import PrefixEvents
 from dsakv.disagg.router import RouterConfig
 from dsakv.disagg.router_peers import PeerTable
-from dsakv.disagg.routing import AffinityRule, Load, PrefixAffinity, page_hashes, pick_decode, pick_prefill
+from dsakv.disagg.routing import (
+    AffinityRule,
+    CacheDelta,
+    CacheEventLog,
+    Load,
+    PrefixAffinity,
+    pack,
+    page_hashes,
+    pick_decode,
+    pick_prefill,
+    unpack,
+)
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.errors import ConfigError
 
@@ -33,17 +47,69 @@ def test_page_hashes_are_chained_and_whole_pages_only():
         page_hashes(a, 0)
 
 
-def test_affinity_table_matches_leading_pages_lru_bounded():
-    aff = PrefixAffinity()
-    p = list(range(64))  # 4 pages
-    h = page_hashes(p, PS)
-    aff.record("p0", h[:3], capacity=8)
-    assert (aff.matched("p0", h), aff.matched("p1", h), aff.size("p0")) == (3, 0, 3)
-    other = page_hashes([5] * 96, PS)  # 6 pages, all different from p's (chained)
-    aff.record("p0", other, capacity=8)  # 9 > 8: p's page 0 (least recently sent) goes
-    assert (aff.size("p0"), aff.matched("p0", h)) == (8, 0)  # page 0 gone: nothing leads any more
-    aff.forget("p0")
-    assert (aff.size("p0"), aff.matched("p0", other)) == (0, 0)
+def test_cache_event_log_net_changes_reset_and_bounded():
+    log = CacheEventLog(max_events=6)
+    h = page_hashes(list(range(64)), PS)  # 4 pages
+    assert log.update(h[:3]) == (3, 0)
+    d = log.since(-1)  # no cursor: the whole set
+    assert (d.cursor, d.reset, d.stored, d.removed, d.pages) == (3, True, h[:3], [], 3)
+    assert log.update(h[:2] + h[3:]) == (1, 1)  # page 2 evicted, page 3 stored
+    d = log.since(3)
+    assert (d.cursor, d.reset, d.stored, d.removed, d.pages) == (5, False, [h[3]], [h[2]], 3)
+    assert log.since(5) == CacheDelta(5, False, [], [], 3)
+    log.update(h[:3])  # 3 out, 2 back: the last event of each page wins (idempotent on a mirror at 3 or at 5)
+    assert log.since(3) == log.since(5) == CacheDelta(7, False, [h[2]], [h[3]], 3)
+    log.update([])  # 3 more events: 10 in all, the log keeps 6 (seq 5..10)
+    assert log.since(3).reset and log.since(3).stored == []  # too old: the whole (now empty) set
+    assert log.since(4) == CacheDelta(10, False, [], [h[3], h[2], h[0], h[1]], 0)  # seq 5.. are all still there
+    assert log.since(99).reset  # a cursor it never gave (another boot)
+
+
+def test_router_mirror_follows_deltas_and_refuses_bad_ones():
+    aff = PrefixAffinity(max_pages=5)
+    log = CacheEventLog()
+    h = page_hashes(list(range(64)), PS)
+    assert aff.cursor("p0", "b1", "e1") == -1
+    log.update(h[:3])
+    assert aff.apply("p0", "b1", "e1", log.since(-1), capacity=8) is None
+    assert (aff.matched("p0", h), aff.matched("p1", h), aff.size("p0"), aff.cursor("p0", "b1", "e1")) == (3, 0, 3, 3)
+    log.update(h[:1])  # the prefill evicted pages 1 and 2: only page 0 still leads
+    assert aff.apply("p0", "b1", "e1", log.since(3), capacity=8) is None
+    assert (aff.matched("p0", h), aff.size("p0")) == (1, 1)
+    assert aff.cursor("p0", "b2", "e1") == -1  # another boot: ask for the whole set
+    why = aff.apply("p0", "b2", "e1", log.since(5), capacity=8)  # a delta for a mirror of another boot
+    assert why is not None and "without a base" in why and aff.size("p0") == 0
+    assert aff.apply("p0", "b1", "e1", log.since(-1), capacity=8) is None
+    bad = CacheDelta(6, False, [h[3]], [], pages=1)  # says 1 page, the mirror would hold 2
+    assert "the mirror holds 2 pages, the prefill says 1" in (aff.apply("p0", "b1", "e1", bad, 8) or "")
+    assert (aff.size("p0"), aff.cursor("p0", "b1", "e1")) == (0, -1)
+    big = CacheDelta(1, True, page_hashes(list(range(96)), PS), [], pages=6)  # 6 > router limit 5
+    assert "router limit 5" in (aff.apply("p0", "b1", "e1", big, capacity=8) or "")
+    assert "capacity 0" in (aff.apply("p0", "b1", "e1", log.since(-1), capacity=0) or "")
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        unpack(b"x" * 17)
+
+
+def test_prefix_events_name_radix_pages_like_the_router_and_report_evictions():
+    alloc = PageAllocator(16, "device")
+    radix = RadixCache(PS, alloc)
+    ev = PrefixEvents(PS)
+    a = list(range(100, 164))  # 4 pages
+    b = a[:32] + list(range(500, 532))  # shares 2 pages with a
+    for toks in (a, b):
+        ids = alloc.alloc(len(toks) // PS)
+        radix.insert(toks, ids)
+        alloc.free(ids)  # the cache holds its own reference
+    ha, hb = page_hashes(a, PS), page_hashes(b, PS)
+    assert sorted(ev.hashes(radix)) == sorted(set(ha) | set(hb))  # split at page 2: 6 distinct pages
+    r = ev.query(radix, -1, capacity=16, boot="b1", epoch=None)
+    assert (r.reset, r.pages, r.cursor, sorted(unpack(r.stored))) == (True, 6, 6, sorted(set(ha) | set(hb)))
+    leaf = radix.match(b)[-1]
+    radix.drop_device(leaf)  # evict b's own two pages
+    r = ev.query(radix, 6, capacity=16, boot="b1", epoch=None)
+    assert (r.reset, r.pages, unpack(r.stored), sorted(unpack(r.removed))) == (False, 4, [], sorted(hb[2:]))
+    gone = ev.query(None, r.cursor, 16, "b1", None)  # cache gone: every page removed
+    assert (gone.pages, sorted(unpack(gone.removed))) == (0, sorted(ha))
 
 
 def test_pick_decode_by_in_flight_then_free_pages_then_running():
@@ -94,23 +160,52 @@ def _health(role: str, name: str, used: int, running: int = 0, boot: str = "b1",
         epoch=epoch,
         running=running,
         waiting=0,
+        prefix_cache_enabled=role == "prefill" or None,
     )
 
 
-def _table() -> PeerTable:
+class _Scripted:
+    """Stands in for a worker's RpcClient in this unit test: HEALTH -> its Health, CONNECT -> Connected,
+    CACHE_EVENTS -> from `cached` (the page hashes the test says that prefill's cache holds) via a CacheEventLog."""
+
+    def __init__(self, h: Health) -> None:
+        self.h = h
+        self.cached: list[bytes] = []
+        self.log = CacheEventLog()
+        self.asked: list[int] = []
+
+    def request(self, rpc, msg, timeout=None):
+        if rpc is HEALTH:
+            return self.h
+        if rpc is CACHE_EVENTS:
+            self.asked.append(msg.since)
+            self.log.update(self.cached)
+            d = self.log.since(msg.since)
+            return CacheEvents(
+                self.h.boot, self.h.epoch, PS, d.cursor, d.reset, pack(d.stored), pack(d.removed), d.pages, 8
+            )
+        assert rpc is CONNECT
+        return Connected(decode=msg.decode, boot=msg.boot or "", epoch=self.h.epoch, stages=[])
+
+    def close(self) -> None:
+        pass
+
+
+def _table() -> tuple[PeerTable, dict[str, _Scripted]]:
     t = PeerTable(["p0", "p1"], ["d0", "d1"], Timeouts(), threading.RLock(), on_decode_down=lambda p, w: None)
+    clients = {}
     for peers in (t.prefills, t.decodes):
         for a, p in peers.items():
-            p.ok, p.ready, p.error = True, True, None
-            p.health = _health(p.role, a, used=0, epoch="e1" if p.role == "prefill" else None)
-            p.boot, p.epoch = p.health.boot, p.health.epoch
-    for s in t.pairs.values():
-        s.ok = True
-    return t
+            c = clients[a] = _Scripted(_health(p.role, a, used=0, epoch="e1" if p.role == "prefill" else None))
+            p.client = c  # type: ignore[assignment]
+            p.ready = True
+    t.poll_health()
+    return t, clients
 
 
-def test_peer_table_pick_sent_and_health_rows():
-    t = _table()
+def test_peer_table_pick_from_cache_events_and_health_rows():
+    t, cl = _table()
+    assert all(s.ok for s in t.pairs.values()) and [cl[p].asked for p in ("p0", "p1")] == [[-1], [-1]]
     prompt_a = list(range(100, 150))  # 3 whole pages
     prompt_b = list(range(200, 250))
     c = t.pick(prompt_a)
@@ -123,48 +218,45 @@ def test_peer_table_pick_sent_and_health_rows():
     t.sent(c)
     t.prefills["p1"].inflight += 1
     t.decodes["d1"].inflight += 1
-    # a prompt sharing 2 pages of prompt_a goes to p0 although both prefills are equally loaded
+    # sent is not cached: until the prefills report their caches, a prompt sharing prompt_a's pages goes by load
     t.prefills["p1"].inflight = 0
     t.prefills["p0"].inflight = 1
-    c = t.pick(prompt_a[:32] + [9] * 20)
+    follow = prompt_a[:32] + [9] * 20
+    assert t.pick(follow) == ("p1", "d0", "load", 0, page_hashes(follow, PS))  # type: ignore[comparison-overlap]
+    cl["p0"].cached, cl["p1"].cached = page_hashes(prompt_a, PS), page_hashes(prompt_b, PS)
+    t.poll_health()  # the prefills' cache events: now the router knows
+    assert [cl[p].asked for p in ("p0", "p1")] == [[-1, 0], [-1, 0]]
+    c = t.pick(follow)
     assert c is not None and (c.prefill, c.reason, c.matched_pages) == ("p0", "affinity", 2)
     # decode: equal in flight, d1 has more free pages
-    t.decodes["d0"].health = _health("decode", "d0", used=6)
-    t.decodes["d1"].health = _health("decode", "d1", used=2)
+    cl["d0"].h = _health("decode", "d0", used=6)
+    cl["d1"].h = _health("decode", "d1", used=2)
+    t.poll_health()
     c2 = t.pick(prompt_b)
     assert c2 is not None and (c2.decode, c2.prefill, c2.reason, c2.matched_pages) == ("d1", "p1", "affinity", 3)
     rows = {r["addr"]: r for r in (t.view(p) for p in (*t.prefills.values(), *t.decodes.values()))}
     assert (rows["p0"]["cached_prefix_pages"], rows["p0"]["picked"], rows["p0"]["picked_affinity"]) == (3, 1, 0)
+    assert rows["p0"]["cache_events"] == {"polls": 3, "error": None}
     assert (rows["d1"]["pages_free"], rows["d1"]["in_flight"], rows["d1"]["picked"], rows["d1"]["busy"]) == (
         6,
         1,
         1,
         False,
     )
-    # p1 restarts (new boot): the health poll makes the router forget what it sent there, and only there
-    t.prefills["p1"].health = None
-    for p in (*t.prefills.values(), *t.decodes.values()):
-        h = _health(p.role, p.addr, used=0, boot="b2" if p.addr == "p1" else "b1")
-        p.client = _Scripted(replace(h, epoch="e1") if p.role == "prefill" else h)  # type: ignore[assignment]
+    # p0 evicts prompt_a's pages 1 and 2: from the next poll on, only page 0 counts there (gain 1 >= 1 page)
+    cl["p0"].cached = page_hashes(prompt_a, PS)[:1]
     t.poll_health()
-    assert (t.affinity.size("p1"), t.affinity.size("p0"), t.prefills["p1"].boot) == (0, 3, "b2")
+    assert (t.affinity.size("p0"), cl["p0"].asked[-1]) == (1, 3)
+    assert t.pick(follow)[2:4] == ("affinity", 1)  # type: ignore[index]
+    cl["p0"].cached = []
+    t.poll_health()
+    assert t.pick(follow)[2:4] == ("load", 0)  # type: ignore[index]
+    # p1 restarts (new boot): the router asks it for its whole set again and drops the old mirror, only there
+    cl["p1"].h = replace(cl["p1"].h, boot="b2")
+    cl["p1"].cached = page_hashes(prompt_b, PS)[:1]
+    t.poll_health()
+    assert (t.affinity.size("p1"), t.affinity.size("p0"), t.prefills["p1"].boot, cl["p1"].asked[-1]) == (1, 0, "b2", -1)
     assert all(s.ok for s in t.pairs.values())
-
-
-class _Scripted:
-    """Stands in for a worker's RpcClient in this unit test: HEALTH -> a fixed Health, CONNECT -> Connected."""
-
-    def __init__(self, h: Health) -> None:
-        self.h = h
-
-    def request(self, rpc, msg, timeout=None):
-        if rpc is HEALTH:
-            return self.h
-        assert rpc is CONNECT
-        return Connected(decode=msg.decode, boot=msg.boot or "", epoch=self.h.epoch, stages=[])
-
-    def close(self) -> None:
-        pass
 
 
 def test_router_config_refuses_bad_affinity_settings():

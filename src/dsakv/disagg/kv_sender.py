@@ -162,7 +162,7 @@ class KvSender:
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:
-            self.notifier.client(job.decode).request(STAGE_DONE, done, timeout=timeout)
+            self.notifier.client(job.decode, job.decode_boot).request(STAGE_DONE, done, timeout=timeout)
         except RpcError as e:
             log.warning(
                 "prefill %s stage %d: could not report %s to decode %s: %s", self.prefill, self.stage, job.rid,

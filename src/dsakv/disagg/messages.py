@@ -17,6 +17,7 @@ the per-step header of dsakv.disagg.stage_comm. The RPC graph (who calls what; `
     decode ── ping ───────────────────────────────────────────────► prefill stage k (liveness while waiting)
     router ── events(EventsQuery, long poll) ─────────────────────► decode            (-> Events: tokens)
     router ── abort(Abort) ──────────────────────────────────────► decode, prefill stage 0
+    router ── cache_events(CacheEventsQuery: a cursor) ───────────► prefill stage 0   (-> CacheEvents: page hashes)
 
 The service specs (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE) are these lists;
 `rpc.bind` refuses a worker that serves an RPC off its spec or misses one. To add an RPC (an MTP draft
@@ -233,6 +234,29 @@ class Released:
     stage: int
 
 
+@dataclass(frozen=True)
+class CacheEventsQuery:
+    """What changed in the prefix cache after `since` (a cursor from an earlier reply; -1: the whole set)."""
+
+    since: int = -1
+
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """The prefix cache's whole pages stored / removed after the cursor, as chained page hashes (routing.py),
+    each 16 bytes, concatenated; reset: `stored` is the whole set (the cursor was unknown or too old)."""
+
+    boot: str
+    epoch: str | None
+    page_size: int
+    cursor: int
+    reset: bool
+    stored: bytes
+    removed: bytes
+    pages: int  # pages cached now
+    capacity: int  # the most pages the cache can hold (device + host tier)
+
+
 # ---- decode -----------------------------------------------------------------------------------------------
 
 
@@ -408,9 +432,12 @@ STAGE_DONE: Rpc[StageDone, StageDoneReply] = Rpc(
 )
 KV_FAILED: Rpc[KvFailed, bool] = Rpc("kv_failed", KvFailed, bool, "prefill stage k", "the prefill dropped it")
 EVENTS: Rpc[EventsQuery, Events] = Rpc("events", EventsQuery, Events, "router", "token events after a cursor")
+CACHE_EVENTS: Rpc[CacheEventsQuery, CacheEvents] = Rpc(
+    "cache_events", CacheEventsQuery, CacheEvents, "router", "prefix-cache pages stored / removed after a cursor"
+)
 
 _WORKER = (PING, HEALTH, CHECK_INTEGRITY)
-PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED))
+PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED, CACHE_EVENTS))
 PREFILL_FOLLOWER_SERVICE = Service("prefill stage k", (*_WORKER, CONNECT))
 DECODE_SERVICE = Service("decode", (*_WORKER, HANDSHAKE, PREALLOC, STAGE_DONE, KV_FAILED, EVENTS, ABORT))
 SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE)

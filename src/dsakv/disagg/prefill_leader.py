@@ -38,11 +38,14 @@ from dsakv.disagg.kv_sender import Transfer
 from dsakv.disagg.lifecycle import Phase, StageJob
 from dsakv.disagg.messages import (
     ABORT,
+    CACHE_EVENTS,
     RELEASED,
     STEP,
     SUBMIT,
     TICK,
     Abort,
+    CacheEvents,
+    CacheEventsQuery,
     Released,
     StageInfo,
     StepMsg,
@@ -50,6 +53,7 @@ from dsakv.disagg.messages import (
     Submit,
     Submitted,
 )
+from dsakv.disagg.prefix_events import PrefixEvents
 from dsakv.disagg.rpc import Rpc
 from dsakv.disagg.stage_comm import StageLinkError, StageMessage
 from dsakv.disagg.stage_context import StageContext, encode_batch, job_spec
@@ -150,6 +154,8 @@ class PipelineLeader:
         self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, arg): abort / released
         self._drops: list[str] = []
         self._last_send = 0.0
+        self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
+        self.boot = ""  # the worker's boot id (PrefillStage sets it once its service exists)
 
     def _runner(self, pool: DevicePool) -> PipelineRunner:
         self.runner = PipelineRunner(self.ctx, pool, self._step_msg)
@@ -158,7 +164,16 @@ class PipelineLeader:
     # ---- RPC (other threads) ------------------------------------------------------------------------
 
     def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
-        return {SUBMIT: self.submit, ABORT: self.abort, RELEASED: self.released}
+        return {SUBMIT: self.submit, ABORT: self.abort, RELEASED: self.released, CACHE_EVENTS: self.cache_events}
+
+    def cache_events(self, q: CacheEventsQuery) -> CacheEvents:
+        """The prefix cache's pages stored / removed after the router's cursor (prefix_events.py)."""
+        with self.lock:
+            cap = self.ctx.num_pages
+            if self.cache is not None and self.cache.host_alloc is not None:
+                cap += self.cache.host_alloc.num_pages
+            radix = self.cache.radix if self.cache is not None else None
+            return self.prefix_events.query(radix, q.since, cap, self.boot, self.ctx.group.epoch)
 
     def submit(self, p: Submit) -> Submitted:
         ctx = self.ctx

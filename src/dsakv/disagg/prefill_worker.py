@@ -113,6 +113,8 @@ class PrefillStage:
             stopping=ctx.stop,
         )
         self.boot = self.service.boot
+        if isinstance(self.role, PipelineLeader):
+            self.role.boot = self.boot  # named in its cache events (the router's prefix affinity)
         self.links = DecodeLinks(
             self.backend,
             self.manifest,

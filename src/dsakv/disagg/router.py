@@ -271,6 +271,7 @@ class RouterBackend:
             out["pool_pages_total"] = float(sum(h.pages_total for h in healths))
             out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
             out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
+            out.update(self.peers.instance_metrics())  # per prefill / decode instance, labelled
             return out
 
     def max_prompt_tokens(self) -> int:

@@ -2,12 +2,14 @@
 handshake, and the best-effort side RPCs (aborts) to them.
 
     peers = PeerTable(prefill_addrs, decode_addrs, timeouts, lock, on_decode_down=...)
-    peers.poll_health()          HEALTH of every worker; CONNECT every healthy pair not yet paired for this
-                                 (prefill boot/epoch, decode boot); a peer that does not answer is marked down
+    peers.poll_health()          HEALTH of every worker; CACHE_EVENTS of every prefill with a prefix cache (its
+                                 mirror in self.affinity follows the prefill's own cache); CONNECT every healthy
+                                 pair not yet paired for this (prefill boot/epoch, decode boot); a peer that does
+                                 not answer is marked down
     peers.pick(prompt)           a Choice: the least loaded decode (disagg/routing.py), then the prefill paired
                                  with it that caches most of the prompt (prefix affinity) or else the least
                                  loaded; None if no usable pair
-    peers.sent(choice)           after a SUBMIT: that prefill now caches the prompt's pages (affinity table)
+    peers.sent(choice)           after a SUBMIT: count the pick
     peers.post((addr, ABORT, Abort(rid)))   sent in order by the side thread (side_loop) or drain_side()
 
 Imports dsakv.disagg.{rpc, messages, routing, timeouts}; no torch.
@@ -24,8 +26,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from dsakv.disagg.messages import CONNECT, HEALTH, Connect, Health, HealthQuery
-from dsakv.disagg.routing import AffinityRule, Load, PrefixAffinity, page_hashes, pick_decode, pick_prefill
+from dsakv.disagg.messages import (
+    CACHE_EVENTS,
+    CONNECT,
+    HEALTH,
+    CacheEvents,
+    CacheEventsQuery,
+    Connect,
+    Health,
+    HealthQuery,
+)
+from dsakv.disagg.routing import (
+    AffinityRule,
+    CacheDelta,
+    Load,
+    PrefixAffinity,
+    page_hashes,
+    pick_decode,
+    pick_prefill,
+    unpack,
+)
 from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
 from dsakv.disagg.timeouts import Timeouts
 
@@ -50,6 +70,8 @@ class PeerState:
     busy_until: float = 0.0  # decode: said NoFreePages; not asked again before then
     picked: int = 0  # requests the router sent here
     picked_affinity: int = 0  # prefill: ... of which for prefix affinity
+    cache_error: str | None = None  # prefill: why its cache events could not be mirrored (last poll)
+    cache_polls: int = 0  # prefill: cache-event replies applied
 
 
 class Choice(NamedTuple):
@@ -111,12 +133,44 @@ class PeerTable:
         }
         if p.role == "prefill":
             row["num_stages"] = p.num_stages
-            row["cached_prefix_pages"] = self.affinity.size(p.addr)  # as the router tracks them
+            row["cached_prefix_pages"] = self.affinity.size(p.addr)  # the router's mirror of its cache events
+            row["cache_events"] = {"polls": p.cache_polls, "error": p.cache_error}
             row["picked_affinity"] = p.picked_affinity
             row["prefix_cache"] = h.prefix_cache if h is not None else None  # the prefill's own stats
         else:
             row["busy"] = p.busy_until > time.monotonic()
         return row
+
+    def instance_metrics(self) -> dict[str, float]:
+        """The instance table as labelled gauges for the router's /metrics: `instance_<what>{role, addr, name}`."""
+        out: dict[str, float] = {}
+        with self._lock:
+            for p in (*self.prefills.values(), *self.decodes.values()):
+                h = p.health
+                name = (h.name if h is not None else "").replace("\\", "\\\\").replace('"', '\\"')
+                lab = f'{{role="{p.role}",addr="{p.addr}",name="{name}"}}'
+                vals: dict[str, float | None] = {
+                    "up": float(p.ok),
+                    "in_flight": p.inflight,
+                    "picked_total": p.picked,
+                    "pages_used": h.pages_used if h is not None else None,
+                    "pages_free": h.pages_free if h is not None else None,
+                    "pages_total": h.pages_total if h is not None else None,
+                    "running": h.running if h is not None else None,
+                    "waiting": h.waiting if h is not None else None,
+                    "integrity_ok": float(h.integrity == "ok") if h is not None else None,
+                }
+                if p.role == "prefill":
+                    stats = (h.prefix_cache if h is not None else None) or {}
+                    vals["cached_prefix_pages"] = self.affinity.size(p.addr)
+                    vals["picked_affinity_total"] = p.picked_affinity
+                    vals["prefix_hit_tokens_total"] = stats.get("hit_tokens")
+                else:
+                    vals["busy"] = float(p.busy_until > time.monotonic())
+                for k, v in vals.items():
+                    if v is not None:
+                        out[f"instance_{k}{lab}"] = float(v)
+        return out
 
     @staticmethod
     def load(p: PeerState) -> Load:
@@ -158,14 +212,12 @@ class PeerTable:
             return Choice(pre.addr, dec.addr, why, matched[pre.addr], hashes[pre.addr])
 
     def sent(self, c: Choice) -> None:
-        """The prefill of `c` accepted the request: count it, and remember the prompt's pages as cached there."""
+        """The prefill of `c` accepted the request: count it (what it caches comes from its cache events)."""
         with self._lock:
             pre, dec = self.prefills[c.prefill], self.decodes[c.decode]
             pre.picked += 1
             dec.picked += 1
             pre.picked_affinity += c.reason == "affinity"
-            cap = pre.health.pages_total if pre.health is not None else 0
-            self.affinity.record(c.prefill, c.hashes, cap)
 
     def why_no_pair(self) -> str:
         bad = [f"{p.role} {p.addr}: {p.error}" for p in list(self.decodes.values()) + list(self.prefills.values())]
@@ -180,6 +232,8 @@ class PeerTable:
             if peer.role == "decode":
                 peer.ready = False
                 self.on_decode_down(peer, why)
+            else:
+                self.affinity.forget(peer.addr)
             for (p, d), s in self.pairs.items():
                 if peer.addr in (p, d):
                     s.ok = False
@@ -212,6 +266,8 @@ class PeerTable:
                 if ok and not peer.ok:
                     log.info("router: %s %s is up (%s)", peer.role, peer.addr, h.name)
                 peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
+            if peer.role == "prefill":
+                self.poll_cache(peer)
         now = time.monotonic()
         for (p, d), s in list(self.pairs.items()):
             pre, dec = self.prefills[p], self.decodes[d]
@@ -238,6 +294,35 @@ class PeerTable:
                 s.ok, s.key, s.error = True, key, None
                 s.skipped = sorted({k for st in res.stages for k in st.skipped})
             log.info("router: prefill %s paired with decode %s (skipped one-sided: %s)", p, d, s.skipped or "none")
+
+    def poll_cache(self, peer: PeerState) -> None:
+        """Bring the router's mirror of `peer`'s prefix cache up to date from its cache events (routing.py)."""
+        h = peer.health
+        if h is None or not h.prefix_cache_enabled or not peer.ok:
+            with self._lock:
+                self.affinity.forget(peer.addr)
+            return
+        with self._lock:
+            since = self.affinity.cursor(peer.addr, h.boot, h.epoch)
+        try:
+            ev: CacheEvents = peer.client.request(CACHE_EVENTS, CacheEventsQuery(since), timeout=self.t.health_rpc)
+            delta = CacheDelta(ev.cursor, ev.reset, unpack(ev.stored), unpack(ev.removed), ev.pages)
+        except (RpcError, ValueError) as e:
+            with self._lock:
+                self.affinity.forget(peer.addr)
+                peer.cache_error = f"cache events: {e}"
+            log.warning("router: prefill %s cache events failed: %s", peer.addr, e)
+            return
+        with self._lock:
+            if ev.page_size != h.page_size:
+                why: str | None = f"cache events in pages of {ev.page_size} tokens, health says {h.page_size}"
+                self.affinity.forget(peer.addr)
+            else:
+                why = self.affinity.apply(peer.addr, ev.boot, ev.epoch, delta, ev.capacity)
+            peer.cache_error = why
+            peer.cache_polls += why is None
+        if why is not None:
+            log.warning("router: prefill %s cache mirror dropped: %s", peer.addr, why)
 
     def post(self, item: tuple[str, Rpc[Any, Any], Any]) -> None:
         """Queue a best-effort RPC (an abort) for the side thread."""

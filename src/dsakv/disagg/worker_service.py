@@ -85,15 +85,23 @@ class Notifier:
         self.connect_timeout = connect_timeout
         self._q: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
         self._clients: dict[str, RpcClient] = {}
+        self._boots: dict[str, str] = {}  # addr -> the peer boot its client last served
         self._lock = threading.Lock()
         self._t = threading.Thread(target=self._loop, name="notifier", daemon=True)
         self._t.start()
 
-    def client(self, addr: str) -> RpcClient:
+    def client(self, addr: str, boot: str | None = None) -> RpcClient:
+        """The client for `addr`; a new connection when `boot` (the peer process the caller means) differs from
+        the one the last caller named: a kept connection to a restarted peer would fail its first call."""
         with self._lock:
             c = self._clients.get(addr)
+            if c is not None and boot is not None and self._boots.get(addr, boot) != boot:
+                c.close()
+                c = None
             if c is None:
                 c = self._clients[addr] = RpcClient(addr, timeout=self.timeout, connect_timeout=self.connect_timeout)
+            if boot is not None:
+                self._boots[addr] = boot
             return c
 
     def post(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:

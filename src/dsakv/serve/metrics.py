@@ -1,7 +1,8 @@
 """Server-side request metrics and the Prometheus text exposition (format 0.0.4), without prometheus_client.
 
 ServerMetrics counts HTTP generation requests and times them (TTFT, TPOT, end-to-end) into histograms;
-`render(backend_metrics)` writes those plus the backend's flat gauges, every name prefixed `dsakv_`.
+`render(backend_metrics)` writes those plus the backend's flat gauges, every name prefixed `dsakv_`; a backend key
+`name{label="value",...}` is one series of a labelled family (the router's per-instance rows).
 Standard library only; thread-safe (one lock).
 """
 
@@ -127,12 +128,16 @@ class ServerMetrics:
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *h.lines(name)]
         lines += [f'dsakv_backend_info{{backend="{backend_name}"}} 1']
         taken = {ln.split(" ", 1)[0].split("{", 1)[0] for ln in lines if not ln.startswith("#")}
+        typed: set[str] = set()
         for key in sorted(backend):
-            name = "dsakv_" + _NAME.sub("_", key)
+            base, brace, labels = key.partition("{")  # 'name{label="v",...}': one series of a labelled family
+            name = "dsakv_" + _NAME.sub("_", base)
             if name in taken or name + "_total" in taken:
                 continue
-            kind = "counter" if name.endswith("_total") else "gauge"
-            lines += [f"# TYPE {name} {kind}", f"{name} {_fmt(backend[key])}"]
+            if name not in typed:
+                typed.add(name)
+                lines.append(f"# TYPE {name} {'counter' if name.endswith('_total') else 'gauge'}")
+            lines.append(f"{name}{brace}{labels} {_fmt(backend[key])}")
         return "\n".join(lines) + "\n"
 
 
