@@ -68,8 +68,7 @@ def _held_by_requests(addr: str) -> tuple[int, int, str]:
 def _start_2p2d(cluster: Cluster, backend: str, ports: dict[str, int], extra: list[str]):
     decodes = [cluster.decode(f"d{i}", backend, True, ports[f"d{i}"], extra=extra) for i in range(2)]
     prefills = [
-        cluster.prefill(f"p{i}", backend, True, (12,), ports[f"p{i}"], extra=[*extra, *PREFILL])[0]
-        for i in range(2)
+        cluster.prefill(f"p{i}", backend, True, (12,), ports[f"p{i}"], extra=[*extra, *PREFILL])[0] for i in range(2)
     ]
     cluster.wait_healthy([*decodes, *prefills], timeout=180)
     router = cluster.router([p.addr for p in prefills], [d.addr for d in decodes], kv_timeout=KV_TIMEOUT)
