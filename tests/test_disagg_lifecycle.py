@@ -20,6 +20,7 @@ from dsakv.disagg.lifecycle import DECODE, PREFILL_STAGE, ROUTER, IllegalTransit
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import (
     ABORT,
+    CACHE_EVENTS,
     CONNECT,
     DECODE_SERVICE,
     EVENTS,
@@ -31,6 +32,7 @@ from dsakv.disagg.messages import (
     STAGE_DONE,
     SUBMIT,
     Abort,
+    CacheEvents,
     Connected,
     EventRow,
     Events,
@@ -327,6 +329,7 @@ class FakePrefill:
                 SUBMIT: self.submit,
                 ABORT: lambda a: True,
                 RELEASED: lambda r: True,
+                CACHE_EVENTS: lambda q: CacheEvents("pb", "e1", 16, 0, True, b"", b"", 0, 64),  # no prefix cache
             },
             "127.0.0.1",
             0,

@@ -145,7 +145,7 @@ def test_service_specs_cover_every_role() -> None:
         "ping", "health", "check_integrity", "handshake", "prealloc", "stage_done", "kv_failed", "events", "abort",
     ]  # fmt: skip
     assert PREFILL_LEADER_SERVICE.names() == [
-        "ping", "health", "check_integrity", "connect", "submit", "abort", "released",
+        "ping", "health", "check_integrity", "connect", "submit", "abort", "released", "cache_events",
     ]  # fmt: skip
     assert PREFILL_FOLLOWER_SERVICE.names() == ["ping", "health", "check_integrity", "connect"]
     table = services_table(SERVICES)
