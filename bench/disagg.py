@@ -96,6 +96,7 @@ def _routing_arm(args: argparse.Namespace, model: Path, prompts: list[list[int]]
                 decode=tuple(decodes),
                 queue_timeout=300.0,
                 kv_timeout=120.0,
+                rpc_timeout=10.0,  # a loaded prefill answers late; a timed-out submit is a retry elsewhere
                 health_interval=0.2,
                 affinity_min_gain_pages=gain,
             )
