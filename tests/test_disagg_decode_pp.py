@@ -16,7 +16,17 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, Proc, assert_clean, free_ports, run_requests, worker_config
+from disagg_support import (
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    Proc,
+    assert_clean,
+    free_ports,
+    run_requests,
+    wait_for,
+    worker_config,
+)
 from dsakv.cli.options import engine_argv
 from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.stage_context import split_layers
@@ -165,3 +175,20 @@ def test_decode_pipeline_tokens_bytes_and_failing_pair(world, reference):
     # nothing held on any stage of either decode, nor on any prefill stage; every stage's books balance
     assert_clean([p.addr for procs in decodes.values() for p in procs], procs=cluster.procs)
     assert_clean([p.addr for p in prefill], procs=cluster.procs)
+
+    # the router's per-stage views: each stage's pool and pages in its /health table and labelled /metrics gauges
+    for name, router in routers.items():
+        addr, ranges = fronts[name], split_layers(spec.num_layers, len(DECODES[name]), DECODES[name])
+
+        def gauges(what: str, router=router, addr=addr, n=len(ranges)) -> list[float | None]:
+            m = router.metrics()
+            return [m.get(f'decode_stage_{what}{{addr="{addr}",stage="{k}"}}') for k in range(n)]
+
+        wait_for(lambda g=gauges, n=len(ranges): g("pages_used") == [0.0] * n, 10, f"{name}: stage gauges at 0")
+        assert gauges("pages_total") == [float(NUM_PAGES)] * len(ranges)
+        assert gauges("bytes_per_token") == [float(layout(spec, r).bytes_per_token) for r in ranges]
+        assert gauges("up") == gauges("integrity_ok") == [1.0] * len(ranges)
+        row = next(r for r in router.health()["decode"] if r["addr"] == addr)
+        assert [(s["stage"], s["layers"], s["pages_used"]) for s in row["stages"]] == [
+            (k, [a, b - 1], 0) for k, (a, b) in enumerate(ranges)
+        ]

@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +58,11 @@ from dsakv.disagg.messages import (
     StageInfo,
     StepMsg,
     StepRow,
+    fetch_health,
 )
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_leader import PipelineRunner
+from dsakv.disagg.rpc import RpcError
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
 from dsakv.disagg.stage_context import decode_batch, encode_batch, split_layers
 from dsakv.disagg.worker_service import WorkerService
@@ -199,6 +201,7 @@ class DecodePipeline:
         self.group = _group(cfg, model, spec)
         self.ctx = DecodeStageContext(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
         self.tick_s = min(1.0, self.cfg.stage_timeout / 4)
+        self.health_timeout = min(1.0, cfg.rpc_timeout)
         self.runner: DecodeStageRunner | None = None
         self.down_reason: str | None = "pipeline not formed yet"
         self.generation = 0
@@ -346,7 +349,36 @@ class DecodePipeline:
             )
         return None
 
-    def health_fields(self) -> dict[str, Any]:
+    def stage_rows(self, worker: DecodeWorker) -> list[StageInfo]:
+        """Every stage as it reports itself: stage 0 from its engine, stage k from its own HEALTH (bounded)."""
+        if not self.group.formed:
+            return []
+        st = worker.engine.stats()
+        rows = []
+        for (r, i), lay in zip(sorted(self.group.peer_info.items()), self.layouts, strict=True):
+            row = StageInfo(stage=r, rpc=str(i.get("rpc")), pid=i.get("pid"), boot=i.get("boot"), layers=_span(lay))
+            if r == 0:
+                h_ok, used, integrity, err = True, st.pages_used, worker.integrity(), None
+            else:
+                try:
+                    h = fetch_health(row.rpc, timeout=self.health_timeout)
+                    h_ok, used, integrity, err = h.ok, h.pages_used, h.integrity, h.down
+                except RpcError as e:
+                    h_ok, used, integrity, err = False, None, None, str(e)
+            rows.append(
+                replace(
+                    row,
+                    ok=h_ok,
+                    pages_total=st.pages_total,
+                    pages_used=used,
+                    bytes_per_token=lay.bytes_per_token,
+                    integrity=integrity,
+                    error=err,
+                )
+            )
+        return rows
+
+    def health_fields(self, worker: DecodeWorker) -> dict[str, Any]:
         a, b = self.layouts[0].layer_start, self.layouts[0].end
         with self._lock:
             pairs = dict(self.pair_bytes)
@@ -356,12 +388,7 @@ class DecodePipeline:
             "epoch": self.group.epoch,
             "down": self.down_reason,
             "layers": [a, b - 1],
-            "pipeline": [
-                StageInfo(stage=r, rpc=str(i.get("rpc")), pid=i.get("pid"), boot=i.get("boot"), layers=_span(lay))
-                for (r, i), lay in zip(sorted(self.group.peer_info.items()), self.layouts, strict=False)
-            ]
-            if self.group.formed
-            else [],
+            "pipeline": self.stage_rows(worker),
             "kv_bytes_pairs": pairs,
         }
 

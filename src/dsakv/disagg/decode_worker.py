@@ -224,7 +224,7 @@ class DecodeWorker:
         with self._lock:
             failed_held = len(self.inbound.in_phase(Phase.FAILED))
             inbound = len(self.inbound) - failed_held
-        extra = self.pipeline.health_fields() if self.pipeline is not None else {}
+        extra = self.pipeline.health_fields(self) if self.pipeline is not None else {}
         return Health(
             ok=not self.service.stopping.is_set() and extra.get("down") is None,
             role="decode",

@@ -124,6 +124,13 @@ class StageInfo:
     boot: str | None = None
     prefill: str | None = None
     layers: list[int] | None = None  # [first, last]
+    # a decode pipeline's stage, as its own health reports it (None when it did not answer)
+    ok: bool | None = None
+    pages_total: int | None = None
+    pages_used: int | None = None
+    bytes_per_token: int | None = None
+    integrity: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 from dsakv.disagg.messages import CONNECT, HEALTH, Connect, Health, HealthQuery
 from dsakv.disagg.routing import AffinityRule, Load, PrefixAffinity, page_hashes, pick_decode, pick_prefill
 from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.stage_views import stage_rows
 from dsakv.disagg.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class PeerTable:
             row["prefix_cache"] = h.prefix_cache if h is not None else None  # the prefill's own stats
         else:
             row["busy"] = p.busy_until > time.monotonic()
+            row["stages"] = stage_rows(h)  # a pipelined decode: every stage as it reports itself
         return row
 
     @staticmethod
