@@ -11,6 +11,7 @@ reports its own pool and pages in its health.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 
 import pytest
@@ -43,6 +44,7 @@ PREFILL = (5, 3, 2, 2)
 DECODES = {"d2": (6, 6), "d3": (7, 3, 2)}
 LENGTHS = (7, 23, 41)
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=60, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
 
 
@@ -86,6 +88,7 @@ def reference() -> dict[str, list[list[int]]]:
         "greedy": eng.generate(PROMPTS, GREEDY),
         "sampled": eng.generate(PROMPTS[:2], SAMPLED),
         "extra": eng.generate(EXTRA, GREEDY),
+        "long": eng.generate(PROMPTS[:2], LONG),
     }
 
 
@@ -192,3 +195,44 @@ def test_decode_pipeline_tokens_bytes_and_failing_pair(world, reference):
         assert [(s["stage"], s["layers"], s["pages_used"]) for s in row["stages"]] == [
             (k, [a, b - 1], 0) for k, (a, b) in enumerate(ranges)
         ]
+
+
+def test_decode_stage_killed_mid_decode_fails_its_requests_then_rejoins(world, reference):
+    """Kill d2's stage 1 while two requests decode: both fail with the pipeline's error, every page comes back on
+    stage 0 and on the prefill; the stage restarts, the pipeline re-forms (a new boot: the router and the prefill
+    stages handshake again, with the restarted stage's new manifest) and serves tokens equal to colocated again."""
+    backend, cluster, decodes, prefill, routers = world
+    router, front, stage1 = routers["d2"], decodes["d2"][0], decodes["d2"][1]
+    boot = fetch_health(front.addr).boot
+    rids = [f"{backend}-kill-{i}" for i in range(2)]
+    for rid, p in zip(rids, PROMPTS[:2], strict=True):
+        router.submit(rid, list(p), LONG)
+    wait_for(lambda: (fetch_health(front.addr).running or 0) > 0, 30, "d2 decoding", cluster.procs)
+    stage1.signal(signal.SIGKILL)
+    stage1.kill()
+    outcomes = []
+    for rid, want in zip(rids, reference["long"], strict=True):
+        toks: list[int] = []
+        end = None
+        for ev in router.events(rid, 60):
+            toks += ev.new_token_ids
+            if ev.finished:
+                end = (ev.finish_reason, ev.error)
+        assert end is not None
+        outcomes.append(end[0])
+        if end[0] == "error":
+            assert "StageLinkError" in (end[1] or "") or "pipeline broke" in (end[1] or ""), end
+            assert toks == want[: len(toks)], (toks, want)  # what was streamed before the kill was right
+        else:
+            assert toks == want
+    assert "error" in outcomes, outcomes
+    assert_clean([front.addr, *(p.addr for p in prefill)], procs=cluster.procs)
+
+    stage1.start()
+    wait_for(lambda: fetch_health(front.addr).ok, 120, "d2 re-formed", cluster.procs)
+    assert fetch_health(front.addr).boot != boot  # a re-formed pipeline is a new decode to its peers
+    wait_for(lambda: router.peers.usable_pairs(), 60, "d2 paired again", cluster.procs)
+    got = run_requests(router, EXTRA, GREEDY, f"{backend}-rejoined")
+    assert [t for t, _, _ in got] == reference["extra"], got
+    assert_clean([p.addr for procs in decodes.values() for p in procs], procs=cluster.procs)
+    assert_clean([p.addr for p in prefill], procs=cluster.procs)
