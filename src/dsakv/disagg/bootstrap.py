@@ -186,10 +186,10 @@ class StageRegistry:
         self._stages: dict[tuple[str, int], StageEntry] = {}
         self._lock = threading.Lock()
 
-    def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, list[Pairing]]:
+    def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, Pairing]:
         """Check a stage's hello against this worker's manifest, or (a pipelined decode) against every decode
-        stage in `stages` that holds some of its layers; raise IncompatiblePeer (or ManifestError) naming what
-        differs."""
+        stage in `stages` that holds some of its layers (entry.decode_stages names them); raise IncompatiblePeer
+        (or ManifestError) naming what differs. Returns the entry and the pairing with the first such stage."""
         theirs = Manifest.from_bytes(hello.manifest)
         check_draft(theirs, self.manifest, hello.stage, hello.num_stages)
         ours = (
@@ -227,7 +227,7 @@ class StageRegistry:
             entry.rpc,
             entry.skipped or "nothing",
         )
-        return entry, pairings
+        return entry, pairings[0]
 
     def stages_of(self, prefill: str, num_stages: int) -> list[StageEntry]:
         """Every stage of `prefill`, checked to cover all main layers once; raise IncompatiblePeer otherwise."""
