@@ -108,6 +108,8 @@ def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, 
     ec = EngineConfig.from_options(**cfg.engine)
     if ec.speculative_num_steps:
         raise ConfigError("--speculative-num-steps with a decode pipeline (--pp-size > 1) is not supported yet")
+    if ec.hisparse.enabled:
+        raise ConfigError("--hisparse with a decode pipeline (--pp-size > 1) is not supported yet: use --pp-size 1")
     layouts = [ec.layout.layout(spec, a, b) for a, b in cfg.pipeline.ranges(spec.num_layers)]
     return ec, layouts, ec.pool.pages(layouts)
 
