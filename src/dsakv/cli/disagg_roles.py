@@ -71,6 +71,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="router: ... and only when that prefill has at most this many more requests in flight (4)",
     )
+    g.add_argument(
+        "--debug-fail-transfer",
+        default=None,
+        metavar="J:N",
+        help="prefill, testing: this stage's N-th transfer to decode stage J fails before it starts (its request "
+        "fails; everything else is served)",
+    )
     g.add_argument("--worker-name", default=None, help="prefill/decode: name in logs and handshakes")
     g.add_argument(
         "--startup-wait",
@@ -78,6 +85,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=60.0,
         help="prefill: how long the startup handshake with --decode workers waits for them to come up (60 s)",
     )
+
+
+def _stage_and_count(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        j, n = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ConfigError(f"--debug-fail-transfer {text!r}: give DECODE_STAGE:N, e.g. 1:2") from None
+    if j < 0 or n < 1:
+        raise ConfigError(f"--debug-fail-transfer {text!r}: the decode stage must be >= 0 and N >= 1")
+    return j, n
 
 
 def _backend_options(host: str, transfer: TransferConfig) -> dict[str, Any]:
@@ -129,26 +148,43 @@ def _threads(args: argparse.Namespace) -> None:
 
 
 def run_decode(args: argparse.Namespace, cfg: Config) -> int:
+    pipe = cfg.pipeline
+    if pipe.pp_size > 1 and pipe.pp_rank is None:
+        return _launch_stages(args, pipe.pp_size, "decode")
+    from dsakv.disagg.decode_stage import DecodePipelineConfig, DecodeStageWorker
     from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 
     model_dir = options.model_dir_of(args)
     _threads(args)
-    worker = DecodeWorker(
-        DecodeConfig(
-            model=str(model_dir),
-            host=args.host,
-            port=args.port,
-            name=args.worker_name,
-            engine=cfg.engine.options(),
-            backend=cfg.transfer.backend,
-            backend_options=_backend_options(args.host, cfg.transfer),
-            rpc_timeout=cfg.transfer.rpc_timeout,
+    pcfg = (
+        DecodePipelineConfig(
+            pp_size=pipe.pp_size,
+            pp_rank=pipe.pp_rank or 0,
+            partition=pipe.partition,
+            stage0_host=pipe.stage0_host,
+            dist_port=pipe.dist_port,
+            stage_timeout=pipe.stage_timeout,
         )
+        if pipe.pp_size > 1
+        else None
     )
+    dcfg = DecodeConfig(
+        model=str(model_dir),
+        host=args.host,
+        port=args.port,
+        name=args.worker_name,
+        engine=cfg.engine.options(),
+        backend=cfg.transfer.backend,
+        backend_options=_backend_options(args.host, cfg.transfer),
+        rpc_timeout=cfg.transfer.rpc_timeout,
+        pipeline=pcfg,
+    )
+    worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.pp_rank > 0 else DecodeWorker(dcfg)
     _install_sigterm(worker.request_stop)
     _start_or_exit(worker)
-    log.info("decode worker %s ready on %s", worker.name, worker.address)
-    print(f"dsakv decode ready on {worker.address}", flush=True)
+    stage = f" stage {pcfg.pp_rank}/{pcfg.pp_size}" if pcfg is not None else ""
+    log.info("decode worker %s%s ready on %s", worker.name, stage, worker.address)
+    print(f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})", flush=True)
     try:
         worker.serve_forever()
     finally:
@@ -156,8 +192,8 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     return _exit_now(0)
 
 
-def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
-    """Start every stage of the prefill worker as a child process and supervise them: a stage that dies is
+def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill") -> int:
+    """Start every stage of the prefill (or decode) worker as a child process and supervise them: a stage that dies is
     started again (it rejoins the pipeline), unless it dies again within 30 s three times in a row (then all
     stop and the exit code is its). SIGTERM / SIGINT stop them all."""
     argv = list(sys.argv[1:])
@@ -165,7 +201,7 @@ def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
     for k, p in enumerate(procs):
         p.new_session = False  # one process group with this supervisor: Ctrl-C reaches every stage
         p.start()
-        log.info("prefill: started stage %d (pid %d)", k, p.pid)
+        log.info("%s: started stage %d (pid %d)", role, k, p.pid)
     quick_deaths = [0] * len(procs)
     stopping: list[bool] = []
     _install_sigterm(lambda: stopping.append(True))
@@ -179,11 +215,11 @@ def _launch_stages(args: argparse.Namespace, pp_size: int) -> int:
                     continue
                 quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - p.started_at < 30 else 1
                 if quick_deaths[k] >= 3:
-                    log.error("prefill: stage %d exited with code %s three times in a row: stopping", k, code)
+                    log.error("%s: stage %d exited with code %s three times in a row: stopping", role, k, code)
                     rc = code or 1
                     stopping.append(True)
                     break
-                log.warning("prefill: stage %d (pid %d) exited with code %s: starting it again", k, p.pid, code)
+                log.warning("%s: stage %d (pid %d) exited with code %s: starting it again", role, k, p.pid, code)
                 time.sleep(1.0)
                 p.start()
     finally:
@@ -265,6 +301,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: 
         decode=tuple(args.decode),
         debug_transfer_delay=cfg.transfer.debug_transfer_delay,
         speculative_num_steps=eng.speculative_num_steps,
+        debug_fail_transfer=_stage_and_count(args.debug_fail_transfer),
         **prefill_cache_options(eng.cache, pipe.pp_size),
     )
 

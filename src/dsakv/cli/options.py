@@ -238,28 +238,38 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
 
 
 def add_pipeline_arguments(g: argparse._ActionsContainer) -> None:
-    g.add_argument("--pp-size", type=int, default=1, help="prefill: pipeline stages, one process each (default 1)")
+    g.add_argument(
+        "--pp-size",
+        type=int,
+        default=1,
+        help="prefill / decode: pipeline stages, one process each, stage k on --port + k (default 1); a "
+        "decode stage holds only its layers' KV and its producers' index-K",
+    )
     g.add_argument(
         "--pp-rank",
         type=int,
         default=None,
-        help="prefill: run only this stage (default: start all --pp-size stages as child processes)",
+        help="prefill / decode: run only this stage (default: start all --pp-size stages as child processes)",
     )
     g.add_argument(
         "--pp-partition",
         default=None,
         metavar="N,N,..",
-        help="prefill: layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)",
+        help="prefill / decode: layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger); any "
+        "prefill partition pairs with any decode partition (each key goes to the decode stage holding it)",
     )
     g.add_argument(
-        "--dist-port", type=int, default=None, help="prefill: stage 0's gloo rendezvous port (default --port + pp-size)"
+        "--dist-port",
+        type=int,
+        default=None,
+        help="prefill / decode: stage 0's gloo rendezvous port (default --port + pp-size)",
     )
-    g.add_argument("--stage0-host", default=None, help="prefill: host of stage 0 (default --host)")
+    g.add_argument("--stage0-host", default=None, help="prefill / decode: host of stage 0 (default --host)")
     g.add_argument(
         "--stage-timeout",
         type=float,
         default=10.0,
-        help="prefill: bound on every activation send/receive between stages; a stage silent this long is "
+        help="prefill / decode: bound on every activation send/receive between stages; a stage silent this long is "
         "dropped and the pipeline re-forms (default 10 s)",
     )
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dsakv.disagg.backends.base import Peer, TransferBackend
@@ -36,23 +37,46 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class DecodeLink:
-    """A handshaken decode worker, as one prefill stage sees it."""
+class LinkPart:
+    """One decode stage this prefill stage shares layers with: its keys paired, its engine connected."""
 
-    addr: str
-    boot: str
+    stage: int
     manifest: Manifest
     pairing: Pairing
     table: PairTable
     peer: Peer
 
+
+@dataclass(frozen=True)
+class DecodeLink:
+    """A handshaken decode worker, as one prefill stage sees it: one part per decode stage holding some of this
+    stage's layers (a single-stage decode: one part, stage 0)."""
+
+    addr: str
+    boot: str
+    manifest: Manifest
+    parts: tuple[LinkPart, ...]
+
+    @property
+    def pairing(self) -> Pairing:
+        return self.parts[0].pairing
+
+    @property
+    def table(self) -> PairTable:
+        return self.parts[0].table
+
+    @property
+    def peer(self) -> Peer:
+        return self.parts[0].peer
+
     def summary(self) -> LinkSummary:
         return LinkSummary(
             addr=self.addr,
             boot=self.boot,
-            pairs=len(self.pairing.pairs),
-            skipped=[str(s.key) for s in self.pairing.skipped],
-            bytes_per_page=self.pairing.bytes_per_page,
+            pairs=sum(len(p.pairing.pairs) for p in self.parts),
+            skipped=[str(s.key) for p in self.parts for s in p.pairing.skipped],
+            bytes_per_page=sum(p.pairing.bytes_per_page for p in self.parts),
+            decode_stages=[p.stage for p in self.parts],
         )
 
 
@@ -111,17 +135,29 @@ class DecodeLinks:
             client.close()
         theirs = Manifest.from_bytes(reply.manifest)
         check_draft(self.manifest, theirs, self.hello.stage, self.hello.num_stages)
-        pairing = check_pair(self.manifest, theirs)
-        peer = self.backend.connect(theirs)
-        link = DecodeLink(addr, reply.boot, theirs, pairing, PairTable.of(pairing.pairs), peer)
+        stages = [(r.stage, Manifest.from_bytes(r.manifest)) for r in reply.stages] or [(0, theirs)]
+        parts = []
+        for j, m in stages:  # pair by key over the layers this stage shares with each decode stage
+            if not any(m.holds_layer(layer) for layer in self.manifest.layers):
+                continue
+            pairing = check_pair(self.manifest, m)
+            parts.append(LinkPart(j, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m)))
+        if not parts:
+            raise IncompatiblePeer(
+                f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "
+                f"holds any of its layers (stages hold {', '.join(m.describe_layers() for _, m in stages)})"
+            )
+        link = DecodeLink(addr, reply.boot, theirs, tuple(parts))
         log.info(
-            "%s -> decode %s (boot %s): handshake ok in %.3fs, %d buffers paired, %d one-sided index-K skipped",
+            "%s -> decode %s (boot %s): handshake ok in %.3fs, decode stage(s) %s, %d buffers paired, "
+            "%d one-sided index-K skipped",
             self.manifest.worker,
             addr,
             link.boot,
             time.monotonic() - t0,
-            len(pairing.pairs),
-            len(pairing.skipped),
+            [p.stage for p in parts],
+            sum(len(p.pairing.pairs) for p in parts),
+            sum(len(p.pairing.skipped) for p in parts),
         )
         return link
 
@@ -138,6 +174,7 @@ class StageEntry:
     layer_end: int
     elide: bool
     skipped: list[str]
+    decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages it shares layers with
     at: float = field(default_factory=time.monotonic)
 
 
@@ -149,11 +186,23 @@ class StageRegistry:
         self._stages: dict[tuple[str, int], StageEntry] = {}
         self._lock = threading.Lock()
 
-    def accept(self, hello: Hello) -> tuple[StageEntry, Pairing]:
-        """Check a stage's hello; raise IncompatiblePeer (or ManifestError) naming what differs."""
+    def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, Pairing]:
+        """Check a stage's hello against this worker's manifest, or (a pipelined decode) against every decode
+        stage in `stages` that holds some of its layers (entry.decode_stages names them); raise IncompatiblePeer
+        (or ManifestError) naming what differs. Returns the entry and the pairing with the first such stage."""
         theirs = Manifest.from_bytes(hello.manifest)
         check_draft(theirs, self.manifest, hello.stage, hello.num_stages)
-        pairing = check_pair(theirs, self.manifest)
+        ours = (
+            [(j, m) for j, m in stages if any(m.holds_layer(x) for x in theirs.layers)]
+            if stages
+            else [(0, self.manifest)]
+        )
+        if not ours:
+            raise IncompatiblePeer(
+                f"prefill {hello.prefill} stage {hello.stage} holds layers {theirs.describe_layers()}: no stage of "
+                f"this decode pipeline holds any of them ({', '.join(m.describe_layers() for _, m in stages)})"
+            )
+        pairings = [check_pair(theirs, m) for _, m in ours]
         entry = StageEntry(
             prefill=hello.prefill,
             stage=hello.stage,
@@ -162,7 +211,8 @@ class StageRegistry:
             layer_start=theirs.layer_start,
             layer_end=theirs.layer_end,
             elide=theirs.elide,
-            skipped=[str(s.key) for s in pairing.skipped],
+            skipped=[str(s.key) for p in pairings for s in p.skipped],
+            decode_stages=[j for j, _ in ours],
         )
         with self._lock:
             self._stages[(entry.prefill, entry.stage)] = entry
@@ -177,7 +227,7 @@ class StageRegistry:
             entry.rpc,
             entry.skipped or "nothing",
         )
-        return entry, pairing
+        return entry, pairings[0]
 
     def stages_of(self, prefill: str, num_stages: int) -> list[StageEntry]:
         """Every stage of `prefill`, checked to cover all main layers once; raise IncompatiblePeer otherwise."""
@@ -203,6 +253,10 @@ class StageRegistry:
                 f"prefill {prefill}: its stages cover layers 0-{want - 1}, not all {self.manifest.num_main_layers}"
             )
         return entries
+
+    def entry(self, prefill: str, stage: int) -> StageEntry | None:
+        with self._lock:
+            return self._stages.get((prefill, stage))
 
     def entries(self) -> list[StageEntry]:
         with self._lock:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -70,6 +70,9 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput
 from dsakv.errors import ConfigError, NoFreePages
 
+if TYPE_CHECKING:
+    from dsakv.disagg.decode_stage import DecodePipeline, DecodePipelineConfig
+
 log = logging.getLogger(__name__)
 
 
@@ -85,6 +88,7 @@ class DecodeConfig:
     rpc_timeout: float = 5.0
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
+    pipeline: DecodePipelineConfig | None = None  # --pp-size > 1: this process is stage 0 (decode_stage.py)
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
@@ -126,7 +130,13 @@ class DecodeWorker:
     ) -> None:
         self.cfg = cfg
         self.t = cfg.timeouts
-        self.engine = Engine(model if model is not None else Path(cfg.model), model_dir=cfg.model, **cfg.engine)
+        self.pipeline: DecodePipeline | None = None
+        if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline
+            from dsakv.disagg.decode_stage import DecodePipeline
+
+            self.pipeline, self.engine = DecodePipeline.build(cfg, model)
+        else:
+            self.engine = Engine(model if model is not None else Path(cfg.model), model_dir=cfg.model, **cfg.engine)
         self.backend = make_backend(cfg.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         self.service = WorkerService(
@@ -145,7 +155,7 @@ class DecodeWorker:
             health=self.health,
             integrity=self.integrity,
         )
-        self.boot = self.service.boot
+        self.boot = self.service.boot if self.pipeline is None else f"{self.service.boot}.0"  # .<formation>
         self.name = cfg.name or f"decode@{self.address}"
         self.manifest = Manifest.from_pool(self.engine.pool, self.backend.meta(), worker=self.name)
         self.registry = StageRegistry(self.manifest)
@@ -184,6 +194,8 @@ class DecodeWorker:
         self.service.request_stop()
         self._wake.set()
         self.service.stop(join_timeout=5)
+        if self.pipeline is not None:
+            self.pipeline.group.close()
         self.backend.close()
 
     def serve_forever(self) -> None:
@@ -212,8 +224,9 @@ class DecodeWorker:
         with self._lock:
             failed_held = len(self.inbound.in_phase(Phase.FAILED))
             inbound = len(self.inbound) - failed_held
+        extra = self.pipeline.health_fields(self) if self.pipeline is not None else {}
         return Health(
-            ok=not self.service.stopping.is_set(),
+            ok=not self.service.stopping.is_set() and extra.get("down") is None,
             role="decode",
             name=self.name,
             pid=os.getpid(),
@@ -238,6 +251,7 @@ class DecodeWorker:
             counters=dict(self.counters),
             integrity=self.integrity(),
             spec=self._spec_counters(),
+            **extra,
         )
 
     def _spec_counters(self) -> dict[str, float] | None:
@@ -246,6 +260,8 @@ class DecodeWorker:
         return sp.stats.to_dict() if sp is not None else None
 
     def _rpc_handshake(self, hello: Hello) -> HelloReply:
+        if self.pipeline is not None:
+            return self.pipeline.handshake(self, hello)
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
         return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name)
 
@@ -253,6 +269,9 @@ class DecodeWorker:
         """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
         rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
         stages = self.registry.stages_of(prefill, n)
+        if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
+            self.counters["busy"] += 1
+            raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
         st = self.engine.stats()
         need = -(-(len(prompt) + 1) // st.page_size)
         if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
@@ -266,6 +285,8 @@ class DecodeWorker:
             )
         with self._lock:
             pages = self.engine.prealloc(rid, prompt, p.params)
+            if self.pipeline is not None:
+                self.pipeline.held(rid, page_list(pages))
             inb = InboundKv(
                 rid=rid,
                 prefill=prefill,
@@ -290,6 +311,11 @@ class DecodeWorker:
                 return StageDoneReply(accepted=False)
             if not 0 <= stage < inb.num_stages:
                 raise ConfigError(f"request {rid}: stage {stage} reported, but its prefill has {inb.num_stages} stages")
+            if self.pipeline is not None:  # every (prefill stage, decode stage) pair must have landed
+                wrong = self.pipeline.check_parts(self, p)
+                if wrong is not None:
+                    p = replace(p, ok=False, error=wrong)
+                    ok = False
             inb.reported[stage] = ok
             inb.bytes += p.bytes
             if p.quarantine_s > 0:
@@ -386,9 +412,34 @@ class DecodeWorker:
 
     # ---- loops ---------------------------------------------------------------------------------------
 
+    def on_pipeline_break(self, why: str) -> None:
+        """The decode pipeline broke: every request this worker holds fails (running ones at once; inbound ones
+        free their pages once no prefill stage can still write them)."""
+        with self._lock:
+            for inb in self.inbound.in_phase(Phase.AWAITING_KV):
+                self._fail(inb, why)
+            reqs = [r for r in self.engine.scheduler.requests.values() if r.request_id not in self.inbound]
+            for r in reqs:  # each request once (choice 0); its forks '<rid>/<i>' go with it
+                rid = r.request_id if not r.choice_index else r.request_id[: -len(f"/{r.choice_index}")]
+                if not r.choice_index or all(x.request_id != rid for x in reqs):
+                    self.events.append(rid, [], True, "error", why)
+                self._suppress.add(r.request_id)
+            for rid in {r.request_id for r in reqs if not r.choice_index}:
+                self._abort_choices(rid)
+                self._choices.pop(rid, None)
+                self._forks_left.pop(rid, None)
+            for r in reqs:  # forks whose choice 0 already finished
+                self.engine.abort(r.request_id)
+            for inb in self.inbound.in_phase(Phase.FAILED):
+                self._maybe_release(inb)
+        log.warning("%s: every request it held failed", why)
+
     def _step_loop(self) -> None:
         eng = self.engine
+        pipe = self.pipeline
         while not self.service.stopping.is_set():
+            if pipe is not None and not pipe.ready(self):
+                continue
             try:
                 outs = self.step_once()
             except Exception:
@@ -403,6 +454,8 @@ class DecodeWorker:
     def step_once(self) -> int:
         """One engine step; its outputs become events (the step thread loops on this). Returns how many."""
         outs = self.engine.step()
+        if self.pipeline is not None:  # holds/drops for the later stages, an idle tick, a broken pipeline
+            self.pipeline.after_step(self, outs)
         for o in outs:
             if o.request_id in self._suppress:
                 if o.finished:

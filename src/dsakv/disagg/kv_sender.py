@@ -1,9 +1,12 @@
 """KvSender: how every prefill stage sends a request's KV to its decode worker and says so.
 
     sender.queue(Transfer(job, src_pages, first_token))     after the step that computed the prompt's last chunk
-    loop: batch what is queued -> per transfer: handshaken link (decode boot checked) -> TransferPlan(paired
-          keys, src pages -> job.dst_pages) -> backend.submit(deadline) ... backend.wait
-          -> STAGE_DONE StageDone(rid, stage, ok, error, quarantine, bytes, first token, draft hidden) to the decode
+    loop: batch what is queued -> per transfer: handshaken link (decode boot checked) -> per decode stage holding
+          some of this stage's layers (one for a single-stage decode): TransferPlan(its paired keys, src pages ->
+          job.dst_pages) -> backend.submit(deadline) ... backend.wait
+          -> STAGE_DONE StageDone(rid, stage, ok, error, quarantine, bytes, first token, draft hidden, bytes per
+             decode stage)
+             to the decode (its stage 0)
           -> on_done(job, ok): the role frees its books (stage 0: one release of N; stage k: tells stage 0)
     sender.fail(job, why)                                   KV_FAILED: the stage dropped it before its transfer
 
@@ -62,6 +65,7 @@ class KvSender:
         counters: dict[str, int],
         on_done: Callable[[StageJob, bool], None],
         debug_delay: float = 0.0,
+        debug_fail: tuple[int, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock  # the ledger's: job deadlines are on it
@@ -74,6 +78,8 @@ class KvSender:
         self.counters = counters
         self.on_done = on_done
         self.debug_delay = debug_delay
+        self.debug_fail = debug_fail
+        self._sent_to: dict[int, int] = {}  # decode stage -> transfers started to it (debug_fail counts them)
         self._q: queue.Queue[Transfer] = queue.Queue()
         self._busy = 0
         self._lock = threading.Lock()
@@ -113,23 +119,35 @@ class KvSender:
                 left = max(x.job.deadline for x in batch) - self.clock()
                 time.sleep(max(0.0, min(self.debug_delay, left)))
             started = [self._start(x) for x in batch]
-            for x, h, err in started:
+            for x, handles, err in started:
                 quarantine = 0.0
-                nbytes = 0
-                if h is not None:
+                parts: dict[int, int] = {}
+                for j, h in handles:
                     try:
-                        nbytes = self.backend.wait(h).nbytes
+                        parts[j] = self.backend.wait(h).nbytes
                     except DsakvError as e:
-                        err = f"transfer of prefill stage {self.stage}'s layers failed: {e}"
+                        err = err or f"transfer of prefill stage {self.stage}'s layers to decode stage {j} failed: {e}"
                         if isinstance(e, TransferTimeout) and h.job is not None:  # the engine had it: it may
                             quarantine = self.backend.quarantine_s  # still write the decode's pages a while
-                self._report(x, err, quarantine, nbytes)
+                self._report(x, err, quarantine, parts)
 
-    def _start(self, x: Transfer) -> tuple[Transfer, TransferHandle | None, str | None]:
+    def _injected(self, j: int) -> str | None:
+        """Testing (debug_fail = (decode stage, n)): the n-th transfer to decode stage j fails before it starts."""
+        if self.debug_fail is None or self.debug_fail[0] != j:
+            return None
+        self._sent_to[j] = self._sent_to.get(j, 0) + 1
+        if self._sent_to[j] != self.debug_fail[1]:
+            return None
+        return f"debug: injected failure of transfer #{self._sent_to[j]} to decode stage {j} (--debug-fail-transfer)"
+
+    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None]:
+        """Submit the request's pages to every decode stage this stage shares layers with (one plan per stage:
+        its paired keys only); an error stops the rest (what was submitted is still waited for)."""
         job = x.job
         left = job.deadline - self.clock()
         if left <= 0:
-            return x, None, f"prefill stage {self.stage}: the KV deadline passed before the transfer started"
+            return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started"
+        handles: list[tuple[int, TransferHandle]] = []
         try:
             link = self.links.get(job.decode, job.decode_boot, timeout=min(self.t.rpc, left))
             if link.boot != job.decode_boot:
@@ -137,15 +155,20 @@ class KvSender:
                     f"decode {job.decode} restarted (boot {link.boot}, request was for boot {job.decode_boot}): "
                     "its pages are gone"
                 )
-            plan = TransferPlan.build(
-                link.table, np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
-            )
-            return x, self.backend.submit(link.peer, plan.blocks, time.monotonic() + left), None
+            src, dst = np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
+            for part in link.parts:
+                plan = TransferPlan.build(part.table, src, dst)
+                injected = self._injected(part.stage)
+                if injected is not None:
+                    return x, handles, injected
+                handles.append((part.stage, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
+            return x, handles, None
         except (DsakvError, ValueError) as e:
-            return x, None, f"prefill stage {self.stage} could not start the transfer: {e}"
+            return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}"
 
-    def _report(self, x: Transfer, err: str | None, quarantine: float, nbytes: int) -> None:
+    def _report(self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int]) -> None:
         job = x.job
+        nbytes = sum(parts.values())
         done = StageDone(
             job.rid,
             self.prefill,
@@ -159,6 +182,7 @@ class KvSender:
             WireLogprobs.pack(x.prompt_logprobs),
             x.cached_tokens,
             x.draft_hidden,
+            parts,
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

@@ -112,6 +112,7 @@ class LinkSummary:
     pairs: int
     skipped: list[str]
     bytes_per_page: int
+    decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages this stage sends to
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,13 @@ class StageInfo:
     boot: str | None = None
     prefill: str | None = None
     layers: list[int] | None = None  # [first, last]
+    # a decode pipeline's stage, as its own health reports it (None when it did not answer)
+    ok: bool | None = None
+    pages_total: int | None = None
+    pages_used: int | None = None
+    bytes_per_token: int | None = None
+    integrity: str | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +185,8 @@ class Health:
     inbound: int | None = None
     failed_held: int | None = None
     spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
+    pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
+    kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
@@ -272,10 +282,23 @@ class Hello:
 
 
 @dataclass(frozen=True)
+class DecodeStageRef:
+    """One stage of a pipelined decode worker, as its stage 0 tells a prefill stage at handshake."""
+
+    stage: int
+    rpc: str
+    manifest: bytes
+    boot: str = ""
+
+
+@dataclass(frozen=True)
 class HelloReply:
     manifest: bytes
     boot: str
     name: str
+    # a pipelined decode (--pp-size > 1): every stage with its manifest; the prefill stage transfers each of its
+    # keys to the decode stage that holds it (empty: a single-stage decode holds every layer)
+    stages: list[DecodeStageRef] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -312,6 +335,7 @@ class StageDone:
     prompt_logprobs: WireLogprobs | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
     cached_tokens: int = 0  # stage 0: prompt tokens its prefix cache supplied
     draft_hidden: Blob | None = None  # last stage with MTP: float32 [H], the draft's output at the last entry
+    parts: dict[int, int] = field(default_factory=dict)  # pipelined decode: decode stage -> bytes landed there
 
 
 @dataclass(frozen=True)
@@ -412,6 +436,7 @@ class StepMsg:
     drop: list[str] = field(default_factory=list)  # requests stage 0 dropped (abort, deadline, preemption)
     cache: bytes | None = None  # int32 page ids of the prefix cache, when the set changed
     host_ops: list[HostOp] | None = None  # host-tier copies to replay (host_replay)
+    hold: dict[str, list[int]] = field(default_factory=dict)  # decode pipeline: new preallocations (mirrored)
 
 
 # ---- the RPCs and the services ------------------------------------------------------------------------------
@@ -440,7 +465,8 @@ _WORKER = (PING, HEALTH, CHECK_INTEGRITY)
 PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED, CACHE_EVENTS))
 PREFILL_FOLLOWER_SERVICE = Service("prefill stage k", (*_WORKER, CONNECT))
 DECODE_SERVICE = Service("decode", (*_WORKER, HANDSHAKE, PREALLOC, STAGE_DONE, KV_FAILED, EVENTS, ABORT))
-SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE)
+DECODE_FOLLOWER_SERVICE = Service("decode stage k", _WORKER)  # KV lands by the backend; stage 0 answers the rest
+SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE, DECODE_FOLLOWER_SERVICE)
 
 
 def fetch_health(addr: str, timeout: float = 5.0) -> Health:

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -65,8 +65,31 @@ from dsakv.engine.sampling import sample
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
 from dsakv.engine.speculative import draft_prefill
 from dsakv.errors import CapacityError, ConfigError
+from dsakv.model.dsa_model import DSAModel
+from dsakv.model.mtp import MTPDraft
 
 log = logging.getLogger(__name__)
+
+
+class RunnerContext(Protocol):
+    """What a PipelineRunner reads of its stage (a prefill StageContext, or a decode pipeline's stage 0)."""
+
+    @property
+    def model(self) -> DSAModel: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def last(self) -> bool: ...
+
+    @property
+    def draft(self) -> MTPDraft | None: ...
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes: ...
 
 
 class PipelineRunner:
@@ -75,7 +98,7 @@ class PipelineRunner:
     not held meanwhile, so submissions and health are answered while the pipeline is busy)."""
 
     def __init__(
-        self, ctx: StageContext, pool: DevicePool, step_msg: Callable[[Sequence[ScheduledChunk], Any], StepMsg]
+        self, ctx: RunnerContext, pool: DevicePool, step_msg: Callable[[Sequence[ScheduledChunk], Any], StepMsg]
     ) -> None:
         self.ctx = ctx
         self.pool = pool

@@ -131,6 +131,7 @@ class PrefillStage:
             counters=ctx.counters,
             on_done=self.role.on_transferred,
             debug_delay=cfg.debug_transfer_delay,
+            debug_fail=cfg.debug_fail_transfer,
             clock=ctx.jobs.now,
         )
         log.info(

@@ -45,6 +45,7 @@ from dsakv.disagg.router_peers import PeerState, PeerTable
 from dsakv.disagg.router_requests import RequestBook
 from dsakv.disagg.routing import AffinityRule
 from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.stage_views import decode_stage_metrics
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.backend import FEATURES, TokenEvent
 from dsakv.engine.request import SamplingParams
@@ -272,6 +273,7 @@ class RouterBackend:
             out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
             out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
             out.update(self.peers.instance_metrics())  # per prefill / decode instance, labelled
+            out.update(decode_stage_metrics((a, p.health) for a, p in self.decodes.items()))
             return out
 
     def max_prompt_tokens(self) -> int:

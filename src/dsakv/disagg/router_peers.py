@@ -47,6 +47,7 @@ from dsakv.disagg.routing import (
     unpack,
 )
 from dsakv.disagg.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.stage_views import stage_rows
 from dsakv.disagg.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,7 @@ class PeerTable:
             row["prefix_cache"] = h.prefix_cache if h is not None else None  # the prefill's own stats
         else:
             row["busy"] = p.busy_until > time.monotonic()
+            row["stages"] = stage_rows(h)  # a pipelined decode: every stage as it reports itself
         return row
 
     def instance_metrics(self) -> dict[str, float]:

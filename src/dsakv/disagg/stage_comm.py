@@ -260,7 +260,10 @@ class StageGroup:
 
     def send_next(self, msg: StageMessage) -> None:
         """Send one step to stage rank+1 (each piece bounded by timeout_s)."""
-        dst = self.rank + 1
+        self.send_to(self.rank + 1, msg)
+
+    def send_to(self, dst: int, msg: StageMessage) -> None:
+        """Send one step to stage `dst` (a decode pipeline's last stage returns the logits to stage 0)."""
         meta = msgpack.packb(msg.meta, use_bin_type=True)
         t = 0 if msg.hidden is None else int(msg.hidden.shape[0])
         hidden_bytes = b"" if msg.hidden is None else msg.hidden.contiguous().view(torch.uint8).reshape(t, -1)
@@ -279,7 +282,10 @@ class StageGroup:
 
     def recv_prev(self, timeout: float | None = None) -> StageMessage:
         """Receive one step from stage rank-1, waiting at most `timeout` (default timeout_s) for it to start."""
-        src = self.rank - 1
+        return self.recv_from(self.rank - 1, timeout)
+
+    def recv_from(self, src: int, timeout: float | None = None, dtype: torch.dtype | None = None) -> StageMessage:
+        """Receive one step from stage `src`; its hidden bytes are read as `dtype` (default the hidden dtype)."""
         what = f"receiving from stage {src}"
         hdr = torch.zeros(_HDR, dtype=torch.int64)
         self._recv(hdr, src, self.timeout_s if timeout is None else timeout, what)
@@ -295,7 +301,7 @@ class StageGroup:
         if t and row:
             raw = torch.zeros((t, row), dtype=torch.uint8)
             self._recv(raw, src, self.timeout_s, what)
-            hidden = raw.view(self.hidden_dtype)
+            hidden = raw.view(dtype or self.hidden_dtype)
         if t and k:
             topk = torch.zeros((t, k), dtype=torch.int64)
             self._recv(topk, src, self.timeout_s, what)

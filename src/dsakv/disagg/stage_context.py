@@ -91,6 +91,7 @@ class PrefillConfig:
     rpc_timeout: float = 5.0
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+    debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
     prefix_cache: bool = False  # device-only prefix cache on stage 0's books (every stage keeps the pages)
     hicache_ratio: float | None = None  # host tier (turns the prefix cache on): ratio x stage 0's pool bytes
     hicache_size: int | None = None  # or stage 0's host tier bytes (every stage gets the same page count)
