@@ -145,11 +145,9 @@ def validate_serve(args: argparse.Namespace) -> None:
             check_port(args.dist_port, "--dist-port")
         if getattr(args, "stage0_host", None):
             check_host(args.stage0_host, "--stage0-host")
-        storage = getattr(args, "hicache_storage", None)
-        if storage == "mooncake" and pp > 1:
-            from dsakv.cli.options import storage_pp_error
+        from dsakv.cli.disagg_roles import prefill_cache_config
 
-            raise ConfigError(storage_pp_error(storage, pp))
+        prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
     for p in getattr(args, "prefill", None) or ():
         check_peer(p, "--prefill")
     for d in getattr(args, "decode", None) or ():

@@ -66,31 +66,35 @@ from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.wire import page_list
 from dsakv.disagg.worker_service import WorkerService
+from dsakv.engine.config import Config
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput
 from dsakv.errors import ConfigError, NoFreePages
+from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
+    """A decode worker: the configuration tree (its engine branch is the Engine's; transfer: backend and rpc
+    timeout) and where this process runs."""
+
     model: str
+    config: Config = field(default_factory=Config)
     host: str = "127.0.0.1"
     port: int = 0
     name: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict, hash=False)  # Engine keyword arguments
-    backend: str = "mooncake"
     backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    rpc_timeout: float = 5.0
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
+        rpc = self.config.transfer.rpc_timeout
         return Timeouts(
-            rpc=self.rpc_timeout,
-            connect=min(2.0, self.rpc_timeout),
+            rpc=rpc,
+            connect=min(2.0, rpc),
             kv_grace=self.kv_grace,
             liveness_interval=self.liveness_interval,
         )
@@ -126,8 +130,8 @@ class DecodeWorker:
     ) -> None:
         self.cfg = cfg
         self.t = cfg.timeouts
-        self.engine = Engine(model if model is not None else Path(cfg.model), model_dir=cfg.model, **cfg.engine)
-        self.backend = make_backend(cfg.backend, **cfg.backend_options)
+        self.engine = Engine(model if model is not None else Path(cfg.model), cfg.config.engine, model_dir=cfg.model)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         self.service = WorkerService(
             DECODE_SERVICE,
@@ -165,7 +169,7 @@ class DecodeWorker:
             st.page_size,
             st.bytes_per_token,
             self.engine.layout.elide,
-            cfg.backend,
+            cfg.config.transfer.backend,
             self.address,
         )
 
@@ -219,7 +223,7 @@ class DecodeWorker:
             pid=os.getpid(),
             boot=self.boot,
             elide=self.engine.layout.elide,
-            backend=self.cfg.backend,
+            backend=self.cfg.config.transfer.backend,
             page_size=st.page_size,
             pages_total=st.pages_total,
             pages_used=st.pages_used,
@@ -254,10 +258,10 @@ class DecodeWorker:
         rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
         stages = self.registry.stages_of(prefill, n)
         st = self.engine.stats()
-        need = -(-(len(prompt) + 1) // st.page_size)
+        need = ceil_div(len(prompt) + 1, st.page_size)
         if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
             tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
-            need += (p.params.n - 1) * -(-(tail + 1) // st.page_size)
+            need += (p.params.n - 1) * ceil_div(tail + 1, st.page_size)
         if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
             self.counters["busy"] += 1
             raise NoFreePages(
