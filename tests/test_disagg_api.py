@@ -87,7 +87,7 @@ def test_decode_forks_n4_onto_one_transfer_and_aborts_every_choice():
     for r in rows:  # every token's logprobs travel with it
         assert r.tokens and r.logprobs is not None and r.logprobs.token_ids == r.tokens
     assert all(r.prompt_logprobs is None for r in rows[1:])
-    assert alloc.num_used == 0 and dec.integrity() == "ok" and not dec._choices
+    assert alloc.num_used == 0 and dec.integrity() == "ok" and not dec.outputs.tracked()
     # an n = 4 request aborted while its KV is in flight: its forks are aborted with it, none is queued
     dec.prealloc(Prealloc("r#2", prompt, params, "P", 1, 10.0))
     assert dec.abort(Abort("r#2", "client left"))

@@ -8,6 +8,7 @@ n > 1 request in it, and nothing from a request that failed before decoding.
                                     choice 0 before it forked would queue them as requests of their own)
     outputs.failed(rid, reason, error)   its one event (finished, error / abort); its engine outputs are dropped
     outputs.forget(rid)             once its pages are freed
+    outputs.tracked()               the n > 1 requests still tracked
     outputs.publish(engine.step())  each output as an event of its request and choice; returns how many
 
 Imports dsakv.disagg.{events, messages} and engine.request; no torch.
@@ -34,6 +35,10 @@ class DecodeOutputs:
         if n > 1:
             self._choices[rid] = n
             self._forks_left[rid] = n - 1
+
+    def tracked(self) -> list[str]:
+        """The n > 1 requests whose choices are still tracked (read-only view: tests, integrity)."""
+        return sorted(self._choices)
 
     def engine_ids(self, rid: str) -> list[str]:
         return [f"{rid}/{i}" for i in range(self._choices.get(rid, 1) - 1, 0, -1)] + [rid]
