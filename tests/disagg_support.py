@@ -19,11 +19,29 @@ from dsakv.cli.options import engine_argv
 from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.router import RouterBackend, RouterConfig
 from dsakv.disagg.rpc import RpcClient, RpcError
-from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
+from dsakv.engine.config import (
+    Config,
+    EngineConfig,
+    LayoutConfig,
+    PipelineConfig,
+    PoolConfig,
+    SchedulerConfig,
+    TransferConfig,
+)
 from dsakv.engine.request import SamplingParams
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
-__all__ = ["Cluster", "Proc", "assert_clean", "call", "free_ports", "run_requests", "wait_for", "worker_config"]
+__all__ = [
+    "Cluster",
+    "Proc",
+    "assert_clean",
+    "call",
+    "free_ports",
+    "role_config",
+    "run_requests",
+    "wait_for",
+    "worker_config",
+]
 
 PAGE_SIZE = 16
 NUM_PAGES = 96  # 1536 tokens per pool: small pools register fast
@@ -35,6 +53,18 @@ def worker_config(elide: bool) -> EngineConfig:
         layout=LayoutConfig(elide=elide, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE),
         pool=PoolConfig(num_pages=NUM_PAGES),
         scheduler=SchedulerConfig(max_batch_tokens=256),
+    )
+
+
+def role_config(
+    engine: dict[str, Any] | None = None, backend: str = "local", pipeline: dict[str, Any] | None = None
+) -> Config:
+    """The configuration tree of an in-process role: `engine` in the Engine's flat keywords (EngineConfig.OPTIONS),
+    the transfer backend, and the pipeline branch's fields (pp_size, pp_rank, partition, stage_timeout, ...)."""
+    return Config(
+        engine=EngineConfig.from_options(**(engine or {})),
+        transfer=TransferConfig(backend=backend),
+        pipeline=PipelineConfig(**(pipeline or {})),
     )
 
 

@@ -106,9 +106,12 @@ def test_prefill_stage_config_from_the_tree():
         + ["--transfer-backend", "local", "--decode", "127.0.0.1:9100"]
     )
     cfg = options.config_from_args(args)
-    p = prefill_config(args, cfg, "x", load_spec("tiny"))
-    assert (p.pp_size, p.pp_rank, p.partition, p.port, p.num_pages, p.page_size) == (2, 1, (7, 5), 9200, 71, 16)
-    assert (p.prefix_cache, p.hicache_ratio, p.hicache_size, p.backend, p.decode) == (
+    p = prefill_config(args, cfg, "x")
+    assert p.config is cfg  # the role takes the tree itself
+    pages, page_size = p.num_pages(load_spec("tiny")), p.engine.layout.page_size
+    assert (p.pp_size, p.pp_rank, p.pipeline.partition, p.port, pages, page_size) == (2, 1, (7, 5), 9200, 71, 16)
+    c = p.engine.cache
+    assert (c.prefix_cache, c.hicache_ratio, c.hicache_size, p.config.transfer.backend, p.decode) == (
         True,
         2.0,
         None,

@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 
-from disagg_support import PAGE_SIZE, Cluster, assert_clean, wait_for
+from disagg_support import PAGE_SIZE, Cluster, assert_clean, role_config, wait_for
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
@@ -48,7 +48,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The key-value cache holds
 def _decode() -> DecodeWorker:
     model = tiny_model("glm_moe_dsa")
     engine = dict(kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE, num_pages=24)
-    dec = DecodeWorker(DecodeConfig(model="", engine=engine, backend="local"), model)
+    dec = DecodeWorker(DecodeConfig(model="", config=role_config(engine)), model)
     spec, mdl = model
     lay = mdl.layout_for(elide=True, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
     be = make_backend("local")
@@ -87,7 +87,7 @@ def test_decode_forks_n4_onto_one_transfer_and_aborts_every_choice():
     for r in rows:  # every token's logprobs travel with it
         assert r.tokens and r.logprobs is not None and r.logprobs.token_ids == r.tokens
     assert all(r.prompt_logprobs is None for r in rows[1:])
-    assert alloc.num_used == 0 and dec.integrity() == "ok" and not dec._choices
+    assert alloc.num_used == 0 and dec.integrity() == "ok" and not dec.outputs.tracked()
     # an n = 4 request aborted while its KV is in flight: its forks are aborted with it, none is queued
     dec.prealloc(Prealloc("r#2", prompt, params, "P", 1, 10.0))
     assert dec.abort(Abort("r#2", "client left"))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from disagg_support import role_config
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
@@ -125,7 +126,7 @@ RPC = ["127.0.0.1:1", "127.0.0.1:2"]  # the stages' addresses (never called: liv
 
 def _decode(clock: Clock, stages: int) -> DecodeWorker:
     model = tiny_model("glm_moe_dsa")
-    dec = DecodeWorker(DecodeConfig(model="", engine=dict(ENGINE), backend="local", kv_grace=1.0), model, clock)
+    dec = DecodeWorker(DecodeConfig(model="", config=role_config(ENGINE), kv_grace=1.0), model, clock)
     spec, mdl = model
     bounds = [(0, spec.num_layers)] if stages == 1 else [(0, 5), (5, spec.num_layers)]
     for k, (a, b) in enumerate(bounds):
@@ -216,7 +217,7 @@ def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after
 
 
 def _stage(clock: Clock) -> PrefillStage:
-    cfg = PrefillConfig(model="", backend="local", page_size=16, num_pages=8, name="P")
+    cfg = PrefillConfig(model="", config=role_config({"page_size": 16, "num_pages": 8}), name="P")
     return PrefillStage(cfg, model=tiny_model("glm_moe_dsa"), clock=clock)
 
 

@@ -22,7 +22,6 @@ from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.errors import IncompatiblePeer
 from dsakv.disagg.manifest import BackendMeta, Manifest, RegionInfo
 from dsakv.disagg.messages import Hello, fetch_health
-from dsakv.disagg.wire import pages_for
 from dsakv.engine.engine import Engine
 from dsakv.engine.model_runner import build_batch
 from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
@@ -34,6 +33,7 @@ from dsakv.model.tiny import make_tiny
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -158,7 +158,7 @@ def _expected_bytes(ckpt, prompts: list[list[int]]) -> int:
     st = plan(Deployment(spec, draft_layers=1, **fmt)).stages[0]  # type: ignore[arg-type]
     plain = plan(Deployment(spec, **fmt)).stages[0]  # type: ignore[arg-type]
     assert st.bytes_per_token_elided == 4928 == plain.bytes_per_token_elided + 4 * (64 + 16) + 4 * 32
-    return sum(pages_for(len(p), PAGE_SIZE) for p in prompts) * PAGE_SIZE * st.bytes_per_token_elided
+    return sum(ceil_div(len(p), PAGE_SIZE) for p in prompts) * PAGE_SIZE * st.bytes_per_token_elided
 
 
 @pytest.mark.parametrize("topo", list(TOPOLOGIES))

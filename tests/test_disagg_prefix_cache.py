@@ -10,16 +10,16 @@ import time
 import pytest
 import torch
 
-from disagg_support import free_ports
+from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.messages import fetch_health
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
 from dsakv.disagg.router import RouterBackend, RouterConfig
-from dsakv.disagg.wire import pages_for
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
+from dsakv.util import ceil_div
 from engine_support import tiny_model
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -58,23 +58,19 @@ def _settle(stages: list[PrefillStage], timeout: float = 10.0) -> None:
 
 def _pipeline(num_pages: int, **kw) -> tuple[DecodeWorker, list[PrefillStage], RouterBackend]:
     dec = DecodeWorker(
-        DecodeConfig(model="", engine=dict(ENGINE), backend="mooncake"), model=tiny_model("glm_moe_dsa")
+        DecodeConfig(model="", config=role_config(ENGINE, "mooncake")), model=tiny_model("glm_moe_dsa")
     ).start()
     port = free_ports(3)
     stages = [
         PrefillStage(
             PrefillConfig(
                 model="",
-                backend="mooncake",
-                pp_size=2,
-                pp_rank=k,
-                partition=(7, 5),
+                config=role_config(
+                    {"page_size": 16, "num_pages": num_pages, "enable_prefix_cache": True, **kw},
+                    "mooncake",
+                    {"pp_size": 2, "pp_rank": k, "partition": (7, 5), "stage_timeout": 3.0},
+                ),
                 port=port,
-                page_size=16,
-                num_pages=num_pages,
-                stage_timeout=3.0,
-                prefix_cache=True,
-                **kw,
             ),
             model=tiny_model("glm_moe_dsa"),
         )
@@ -126,7 +122,7 @@ def test_pp2_host_tier_write_back_replayed_on_every_stage():
         assert stats["load_pages"] == 2 and stats["offload_pages"] >= 2
         replayed = stages[1].follower.replayed
         assert replayed == {"offload_pages": stats["offload_pages"], "load_pages": 2}
-        pages = sum(pages_for(len(p), 16) for p in (p0, big, p1))
+        pages = sum(ceil_div(len(p), 16) for p in (p0, big, p1))
         for s in stages:
             assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
         assert stages[1].cached_pages() == stages[0].cached_pages()
@@ -166,7 +162,7 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
         assert (stats["lookups"], stats["lookup_tokens"], stats["device_hit_tokens"]) == (4, 39 + 44 + 74 + 74, 128)
         assert stats["inserted_tokens"] == 64  # p0's 2 pages, then p2's pages 3 and 4
         # every stage moved the full prompt pages of its own layers, cache hits included
-        pages = sum(pages_for(len(p), 16) for p in prompts)
+        pages = sum(ceil_div(len(p), 16) for p in prompts)
         for s in stages:
             assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page
             assert s.counters["transferred"] == 4
@@ -194,32 +190,31 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
 def test_prefill_role_prefix_cache_options():
     import argparse
 
-    from dsakv.cli.disagg_roles import _prefill_prefix_cache
+    from dsakv.cli.disagg_roles import prefill_cache_config
     from dsakv.errors import ConfigError
 
     base = dict.fromkeys(("hicache_ratio", "hicache_size", "hicache_disk_dir", "hicache_disk_size"), None)
     base |= {"prefix_cache": True, "hicache_layout": "page_first", "hicache_write_policy": "write_back"}
     base["hicache_selective_threshold"] = 2
-    kw = _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_size": "1MiB"}))
-    assert kw == {
-        "prefix_cache": True,
-        "hicache_ratio": None,
-        "hicache_size": 1 << 20,
-        "hicache_layout": "page_first",
-        "hicache_write_policy": "write_back",
-        "hicache_selective_threshold": 2,
-        "hicache_storage": None,
-    }
+    c = prefill_cache_config(argparse.Namespace(**{**base, "hicache_size": "1MiB"}))
+    assert (c.prefix_cache, c.hicache_ratio, c.hicache_size, c.layout, c.write_policy) == (
+        True,
+        None,
+        1 << 20,
+        "page_first",
+        "write_back",
+    )
+    assert (c.selective_threshold, c.storage, c.disk_dir, c.disk_size) == (2, None, None, None)
     with pytest.raises(ConfigError, match="--role prefill does not support --hicache-disk-dir"):
-        _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_ratio": 0.5, "hicache_disk_dir": "/tmp/x"}))
+        prefill_cache_config(argparse.Namespace(**{**base, "hicache_ratio": 0.5, "hicache_disk_dir": "/tmp/x"}))
     # the shared storage tier: on a single-stage prefill only (its StorageConfig, as a colocated server gets it)
     mc = {"hicache_storage": "mooncake", "mooncake_master": "127.0.0.1:50051", "mooncake_metadata": None}
     mc |= {"mooncake_segment_size": "0", "mooncake_protocol": "tcp", "mooncake_device_names": ""}
     mc |= {"host": "127.0.0.1", "hicache_storage_timeout": 1.5, "hicache_ratio": 2.0}
-    kw = _prefill_prefix_cache(argparse.Namespace(**{**base, **mc, "pp_size": 1}))
-    sc = kw["hicache_storage"]
+    sc = prefill_cache_config(argparse.Namespace(**{**base, **mc, "pp_size": 1})).storage
+    assert sc is not None
     assert (sc.backend, sc.master, sc.segment_bytes, sc.timeout) == ("mooncake", "127.0.0.1:50051", 0, 1.5)
     with pytest.raises(ConfigError, match=r"^--hicache-storage mooncake with --pp-size 2: .* use --pp-size 1 or drop"):
-        _prefill_prefix_cache(argparse.Namespace(**{**base, **mc, "pp_size": 2}))
+        prefill_cache_config(argparse.Namespace(**{**base, **mc, "pp_size": 2}))
     with pytest.raises(ConfigError, match="--role prefill does not support --hicache-storage file"):
-        _prefill_prefix_cache(argparse.Namespace(**{**base, "hicache_storage": "file", "pp_size": 1}))
+        prefill_cache_config(argparse.Namespace(**{**base, "hicache_storage": "file", "pp_size": 1}))

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from disagg_support import free_ports
+from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.errors import IncompatiblePeer
@@ -90,23 +90,20 @@ def test_params_round_trip():
 
 
 def _decode(**kw) -> DecodeWorker:
-    eng = {**ENGINE, **kw.pop("engine", {})}
-    return DecodeWorker(DecodeConfig(model="", engine=eng, backend="local", **kw), model=tiny_model("glm_moe_dsa"))
+    cfg = role_config({**ENGINE, **kw.pop("engine", {})})
+    return DecodeWorker(DecodeConfig(model="", config=cfg, **kw), model=tiny_model("glm_moe_dsa"))
 
 
-def _prefill(**kw) -> PrefillStage:
-    kw.setdefault("kv_format", "fp32")
-    kw.setdefault("index_format", "fp32")
-    kw.setdefault("page_size", 16)
-    kw.setdefault("num_pages", 64)
-    return PrefillStage(PrefillConfig(model="", backend="local", **kw), model=tiny_model("glm_moe_dsa"))
+def _prefill(engine: dict | None = None, pipeline: dict | None = None, **kw) -> PrefillStage:
+    cfg = role_config({**ENGINE, **(engine or {})}, pipeline=pipeline)
+    return PrefillStage(PrefillConfig(model="", config=cfg, **kw), model=tiny_model("glm_moe_dsa"))
 
 
 @pytest.mark.parametrize(
     ("prefill_kw", "match"),
     [
-        ({"page_size": 32}, "page size differs: sender 32 tokens/page, receiver 16 tokens/page"),
-        ({"index_format": "bf16"}, r"L0/index_k \(layer 0, kind index_k\): format differs, sender bf16"),
+        ({"engine": {"page_size": 32}}, "page size differs: sender 32 tokens/page, receiver 16 tokens/page"),
+        ({"engine": {"index_format": "bf16"}}, r"L0/index_k \(layer 0, kind index_k\): format differs, sender bf16"),
     ],
 )
 def test_handshake_refuses_incompatible_peer(prefill_kw, match):
@@ -196,7 +193,8 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
     dec = _decode().start()
     port = free_ports(3)
     stages = [
-        _prefill(pp_size=2, pp_rank=k, partition=(4, 8), port=port, elide=False, stage_timeout=3.0) for k in (0, 1)
+        _prefill({"elide": False}, {"pp_size": 2, "pp_rank": k, "partition": (4, 8), "stage_timeout": 3.0}, port=port)
+        for k in (0, 1)
     ]
     for s in stages:
         s.start()

@@ -210,7 +210,9 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
         "stream": True,
         "ignore_eos": True,
     }
-    chunks, text, chat_ids, chat_prompt, done = 0, "", [], [], False
+    chunks, text, done = 0, "", False
+    chat_ids: list[int] = []
+    chat_prompt: list[int] = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat, timeout=120) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -272,11 +274,11 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
             f"per verify step",
         )
 
-    metrics = {}
+    metrics: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         if line and not line.startswith("#"):
-            k, v = line.rsplit(" ", 1)
-            metrics[k] = float(v)
+            name, value = line.rsplit(" ", 1)
+            metrics[name] = float(value)
     keep = (
         "dsakv_requests_total",
         "dsakv_generation_tokens_total",

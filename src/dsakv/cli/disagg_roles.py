@@ -6,8 +6,9 @@ configuration tree it read from argv; this module never imports serve_cmd).
     dsakv serve --role router  --port 8000 --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 [--model DIR]
 
 serve_cmd adds the shared options (--model --host --port and the tree's layout / pool / cache / engine groups);
-this module adds the transfer and pipeline groups (dsakv.cli.options) and the router's. The roles' own configs
-(DecodeConfig, PrefillConfig, RouterConfig) are built from the tree here, at the boundary. Heavy imports (torch,
+this module adds the transfer and pipeline groups (dsakv.cli.options) and the router's. The decode and prefill
+roles take the tree itself (DecodeConfig / PrefillConfig: the tree + this process's address, name, peers and
+backend options); the router's RouterConfig is its own (addresses, timeouts, affinity). Heavy imports (torch,
 the engine) happen inside run_role.
 Without --pp-rank, a prefill with --pp-size N > 1 starts its N stages as child processes and waits.
 """
@@ -20,10 +21,11 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from dsakv.cli import options
-from dsakv.engine.config import CacheConfig, Config, TransferConfig
+from dsakv.engine.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
 from dsakv.errors import ConfigError
 from dsakv.util.procs import Proc, dsakv_cmd, stop_all
 
@@ -141,6 +143,21 @@ def _start_or_exit(worker: Any, **kw: Any) -> None:
             _exit_now(2)
 
 
+def _serve_worker(worker: Any, ready_line: Callable[[], str], **start: Any) -> int:
+    """The life of a decode worker or prefill stage process: SIGTERM/SIGINT ask it to stop; start it (a startup
+    error: exit 2); say it is ready (log + stdout: launchers wait for the line); serve until asked to stop."""
+    _install_sigterm(worker.request_stop)
+    _start_or_exit(worker, **start)
+    line = ready_line()
+    log.info("%s", line)
+    print(line, flush=True)
+    try:
+        worker.serve_forever()
+    finally:
+        worker.stop()
+    return _exit_now(0)
+
+
 def _threads(args: argparse.Namespace) -> None:
     import torch
 
@@ -173,23 +190,13 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         host=args.host,
         port=args.port,
         name=args.worker_name,
-        engine=cfg.engine.options(),
-        backend=cfg.transfer.backend,
+        config=cfg,
         backend_options=_backend_options(args.host, cfg.transfer),
-        rpc_timeout=cfg.transfer.rpc_timeout,
         pipeline=pcfg,
     )
     worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.pp_rank > 0 else DecodeWorker(dcfg)
-    _install_sigterm(worker.request_stop)
-    _start_or_exit(worker)
     stage = f" stage {pcfg.pp_rank}/{pcfg.pp_size}" if pcfg is not None else ""
-    log.info("decode worker %s%s ready on %s", worker.name, stage, worker.address)
-    print(f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})", flush=True)
-    try:
-        worker.serve_forever()
-    finally:
-        worker.stop()
-    return _exit_now(0)
+    return _serve_worker(worker, lambda: f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})")
 
 
 def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill") -> int:
@@ -227,104 +234,49 @@ def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill"
     return rc
 
 
-def _disk_refusal(flags: list[str]) -> str:
-    return (
-        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
-        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
-        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
-    )
-
-
-def _prefill_prefix_cache(args: argparse.Namespace) -> dict[str, Any]:
-    """PrefillConfig keywords for the tree's cache branch, from argv (see prefill_cache_options)."""
+def prefill_cache_config(args: argparse.Namespace) -> CacheConfig:
+    """The tree's cache branch for a prefill worker, from argv: --prefix-cache (device-only prefix cache on every
+    pipeline stage), the host tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy,
+    --hicache-selective-threshold: stage 0's page copies are replayed on every stage) and, with --pp-size 1 only,
+    the shared storage tier (--hicache-storage mooncake --mooncake-master HOST:PORT, on stage 0's HiCache as on a
+    colocated server). The local disk tier (--hicache-disk-dir, --hicache-storage file) is refused. Called by
+    cli/validate.py before anything starts; each stage's PrefillConfig checks its tree the same way."""
     if getattr(args, "hicache_storage", None) == "file":  # the file tier is the local disk tier
-        raise ConfigError(_disk_refusal(["--hicache-storage file"]))
-    return prefill_cache_options(options.cache_config(args), int(getattr(args, "pp_size", 1) or 1))
+        raise ConfigError(disk_tier_refusal(["--hicache-storage file"]))
+    cache = options.cache_config(args)
+    refusal = prefill_cache_error(cache, int(getattr(args, "pp_size", 1) or 1))
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return cache
 
 
-def prefill_cache_options(cache: CacheConfig, pp_size: int = 1) -> dict[str, Any]:
-    """PrefillConfig keywords for --prefix-cache (device-only prefix cache on every pipeline stage), the host
-    tier (--hicache-ratio | --hicache-size, --hicache-layout, --hicache-write-policy, --hicache-selective-threshold:
-    stage 0's page copies are replayed on every stage) and, with --pp-size 1 only, the shared storage tier
-    (--hicache-storage mooncake --mooncake-master HOST:PORT, on stage 0's HiCache as on a colocated server).
-    The local disk tier is refused."""
-    disk = [
-        flag
-        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
-        if val is not None
-    ]
-    if disk:
-        raise ConfigError(_disk_refusal(disk))
-    if cache.storage is not None and pp_size > 1:
-        raise ConfigError(options.storage_pp_error(cache.storage.backend, pp_size))
-    return {
-        "prefix_cache": cache.prefix_cache,
-        "hicache_ratio": cache.hicache_ratio,
-        "hicache_size": cache.hicache_size,
-        "hicache_layout": cache.layout,
-        "hicache_write_policy": cache.write_policy,
-        "hicache_selective_threshold": cache.selective_threshold,
-        "hicache_storage": cache.storage,
-    }
+def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any:
+    """This stage's PrefillConfig: the tree, plus the process's address, name and --decode peers."""
+    from dsakv.disagg.prefill_worker import PrefillConfig
 
-
-def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, spec: Any) -> Any:
-    """The PrefillConfig of this stage from the tree (plus the process's address, name and --decode peers)."""
-    from dsakv.disagg.prefill_worker import PrefillConfig, split_layers
-
-    pipe, eng = cfg.pipeline, cfg.engine
-    ranges = split_layers(spec.num_layers, pipe.pp_size, pipe.partition)
-    drafts = [0] * (len(ranges) - 1) + [eng.draft_layers]  # MTP: the last stage holds the draft layer's keys
-    layouts = [eng.layout.layout(spec, a, b, draft_layers=d) for (a, b), d in zip(ranges, drafts, strict=True)]
     return PrefillConfig(
         model=model_dir,
-        pp_size=pipe.pp_size,
-        pp_rank=pipe.pp_rank or 0,
-        partition=pipe.partition,
+        config=cfg,
         host=args.host,
         port=args.port,
-        stage0_host=pipe.stage0_host,
-        dist_port=pipe.dist_port,
         name=args.worker_name,
-        elide=eng.layout.elide,
-        kv_format=eng.layout.kv_format,
-        index_format=eng.layout.index_format,
-        page_size=eng.layout.page_size,
-        num_pages=eng.pool.pages_given(layouts),
-        max_batch_tokens=eng.scheduler.max_batch_tokens,
-        max_running_requests=eng.scheduler.max_running_requests,
-        dtype=eng.dtype,
-        backend=cfg.transfer.backend,
-        backend_options=_backend_options(args.host, cfg.transfer),
-        stage_timeout=pipe.stage_timeout,
-        rpc_timeout=cfg.transfer.rpc_timeout,
         decode=tuple(args.decode),
-        debug_transfer_delay=cfg.transfer.debug_transfer_delay,
-        speculative_num_steps=eng.speculative_num_steps,
+        backend_options=_backend_options(args.host, cfg.transfer),
         debug_fail_transfer=_stage_and_count(args.debug_fail_transfer),
-        **prefill_cache_options(eng.cache, pipe.pp_size),
     )
 
 
 def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
-    prefill_cache_options(cfg.engine.cache, cfg.pipeline.pp_size)  # refuse the disk tier before starting anything
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
         return _launch_stages(args, cfg.pipeline.pp_size)
     from dsakv.disagg.prefill_worker import PrefillStage
-    from dsakv.spec.model import ModelSpec
 
     model_dir = options.model_dir_of(args)
     _threads(args)
-    pcfg = prefill_config(args, cfg, str(model_dir), ModelSpec.from_path(model_dir))
+    pcfg = prefill_config(args, cfg, str(model_dir))
     stage = PrefillStage(pcfg)
-    _install_sigterm(stage.request_stop)
-    _start_or_exit(stage, startup_wait=args.startup_wait)
-    print(f"dsakv prefill stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {stage.address} (pid {os.getpid()})", flush=True)
-    try:
-        stage.serve_forever()
-    finally:
-        stage.stop()
-    return _exit_now(0)
+    ready = f"dsakv prefill stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {{}} (pid {os.getpid()})"
+    return _serve_worker(stage, lambda: ready.format(stage.address), startup_wait=args.startup_wait)
 
 
 def run_router(args: argparse.Namespace, cfg: Config) -> int:

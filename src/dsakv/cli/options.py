@@ -332,14 +332,6 @@ def storage_config(args: argparse.Namespace) -> StorageConfig | None:
     )
 
 
-def storage_pp_error(backend: str, pp_size: int) -> str:
-    """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
-    return (
-        f"--hicache-storage {backend} with --pp-size {pp_size}: only a single-stage prefill can use the storage "
-        "tier (later stages would need their own L3 loads); use --pp-size 1 or drop --hicache-storage"
-    )
-
-
 def cache_config(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         prefix_cache=bool(getattr(args, "prefix_cache", False)),

@@ -23,10 +23,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from dsakv.engine.config import DEFAULT_MAX_TOKENS  # the engine's default pool (engine.config: no torch)
 from dsakv.errors import ConfigError
+from dsakv.util import ceil_div
 
 MAX_PORT = 65535
-DEFAULT_POOL_TOKENS = 16384  # = dsakv.engine.engine.DEFAULT_MAX_TOKENS (not imported: it imports torch)
 
 
 def _flag(name: str) -> str:
@@ -145,11 +146,9 @@ def validate_serve(args: argparse.Namespace) -> None:
             check_port(args.dist_port, "--dist-port")
         if getattr(args, "stage0_host", None):
             check_host(args.stage0_host, "--stage0-host")
-        storage = getattr(args, "hicache_storage", None)
-        if storage == "mooncake" and pp > 1:
-            from dsakv.cli.options import storage_pp_error
+        from dsakv.cli.disagg_roles import prefill_cache_config
 
-            raise ConfigError(storage_pp_error(storage, pp))
+        prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
     for p in getattr(args, "prefill", None) or ():
         check_peer(p, "--prefill")
     for d in getattr(args, "decode", None) or ():
@@ -261,9 +260,9 @@ def validate_pool(args: argparse.Namespace, spec: Any, layer_start: int = 0, lay
     elif args.num_pages is not None:
         pages, flag = args.num_pages, f"--num-pages {args.num_pages}"
     elif args.max_tokens is not None:
-        pages, flag = -(-args.max_tokens // args.page_size), f"--max-tokens {args.max_tokens}"
-    else:  # the engine's default pool (engine.DEFAULT_MAX_TOKENS tokens)
-        pages, flag = -(-DEFAULT_POOL_TOKENS // args.page_size), f"the default pool ({DEFAULT_POOL_TOKENS} tokens)"
+        pages, flag = ceil_div(args.max_tokens, args.page_size), f"--max-tokens {args.max_tokens}"
+    else:  # the engine's default pool
+        pages, flag = ceil_div(DEFAULT_MAX_TOKENS, args.page_size), f"the default pool ({DEFAULT_MAX_TOKENS} tokens)"
     if pages < 1:
         raise ConfigError(f"{flag} gives {pages} pages of {per_page} bytes: the pool needs at least one page")
     mem = machine_memory()

@@ -17,7 +17,7 @@ Serving roles (see docs/architecture.md "disagg: serving roles" for the RPC grap
     worker_service                  RPC service + liveness/health/integrity + threads of every worker
     prefill_worker                  PrefillStage: StageContext + make_role(PipelineLeader | PipelineFollower)
                                     + KvSender (kv_sender)
-    decode_worker                   DecodeWorker
+    decode_worker                   DecodeWorker: decode_outputs (DecodeOutputs), liveness (stage pings)
     router                          RouterBackend: router_peers (PeerTable), router_requests (RequestBook),
                                     router_dispatch (Dispatcher), router_events (EventPoller)
 """

@@ -29,6 +29,7 @@ Imports torch, dsakv.{spec, cache, model, engine} and dsakv.disagg; never serve 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -66,7 +67,7 @@ from dsakv.disagg.rpc import RpcError
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
 from dsakv.disagg.stage_context import decode_batch, encode_batch, split_layers
 from dsakv.disagg.worker_service import WorkerService
-from dsakv.engine.config import EngineConfig
+from dsakv.engine.config import EngineConfig, PoolConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
 from dsakv.errors import ConfigError
@@ -105,7 +106,7 @@ def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, 
     """The engine tree, every stage's layout and the one page count all stage pools share (the minimum over the
     stages' planner figures with --kv-budget)."""
     assert cfg.pipeline is not None
-    ec = EngineConfig.from_options(**cfg.engine)
+    ec = cfg.config.engine
     if ec.speculative_num_steps:
         raise ConfigError("--speculative-num-steps with a decode pipeline (--pp-size > 1) is not supported yet")
     if ec.hisparse.enabled:
@@ -119,7 +120,7 @@ def _load(cfg: DecodeConfig, model: tuple[Any, Any] | None) -> tuple[ModelSpec, 
         return model
     from dsakv.model.loader import load_model
 
-    dtype = EngineConfig.from_options(**cfg.engine).dtype
+    dtype = cfg.config.engine.dtype
     return load_model(Path(cfg.model), dtype=getattr(torch, dtype))
 
 
@@ -203,7 +204,7 @@ class DecodePipeline:
         self.group = _group(cfg, model, spec)
         self.ctx = DecodeStageContext(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
         self.tick_s = min(1.0, self.cfg.stage_timeout / 4)
-        self.health_timeout = min(1.0, cfg.rpc_timeout)
+        self.health_timeout = min(1.0, cfg.config.transfer.rpc_timeout)
         self.runner: DecodeStageRunner | None = None
         self.down_reason: str | None = "pipeline not formed yet"
         self.generation = 0
@@ -222,8 +223,8 @@ class DecodePipeline:
         mdl.eval()
         ec, layouts, pages = stage_pool_shape(cfg, spec)
         pipe = cls(cfg, spec, mdl, layouts)
-        opts = {**cfg.engine, "num_pages": pages, "max_tokens": None, "kv_budget": None}
-        engine = Engine((spec, mdl), model_dir=cfg.model, layout=layouts[0], runner=pipe._make_runner, **opts)
+        tree = dataclasses.replace(ec, pool=PoolConfig(num_pages=pages))  # every stage: the one shared page count
+        engine = Engine((spec, mdl), tree, model_dir=cfg.model, layout=layouts[0], runner=pipe._make_runner)
         engine.on_schedule = pipe.on_schedule
         return pipe, engine
 
@@ -415,7 +416,7 @@ class DecodeStageWorker:
         self.pool = DevicePool(self.layout, self.num_pages, device=self.model.device)
         self.name = cfg.name or f"decode@{cfg.host}:{cfg.port}"
         self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
-        self.backend = make_backend(cfg.backend, **cfg.backend_options)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.pool.regions())
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.group = _group(cfg, self.model, self.spec)
@@ -443,7 +444,7 @@ class DecodeStageWorker:
             self.num_pages,
             self.layout.page_size,
             self.layout.bytes_per_token,
-            cfg.backend,
+            cfg.config.transfer.backend,
             self.address,
         )
 
@@ -538,7 +539,7 @@ class DecodeStageWorker:
             pid=os.getpid(),
             boot=self.boot,
             elide=self.layout.elide,
-            backend=self.cfg.backend,
+            backend=self.cfg.config.transfer.backend,
             page_size=self.layout.page_size,
             pages_total=self.num_pages,
             pages_used=used,

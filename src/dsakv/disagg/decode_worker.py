@@ -13,7 +13,9 @@ with an error naming the missing stages; a prefill stage that a request still wa
 an unreachable one fails its requests at once. A failed request's pages are freed only once no stage can
 still write them: every stage reported (plus the quarantine a timed-out transfer asks for) or is gone,
 else at the deadline + the backend's quarantine.
-Imports torch, dsakv.engine and dsakv.disagg; never serve or cli.
+The parts: WorkerService (RPC, health, threads), the Engine, the InboundKv ledger (this class), DecodeOutputs
+(engine outputs -> events, n > 1 choices), liveness (stage pings). Imports torch, dsakv.engine and dsakv.disagg;
+never serve or cli.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +35,10 @@ import torch
 
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
+from dsakv.disagg.decode_outputs import DecodeOutputs
 from dsakv.disagg.events import EventLog
 from dsakv.disagg.lifecycle import DECODE, InboundKv, Ledger, Phase
+from dsakv.disagg.liveness import ping_stage, stage_waits
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import (
     ABORT,
@@ -43,7 +46,6 @@ from dsakv.disagg.messages import (
     EVENTS,
     HANDSHAKE,
     KV_FAILED,
-    PING,
     PREALLOC,
     STAGE_DONE,
     Abort,
@@ -53,22 +55,20 @@ from dsakv.disagg.messages import (
     Hello,
     HelloReply,
     KvFailed,
-    Ping,
     Prealloc,
     Preallocated,
     StageDone,
     StageDoneReply,
     StageInfo,
-    WireLogprobs,
     unpack_logprobs,
 )
-from dsakv.disagg.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.wire import page_list
 from dsakv.disagg.worker_service import WorkerService
+from dsakv.engine.config import Config
 from dsakv.engine.engine import Engine
-from dsakv.engine.request import RequestOutput
 from dsakv.errors import ConfigError, NoFreePages
+from dsakv.util import ceil_div
 
 if TYPE_CHECKING:
     from dsakv.disagg.decode_stage import DecodePipeline, DecodePipelineConfig
@@ -78,38 +78,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodeConfig:
+    """A decode worker: the configuration tree (its engine branch is the Engine's; transfer: backend and rpc
+    timeout) and where this process runs."""
+
     model: str
+    config: Config = field(default_factory=Config)
     host: str = "127.0.0.1"
     port: int = 0
     name: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict, hash=False)  # Engine keyword arguments
-    backend: str = "mooncake"
     backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    rpc_timeout: float = 5.0
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
     pipeline: DecodePipelineConfig | None = None  # --pp-size > 1: this process is stage 0 (decode_stage.py)
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
+        rpc = self.config.transfer.rpc_timeout
         return Timeouts(
-            rpc=self.rpc_timeout,
-            connect=min(2.0, self.rpc_timeout),
+            rpc=rpc,
+            connect=min(2.0, rpc),
             kv_grace=self.kv_grace,
             liveness_interval=self.liveness_interval,
         )
-
-
-def _refused(addr: str, timeout: float = 0.5) -> bool:
-    """True if nothing listens at addr (the process is gone); False if it accepts or does not answer."""
-    host, port = split_addr(addr)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
 
 
 def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
@@ -136,8 +126,10 @@ class DecodeWorker:
 
             self.pipeline, self.engine = DecodePipeline.build(cfg, model)
         else:
-            self.engine = Engine(model if model is not None else Path(cfg.model), model_dir=cfg.model, **cfg.engine)
-        self.backend = make_backend(cfg.backend, **cfg.backend_options)
+            self.engine = Engine(
+                model if model is not None else Path(cfg.model), cfg.config.engine, model_dir=cfg.model
+            )
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         self.service = WorkerService(
             DECODE_SERVICE,
@@ -161,12 +153,10 @@ class DecodeWorker:
         self.registry = StageRegistry(self.manifest)
         self.events = EventLog()
         self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
-        self._suppress: set[str] = set()  # failed while inbound: their abort output is not an event
-        self._choices: dict[str, int] = {}  # n > 1 requests: how many choices (the forks '<rid>/<i>' abort with it)
-        self._forks_left: dict[str, int] = {}  # ... and how many of its forks have not finished
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self.counters = dict.fromkeys(("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes"), 0)
+        self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
         st = self.engine.stats()
         log.info(
             "decode %s: %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
@@ -175,7 +165,7 @@ class DecodeWorker:
             st.page_size,
             st.bytes_per_token,
             self.engine.layout.elide,
-            cfg.backend,
+            cfg.config.transfer.backend,
             self.address,
         )
 
@@ -232,7 +222,7 @@ class DecodeWorker:
             pid=os.getpid(),
             boot=self.boot,
             elide=self.engine.layout.elide,
-            backend=self.cfg.backend,
+            backend=self.cfg.config.transfer.backend,
             page_size=st.page_size,
             pages_total=st.pages_total,
             pages_used=st.pages_used,
@@ -273,10 +263,10 @@ class DecodeWorker:
             self.counters["busy"] += 1
             raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
         st = self.engine.stats()
-        need = -(-(len(prompt) + 1) // st.page_size)
+        need = ceil_div(len(prompt) + 1, st.page_size)
         if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
             tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
-            need += (p.params.n - 1) * -(-(tail + 1) // st.page_size)
+            need += (p.params.n - 1) * ceil_div(tail + 1, st.page_size)
         if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
             self.counters["busy"] += 1
             raise NoFreePages(
@@ -296,9 +286,7 @@ class DecodeWorker:
             )
             self.inbound.add(inb)
             inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
-            if p.params.n > 1:
-                self._choices[rid] = p.params.n
-                self._forks_left[rid] = p.params.n - 1
+            self.outputs.add(rid, p.params.n)
             self.counters["prealloc"] += 1
         return Preallocated(pages=page_list(pages), boot=self.boot)
 
@@ -363,16 +351,15 @@ class DecodeWorker:
                 self._maybe_release(inb)
                 return True
             if p.choice is not None:  # one choice of an n > 1 request (its stop string matched)
-                return self.engine.abort(rid if p.choice == 0 else f"{rid}/{p.choice}") is not None
+                return self.engine.abort(self.outputs.engine_id(rid, p.choice)) is not None
         return self._abort_choices(rid)
 
     def _abort_choices(self, rid: str) -> bool:
-        """Abort every choice of request `rid`: the forks '<rid>/<i>' first (aborting choice 0 before it forked
-        would queue them as requests of their own)."""
+        """Abort every choice of request `rid` (the forks first: DecodeOutputs.engine_ids)."""
         found = False
-        for i in range(self._choices.get(rid, 1) - 1, 0, -1):
-            found = self.engine.abort(f"{rid}/{i}") is not None or found
-        return self.engine.abort(rid) is not None or found
+        for eid in self.outputs.engine_ids(rid):
+            found = self.engine.abort(eid) is not None or found
+        return found
 
     # ---- inbound requests ------------------------------------------------------------------------------
 
@@ -394,9 +381,7 @@ class DecodeWorker:
     def _fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
         self.inbound.move(inb, Phase.FAILED, error)
         self.counters["kv_failed"] += 1
-        self._suppress.add(inb.rid)
-        self._suppress.update(f"{inb.rid}/{i}" for i in range(1, self._choices.get(inb.rid, 1)))
-        self.events.append(inb.rid, [], True, reason, error if reason == "error" else None)
+        self.outputs.failed(inb.rid, reason, error)
         log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
 
     def _maybe_release(self, inb: InboundKv) -> None:
@@ -406,8 +391,7 @@ class DecodeWorker:
         if (inb.settled() and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
             self.inbound.move(inb, Phase.DONE)
             self._abort_choices(inb.rid)
-            self._choices.pop(inb.rid, None)
-            self._forks_left.pop(inb.rid, None)
+            self.outputs.forget(inb.rid)
             self._wake.set()
 
     # ---- loops ---------------------------------------------------------------------------------------
@@ -419,16 +403,13 @@ class DecodeWorker:
             for inb in self.inbound.in_phase(Phase.AWAITING_KV):
                 self._fail(inb, why)
             reqs = [r for r in self.engine.scheduler.requests.values() if r.request_id not in self.inbound]
-            for r in reqs:  # each request once (choice 0); its forks '<rid>/<i>' go with it
-                rid = r.request_id if not r.choice_index else r.request_id[: -len(f"/{r.choice_index}")]
-                if not r.choice_index or all(x.request_id != rid for x in reqs):
-                    self.events.append(rid, [], True, "error", why)
-                self._suppress.add(r.request_id)
-            for rid in {r.request_id for r in reqs if not r.choice_index}:
+            rids = {r.request_id if not r.choice_index else r.request_id[: -len(f"/{r.choice_index}")] for r in reqs}
+            for rid in sorted(rids):  # each request once (choice 0); its forks '<rid>/<i>' go with it
+                self.outputs.failed(rid, "error", why)
                 self._abort_choices(rid)
-                self._choices.pop(rid, None)
-                self._forks_left.pop(rid, None)
+                self.outputs.forget(rid)
             for r in reqs:  # forks whose choice 0 already finished
+                self.outputs.drop(r.request_id)
                 self.engine.abort(r.request_id)
             for inb in self.inbound.in_phase(Phase.FAILED):
                 self._maybe_release(inb)
@@ -456,42 +437,7 @@ class DecodeWorker:
         outs = self.engine.step()
         if self.pipeline is not None:  # holds/drops for the later stages, an idle tick, a broken pipeline
             self.pipeline.after_step(self, outs)
-        for o in outs:
-            if o.request_id in self._suppress:
-                if o.finished:
-                    self._suppress.discard(o.request_id)
-                continue
-            self.counters["tokens"] += len(o.new_token_ids)
-            if o.finished:
-                self.counters["finished"] += 1
-            self._event(o)
-        return len(outs)
-
-    def _event(self, o: RequestOutput) -> None:
-        """One engine output as an event of its request (choice i > 0 of an n > 1 request runs as '<rid>/<i>')."""
-        rid, i = o.request_id, o.choice_index
-        if i:
-            rid = rid[: -len(f"/{i}")]
-            if o.finished:
-                with self._lock:
-                    left = self._forks_left.get(rid, 1) - 1
-                    if left > 0:
-                        self._forks_left[rid] = left
-                    else:  # every fork finished: an abort of the request is choice 0's alone now
-                        self._forks_left.pop(rid, None)
-                        self._choices.pop(rid, None)
-        reason = o.finish_reason.value if o.finish_reason is not None else None
-        self.events.append(
-            rid,
-            list(o.new_token_ids),
-            o.finished,
-            reason,
-            o.error,
-            choice=i,
-            logprobs=WireLogprobs.pack(o.new_logprobs) if o.new_logprobs else None,
-            prompt_logprobs=WireLogprobs.pack(o.prompt_logprobs) if o.prompt_logprobs is not None else None,
-            cached_tokens=o.num_cached_tokens if i == 0 else 0,
-        )
+        return self.outputs.publish(outs)
 
     def check_deadlines(self) -> None:
         """Fail every request whose KV did not arrive by its deadline; free failed requests' pages once no
@@ -532,29 +478,10 @@ class DecodeWorker:
             now = self.inbound.now()
             if now - last_ping < self.t.liveness_interval:
                 continue
-            waits: dict[str, list[tuple[InboundKv, int]]] = {}
             with self._lock:
-                for inb in self.inbound.values():
-                    for k in inb.missing():
-                        if k not in inb.dead:
-                            waits.setdefault(inb.stage_rpc[k], []).append((inb, k))
+                waits = stage_waits(self.inbound.values())
             if not waits:
                 continue
             last_ping = now
             for addr, items in waits.items():
-                self.stage_verdict(addr, self._ping(addr), items)
-
-    def _ping(self, addr: str) -> str | None:
-        """None if the stage answers; 'dead' if nothing listens; 'not answering' if it does not reply."""
-        if _refused(addr, self.t.ping / 2):
-            return "dead"
-        c = RpcClient(addr, timeout=self.t.ping, connect_timeout=self.t.ping / 2)
-        try:
-            c.request(PING, Ping(), timeout=self.t.ping)
-            return None
-        except PeerUnavailable:
-            return "dead" if _refused(addr, self.t.ping / 2) else "not answering"
-        except RpcError:
-            return None
-        finally:
-            c.close()
+                self.stage_verdict(addr, ping_stage(addr, self.t.ping), items)

@@ -36,32 +36,31 @@ from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.rpc import Rpc
 from dsakv.disagg.stage_comm import StageLinkError, StageMessage
 from dsakv.disagg.stage_context import StageContext, decode_batch, job_of
-from dsakv.disagg.wire import pages_for
 from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
 from dsakv.engine.request import Request, TokenLogprobs
 from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
 from dsakv.engine.speculative import draft_prefill
 from dsakv.model.dsa_model import StageCarry
+from dsakv.util import ceil_div
 
 
 class PipelineFollower:
     def __init__(self, ctx: StageContext) -> None:
-        cfg = ctx.cfg
         self.ctx = ctx
         self.lock = threading.RLock()
         self.pool = DevicePool(ctx.layout, ctx.num_pages, device=ctx.model.device)
         self.mirror = PageMirror(ctx.num_pages, name=f"{ctx.name} stage {ctx.rank} pool")
         self.host_pool: HostPool | None = None
-        if cfg.host_tier:  # the same page count as stage 0's host tier, sized on stage 0's layers
-            cfg.hicache_config()  # validates
-            a, b = ctx.ranges[0]
-            stage0 = StageContext.layout_of(cfg, ctx.model, a, b)
-            _, host_pages = host_pages_for(stage0, ctx.num_pages, cfg.hicache_ratio, cfg.hicache_size)
-            self.host_pool = make_host_pool(cfg.hicache_layout, ctx.layout, host_pages)
+        cache = ctx.cache
+        if cache.host_tier:  # the same page count as stage 0's host tier, sized on stage 0's layers
+            cache.hicache()  # validates
+            _, host_pages = host_pages_for(ctx.layouts[0], ctx.num_pages, cache.hicache_ratio, cache.hicache_size)
+            self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)
         self.replayed = {"offload_pages": 0, "load_pages": 0}
-        self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(cfg.model)) if cfg.model else ()  # min_tokens masks them
+        model_dir = ctx.cfg.model
+        self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(model_dir)) if model_dir else ()  # min_tokens masks them
 
     def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
         return {}
@@ -94,7 +93,7 @@ class PipelineFollower:
                 job = ctx.jobs.get(row.rid)
                 if row.last and job is not None:
                     ctx.jobs.move(job, Phase.TRANSFERRING)
-                    src = row.pages[: pages_for(job.prompt_len, ctx.page_size)]
+                    src = row.pages[: ceil_div(job.prompt_len, ctx.page_size)]
                     tok, lps = firsts.get(row.rid, (None, None))
                     plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
                     ctx.sender.queue(Transfer(job, src, tok, lps, plps, draft_hidden=drafts.get(row.rid)))

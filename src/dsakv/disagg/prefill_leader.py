@@ -57,7 +57,8 @@ from dsakv.disagg.prefix_events import PrefixEvents
 from dsakv.disagg.rpc import Rpc
 from dsakv.disagg.stage_comm import StageLinkError, StageMessage
 from dsakv.disagg.stage_context import StageContext, encode_batch, job_spec
-from dsakv.disagg.wire import page_list, pages_for
+from dsakv.disagg.wire import page_list
+from dsakv.engine.config import PoolConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.model_runner import build_batch, logits_at
 from dsakv.engine.request import FinishReason, RequestOutput
@@ -67,6 +68,7 @@ from dsakv.engine.speculative import draft_prefill
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
+from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
 
@@ -149,20 +151,14 @@ class PipelineLeader:
     def __init__(self, ctx: StageContext) -> None:
         cfg = ctx.cfg
         self.ctx = ctx
+        # the tree's engine branch, over this stage's layers, with the page count every stage shares; its cache
+        # branch may hold a storage tier with pp_size 1 only (PrefillConfig refuses more). The prefill does not
+        # speculate (with MTP the last stage only computes the draft layer's KV: ctx.draft, draft_prefill)
         self.engine = Engine(
             (ctx.spec, ctx.model),
+            replace(cfg.engine, pool=PoolConfig(num_pages=ctx.num_pages), speculative_num_steps=0),
             model_dir=cfg.model,  # loaded once by the stage; the checkpoint still names the weights fingerprint
             layout=ctx.layout,
-            num_pages=ctx.num_pages,
-            max_batch_tokens=cfg.max_batch_tokens,
-            max_running_requests=cfg.max_running_requests,
-            enable_prefix_cache=cfg.prefix_cache,
-            hicache_ratio=cfg.hicache_ratio,
-            hicache_size=cfg.hicache_size,
-            hicache_layout=cfg.hicache_layout,
-            hicache_write_policy=cfg.hicache_write_policy,
-            hicache_selective_threshold=cfg.hicache_selective_threshold,
-            hicache_storage=cfg.hicache_storage,  # pp_size 1 only (PrefillConfig refuses more)
             runner=self._runner,
         )
         self.engine.on_schedule = self._on_schedule
@@ -206,10 +202,10 @@ class PipelineLeader:
                 raise Unavailable(f"prefill {ctx.name} is unavailable: {ctx.down_reason or 'stopping'}")
             if rid in ctx.jobs:
                 raise ConfigError(f"request id {rid!r} is already in use on prefill {ctx.name}")
-            if len(p.dst_pages) < pages_for(len(prompt), ps):
+            if len(p.dst_pages) < ceil_div(len(prompt), ps):
                 raise CapacityError(
                     f"request {rid}: {len(p.dst_pages)} decode pages for a {len(prompt)}-token prompt, need "
-                    f"{pages_for(len(prompt), ps)} of {ps} tokens"
+                    f"{ceil_div(len(prompt), ps)} of {ps} tokens"
                 )
             # one token: the first, sampled where the last stage is (here only when this is the last stage), with
             # the request's penalties and bias (min_tokens >= 1 masks eos / stop ids for it as on decode); one
@@ -336,7 +332,7 @@ class PipelineLeader:
                 continue
             ctx.jobs.move(job, Phase.TRANSFERRING)
             job.pending = set(range(ctx.size))
-            src = page_list(self.engine.pages_of(job.rid))[: pages_for(job.prompt_len, ctx.page_size)]
+            src = page_list(self.engine.pages_of(job.rid))[: ceil_div(job.prompt_len, ctx.page_size)]
             if ctx.last and o.new_token_ids:  # the first token, its logprobs and the prompt's travel with the KV
                 lps = o.new_logprobs[0] if o.new_logprobs else None
                 drafted = self.runner.draft_out.pop(job.rid, None)

@@ -15,8 +15,8 @@ The parts: WorkerService (RPC, ping/health/integrity, threads; shared with the d
 stage), and the StageContext they share (config, layer range, StageGroup, the request ledger, counters).
 
 Stage 0's Engine decides page ids for every stage (all stage pools have the same page count); later stages
-mirror the books (PageMirror). Prefix cache (cfg.prefix_cache, device only, or with a host tier:
-cfg.hicache_ratio / hicache_size; with pp_size 1 also the shared storage tier, cfg.hicache_storage): stage 0's
+mirror the books (PageMirror). Prefix cache (the tree's cache branch, cfg.engine.cache: device only, or with a
+host tier: hicache_ratio / hicache_size; with pp_size 1 also the shared storage tier, storage): stage 0's
 Engine runs a HiCache; a hit reuses page ids every stage wrote
 in an earlier step (steps reach every stage in order, and a cached page is never reallocated while cached),
 so each stage computes only the rest and still transfers every prompt page. Stage 0 sends the cache's page
@@ -66,7 +66,7 @@ from dsakv.disagg.prefill_follower import PipelineFollower
 from dsakv.disagg.prefill_leader import PipelineLeader
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient
 from dsakv.disagg.stage_comm import StageLinkError
-from dsakv.disagg.stage_context import DEFAULT_MAX_TOKENS, PrefillConfig, StageContext, split_layers
+from dsakv.disagg.stage_context import PrefillConfig, StageContext, split_layers
 from dsakv.disagg.worker_service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class PrefillStage:
         if model is None:
             from dsakv.model.loader import load_model
 
-            model = load_model(Path(cfg.model), dtype=getattr(torch, cfg.dtype))
+            model = load_model(Path(cfg.model), dtype=getattr(torch, cfg.engine.dtype))
         spec, mdl = model
         mdl.eval()
         self.cfg = cfg
@@ -98,7 +98,7 @@ class PrefillStage:
         self.rank, self.size = ctx.rank, ctx.size
         self.layout = ctx.layout
         self.layer_start, self.layer_end = ctx.ranges[ctx.rank]
-        self.backend = make_backend(cfg.backend, **cfg.backend_options)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.role.pool.regions())
         self.manifest = Manifest.from_pool(self.role.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.service = WorkerService(
@@ -130,7 +130,7 @@ class PrefillStage:
             notifier=ctx.notifier,
             counters=ctx.counters,
             on_done=self.role.on_transferred,
-            debug_delay=cfg.debug_transfer_delay,
+            debug_delay=cfg.config.transfer.debug_transfer_delay,
             debug_fail=cfg.debug_fail_transfer,
             clock=ctx.jobs.now,
         )
@@ -142,10 +142,10 @@ class PrefillStage:
             self.layer_start,
             self.layer_end - 1,
             ctx.num_pages,
-            cfg.page_size,
+            ctx.page_size,
             self.layout.bytes_per_token,
-            cfg.elide,
-            cfg.backend,
+            self.layout.elide,
+            cfg.config.transfer.backend,
             self.address,
         )
 
@@ -208,8 +208,8 @@ class PrefillStage:
                 epoch=ctx.group.epoch,
                 down=ctx.down_reason,
                 layers=[self.layer_start, self.layer_end - 1],
-                elide=cfg.elide,
-                backend=cfg.backend,
+                elide=self.layout.elide,
+                backend=cfg.config.transfer.backend,
                 page_size=ctx.page_size,
                 pages_total=ctx.num_pages,
                 pages_used=used,
@@ -220,8 +220,8 @@ class PrefillStage:
                 links=[link.summary() for link in self.links.links()],
                 counters=dict(ctx.counters),
                 integrity=self.role.integrity(),
-                prefix_cache_enabled=cfg.cache_enabled,
-                host_tier=cfg.host_tier,
+                prefix_cache_enabled=ctx.cache.enabled,
+                host_tier=ctx.cache.host_tier,
                 cache_pages=len(self.role.cached_pages()),
                 transfer=TransferHealth(count=t.transfers, failures=t.failures, bytes=t.bytes, seconds=t.seconds),
                 **self.role.health_fields(),
@@ -321,4 +321,4 @@ class PrefillStage:
         log.warning("%s", why)
 
 
-__all__ = ["DEFAULT_MAX_TOKENS", "PrefillConfig", "PrefillStage", "make_role", "split_layers"]
+__all__ = ["PrefillConfig", "PrefillStage", "make_role", "split_layers"]

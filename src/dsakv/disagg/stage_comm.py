@@ -237,21 +237,17 @@ class StageGroup:
             raise StageLinkError(msg) from None
 
     def _send(self, t: torch.Tensor, dst: int, timeout: float, what: str) -> None:
-        if self._pg is None:
-            raise StageLinkError(f"stage {self.rank}: no pipeline group (not formed) for {what}")
-        try:
-            work = self._pg.send([t.contiguous()], dst, 0)
-        except Exception as e:
-            msg = f"stage {self.rank}: {what} failed: {str(e).splitlines()[0][:300]}"
-            self.break_(msg)
-            raise StageLinkError(msg) from None
-        self._wait(work, timeout, what)
+        self._p2p("send", t.contiguous(), dst, timeout, what)
 
     def _recv(self, t: torch.Tensor, src: int, timeout: float, what: str) -> None:
+        self._p2p("recv", t, src, timeout, what)
+
+    def _p2p(self, op: str, t: torch.Tensor, peer: int, timeout: float, what: str) -> None:
+        """One gloo send/recv of `t` with stage `peer`, bounded by `timeout`; a failure breaks the pipeline."""
         if self._pg is None:
             raise StageLinkError(f"stage {self.rank}: no pipeline group (not formed) for {what}")
         try:
-            work = self._pg.recv([t], src, 0)
+            work = getattr(self._pg, op)([t], peer, 0)
         except Exception as e:
             msg = f"stage {self.rank}: {what} failed: {str(e).splitlines()[0][:300]}"
             self.break_(msg)

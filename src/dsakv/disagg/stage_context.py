@@ -1,16 +1,15 @@
 """What every stage of a prefill worker shares: its config, its layer range, the pipeline group, the books
 it keeps for its requests, and how a step's batch travels (encode_batch / decode_batch).
 
-    cfg = PrefillConfig(model, pp_size=2, pp_rank=k, port=9200, ...)
-    ctx = StageContext.build(cfg, (spec, model))        layer range, layout, page count, StageGroup, notifier
+    cfg = PrefillConfig(model, config=Config(engine=..., pipeline=PipelineConfig(pp_size=2, pp_rank=k)), port=9200)
+    ctx = StageContext.build(cfg, spec, model)          layer ranges, layouts, page count, StageGroup, notifier
     role = make_role(ctx)                               prefill_worker: PipelineLeader (k = 0) or PipelineFollower
 
-Imports torch, dsakv.{spec, plan, cache, model} and dsakv.disagg; never engine, serve or cli.
+Imports torch, dsakv.{spec, plan, model}, engine.config (the tree) and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -22,26 +21,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dsakv.cache.hicache import HiCacheConfig
-from dsakv.cache.storage.base import StorageConfig
 from dsakv.disagg.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.messages import JobSpec
 from dsakv.disagg.stage_comm import StageGroup, default_dist_port
 from dsakv.disagg.timeouts import Timeouts
-from dsakv.disagg.wire import pages_for
 from dsakv.disagg.worker_service import Notifier
+from dsakv.engine.config import CacheConfig, Config, EngineConfig, PipelineConfig, prefill_cache_error
 from dsakv.errors import ConfigError
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
 from dsakv.plan.capacity import even_partition
-from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
+from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from dsakv.disagg.kv_sender import KvSender
-
-DEFAULT_MAX_TOKENS = 16384
 
 
 def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
@@ -66,92 +61,80 @@ def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | Non
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """One stage of a prefill worker. Stage k listens for control RPC on port + k."""
+    """One stage of a prefill worker: the configuration tree and where this process runs. Stage k listens for
+    control RPC on port + k. From the tree: `engine` (layout, pool, scheduler, cache: the prefix cache and host
+    tier, with pp_size 1 also the storage tier; no disk tier), `transfer` (backend, rpc timeout, debug delay),
+    `pipeline` (pp_size, pp_rank, partition, rendezvous, stage timeout)."""
 
     model: str
-    pp_size: int = 1
-    pp_rank: int = 0
-    partition: tuple[int, ...] | None = None
+    config: Config = field(default_factory=Config)
     host: str = "127.0.0.1"
     port: int = 0  # base port (stage k: port + k); 0 = any free port (pp_size 1 only)
-    stage0_host: str | None = None  # where stage 0 runs (the gloo rendezvous); default host
-    dist_port: int | None = None  # gloo rendezvous (TCPStore) on stage 0; default port + pp_size
     name: str | None = None  # worker name; default prefill@<stage0 host>:<port>
-    elide: bool = True
-    kv_format: str = "fp32"
-    index_format: str = "fp32"
-    page_size: int = DEFAULT_PAGE_SIZE
-    num_pages: int | None = None
-    max_batch_tokens: int = 512
-    max_running_requests: int | None = None
-    dtype: str = "float32"
-    backend: str = "mooncake"
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    stage_timeout: float = 10.0
-    rpc_timeout: float = 5.0
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
-    debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
     debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
-    prefix_cache: bool = False  # device-only prefix cache on stage 0's books (every stage keeps the pages)
-    hicache_ratio: float | None = None  # host tier (turns the prefix cache on): ratio x stage 0's pool bytes
-    hicache_size: int | None = None  # or stage 0's host tier bytes (every stage gets the same page count)
-    hicache_layout: str = "layer_first"
-    hicache_write_policy: str = "write_through"
-    hicache_selective_threshold: int = 2
-    # storage (L3) tier: a shared Mooncake Store on stage 0's HiCache (pp_size 1 only; needs the host tier)
-    hicache_storage: StorageConfig | None = field(default=None, hash=False)
-    # MTP (the decode speculates with K steps): the last stage loads the draft layer, computes its KV / INDEX_K
-    # for the prompt and sends it with its other keys, plus the draft's last hidden state; K itself is the decode's
-    speculative_num_steps: int = 0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
-        if self.port == 0 and self.pp_size > 1:
+        pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout
+        if not 0 <= self.pp_rank < pipe.pp_size:
+            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
+        if self.port == 0 and pipe.pp_size > 1:
             raise ConfigError("a pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
-        if self.stage_timeout <= 0 or self.rpc_timeout <= 0:
-            raise ConfigError(
-                f"--stage-timeout {self.stage_timeout} and --rpc-timeout {self.rpc_timeout} must be > 0 seconds"
-            )
-        if self.num_pages is not None and self.num_pages < 1:
-            raise ConfigError(f"--num-pages {self.num_pages} must be >= 1")
-        if isinstance(self.speculative_num_steps, bool) or self.speculative_num_steps < 0:
-            raise ConfigError(f"--speculative-num-steps {self.speculative_num_steps!r} must be an integer >= 0")
-        if self.hicache_storage is not None and self.pp_size > 1:
-            raise ConfigError(
-                f"hicache_storage ({self.hicache_storage.backend}) with pp_size {self.pp_size}: only a single-stage "
-                "prefill has a storage tier (later stages would need their own L3 loads); use pp_size 1"
-            )
+        if pipe.stage_timeout <= 0 or rpc <= 0:
+            raise ConfigError(f"--stage-timeout {pipe.stage_timeout} and --rpc-timeout {rpc} must be > 0 seconds")
+        num_pages = self.engine.pool.num_pages
+        if num_pages is not None and num_pages < 1:
+            raise ConfigError(f"--num-pages {num_pages} must be >= 1")
+        refusal = prefill_cache_error(self.engine.cache, pipe.pp_size)
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.config.engine
 
     @property
     def draft_layers(self) -> int:
-        """Draft (MTP) layers on the last stage: 1 with speculation (the decode reuses one layer K times)."""
-        return 1 if self.speculative_num_steps else 0
+        """Draft (MTP) layers on the last stage: 1 when the decode speculates (it reuses one layer K times); the
+        last stage computes the draft layer's KV / INDEX_K for the prompt and sends it with its other keys."""
+        return self.engine.draft_layers
 
     @property
-    def cache_enabled(self) -> bool:
-        return self.prefix_cache or self.host_tier or self.hicache_storage is not None
+    def pipeline(self) -> PipelineConfig:
+        return self.config.pipeline
 
     @property
-    def host_tier(self) -> bool:
-        return self.hicache_ratio is not None or self.hicache_size is not None
+    def pp_rank(self) -> int:
+        return self.pipeline.pp_rank or 0
 
-    def hicache_config(self) -> HiCacheConfig:
-        return HiCacheConfig(
-            hicache_ratio=self.hicache_ratio,
-            hicache_size=self.hicache_size,
-            layout=self.hicache_layout,
-            write_policy=self.hicache_write_policy,
-            selective_threshold=self.hicache_selective_threshold,
-        )
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline.pp_size
+
+    def ranges(self, spec: ModelSpec) -> list[tuple[int, int]]:
+        """[start, end) of every stage's layers."""
+        return split_layers(spec.num_layers, self.pp_size, self.pipeline.partition)
+
+    def layouts(self, spec: ModelSpec) -> list[KVLayout]:
+        """Every stage's KVLayout: its layer range, and on the last stage with MTP the draft layer's keys."""
+        ranges = self.ranges(spec)
+        drafts = [0] * (len(ranges) - 1) + [self.draft_layers]
+        return [self.engine.layout.layout(spec, a, b, draft_layers=d) for (a, b), d in zip(ranges, drafts, strict=True)]
+
+    def num_pages(self, spec: ModelSpec) -> int:
+        """Pages of every stage's pool (the same on all: stage 0 decides page ids); with a KV budget, the planner's
+        figure for the stage that holds the most per token."""
+        return self.engine.pool.pages(self.layouts(spec))
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
-        return Timeouts(rpc=self.rpc_timeout, connect=min(2.0, self.rpc_timeout), stage=self.stage_timeout)
+        rpc = self.config.transfer.rpc_timeout
+        return Timeouts(rpc=rpc, connect=min(2.0, rpc), stage=self.pipeline.stage_timeout)
 
     @property
     def worker_name(self) -> str:
-        return self.name or f"prefill@{self.stage0_host or self.host}:{self.port}"
+        return self.name or f"prefill@{self.pipeline.stage0_host or self.host}:{self.port}"
 
 
 def encode_batch(b: ForwardBatch) -> dict[str, Any]:
@@ -209,7 +192,7 @@ class StageContext:
     spec: ModelSpec
     model: DSAModel
     ranges: list[tuple[int, int]]
-    layout: KVLayout
+    layouts: list[KVLayout]  # every stage's (stage 0's sizes the host tier of all)
     num_pages: int
     group: StageGroup
     notifier: Notifier
@@ -236,22 +219,21 @@ class StageContext:
         clock: Callable[[], float] = time.monotonic,
         draft: MTPDraft | None = None,
     ) -> StageContext:
-        """`draft`: the MTP layer for the last stage with cfg.speculative_num_steps (default: load_draft)."""
-        ranges = split_layers(spec.num_layers, cfg.pp_size, cfg.partition)
-        a, b = ranges[cfg.pp_rank]
-        drafts = cfg.draft_layers if cfg.pp_rank == cfg.pp_size - 1 else 0
+        """`draft`: the MTP layer for the last stage with the tree's speculative_num_steps (default: load_draft)."""
+        ranges, layouts = cfg.ranges(spec), cfg.layouts(spec)
+        drafts = layouts[cfg.pp_rank].draft_layers
         if drafts and draft is None:
             from dsakv.model.loader import load_draft
 
             draft = load_draft(Path(cfg.model), dtype=model.dtype)
         if draft is not None:
             draft.to(model.device)
-        t = cfg.timeouts
+        pipe, t = cfg.pipeline, cfg.timeouts
         group = StageGroup(
             cfg.pp_rank,
             cfg.pp_size,
-            cfg.stage0_host or cfg.host,
-            cfg.dist_port or default_dist_port(cfg.port, cfg.pp_size),
+            pipe.stage0_host or cfg.host,
+            pipe.dist_port or default_dist_port(cfg.port, cfg.pp_size),
             t.stage,
             hidden_dtype=model.dtype,
             hidden_size=spec.hidden_size,
@@ -262,27 +244,14 @@ class StageContext:
             spec=spec,
             model=model,
             ranges=ranges,
-            layout=cls.layout_of(cfg, model, a, b, drafts),
-            num_pages=cfg.num_pages or pages_for(DEFAULT_MAX_TOKENS, cfg.page_size),
+            layouts=layouts,
+            num_pages=cfg.engine.pool.pages(layouts),
             group=group,
             notifier=Notifier(t.rpc, t.connect),
             jobs=Ledger(PREFILL_STAGE, clock),
             down_reason="pipeline not formed yet" if cfg.pp_size > 1 else None,
             draft=draft if drafts else None,
         )
-
-    @staticmethod
-    def layout_of(cfg: PrefillConfig, model: DSAModel, start: int, end: int, draft_layers: int = 0) -> KVLayout:
-        """The stage's pool layout: layers [start, end), plus the draft layer's keys on the last stage with MTP."""
-        lay = model.layout_for(
-            elide=cfg.elide,
-            kv_format=cfg.kv_format,
-            index_format=cfg.index_format,
-            page_size=cfg.page_size,
-            layer_start=start,
-            layer_end=end,
-        )
-        return dataclasses.replace(lay, draft_layers=draft_layers) if draft_layers else lay
 
     @property
     def rank(self) -> int:
@@ -301,8 +270,16 @@ class StageContext:
         return self.cfg.worker_name
 
     @property
+    def layout(self) -> KVLayout:
+        return self.layouts[self.rank]
+
+    @property
+    def cache(self) -> CacheConfig:
+        return self.cfg.engine.cache
+
+    @property
     def page_size(self) -> int:
-        return self.cfg.page_size
+        return self.cfg.engine.layout.page_size
 
     @property
     def t(self) -> Timeouts:

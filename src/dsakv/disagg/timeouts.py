@@ -1,7 +1,9 @@
 """Every time bound of disaggregated serving, in one dataclass (seconds).
 
-Each role's config (RouterConfig, PrefillConfig, DecodeConfig) keeps the fields its command-line flags set
-and hands its code one `Timeouts` (`cfg.timeouts`); nothing else in dsakv.disagg spells a time constant.
+Each role's config hands its code one `Timeouts` (`cfg.timeouts`), built from the fields its command-line flags
+set (RouterConfig's own; PrefillConfig / DecodeConfig: the tree's transfer.rpc_timeout and
+pipeline.stage_timeout, plus the decode's kv_grace / liveness_interval); nothing else in dsakv.disagg spells a
+time constant.
 Imports nothing from dsakv but errors.
 """
 

@@ -49,7 +49,3 @@ def page_array(ids: Any) -> IntArray:
 def new_boot_id() -> str:
     """A fresh id for one process lifetime: peers compare it to notice a restart."""
     return uuid.uuid4().hex[:12]
-
-
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)

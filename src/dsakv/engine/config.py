@@ -14,8 +14,10 @@
 `dsakv.cli.options` builds the tree from argv (`serve`, `generate`, `demo` and the benches share it) and
 renders it back to argv for child processes. `Engine(model, config)` takes the engine branch; the flat keyword
 spelling `Engine(model, page_size=4, max_tokens=64)` goes through `EngineConfig.from_options`, the one table
-that maps those names onto the tree. The transfer and pipeline branches are plain data the disaggregated roles
-read; this module imports only spec and plan (no torch), so building a tree stays light.
+that maps those names onto the tree. The disaggregated roles take the whole tree (DecodeConfig / PrefillConfig:
+the tree + where the process runs): the transfer and pipeline branches are theirs, and `prefill_cache_error`
+says which cache branches a prefill worker can run. This module imports only spec and plan (no torch), so
+building a tree stays light.
 """
 
 from __future__ import annotations
@@ -237,7 +239,7 @@ class EngineConfig:
         """MTP draft layers the pool holds: 1 when the engine speculates (its layout's `draft_layers`)."""
         return 1 if self.speculative_num_steps else 0
 
-    # The flat keyword spelling (Engine(model, page_size=4, ...), DecodeConfig.engine): name -> (branch, field).
+    # The flat keyword spelling of Engine(model, page_size=4, ...): name -> (branch, field).
     OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
         "elide": ("layout", "elide"),
         "kv_format": ("layout", "kv_format"),
@@ -303,10 +305,6 @@ class EngineConfig:
             for name, (branch, attr) in self.OPTIONS.items()
         }
 
-    def with_options(self, **options: Any) -> EngineConfig:
-        """A copy with some flat options replaced."""
-        return EngineConfig.from_options(**{**self.options(), **options})
-
 
 @dataclass(frozen=True)
 class TransferConfig:
@@ -328,6 +326,38 @@ class PipelineConfig:
     dist_port: int | None = None  # gloo rendezvous on stage 0 (None: port + pp_size)
     stage0_host: str | None = None
     stage_timeout: float = 10.0
+
+
+def storage_pp_error(backend: str, pp_size: int) -> str:
+    """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
+    return (
+        f"--hicache-storage {backend} with --pp-size {pp_size}: only a single-stage prefill can use the storage "
+        "tier (later stages would need their own L3 loads); use --pp-size 1 or drop --hicache-storage"
+    )
+
+
+def disk_tier_refusal(flags: Sequence[str]) -> str:
+    """The refusal of the local disk tier on a prefill worker (`flags`: the options that asked for it)."""
+    return (
+        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
+        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
+        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
+    )
+
+
+def prefill_cache_error(cache: CacheConfig, pp_size: int) -> str | None:
+    """Why a prefill worker of `pp_size` stages cannot run this cache branch (None: it can). A prefill runs the
+    prefix cache and host tier on every stage, the storage tier with one stage only, and no disk tier."""
+    disk = [
+        flag
+        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
+        if val is not None
+    ]
+    if disk:
+        return disk_tier_refusal(disk)
+    if cache.storage is not None and pp_size > 1:
+        return storage_pp_error(cache.storage.backend, pp_size)
+    return None
 
 
 @dataclass(frozen=True)

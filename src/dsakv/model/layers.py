@@ -8,6 +8,8 @@ Imports torch and dsakv.model.config only.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,9 +104,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts)
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def _experts(self) -> list[MLP]:
+        return [cast(MLP, m) for m in self.experts]  # nn.ModuleList yields Module
+
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate|up [E, 2I, hidden], down [E, hidden, I]) aliased by every expert's Linear weights."""
-        ex = list(self.experts)
+        ex = self._experts()
         st = self._stack
         if st is not None and all(
             m.gate_proj.weight.data_ptr() == st[0][e].data_ptr()
@@ -150,7 +155,7 @@ class MoE(nn.Module):
         else:
             xs = x[tok]  # one gather: [N * k, hidden], grouped by expert
             ys, start = [], 0
-            for expert, c in zip(self.experts, counts, strict=True):
+            for expert, c in zip(self._experts(), counts, strict=True):
                 if c:
                     xe = xs[start : start + c]
                     g, u, d = expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight

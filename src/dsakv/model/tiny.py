@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dsakv.errors import ConfigError
 from dsakv.spec.presets import preset_config
 from dsakv.util import byte_symbols
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +69,14 @@ def _init_(model: torch.nn.Module, seed: int) -> None:
 
 def build_tiny_hf(
     arch: str = "glm_moe_dsa", seed: int = 0, layers: int = 12, overrides: dict[str, Any] | None = None
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """The transformers model of a tiny checkpoint, initialised (float32, eval mode)."""
     cfg = tiny_config(arch, layers, overrides)
     kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "_name_or_path", "model_type", "torch_dtype")}
     if arch == "glm_moe_dsa":
         from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-        model: torch.nn.Module = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kwargs))
+        model: PreTrainedModel = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**kwargs))
     else:
         from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
@@ -192,7 +195,8 @@ def tiny_tokenizer(vocab_size: int = 512, bos_token_id: int = 0, eos_token_id: i
     learn.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     learn.train_from_iterator([_CORPUS], trainer)
     merges = json.loads(learn.to_str())["model"]["merges"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges][: vocab_size - first_merge]
+    pairs = (m.split(" ") if isinstance(m, str) else m for m in merges)  # "a b" (older tokenizers) or [a, b]
+    merges = [(str(a), str(b)) for a, b in pairs][: vocab_size - first_merge]
     vocab: dict[str, int] = {BOS_TOKEN: bos_token_id, EOS_TOKEN: eos_token_id}
     vocab |= {s: b + 2 for b, s in enumerate(byte_symbols())}
     vocab |= {t: 2 + 256 + i for i, t in enumerate(ROLE_TOKENS)}
