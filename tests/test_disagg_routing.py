@@ -264,3 +264,57 @@ def test_router_config_refuses_bad_affinity_settings():
         RouterConfig(prefill=("a:1",), decode=("b:2",), affinity_min_gain_pages=0)
     with pytest.raises(ConfigError, match="affinity_max_imbalance = -1"):
         RouterConfig(prefill=("a:1",), decode=("b:2",), affinity_max_imbalance=-1)
+
+
+def test_a_worker_busy_in_a_step_stays_up_then_goes_down():
+    """A worker answers HEALTH between engine steps but PING at once: a HEALTH that times out while PING answers
+    (same pid) keeps the worker up, for at most Timeouts.busy_health; a PING that fails marks it down at once.
+    A real RPC server on 127.0.0.1 (the decode follower spec: PING, HEALTH, CHECK_INTEGRITY)."""
+    import os
+    import time
+
+    from dsakv.disagg.messages import DECODE_FOLLOWER_SERVICE
+    from dsakv.disagg.worker_service import WorkerService
+
+    busy, release = threading.Event(), threading.Event()
+    h0 = replace(_health("decode", "d", used=0), pid=os.getpid())
+
+    def health() -> Health:
+        if busy.is_set():
+            release.wait(10)  # a long step: longer than the router's health call
+        return h0
+
+    svc = WorkerService(DECODE_FOLLOWER_SERVICE, {}, "127.0.0.1", 0, "d", health=health, integrity=lambda: "ok")
+    svc.start([])
+    downs: list[str] = []
+    t = PeerTable(
+        [],
+        [svc.address],
+        Timeouts(health_call=0.3, ping=1.0, busy_health=1.0),
+        threading.RLock(),
+        on_decode_down=lambda p, why: downs.append(why),
+    )
+    peer = t.decodes[svc.address]
+    try:
+        t.poll_health()
+        assert (peer.ok, peer.slow_health, downs) == (True, 0, [])
+        busy.set()
+        t.poll_health()  # HEALTH times out, PING answers: kept up, nothing failed
+        assert (peer.ok, peer.slow_health, downs) == (True, 1, [])
+        assert t.instance_metrics()[f'instance_slow_health_total{{role="decode",addr="{svc.address}",name="d"}}'] == 1
+        time.sleep(1.1)  # busy longer than busy_health: down, its requests fail (on_decode_down)
+        t.poll_health()
+        assert (peer.ok, peer.slow_health, len(downs)) == (False, 2, 1)
+        assert "busy longer than 1 s" in downs[0], downs
+        release.set()
+        busy.clear()
+        t.poll_health()  # it answers again: up
+        assert (peer.ok, peer.slow_since) == (True, None)
+        busy.set()
+        release.clear()
+        svc.rpc.stop()  # gone: HEALTH and PING fail, down at the first poll
+        t.poll_health()
+        assert (peer.ok, len(downs)) == (False, 2)
+    finally:
+        release.set()
+        svc.stop(1.0)

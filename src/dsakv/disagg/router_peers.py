@@ -30,11 +30,13 @@ from dsakv.disagg.messages import (
     CACHE_EVENTS,
     CONNECT,
     HEALTH,
+    PING,
     CacheEvents,
     CacheEventsQuery,
     Connect,
     Health,
     HealthQuery,
+    Ping,
 )
 from dsakv.disagg.routing import (
     AffinityRule,
@@ -73,6 +75,8 @@ class PeerState:
     picked_affinity: int = 0  # prefill: ... of which for prefix affinity
     cache_error: str | None = None  # prefill: why its cache events could not be mirrored (last poll)
     cache_polls: int = 0  # prefill: cache-event replies applied
+    slow_since: float | None = None  # HEALTH timed out but PING answered (same process) since then
+    slow_health: int = 0  # health polls answered that way (the worker was busy in a step)
 
 
 class Choice(NamedTuple):
@@ -154,6 +158,7 @@ class PeerTable:
                 vals: dict[str, float | None] = {
                     "up": float(p.ok),
                     "in_flight": p.inflight,
+                    "slow_health_total": p.slow_health,
                     "picked_total": p.picked,
                     "pages_used": h.pages_used if h is not None else None,
                     "pages_free": h.pages_free if h is not None else None,
@@ -242,19 +247,48 @@ class PeerTable:
         if was:
             log.warning("router: %s %s is down: %s", peer.role, peer.addr, why)
 
+    def down_or_busy(self, peer: PeerState, why: str) -> str | None:
+        """HEALTH to `peer` failed with `why`: None if it is the same process, alive but busy (a worker answers
+        HEALTH between engine steps, PING at once; a long step on a loaded machine outlasts the health call): it
+        stays as it was, for at most Timeouts.busy_health. Else why it is down (PING failed too, another process
+        answers, or busy too long)."""
+        if not peer.ok or peer.health is None:
+            return why
+        try:
+            pong = peer.client.request(PING, Ping(), timeout=self.t.ping)
+        except RpcError:
+            return why
+        now = time.monotonic()
+        with self._lock:
+            if pong.pid != peer.health.pid:  # another process on that address: the one we knew is gone
+                return why
+            if peer.slow_since is None:
+                peer.slow_since = now
+                log.info("router: %s %s answers PING but not HEALTH (busy in a step?): kept up", peer.role, peer.addr)
+            peer.slow_health += 1
+            if now - peer.slow_since > self.t.busy_health:
+                busy = now - peer.slow_since
+                why = f"{why} (answering PING only, for {busy:.0f} s: busy longer than {self.t.busy_health:g} s)"
+                peer.slow_since = None
+                return why
+        return None
+
     def poll_health(self) -> None:
         """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
         for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
             try:
                 h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
             except PeerUnavailable as e:
-                self.mark_down(peer, str(e))
+                why = self.down_or_busy(peer, str(e))
+                if why is not None:
+                    self.mark_down(peer, why)
                 continue
             except RpcError as e:
                 with self._lock:
                     peer.ok, peer.error = False, str(e)
                 continue
             with self._lock:
+                peer.slow_since = None
                 if peer.role == "decode" and peer.boot is not None and h.boot != peer.boot:
                     peer.ready = False  # restarted: the events thread fails its old requests, then resyncs
                 if peer.role == "prefill" and (peer.boot, peer.epoch) != (h.boot, h.epoch):

@@ -33,6 +33,9 @@ class Timeouts:
     side_call: float = 2.0  # router: one best-effort abort (at most `rpc`)
     report_floor: float = 0.5  # prefill: a stage_done report gets at least this long, past the KV deadline
     startup_wait: float = 60.0  # prefill: wait this long for each --decode to come up at startup
+    busy_health: float = (
+        30.0  # router: a worker that answers PING but not HEALTH (busy in a long step) stays up this long
+    )
 
     def __post_init__(self) -> None:
         bad = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if not getattr(self, f.name) > 0]
