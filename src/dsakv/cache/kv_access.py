@@ -40,10 +40,15 @@ class TokenAccess(Protocol):
 
 
 class PoolAccess:
-    """Codec-aware access to one DevicePool; codecs are built once per kind."""
+    """Codec-aware access to one DevicePool; codecs are built once per kind.
 
-    def __init__(self, pool: DevicePool) -> None:
+    check_slots=False skips the per-call bounds check of the slots, for a caller that checked them once (a
+    model step checks its slot table against pool.capacity_slots before its layers read and write)."""
+
+    def __init__(self, pool: DevicePool, check_slots: bool = True) -> None:
         self.pool = pool
+        self.check_slots = check_slots
+        self.capacity_slots = pool.num_pages * pool.page_size
         self.page_size = pool.page_size
         self._codecs = {Kind.KV: codec_for(pool.layout, Kind.KV)}
         if pool.layout.spec.has_indexer:
@@ -54,11 +59,11 @@ class PoolAccess:
 
     def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
         buf = self.pool.tensor(key)  # raises KeyError for a key the pool does not hold
-        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size)
+        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size, self.check_slots)
 
     def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
         buf = self.pool.tensor(key)
-        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size)
+        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size, self.check_slots)
 
 
 def write_tokens(pool: DevicePool, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
