@@ -54,7 +54,7 @@ from torch import nn
 
 from dsakv.cache.kv_access import TokenAccess
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import LinearGroup, RMSNorm
+from dsakv.model.layers import LinearGroup, RMSNorm, linear, rms_norm
 from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
@@ -216,7 +216,9 @@ class Indexer(nn.Module):
         q = torch.matmul(q_raw.view(t, self.n_heads, self.head_dim), rot)
         if q.dtype != torch.float32:
             q = q.float()
-        k = torch.matmul(self.k_norm(k_raw).unsqueeze(1), rot).squeeze(1)
+        kn = self.k_norm
+        k = torch.matmul(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
+        k = k.squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
         w = w_raw.float() * (self.n_heads**-0.5)
@@ -295,13 +297,13 @@ class MLAttention(nn.Module):
         h = self.num_heads
         rot = ctx.rope(self.rope_dim, True, x.dtype)
         x_out = self._x_proj(x)
-        q_resid = self.q_a_layernorm(x_out[0])
+        q_resid = rms_norm(x_out[0], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
         q_out = self._q_proj(q_resid)
         q = q_out[0].view(t, h, self.qk_head_dim)
         q_nope = q[..., : self.nope]
         q_rot = torch.matmul(q[..., self.nope :], rot)
         kv, k_rot = torch.split(x_out[1], [self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(kv)
+        latent = rms_norm(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         k_rot = torch.matmul(k_rot.unsqueeze(1), rot).squeeze(1)
         kv_key = BufferKey(self.layer, Kind.KV)
         ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
@@ -323,7 +325,7 @@ class MLAttention(nn.Module):
             out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask, slots)
         else:
             out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask)
-        return self.o_proj(out.reshape(t, h * self.v_dim)), topk
+        return linear(out.reshape(t, h * self.v_dim), self.o_proj), topk
 
     def _absorbed(
         self,

@@ -25,7 +25,7 @@ from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import MLP, MoE, RMSNorm
+from dsakv.model.layers import MLP, MoE, RMSNorm, rms_norm
 from dsakv.model.rope import Rope, rope_inv_freq
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -43,9 +43,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
-        attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        attn, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), topk
+        return x + self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps)), topk
 
 
 class Backbone(nn.Module):
@@ -237,8 +238,9 @@ class DSAModel(nn.Module):
                 x = carry.hidden.to(self.device, self.dtype)
                 if carry.topk is not None:
                     topk = unpack_topk(carry.topk.to(self.device), ctx, self.spec.index_topk)
+            layers = self.model.layers
             for i in lay.main_layers:
-                x, topk = self.model.layers[i](x, ctx, topk)
+                x, topk = layers[i].forward(x, ctx, topk)
             logits = None
             if lay.end == self.spec.num_layers:
                 last = torch.cumsum(batch.extend_lens.to(self.device), 0) - 1

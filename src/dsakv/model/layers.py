@@ -99,12 +99,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * (x / rms(x)), the normalisation in float32 (as transformers), one fused op for float32."""
-        w = self.weight
-        if x.dtype == torch.float32 and w.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
-        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, self.eps)
-        return w * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the normalisation in float32 (as transformers). The hot path calls this directly
+    with the RMSNorm's weight and eps (no Module call per use)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # transformers' formula with the temporaries reused in place: fewer dispatches than F.rms_norm's
+        # composite on CPU, same float32 result
+        v = x.pow(2).mean(-1, keepdim=True)
+        v.add_(eps).rsqrt_()
+        return (x * v).mul_(weight)
+    h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
+    return weight * h.to(x.dtype)
+
+
+def linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    """m(x) without the Module call machinery (the hot path runs hundreds of these per step)."""
+    return F.linear(x, m.weight, m.bias)
 
 
 class MLP(nn.Module):
@@ -122,7 +135,7 @@ class MLP(nn.Module):
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         g, u = self._gate_up(x)
-        return self.down_proj(F.silu(g) * u)
+        return linear(F.silu(g) * u, self.down_proj)
 
 
 class Router(nn.Module):
@@ -242,8 +255,9 @@ class MoE(nn.Module):
         sort keeps it), as transformers' per-expert index_add_ does; the dense path adds a token's top_k outputs
         in its router order (exactly the same sum for top_k <= 2)."""
         logits, sg, su = self._in(x)
-        weights, ids = self.gate.route(logits.to(torch.float32))
-        shared = self.shared_experts.down_proj(F.silu(sg.to(x.dtype)) * su.to(x.dtype))
+        weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
+        act = F.silu(sg) * su
+        shared = linear(act if act.dtype == x.dtype else act.to(x.dtype), self.shared_experts.down_proj)
         return self._routed(x, weights, ids) + shared
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -254,8 +268,8 @@ class MoE(nn.Module):
             inter = down.shape[2]
             hgu = torch.matmul(x, gu.transpose(1, 2))  # [E, N, 2I]: every expert on every token
             yp = torch.bmm(F.silu(hgu[..., :inter]) * hgu[..., inter:], down.transpose(1, 2))  # [E, N, hidden]
-            y = yp[ids, torch.arange(n, device=x.device)[:, None]]  # [N, k, hidden]
-            return (y * weights.unsqueeze(-1)).to(x.dtype).sum(dim=1)
+            y = yp[ids, torch.arange(n, device=x.device)[:, None]] * weights.unsqueeze(-1)  # [N, k, hidden]
+            return (y if y.dtype == x.dtype else y.to(x.dtype)).sum(dim=1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
