@@ -86,3 +86,50 @@ def test_set_mla_path_refuses_unknown(model):
     with pytest.raises(ValueError, match="mla path 'flash'"):
         model.set_mla_path("flash")
     assert model.mla_path == "auto"
+
+
+def test_moe_path_rule():
+    from dsakv.model.layers import choose_moe_path
+
+    tiny = dict(top_k=2, experts=8, row_macs=3 * 64 * 32)
+    assert choose_moe_path(1, **tiny) == "dense"  # decode, batch 1 and 16
+    assert choose_moe_path(16, **tiny) == "dense"
+    assert choose_moe_path(256, **tiny) == "grouped"  # a prefill chunk
+    assert choose_moe_path(256, counts=[64] * 8, **tiny) == "padded"  # balanced: no padding
+    glm = dict(top_k=8, experts=256, row_macs=3 * 6144 * 2048)
+    assert choose_moe_path(16, **glm) == "grouped"
+    assert choose_moe_path(16, counts=[1] * 128 + [0] * 128, **glm) == "per_expert"
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_paths_agree(model, tokens, monkeypatch):
+    """dense, padded and per-expert MoE give the same outputs (top_k 2: the same sums, bitwise)."""
+    import dsakv.model.layers as layers
+
+    moe = model.model.layers[1].mlp
+    x = torch.randn(tokens, model.spec.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    outs = {}
+    for path in ("dense", "padded", "per_expert"):
+        grouped = "grouped" if path != "dense" else "dense"
+        monkeypatch.setattr(
+            layers, "choose_moe_path", lambda *a, counts=None, p=path, g=grouped: g if counts is None else p
+        )
+        with torch.inference_mode():
+            outs[path] = moe(x)
+    torch.testing.assert_close(outs["dense"], outs["per_expert"], rtol=1e-6, atol=1e-6)
+    assert torch.equal(outs["padded"], outs["per_expert"])
+
+
+def test_fused_projections_alias_the_weights(model):
+    """LinearGroup re-points each member's weight into the fused tensor: no copy, the state dict unchanged."""
+    attn = model.model.layers[0].self_attn
+    w_before = attn.q_a_proj.weight.detach().clone()
+    fused = attn._x_proj._current()[0]
+    assert attn.q_a_proj.weight.data_ptr() == fused.data_ptr()
+    assert torch.equal(attn.q_a_proj.weight, w_before)
+    n = attn.q_a_proj.weight.shape[0]
+    with torch.no_grad():
+        attn.q_a_proj.weight.add_(1.0)  # an in-place update (load_state_dict) reaches the fused weight
+    assert torch.equal(fused[:n], w_before + 1.0)
+    with torch.no_grad():
+        attn.q_a_proj.weight.copy_(w_before)

@@ -40,10 +40,16 @@ class TokenAccess(Protocol):
 
 
 class PoolAccess:
-    """Codec-aware access to one DevicePool; codecs are built once per kind."""
+    """Codec-aware access to one DevicePool; codecs are built once per kind.
 
-    def __init__(self, pool: DevicePool) -> None:
+    check_slots=False skips the per-call bounds check of the slots, for a caller that checked them once (a
+    model step checks its slot table against pool.capacity_slots before its layers read and write)."""
+
+    def __init__(self, pool: DevicePool, check_slots: bool = True) -> None:
         self.pool = pool
+        self.check_slots = check_slots
+        self.capacity_slots = pool.num_pages * pool.page_size
+        self._plain: dict[BufferKey, torch.Tensor | None] = {}
         self.page_size = pool.page_size
         self._codecs = {Kind.KV: codec_for(pool.layout, Kind.KV)}
         if pool.layout.spec.has_indexer:
@@ -52,13 +58,32 @@ class PoolAccess:
     def codec(self, kind: Kind) -> Codec:
         return self._codecs[kind]
 
-    def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def _plain_rows(self, key: BufferKey) -> torch.Tensor | None:
+        """[num_pages * page_size, dim] float32 view of a buffer stored as plain fp32 rows, else None (cached)."""
+        if key in self._plain:
+            return self._plain[key]
+        codec = self._codecs[key.kind]
         buf = self.pool.tensor(key)  # raises KeyError for a key the pool does not hold
-        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size)
+        rows = None
+        if codec.fmt == "fp32" and len(codec.segments) == 1 and buf.shape[1] % 4 == 0:
+            rows = buf.view(torch.float32).view(buf.shape[0] * self.page_size, codec.dim)
+        self._plain[key] = rows
+        return rows
+
+    def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+        rows = None if self.check_slots else self._plain_rows(key)
+        if rows is not None and slots.device == rows.device:  # fp32 rows, slots checked by the caller: no encoding
+            rows.index_copy_(0, slots, values if values.dtype == torch.float32 else values.float())
+            return
+        buf = self.pool.tensor(key)  # raises KeyError for a key the pool does not hold
+        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size, self.check_slots)
 
     def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
+        rows = None if self.check_slots else self._plain_rows(key)
+        if rows is not None and slots.device == rows.device:
+            return rows.index_select(0, slots)
         buf = self.pool.tensor(key)
-        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size)
+        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size, self.check_slots)
 
 
 def write_tokens(pool: DevicePool, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:

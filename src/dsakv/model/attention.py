@@ -54,7 +54,7 @@ from torch import nn
 
 from dsakv.cache.kv_access import TokenAccess
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import RMSNorm
+from dsakv.model.layers import LinearGroup, RMSNorm, linear, rms_norm
 from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
@@ -78,7 +78,11 @@ class RowSource(Protocol):
 
 @dataclass
 class StepContext:
-    """What every layer of one step shares: where each token sits, the slot table, rope tables, the pool."""
+    """What every layer of one step shares: where each token sits, the slot table, rope tables, the pool.
+
+    Whatever several layers derive from the same inputs (padded slots, the causal mask, the slots and mask
+    of a top-k selection, rope matrices) is built once per step and memoised here.
+    """
 
     out_slots: torch.Tensor  # int64 [T]
     cos: torch.Tensor  # [T, rope_dim / 2]
@@ -92,12 +96,18 @@ class StepContext:
     index_topk: int
     mla_path: str  # "absorbed" or "expanded", chosen once per step
     decode_only: bool  # every sequence has one new token (T == B, tok_seq == arange(B))
+    # every token has at least min(index_topk, S_max) causal keys (no top-k pick can be non-causal); False
+    # when unknown
+    full_topk: bool = False
     _memo: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: RowSource | None = None  # None: selected rows are read from `pool` by slot
+    _selections: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
+        default_factory=list
+    )
 
     @property
     def num_tokens(self) -> int:
-        return int(self.out_slots.numel())
+        return int(self.out_slots.shape[0])
 
     @property
     def k_sel(self) -> int:
@@ -109,6 +119,33 @@ class StepContext:
         if "padded" not in self._memo:
             self._memo["padded"] = self.table.clamp(min=0).reshape(-1)
         return self._memo["padded"]
+
+    def causal_mask(self) -> torch.Tensor:
+        """bool [T, S_max]: True where key position s lies beyond token t's position (masked)."""
+        if "causal" not in self._memo:
+            cols = torch.arange(self.s_max, device=self.qpos.device)
+            self._memo["causal"] = cols[None, :] > self.qpos[:, None]
+        return self._memo["causal"]
+
+    def selection(
+        self, topk: TopK, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [T, k] (-1 read as 0), valid [T, k], additive mask [T, 1, k] of dtype (0 or -inf), slots
+        [T, k]) of a top-k, k = k_sel; built once per top-k tensor (a producer's, reused by its shared layers)."""
+        for t, sel in self._selections:
+            if t is topk and sel[2].dtype == dtype:
+                return sel
+        pos = topk[:, : self.k_sel]
+        invalid = pos < 0
+        pos = pos.clamp(min=0)
+        bias = torch.zeros(pos.shape, dtype=dtype, device=pos.device).masked_fill_(invalid, float("-inf"))
+        if self.decode_only:
+            slots = self.table.gather(1, pos)
+        else:
+            slots = self.table[self.tok_seq[:, None], pos]
+        out = (pos, ~invalid, bias.unsqueeze(1), slots)
+        self._selections.append((topk, out))  # holds topk, so `is` cannot match a recycled tensor
+        return out
 
     def row_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots of every cached row of the step, concatenated by sequence [R]; first row of each sequence [B])."""
@@ -161,24 +198,40 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(s.hidden_size, self.n_heads, bias=False)
         self.softmax_scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, ctx: StepContext, layer: int) -> TopK:
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_resid: torch.Tensor,
+        ctx: StepContext,
+        layer: int,
+        proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> TopK:
+        """Top-k of every token of the step; writes the new tokens' index keys. `proj`: (wq_b(q_resid), wk(x),
+        weights_proj(x)) when the caller ran them fused with its own projections."""
         t = x.shape[0]
+        if proj is None:
+            proj = (self.wq_b(q_resid), self.wk(x), self.weights_proj(x.to(self.weights_proj.weight.dtype)))
+        q_raw, k_raw, w_raw = proj
         rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
-        q = torch.matmul(self.wq_b(q_resid).view(t, self.n_heads, self.head_dim), rot).float()
-        k = torch.matmul(self.k_norm(self.wk(x)).unsqueeze(1), rot).squeeze(1)
+        q = torch.matmul(q_raw.view(t, self.n_heads, self.head_dim), rot)
+        if q.dtype != torch.float32:
+            q = q.float()
+        kn = self.k_norm
+        k = torch.matmul(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
+        k = k.squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads**-0.5)
+        w = w_raw.float() * (self.n_heads**-0.5)
         b, s_max = ctx.table.shape
         keys = ctx.pool.read(key, ctx.padded_slots()).view(b, s_max, self.head_dim).transpose(1, 2)  # [B, D, S]
         k_sel = ctx.k_sel
-        cols = torch.arange(s_max, device=x.device)
+        masked = ctx.causal_mask()
         picks = []
         for q0, q1 in ctx.query_blocks(s_max * max(self.n_heads, self.head_dim)):
             kb = keys[q0:q1] if ctx.decode_only else keys[ctx.tok_seq[q0:q1]]  # [E, D, S]
             scores = F.relu(torch.matmul(q[q0:q1], kb) * self.softmax_scale)  # [E, H, S]
             idx = torch.matmul(w[q0:q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
-            idx = idx.masked_fill(cols[None, :] > ctx.qpos[q0:q1, None], float("-inf"))
+            idx = idx.masked_fill(masked[q0:q1], float("-inf"))
             picks.append(idx.topk(k_sel, dim=-1).indices)
         sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
         return canonical_topk(sel, ctx)
@@ -186,9 +239,12 @@ class Indexer(nn.Module):
 
 def canonical_topk(sel: torch.Tensor, ctx: StepContext) -> TopK:
     """Top-k picks [T, k] -> [T, index_topk]: causal ones ascending, then -1 (non-causal picks dropped)."""
-    beyond = ctx.s_max
-    sel = torch.where(sel <= ctx.qpos[:, None], sel, beyond).sort(dim=-1).values
-    sel = sel.masked_fill(sel == beyond, -1)
+    if ctx.full_topk:  # every pick is causal: sorting is all there is to do
+        sel = sel.sort(dim=-1).values
+    else:
+        beyond = ctx.s_max
+        sel = torch.where(sel <= ctx.qpos[:, None], sel, beyond).sort(dim=-1).values
+        sel = sel.masked_fill(sel == beyond, -1)
     if sel.shape[1] < ctx.index_topk:
         sel = F.pad(sel, (0, ctx.index_topk - sel.shape[1]), value=-1)
     return sel
@@ -217,28 +273,43 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, s.hidden_size, bias=bias)
         self.is_producer = s.indexer_types[layer] == "full"
         self.indexer = Indexer(cfg) if self.is_producer else None
+        # projections that read the same input run as one matmul: x -> q_a | kv_a (| indexer wk | weights_proj),
+        # q_resid -> q_b (| indexer wq_b); see layers.LinearGroup
+        ix = self.indexer
+        x_in: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        self._x_proj = LinearGroup(x_in + ([ix.wk, ix.weights_proj] if ix is not None else []))
+        self._q_proj = LinearGroup([self.q_b_proj] + ([ix.wq_b] if ix is not None else []))
+        self._w_uk_uv_cache: tuple[int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def _w_uk_uv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's weight split per head: W_UK [H, nope, r] and W_UV^T [H, r, v] (views, no copy)."""
-        w = self.kv_b_proj.weight.to(dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :].transpose(1, 2)
+        weight = self.kv_b_proj.weight
+        c = self._w_uk_uv_cache
+        if c is not None and c[0] == weight.data_ptr() and c[1] == dtype:
+            return c[2], c[3]
+        w = weight.to(dtype).view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv_t = w[:, : self.nope], w[:, self.nope :].transpose(1, 2)
+        self._w_uk_uv_cache = (weight.data_ptr(), dtype, w_uk, w_uv_t)
+        return w_uk, w_uv_t
 
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
         t = x.shape[0]
         h = self.num_heads
         rot = ctx.rope(self.rope_dim, True, x.dtype)
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(t, h, self.qk_head_dim)
+        x_out = self._x_proj(x)
+        q_resid = rms_norm(x_out[0], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+        q_out = self._q_proj(q_resid)
+        q = q_out[0].view(t, h, self.qk_head_dim)
         q_nope = q[..., : self.nope]
         q_rot = torch.matmul(q[..., self.nope :], rot)
-        kv, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(kv)
+        kv, k_rot = torch.split(x_out[1], [self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = rms_norm(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
         k_rot = torch.matmul(k_rot.unsqueeze(1), rot).squeeze(1)
         kv_key = BufferKey(self.layer, Kind.KV)
         ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
 
         if self.indexer is not None:
-            topk = self.indexer(x, q_resid, ctx, self.layer)
+            topk = self.indexer.forward(x, q_resid, ctx, self.layer, (q_out[1], x_out[2], x_out[3]))
             if ctx.rows is not None:
                 ctx.rows.on_topk(self.layer, topk, ctx.mla_path)
         else:
@@ -249,14 +320,12 @@ class MLAttention(nn.Module):
                 )
             topk = prev_topk
 
-        sel = topk[:, : ctx.k_sel]
-        valid = sel >= 0  # [T, k]
-        sel = sel.clamp(min=0)
+        sel, valid, mask, slots = ctx.selection(topk, x.dtype)
         if ctx.mla_path == "absorbed":
-            out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key)
+            out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask, slots)
         else:
-            out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key)
-        return self.o_proj(out.reshape(t, h * self.v_dim)), topk
+            out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask)
+        return linear(out.reshape(t, h * self.v_dim), self.o_proj), topk
 
     def _absorbed(
         self,
@@ -267,24 +336,36 @@ class MLAttention(nn.Module):
         valid: torch.Tensor,
         ctx: StepContext,
         kv_key: BufferKey,
+        mask: torch.Tensor,
+        slots: torch.Tensor,
     ) -> torch.Tensor:
+        """sel/valid [T, k]: each token's selected positions; mask [T, 1, k] (0, or -inf where not valid); slots
+        [T, k]: their pool slots (read unless the step has a row source)."""
         t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
         w_uk, w_uv_t = self._w_uk_uv(x.dtype)
         q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         query = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + d]
-        o_lat = x.new_empty(t, h, r)
-        k = sel.shape[1]
-        for q0, q1 in ctx.query_blocks(k * max(r + self.rope_dim, h)):
+        k = slots.shape[1]
+        blocks = ctx.query_blocks(k * max(r + self.rope_dim, h))
+        o_lat = x.new_empty(t, h, r) if len(blocks) > 1 else None
+        for q0, q1 in blocks:
             if ctx.rows is None:
-                slots = ctx.table[ctx.tok_seq[q0:q1, None], sel[q0:q1]]  # [E, k]
-                flat = ctx.pool.read(kv_key, slots.reshape(-1))
+                rows = ctx.pool.read(kv_key, slots[q0:q1].reshape(-1))
             else:
-                flat = ctx.rows.read_selected(self.layer, sel[q0:q1], valid[q0:q1], ctx.table, ctx.tok_seq, q0)
-            rows = flat.to(x.dtype).view(q1 - q0, k, r + self.rope_dim)
-            scores = torch.matmul(query[q0:q1], rows.transpose(1, 2)) * self.scaling  # [E, H, k]
-            scores = scores.masked_fill(~valid[q0:q1, None, :], float("-inf"))
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-            o_lat[q0:q1] = torch.matmul(probs, rows[..., :r])  # [E, H, r]
+                rows = ctx.rows.read_selected(self.layer, sel[q0:q1], valid[q0:q1], ctx.table, ctx.tok_seq, q0)
+            if rows.dtype != x.dtype:
+                rows = rows.to(x.dtype)
+            rows = rows.view(q1 - q0, k, r + self.rope_dim)
+            scores = torch.baddbmm(mask[q0:q1], query[q0:q1], rows.transpose(1, 2), alpha=self.scaling)  # [E, H, k]
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+            if probs.dtype != x.dtype:
+                probs = probs.to(x.dtype)
+            o = torch.matmul(probs, rows[..., :r])  # [E, H, r]
+            if o_lat is None:
+                o_lat = o
+            else:
+                o_lat[q0:q1] = o
+        assert o_lat is not None
         return torch.matmul(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
 
     def _expanded(
@@ -296,6 +377,7 @@ class MLAttention(nn.Module):
         valid: torch.Tensor,
         ctx: StepContext,
         kv_key: BufferKey,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
         t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
         slots, row0 = ctx.row_slots()
@@ -310,8 +392,7 @@ class MLAttention(nn.Module):
         for q0, q1 in ctx.query_blocks(k * h * max(self.qk_head_dim, self.v_dim)):
             rows = row0[ctx.tok_seq[q0:q1], None] + sel[q0:q1]  # [E, k] into the step's rows
             kb = key[rows].permute(0, 2, 3, 1)  # [E, H, qk, k]
-            scores = torch.matmul(query[q0:q1], kb).squeeze(2) * self.scaling  # [E, H, k]
-            scores = scores.masked_fill(~valid[q0:q1, None, :], float("-inf"))
+            scores = torch.matmul(query[q0:q1], kb).squeeze(2) * self.scaling + mask[q0:q1]  # [E, H, k]
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
             vb = value[rows].transpose(1, 2)  # [E, H, k, v]
             out[q0:q1] = torch.matmul(probs.unsqueeze(2), vb).squeeze(2)

@@ -13,6 +13,7 @@ Imports torch, dsakv.spec, dsakv.cache and dsakv.model.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import MLP, MoE, RMSNorm
+from dsakv.model.layers import MLP, MoE, RMSNorm, rms_norm
 from dsakv.model.rope import Rope, rope_inv_freq
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -42,9 +43,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
-        attn, topk = self.self_attn(self.input_layernorm(x), ctx, prev_topk)
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        attn, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), topk
+        return x + self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps)), topk
 
 
 class Backbone(nn.Module):
@@ -68,6 +70,7 @@ class DSAModel(nn.Module):
         self.rope = Rope(inv_freq, scaling)
         # attention path: "auto" (per step, by attention.choose_mla_path), or force "absorbed" / "expanded"
         self.mla_path = "auto"
+        self._checked: tuple[weakref.ref[DevicePool | HiSparsePool], KVLayout, PoolAccess | None] | None = None
 
     def set_mla_path(self, path: str) -> None:
         """Force the MLA attention path ("absorbed", "expanded") or let each step choose ("auto")."""
@@ -109,28 +112,52 @@ class DSAModel(nn.Module):
 
     def check_pool(self, pool: DevicePool | HiSparsePool) -> None:
         """Raise ValueError unless the pool's layout was built for this model."""
+        if self._checked is not None and self._checked[0]() is pool and self._checked[1] is pool.layout:
+            return
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
                 f"not this model {self.spec.name!r} ({self.spec.identity_hash()}): build it with model.layout_for()"
             )
+        # the last pool checked, and its codec access (slots checked once per step in make_context)
+        access = PoolAccess(pool, check_slots=False) if isinstance(pool, DevicePool) else None
+        self._checked = (weakref.ref(pool), pool.layout, access)
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> StepContext:
-        """The step's shared tensors, built vectorised on the model's device (no loop over sequences)."""
+        """The step's shared tensors, built vectorised on the model's device (no loop over sequences).
+
+        The slot table is checked against the pool once here, so the layers' reads and writes skip the check.
+        """
         _check_batch(batch)
         self.check_pool(pool)
+        assert self._checked is not None
+        access = self._checked[2]
         dev = self.device
-        ext = batch.extend_lens.to(dev)
-        pre = batch.prefix_lens.to(dev)
         b, t = batch.batch_size, batch.num_tokens
+        pre_host = batch.prefix_lens
+        ext = batch.extend_lens.to(dev)
+        pre = pre_host.to(dev)
         seq_lens = pre + ext
         s_max = int(seq_lens.max())
         table = batch.slot_table.to(dev)[:, :s_max]
         out_slots = batch.out_slots.to(dev)
-        tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)
-        first = torch.cumsum(ext, 0) - ext
-        qpos = pre[tok_seq] + torch.arange(t, device=dev) - first[tok_seq]
-        mismatch = table[tok_seq, qpos] != out_slots
+        lo, hi = (int(v) for v in torch.aminmax(table)) if access is not None else (0, 0)
+        if access is not None and (lo < -1 or hi >= access.capacity_slots):
+            raise IndexError(
+                f"token slots span {lo}..{hi} but the pool has slots 0..{access.capacity_slots - 1}: a slot is "
+                "page_id * page_size + offset of a page this pool holds (padding -1 is not a slot)"
+            )
+        decode = t == b
+        if decode:  # one new token per sequence, at its last position
+            tok_seq = torch.arange(b, device=dev)
+            first = tok_seq
+            qpos = pre
+            mismatch = table.gather(1, qpos[:, None]).squeeze(1) != out_slots
+        else:
+            tok_seq = torch.repeat_interleave(torch.arange(b, device=dev), ext, output_size=t)
+            first = torch.cumsum(ext, 0) - ext
+            qpos = pre[tok_seq] + torch.arange(t, device=dev) - first[tok_seq]
+            mismatch = table[tok_seq, qpos] != out_slots
         if bool(mismatch.any()):
             bad = int(tok_seq[int(mismatch.nonzero()[0, 0])])
             p, e, t0 = int(pre[bad]), int(ext[bad]), int(first[bad])
@@ -140,18 +167,34 @@ class DSAModel(nn.Module):
             )
         s = self.spec
         k = min(s.index_topk, s_max)
+        rows = int(seq_lens.sum())
         path = choose_mla_path(
-            self.mla_path, t, int(seq_lens.sum()), k, s.num_attention_heads, s.kv_lora_rank,
+            self.mla_path, t, rows, k, s.num_attention_heads, s.kv_lora_rank,
             s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim,
         )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
-        if isinstance(pool, HiSparsePool):  # logical slots; selected rows from the hot buffer (cache/hisparse.py)
+        full = int(pre_host.min()) + 1 >= k  # every token sits at or beyond its prefix: >= k causal keys each
+        if access is None:  # HiSparse: logical slots; selected rows from the hot buffer (cache/hisparse.py)
+            assert isinstance(pool, HiSparsePool)
             hs = pool.step_access(batch.extend_lens, batch.positions, dev)
             return StepContext(
-                out_slots, cos, sin, hs, table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b, rows=hs
+                out_slots,
+                cos,
+                sin,
+                hs,
+                table,
+                seq_lens,
+                tok_seq,
+                qpos,
+                s_max,
+                s.index_topk,
+                path,
+                decode,
+                full,
+                rows=hs,
             )
         return StepContext(
-            out_slots, cos, sin, PoolAccess(pool), table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, t == b
+            out_slots, cos, sin, access, table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, decode, full
         )
 
     def forward(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> torch.Tensor:  # type: ignore[override]
@@ -195,8 +238,9 @@ class DSAModel(nn.Module):
                 x = carry.hidden.to(self.device, self.dtype)
                 if carry.topk is not None:
                     topk = unpack_topk(carry.topk.to(self.device), ctx, self.spec.index_topk)
+            layers = self.model.layers
             for i in lay.main_layers:
-                x, topk = self.model.layers[i](x, ctx, topk)
+                x, topk = layers[i].forward(x, ctx, topk)
             logits = None
             if lay.end == self.spec.num_layers:
                 last = torch.cumsum(batch.extend_lens.to(self.device), 0) - 1

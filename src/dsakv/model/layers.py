@@ -3,11 +3,15 @@
 Parameter names follow transformers' GlmMoeDsa / DeepseekV32 modules so a checkpoint's
 state dict loads by name. Experts are a ModuleList of MLPs (`experts.{e}.gate_proj`, ...),
 the layout real checkpoints and transformers' save_pretrained use.
+
+Linear layers that read the same input run as one matmul (LinearGroup): their weights become row views of
+one fused tensor, so nothing is stored twice and the state dict keeps transformers' names.
 Imports torch and dsakv.model.config only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -15,6 +19,81 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.model.config import DSAConfig
+
+# MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
+# multiply-adds of batched expert work. Measured on the 2-core CI box (bench/engine.py's tiny checkpoint,
+# 1 torch thread): a per-expert gate/up/down iteration (5 ops) took as long as 250-1000 rows of the padded
+# batched form (6144 multiply-adds a row), i.e. 60K-300K multiply-adds per op depending on load.
+MOE_OP_MACS = 100_000
+MOE_LOOP_OPS = 6  # ops per hit expert on the per-expert path (slice, 3 linears, silu, mul)
+MOE_SORT_OPS = 12  # bookkeeping ops the grouped paths (padded, per expert) run and the dense path does not
+
+
+class LinearGroup:
+    """nn.Linear layers that read the same input, run as one F.linear over a fused [sum of outputs, in] weight.
+
+    The fused weight (and bias, zeros for members without one) is built on first use and each member's
+    parameters are re-pointed as row views into it, so nothing is stored twice and a state dict loaded in place
+    updates both. It is rebuilt if the members' storage moved (`.to(device)`, a reassigned parameter).
+    Members whose dtype or device differs from the first member's (float32 router or indexer weights in a bf16
+    model) run on their own. Not a Module: it holds no parameters of its own.
+    """
+
+    def __init__(self, linears: Sequence[nn.Module]) -> None:
+        self.linears = list(linears)  # nn.Linear, or any module with .weight [out, in] and an optional .bias
+        self.sizes = [int(_w(m).shape[0]) for m in self.linears]
+        self._fused: tuple[torch.Tensor, torch.Tensor | None, list[int]] | None = None
+        self._ptrs: tuple[int, int] = (0, 0)
+
+    def _current(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        f = self._fused
+        if f is not None:
+            members = f[2]
+            ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
+            if ptrs == self._ptrs:
+                return f
+        first = _w(self.linears[0])
+        members = [i for i, m in enumerate(self.linears) if _w(m).dtype == first.dtype and _w(m).device == first.device]
+        with torch.inference_mode(False), torch.no_grad():
+            w = torch.cat([_w(self.linears[i]) for i in members])
+            biases = [_bias(self.linears[i]) for i in members]
+            bias = None
+            if any(b is not None for b in biases):
+                sizes = [self.sizes[i] for i in members]
+                bias = torch.cat([w.new_zeros(n) if b is None else b for b, n in zip(biases, sizes, strict=True)])
+            start = 0
+            for i, b in zip(members, biases, strict=True):
+                n = self.sizes[i]
+                _w(self.linears[i]).data = w[start : start + n]
+                if b is not None:
+                    assert bias is not None
+                    b.data = bias[start : start + n]
+                start += n
+        self._fused = (w, bias, members)
+        self._ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
+        return self._fused
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
+        w, bias, members = self._current()
+        y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+        if len(members) == len(self.linears):
+            return list(torch.split(y, self.sizes, dim=-1)) if len(members) > 1 else [y]
+        parts = iter(torch.split(y, [self.sizes[i] for i in members], dim=-1))
+        out = []
+        for i, m in enumerate(self.linears):
+            out.append(next(parts) if i in members else F.linear(x.to(_w(m).dtype), _w(m), _bias(m)))
+        return out
+
+
+def _w(m: nn.Module) -> torch.Tensor:
+    """A linear member's weight (typed: nn.Module attributes are Tensor | Module to mypy)."""
+    return cast(torch.Tensor, m.weight)
+
+
+def _bias(m: nn.Module) -> torch.Tensor | None:
+    b = getattr(m, "bias", None)
+    return b if isinstance(b, torch.Tensor) else None
 
 
 class RMSNorm(nn.Module):
@@ -24,22 +103,43 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """weight * (x / rms(x)), the normalisation in float32 (as transformers), one fused op for float32."""
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), the normalisation in float32 (as transformers). The hot path calls this directly
+    with the RMSNorm's weight and eps (no Module call per use)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # transformers' formula with the temporaries reused in place: fewer dispatches than F.rms_norm's
+        # composite on CPU, same float32 result
+        v = x.pow(2).mean(-1, keepdim=True)
+        v.add_(eps).rsqrt_()
+        return (x * v).mul_(weight)
+    h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
+    return weight * h.to(x.dtype)
+
+
+def linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
+    """m(x) without the Module call machinery (the hot path runs hundreds of these per step)."""
+    return F.linear(x, m.weight, m.bias)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    """down(silu(gate(x)) * up(x)); gate and up run as one matmul unless fuse=False (routed experts, whose
+    weights the MoE stacks itself)."""
+
+    def __init__(self, hidden: int, intermediate: int, fuse: bool = True) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._gate_up = LinearGroup([self.gate_proj, self.up_proj]) if fuse else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self._gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self._gate_up(x)
+        return linear(F.silu(g) * u, self.down_proj)
 
 
 class Router(nn.Module):
@@ -61,7 +161,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights float32 [N, top_k], expert ids int64 [N, top_k])."""
-        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        return self.route(F.linear(x.to(torch.float32), self.weight.to(torch.float32)))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits float32 [N, num_experts] -> (weights, expert ids), as forward."""
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.topk_group >= self.n_group:  # every group kept (GLM: one group): no group limit to apply
@@ -83,26 +186,54 @@ class Router(nn.Module):
         return weights * self.routed_scaling_factor
 
 
-class MoE(nn.Module):
-    """Routed experts + shared expert. Tokens are grouped per expert by one stable sort, one gather and one
-    scatter-add; the grouped rows then run either
+def choose_moe_path(tokens: int, top_k: int, experts: int, row_macs: int, counts: list[int] | None = None) -> str:
+    """The MoE path for `tokens` rows, from multiply-adds plus framework ops costed at MOE_OP_MACS each:
 
-    - padded: all experts in two batched matmuls over their stacked weights [E, rows, hidden] (rows padded to
-      the busiest expert), when at least half the experts are hit and padding at most doubles the rows
-      (decode batches: few ops whatever the expert count), or
-    - per expert: one gate/up/down per hit expert on its contiguous slice (prefill, or few experts hit).
+        dense      every expert runs every token (no grouping):      E*N rows
+        padded     grouped rows padded to the busiest expert (cap):  E*cap rows + MOE_SORT_OPS
+        per_expert each hit expert on its slice:                     N*k rows   + MOE_SORT_OPS + MOE_LOOP_OPS*hit
+
+    row_macs = multiply-adds of one row through one expert (3 * hidden * intermediate). Without `counts`
+    (tokens per expert) only "dense" or "grouped" is decided; with them, "padded" or "per_expert".
+    """
+    nk = tokens * top_k
+    op = MOE_OP_MACS
+    if counts is None:  # against the cheapest a grouped path can be: padded with no padding
+        return "dense" if experts * tokens * row_macs <= nk * row_macs + MOE_SORT_OPS * op else "grouped"
+    hit = sum(1 for c in counts if c)
+    padded = experts * max(counts) * row_macs + MOE_SORT_OPS * op
+    loop = nk * row_macs + (MOE_SORT_OPS + MOE_LOOP_OPS * hit) * op
+    return "padded" if padded <= loop else "per_expert"
+
+
+class MoE(nn.Module):
+    """Routed experts + shared expert, on one of three paths (choose_moe_path):
+
+    - dense: every expert runs every token in two batched matmuls over the stacked expert weights
+      [E, rows, hidden], and each token takes its top_k outputs (few experts and few tokens: decode batches of
+      small models, where grouping costs more ops than the extra rows);
+    - padded: tokens grouped per expert by one stable sort, one gather into per-expert rows padded to the
+      busiest expert, the same two batched matmuls, one scatter-add back;
+    - per expert: the same grouping, then one gate/up/down per hit expert on its contiguous slice (prefill,
+      or many experts with few hits each).
 
     The stacked weights are the experts' storage: each expert's Linear weights are views into them (built on
-    first use and again if the weights were moved), so no tensor is held twice.
+    first use and again if the weights were moved), so no tensor is held twice. The router's and the shared
+    expert's gate/up projections read the same input and run as one matmul where their dtypes agree.
     """
 
     def __init__(self, cfg: DSAConfig) -> None:
         super().__init__()
         s = cfg.spec
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(MLP(s.hidden_size, s.moe_intermediate_size) for _ in range(s.n_routed_experts))
+        inter = s.moe_intermediate_size
+        self.experts = nn.ModuleList(MLP(s.hidden_size, inter, fuse=False) for _ in range(s.n_routed_experts))
         self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts)
         self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._ptrs: tuple[int, int] = (0, 0)
+        self._row_macs = 3 * s.hidden_size * s.moe_intermediate_size
+        sh = self.shared_experts
+        self._in = LinearGroup([self.gate, sh.gate_proj, sh.up_proj])  # type: ignore[list-item]
 
     def _experts(self) -> list[MLP]:
         return [cast(MLP, m) for m in self.experts]  # nn.ModuleList yields Module
@@ -111,43 +242,53 @@ class MoE(nn.Module):
         """(gate|up [E, 2I, hidden], down [E, hidden, I]) aliased by every expert's Linear weights."""
         ex = self._experts()
         st = self._stack
-        if st is not None and all(
-            m.gate_proj.weight.data_ptr() == st[0][e].data_ptr()
-            and m.down_proj.weight.data_ptr() == st[1][e].data_ptr()
-            for e, m in enumerate(ex)
-        ):
+        if st is not None and (ex[0].gate_proj.weight.data_ptr(), ex[-1].down_proj.weight.data_ptr()) == self._ptrs:
             return st
-        inter = ex[0].gate_proj.weight.shape[0]
+        experts = list(ex)
+        inter = experts[0].gate_proj.weight.shape[0]
         with torch.inference_mode(False), torch.no_grad():
-            gu = torch.stack([torch.cat((m.gate_proj.weight, m.up_proj.weight)) for m in ex])
-            down = torch.stack([m.down_proj.weight for m in ex])
-            for e, m in enumerate(ex):
+            gu = torch.stack([torch.cat((m.gate_proj.weight, m.up_proj.weight)) for m in experts])
+            down = torch.stack([m.down_proj.weight for m in experts])
+            for e, m in enumerate(experts):
                 m.gate_proj.weight.data = gu[e, :inter]
                 m.up_proj.weight.data = gu[e, inter:]
                 m.down_proj.weight.data = down[e]
         self._stack = (gu, down)
+        self._ptrs = (experts[0].gate_proj.weight.data_ptr(), experts[-1].down_proj.weight.data_ptr())
         return self._stack
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; expert outputs are added in expert-id order per token (the stable sort keeps it), as
-        transformers' per-expert index_add_ does."""
-        weights, ids = self.gate(x)
+        """x [N, hidden]; expert outputs are added in expert-id order per token on the grouped paths (the stable
+        sort keeps it), as transformers' per-expert index_add_ does; the dense path adds a token's top_k outputs
+        in its router order (exactly the same sum for top_k <= 2)."""
+        logits, sg, su = self._in(x)
+        weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
+        act = F.silu(sg) * su
+        shared = linear(act if act.dtype == x.dtype else act.to(x.dtype), self.shared_experts.down_proj)
+        return self._routed(x, weights, ids) + shared
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         n, k = ids.shape
         num_experts = len(self.experts)
+        if choose_moe_path(n, k, num_experts, self._row_macs) == "dense":
+            gu, down = self._stacked()
+            inter = down.shape[2]
+            hgu = torch.matmul(x, gu.transpose(1, 2))  # [E, N, 2I]: every expert on every token
+            yp = torch.bmm(F.silu(hgu[..., :inter]) * hgu[..., inter:], down.transpose(1, 2))  # [E, N, hidden]
+            y = yp[ids, torch.arange(n, device=x.device)[:, None]] * weights.unsqueeze(-1)  # [N, k, hidden]
+            return (y if y.dtype == x.dtype else y.to(x.dtype)).sum(dim=1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
         ws = weights.reshape(-1)[order, None]
         counts_t = torch.bincount(flat, minlength=num_experts)
         counts = counts_t.tolist()
-        cap = max(counts)
-        hit = sum(1 for c in counts if c)
-        if 2 * hit >= num_experts and cap * num_experts <= 2 * n * k:
+        if choose_moe_path(n, k, num_experts, self._row_macs, counts) == "padded":
             gu, down = self._stacked()
             inter = down.shape[2]
             se = flat[order]
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
-            xp = x.new_zeros(num_experts, cap, x.shape[1])
+            xp = x.new_zeros(num_experts, max(counts), x.shape[1])
             xp[se, pos] = x[tok]  # one gather (x[tok]) into the padded per-expert rows
             hgu = torch.bmm(xp, gu.transpose(1, 2))
             yp = torch.bmm(F.silu(hgu[..., :inter]) * hgu[..., inter:], down.transpose(1, 2))
@@ -162,5 +303,4 @@ class MoE(nn.Module):
                     ys.append(F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d))
                     start += c
             y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * ws
-        out = torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # one scatter
-        return out + self.shared_experts(x)
+        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # one scatter
