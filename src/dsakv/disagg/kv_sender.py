@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsakv.disagg import grants
 from dsakv.disagg.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
 from dsakv.disagg.errors import TransferTimeout
@@ -91,7 +92,7 @@ class KvSender:
 
     def fail(self, job: StageJob, why: str) -> None:
         """Tell the decode this stage dropped `job` before transferring it."""
-        self.notifier.post(job.decode, KV_FAILED, KvFailed(job.rid, why, self.prefill))
+        self.notifier.post(job.decode, KV_FAILED, KvFailed(job.rid, why, self.prefill, self.links.hello.boot))
 
     def wait_drained(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.in_flight:
@@ -137,9 +138,9 @@ class KvSender:
                     f"decode {job.decode} restarted (boot {link.boot}, request was for boot {job.decode_boot}): "
                     "its pages are gone"
                 )
-            plan = TransferPlan.build(
-                link.table, np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
-            )
+            dst = job.dst_pages[: len(x.src_pages)]
+            grants.verify(link.grant_key, job.grant, rid=job.rid, boot=link.boot, pages=dst)  # before any write
+            plan = TransferPlan.build(link.table, np.asarray(x.src_pages), np.asarray(dst))
             return x, self.backend.submit(link.peer, plan.blocks, time.monotonic() + left), None
         except (DsakvError, ValueError) as e:
             return x, None, f"prefill stage {self.stage} could not start the transfer: {e}"
@@ -159,6 +160,8 @@ class KvSender:
             WireLogprobs.pack(x.prompt_logprobs),
             x.cached_tokens,
             x.draft_hidden,
+            boot=self.links.hello.boot,
+            grant=job.grant,
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:
