@@ -236,6 +236,7 @@ def _submit(rid: str, n: int = 20) -> Submit:
 LEADER_CASES = [
     ("computed, transferred, released", ["step", "transferred"], P.DONE, 0, None),
     ("computed, transfer pending", ["step"], P.TRANSFERRING, 2, None),
+    ("release never came: freed past the deadline", ["step", "late"], P.DONE, 0, None),
     ("aborted while queued", ["abort"], P.DONE, 0, "prefill P: aborted by the router"),
     ("kv deadline while queued", ["clock"], P.DONE, 0, "was not prefilled before its KV deadline (20 prompt tokens"),
     ("abort after compute is ignored", ["step", "abort"], P.TRANSFERRING, 2, None),
@@ -267,6 +268,12 @@ def test_prefill_leader_lifecycle(name, steps, phase, held, told):
                 leader.iteration()
             elif step == "clock":
                 clock.t += 4.0
+                leader.iteration()
+            elif step == "late":  # no release (a lost notice): KV deadline + quarantine + an RPC's time
+                clock.t += 4.0 + ctx.sender.backend.quarantine_s + ctx.t.rpc - 0.01
+                leader.iteration()
+                assert job.phase is P.TRANSFERRING and stage.pages_used() == 2
+                clock.t += 0.01
                 leader.iteration()
             elif step == "break":
                 leader.on_break("prefill P: pipeline broke (test)")

@@ -287,6 +287,7 @@ class PipelineLeader:
                         self._free(job)
                 elif op == "abort" and not job.transferring:
                     self._drop(job, f"prefill {ctx.name}: {arg}")
+            now = ctx.jobs.now()
             for job in ctx.jobs.expired():
                 if not job.transferring:
                     self._drop(
@@ -294,6 +295,17 @@ class PipelineLeader:
                         f"prefill {ctx.name}: request {job.rid} was not prefilled before its KV deadline "
                         f"({job.prompt_len} prompt tokens; queue or pipeline too slow)",
                     )
+                elif now >= job.deadline + self._release_hold():  # every held page has a deadline: a lost
+                    log.warning(  # release cannot keep them, and no transfer can still read them by then
+                        "prefill %s: %s: stage(s) %s did not release its pages by the KV deadline + %.1fs: freed",
+                        ctx.name, job.rid, sorted(job.pending), self._release_hold(),
+                    )  # fmt: skip
+                    self._free(job)
+
+    def _release_hold(self) -> float:
+        """How long past a job's KV deadline its pages wait for the stages' releases: every transfer has ended by
+        then (its deadline, plus the backend's quarantine for one that timed out), plus an RPC's time to say so."""
+        return self.ctx.sender.backend.quarantine_s + self.ctx.t.rpc
 
     def _drop(self, job: StageJob, why: str) -> None:
         """A request still computing leaves: the engine frees its pages, later stages drop it, decode is told."""
