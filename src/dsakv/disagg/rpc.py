@@ -344,7 +344,7 @@ class RpcServer:
                     if session is None:
                         try:
                             reply = pack(outer._dispatch(unpack(frame)))
-                        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+                        except (ValueError, TypeError):  # not msgpack, or an unhashable map key
                             return
                     else:
                         try:
@@ -354,7 +354,7 @@ class RpcServer:
                             return
                         try:
                             reply = session.seal_reply(pack(outer._dispatch(unpack(body), role)))
-                        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+                        except (ValueError, TypeError):  # not msgpack, or an unhashable map key
                             return
                     try:
                         send_frame(sock, reply)
@@ -556,7 +556,7 @@ class RpcClient:
                 except TimeoutError:
                     self.close_locked()
                     raise PeerUnavailable(f"peer {self.addr} did not answer {method!r} within the deadline") from None
-                except (OSError, ConnectionError, ValueError) as e:
+                except (OSError, ConnectionError, ValueError, TypeError) as e:
                     self.close_locked()
                     if retry and reused and attempt == 0 and time.monotonic() < deadline:
                         log.info("%s %s: cached connection dead (%s): retrying on a new one", self.addr, method, e)
