@@ -39,6 +39,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import torch  # noqa: E402
 
 from dsakv.cli import options  # noqa: E402
+from dsakv.disagg.auth import SECRET_ENV, launch_secret  # noqa: E402
 from dsakv.disagg.messages import Health, fetch_health  # noqa: E402
 from dsakv.disagg.router import RouterBackend, RouterConfig  # noqa: E402
 from dsakv.disagg.rpc import RpcError  # noqa: E402
@@ -231,6 +232,7 @@ def main() -> int:
     cfg = EngineConfig(layout=LayoutConfig(page_size=PAGE_SIZE), pool=PoolConfig(num_pages=args.pages))
     common = ["--model", str(model), "--transfer-backend", args.backend, *options.engine_argv(cfg)]
     env = dict(os.environ)  # as a user's shell would start them
+    env[SECRET_ENV] = str(launch_secret(tmp / "cluster.secret"))  # the roles' and this process's (router) secret
     procs = [Proc("decode", dsakv_cmd("serve", "--role", "decode", "--port", str(dport), *common), env=env, quiet=True)]
     for k in range(len(part)):
         cmd = dsakv_cmd("serve", "--role", "prefill", "--port", str(pport), *common)

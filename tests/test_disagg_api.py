@@ -53,7 +53,8 @@ def _decode() -> DecodeWorker:
     lay = mdl.layout_for(elide=True, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
     be = make_backend("local")
     be.register(DevicePool(lay, 2).regions())
-    dec._rpc_handshake(Hello("P", 0, 1, "127.0.0.1:1", Manifest.from_pool(DevicePool(lay, 2), be.meta()).to_bytes()))
+    manifest = Manifest.from_pool(DevicePool(lay, 2), be.meta()).to_bytes()
+    dec._rpc_handshake(Hello("P", 0, 1, "127.0.0.1:1", manifest, boot="b0"))
     be.close()
     return dec
 
@@ -68,7 +69,8 @@ def test_decode_forks_n4_onto_one_transfer_and_aborts_every_choice():
     assert sorted(eng.scheduler.unforked) == ["r#1/1", "r#1/2", "r#1/3"]
     first = TokenLogprobs(7, -1.5, ((7, -1.5), (9, -2.0)))
     plps = [TokenLogprobs(t, -0.25 * t, ((t, -0.25 * t),)) for t in prompt[1:]]
-    done = StageDone("r#1", "P", 0, True, None, 0.0, 100, 7, WireLogprobs.pack([first]), WireLogprobs.pack(plps), 32)
+    done = StageDone("r#1", "P", 0, True, None, 0.0, 100, 7, WireLogprobs.pack([first]), WireLogprobs.pack(plps), 32,
+                     boot="b0", grant=got.grant)  # fmt: skip
     assert dec.stage_done(done).started
     shared = got.pages[:2]
     assert alloc.refcount[shared].tolist() == [4, 4] and alloc.num_used == 3  # forks hold references only
@@ -89,9 +91,11 @@ def test_decode_forks_n4_onto_one_transfer_and_aborts_every_choice():
     assert all(r.prompt_logprobs is None for r in rows[1:])
     assert alloc.num_used == 0 and dec.integrity() == "ok" and not dec.outputs.tracked()
     # an n = 4 request aborted while its KV is in flight: its forks are aborted with it, none is queued
-    dec.prealloc(Prealloc("r#2", prompt, params, "P", 1, 10.0))
+    got = dec.prealloc(Prealloc("r#2", prompt, params, "P", 1, 10.0))
     assert dec.abort(Abort("r#2", "client left"))
-    dec.stage_done(StageDone("r#2", "P", 0, False, "aborted"))  # the stage reports: the pages may go
+    dec.stage_done(
+        StageDone("r#2", "P", 0, False, "aborted", boot="b0", grant=got.grant)
+    )  # the stage reports: the pages may go
     assert not eng.has_unfinished() and alloc.num_used == 0 and dec.integrity() == "ok"
     dec.backend.close()
 

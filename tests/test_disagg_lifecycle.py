@@ -9,11 +9,14 @@ with the pages accounted for: exact counts held, then none, and the books balanc
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from disagg_support import role_config
 from dsakv.cache.device_pool import DevicePool
+from dsakv.disagg import grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.errors import Unavailable
@@ -135,17 +138,17 @@ def _decode(clock: Clock, stages: int) -> DecodeWorker:
         be = make_backend("local")
         be.register(pool.regions())
         manifest = Manifest.from_pool(pool, be.meta(), worker=f"P/stage{k}")
-        dec._rpc_handshake(Hello("P", k, stages, RPC[k], manifest.to_bytes()))
+        dec._rpc_handshake(Hello("P", k, stages, RPC[k], manifest.to_bytes(), boot=f"boot{k}"))
         be.close()
     return dec
 
 
 def _ok(k: int, first: int | None = None) -> StageDone:
-    return StageDone("r", "P", k, True, None, 0.0, 100, first)
+    return StageDone("r", "P", k, True, None, 0.0, 100, first, boot=f"boot{k}")
 
 
 def _bad(k: int, quarantine: float = 0.0) -> StageDone:
-    return StageDone("r", "P", k, False, f"stage {k} broke", quarantine)
+    return StageDone("r", "P", k, False, f"stage {k} broke", quarantine, boot=f"boot{k}")
 
 
 # (name, stages, steps, phase after the steps, error in the request's event, pages held after the steps,
@@ -157,7 +160,7 @@ DECODE_CASES = [
     ("stage failed, other reported", 2, [_ok(0), _bad(1)], P.DONE, "prefill P stage 1: stage 1 broke", 0, 0.0),
     ("stage failed, other still writing", 2, [_bad(0)], P.FAILED, "stage 0 broke", 2, 5.0),
     ("failed with quarantine", 1, [_bad(0, 3.0)], P.FAILED, "stage 0 broke", 2, 3.0),
-    ("kv_failed", 1, [KvFailed("r", "prefill P dropped it", "P")], P.FAILED, "dropped it", 2, 5.0),
+    ("kv_failed", 1, [KvFailed("r", "prefill P dropped it", "P", "boot0")], P.FAILED, "dropped it", 2, 5.0),
     ("kv deadline", 1, [("clock", 5.0)], P.DONE, "did not arrive within 4s (+1s grace): stage(s) [0] of 1", 0, 0.0),
     ("stage dead", 1, [("verdict", 0, "dead")], P.DONE, "stage 0 at 127.0.0.1:1 is dead: request lost", 0, 0.0),
     ("stage not answering", 2, [_ok(1), ("verdict", 0, "not answering")], P.FAILED, "is not answering", 2, 5.0),
@@ -179,7 +182,7 @@ def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after
         assert inb is not None and (inb.phase, inb.deadline) == (P.AWAITING_KV, 1005.0)
         for step in steps:
             if isinstance(step, StageDone):
-                dec.stage_done(step)
+                dec.stage_done(replace(step, grant=got.grant))  # a stage reports with the grant it was given
             elif isinstance(step, KvFailed):
                 dec.kv_failed(step)
             elif isinstance(step, Abort):
@@ -221,14 +224,20 @@ def _stage(clock: Clock) -> PrefillStage:
     return PrefillStage(cfg, model=tiny_model("glm_moe_dsa"), clock=clock)
 
 
+GRANT_KEY = b"k" * 32  # the decode's grant key as the stage's (stubbed) link to it holds it
+
+
 def _submit(rid: str, n: int = 20) -> Submit:
-    return Submit(rid, list(range(2, 2 + n)), SamplingParams(max_new_tokens=4), 0, "127.0.0.1:1", "b", [0, 1], 4.0)
+    grant = grants.sign(GRANT_KEY, rid=rid, prefill="P", boot="b", pages=[0, 1], expires=time.time() + 60)
+    return Submit(rid, list(range(2, 2 + n)), SamplingParams(max_new_tokens=4), 0, "127.0.0.1:1", "b", [0, 1], 4.0,
+                  grant)  # fmt: skip
 
 
 # (name, what happens after the submit, phase after, pages held after, kv_failed error told to the decode)
 LEADER_CASES = [
     ("computed, transferred, released", ["step", "transferred"], P.DONE, 0, None),
     ("computed, transfer pending", ["step"], P.TRANSFERRING, 2, None),
+    ("release never came: freed past the deadline", ["step", "late"], P.DONE, 0, None),
     ("aborted while queued", ["abort"], P.DONE, 0, "prefill P: aborted by the router"),
     ("kv deadline while queued", ["clock"], P.DONE, 0, "was not prefilled before its KV deadline (20 prompt tokens"),
     ("abort after compute is ignored", ["step", "abort"], P.TRANSFERRING, 2, None),
@@ -244,6 +253,7 @@ def test_prefill_leader_lifecycle(name, steps, phase, held, told):
     leader, ctx = stage.leader, stage.ctx
     posted = []
     ctx.sender.fail = lambda job, why: posted.append((job.rid, why))  # type: ignore[method-assign]
+    stage.links.get = lambda addr, boot=None, timeout=None: SimpleNamespace(grant_key=GRANT_KEY, boot=boot)  # type: ignore[method-assign]
     try:
         leader.submit(_submit("r"))
         job = ctx.jobs.get("r")
@@ -259,6 +269,12 @@ def test_prefill_leader_lifecycle(name, steps, phase, held, told):
                 leader.iteration()
             elif step == "clock":
                 clock.t += 4.0
+                leader.iteration()
+            elif step == "late":  # no release (a lost notice): KV deadline + quarantine + an RPC's time
+                clock.t += 4.0 + ctx.sender.backend.quarantine_s + ctx.t.rpc - 0.01
+                leader.iteration()
+                assert job.phase is P.TRANSFERRING and stage.pages_used() == 2
+                clock.t += 0.01
                 leader.iteration()
             elif step == "break":
                 leader.on_break("prefill P: pipeline broke (test)")

@@ -109,7 +109,7 @@ def _manifest(spec: ModelSpec, worker: str, start: int, end: int, drafts: int) -
 
 
 def _hello(m: Manifest, stage: int, n: int) -> Hello:
-    return Hello("prefill-a", stage, n, f"127.0.0.1:{9000 + stage}", m.to_bytes())
+    return Hello("prefill-a", stage, n, f"127.0.0.1:{9000 + stage}", m.to_bytes(), boot=f"boot{stage}")
 
 
 def test_handshake_refuses_a_draft_mismatch(ckpt):

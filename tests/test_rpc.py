@@ -149,4 +149,4 @@ def test_service_specs_cover_every_role() -> None:
     ]  # fmt: skip
     assert PREFILL_FOLLOWER_SERVICE.names() == ["ping", "health", "check_integrity", "connect"]
     table = services_table(SERVICES)
-    assert "decode           prealloc         Prealloc -> Preallocated   (from router)" in table
+    assert "decode           prealloc         Prealloc -> Preallocated   (from router; roles router)" in table

@@ -12,7 +12,7 @@ import time
 import msgpack
 import pytest
 
-from dsakv.disagg.rpc import RpcClient, RpcServer
+from dsakv.disagg.rpc import RpcClient, RpcServer, recv_msg
 
 
 @pytest.fixture
@@ -20,6 +20,13 @@ def server():
     s = RpcServer({"echo": lambda p: p}, max_request=4096, frame_timeout=0.5, max_connections=4).start()
     yield s
     s.stop()
+
+
+def _open(server: RpcServer) -> socket.socket:
+    """A raw connection past the server's greeting (unauthenticated: the server has no credentials)."""
+    s = socket.create_connection((server.host, server.port))
+    assert recv_msg(s)["auth"] == "none"
+    return s
 
 
 def _closed(sock: socket.socket, within: float) -> bool:
@@ -41,7 +48,7 @@ def _echo_ok(server: RpcServer) -> None:
 
 
 def test_oversized_frame_refused_unread(server):
-    s = socket.create_connection((server.host, server.port))
+    s = _open(server)
     s.sendall(struct.pack(">I", 200 * 2**20))  # announces 200 MB, sends nothing more
     assert _closed(s, 3.0)
     s.close()
@@ -50,7 +57,7 @@ def test_oversized_frame_refused_unread(server):
 
 
 def test_slow_frame_times_out(server):
-    s = socket.create_connection((server.host, server.port))
+    s = _open(server)
     s.sendall(struct.pack(">I", 100) + b"\x81")
     t0 = time.monotonic()
     assert _closed(s, 3.0)
@@ -76,7 +83,7 @@ def test_connection_cap(server):
 def test_random_frames_never_stop_the_server(server):
     rng = random.Random(7)
     for i in range(120):
-        s = socket.create_connection((server.host, server.port))
+        s = _open(server)
         kind = i % 4
         if kind == 0:
             payload = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))

@@ -404,8 +404,11 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_num_steps:  # both workers (the handshake refuses a mismatch); the reference runs without
         decode_cfg = replace(decode_cfg, speculative_num_steps=args.speculative_num_steps)
         prefill_cfg = replace(prefill_cfg, speculative_num_steps=args.speculative_num_steps)
+    from dsakv.disagg.auth import launch_secret
+
+    secret = launch_secret(log_dir / "cluster.secret")  # every role gets it; the demo's own health calls use it
     common = ["--threads", "1", "--transfer-backend", args.transfer_backend]
-    dsakv = dsakv_cmd("serve", "--model", str(model_dir))
+    dsakv = dsakv_cmd("serve", "--model", str(model_dir), "--cluster-secret-file", str(secret))
     specs = [
         ("decode", [*dsakv, "--role", "decode", "--port", str(decode_port), *options.engine_argv(decode_cfg), *common]),
         (

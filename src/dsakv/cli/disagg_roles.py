@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsakv.cli import options
+from dsakv.disagg.auth import SECRET_ENV
 from dsakv.engine.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
 from dsakv.errors import ConfigError
 from dsakv.util.procs import Proc, dsakv_cmd, stop_all
@@ -79,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="J:N",
         help="prefill, testing: this stage's N-th transfer to decode stage J fails before it starts (its request "
         "fails; everything else is served)",
+    )
+    g.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="PATH",
+        help="every role: the deployment's shared secret (>= 16 bytes, mode 600; create it with `dsakv "
+        "cluster-secret PATH`). Every control-plane call is signed with a key derived from it and the caller's "
+        f"role, and refused unsigned; a role will not start without it. Default: ${SECRET_ENV}",
     )
     g.add_argument("--worker-name", default=None, help="prefill/decode: name in logs and handshakes")
     g.add_argument(
@@ -313,8 +322,30 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
     return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
 
 
+def use_cluster_secret(args: argparse.Namespace) -> None:
+    """Load the deployment's secret (--cluster-secret-file, else $DSAKV_CLUSTER_SECRET_FILE) and sign / check
+    every control-plane call of this process with it as `args.role`; ConfigError if there is none or it is bad."""
+    from dsakv.disagg import auth
+
+    path = getattr(args, "cluster_secret_file", None) or os.environ.get(SECRET_ENV)
+    if not path:
+        raise ConfigError(
+            f"--role {args.role} needs the deployment's cluster secret: create one with `dsakv cluster-secret "
+            f"PATH` and pass --cluster-secret-file PATH (or set {SECRET_ENV}=PATH) to every role of the deployment"
+        )
+    try:
+        keyring = auth.Keyring(auth.load_secret(path))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    auth.use(auth.ClusterAuth(keyring, args.role, require=True))
+    log.info("control plane: calls signed and checked as role %s (secret %s, fingerprint %s)", args.role, path,
+             keyring.fingerprint)  # fmt: skip
+
+
 def run_role(args: argparse.Namespace, cfg: Config | None = None) -> int:
     cfg = cfg if cfg is not None else options.config_from_args(args)
+    if args.role in ("decode", "prefill", "router"):
+        use_cluster_secret(args)
     if args.role == "decode":
         return run_decode(args, cfg)
     if args.role == "prefill":

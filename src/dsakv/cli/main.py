@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dsakv.cli.generate_cmd", "run the reference DSA engine on a checkpoint"),
     "serve": ("dsakv.cli.serve_cmd", "serve a model: colocated, or as prefill / decode / router"),
     "store-master": ("dsakv.cli.store_master_cmd", "run a Mooncake Store (master + memory) for the shared L3 tier"),
+    "cluster-secret": ("dsakv.cli.cluster_secret_cmd", "write a fresh deployment secret for --cluster-secret-file"),
     "demo": ("dsakv.cli.demo_cmd", "one-command demo: tiny model, PP prefill + decode + router on 127.0.0.1"),
 }
 

@@ -10,9 +10,13 @@
     DecodeLink (peer + PairTable) per decode address, keyed by the decode's boot id: a restarted decode
     (new boot id) is handshaken again on the next request.
 
-The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their RPC
-address, layer range, what was skipped), so it can check a request's prefill is complete and ping the
-stages a request still waits for.
+The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their boot id,
+RPC address, layer range, what was skipped), so it can check a request's prefill is complete, ping the stages a
+request still waits for, and accept a stage's reports only from the process (boot id) that registered. A hello
+is checked before it is registered (stage < num_stages, an RPC host:port, the manifest's layers where stage 0 /
+the last stage must start / end), and one that would change a registration whose process still answers its
+ping with its boot id is refused: a registration is replaced only when its stage restarted (new boot) or is
+gone. The reply carries the decode's page-grant key (grants.py).
 
 Imports disagg.{rpc, messages, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
 """
@@ -27,10 +31,10 @@ from dataclasses import dataclass, field
 
 from dsakv.disagg.backends.base import Peer, TransferBackend
 from dsakv.disagg.compat import Pairing, check_draft, check_pair
-from dsakv.disagg.errors import IncompatiblePeer
+from dsakv.disagg.errors import Forbidden, IncompatiblePeer, MessageError
 from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import HANDSHAKE, Hello, LinkSummary
-from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.messages import HANDSHAKE, PING, Hello, LinkSummary, Ping
+from dsakv.disagg.rpc import RpcClient, RpcError, split_addr
 from dsakv.disagg.transfer_plan import PairTable
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class DecodeLink:
     boot: str
     manifest: Manifest
     parts: tuple[LinkPart, ...]
+    grant_key: bytes = b""  # verifies the decode's page grants (HelloReply.grant_key)
 
     @property
     def pairing(self) -> Pairing:
@@ -147,7 +152,7 @@ class DecodeLinks:
                 f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "
                 f"holds any of its layers (stages hold {', '.join(m.describe_layers() for _, m in stages)})"
             )
-        link = DecodeLink(addr, reply.boot, theirs, tuple(parts))
+        link = DecodeLink(addr, reply.boot, theirs, tuple(parts), reply.grant_key)
         log.info(
             "%s -> decode %s (boot %s): handshake ok in %.3fs, decode stage(s) %s, %d buffers paired, "
             "%d one-sided index-K skipped",
@@ -175,22 +180,60 @@ class StageEntry:
     elide: bool
     skipped: list[str]
     decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages it shares layers with
+    boot: str = ""
     at: float = field(default_factory=time.monotonic)
 
 
 class StageRegistry:
     """Decode side: the prefill stages that handshook, by (prefill name, stage)."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, ping_timeout: float = 1.0) -> None:
         self.manifest = manifest
+        self.ping_timeout = ping_timeout
         self._stages: dict[tuple[str, int], StageEntry] = {}
         self._lock = threading.Lock()
+        self.refused = 0
+
+    def _check_hello(self, hello: Hello, theirs: Manifest) -> None:
+        where = f"handshake from prefill {hello.prefill!r} stage {hello.stage}"
+        if not hello.boot:
+            raise MessageError(f"{where}: no boot id")
+        if not 0 <= hello.stage < hello.num_stages:
+            raise MessageError(f"{where}: stage {hello.stage} is not within its {hello.num_stages}-stage pipeline")
+        try:
+            _host, port = split_addr(hello.rpc)
+        except ValueError as e:
+            raise MessageError(f"{where}: rpc {e}") from None
+        if not 0 < port < 65536:
+            raise MessageError(f"{where}: rpc port {port} is not within 1-65535")
+        if not 0 <= theirs.layer_start < theirs.layer_end <= self.manifest.num_main_layers:
+            raise MessageError(f"{where}: layers {theirs.layer_start}-{theirs.layer_end - 1} are not a layer range")
+        if (hello.stage == 0) != (theirs.layer_start == 0):
+            raise MessageError(f"{where}: its manifest starts at layer {theirs.layer_start}")
+        last = hello.stage == hello.num_stages - 1
+        if last != (theirs.layer_end == self.manifest.num_main_layers):
+            raise MessageError(
+                f"{where}: its manifest ends at layer {theirs.layer_end - 1}, but it is "
+                f"{'the last' if last else 'not the last'} of {hello.num_stages} stages"
+            )
+
+    def _answers_as(self, e: StageEntry) -> bool:
+        """True if the registered stage's process still answers at its address with its boot id."""
+        c = RpcClient(e.rpc, timeout=self.ping_timeout, connect_timeout=self.ping_timeout)
+        try:
+            return c.request(PING, Ping(), timeout=self.ping_timeout).boot == e.boot
+        except RpcError:
+            return False
+        finally:
+            c.close()
 
     def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, Pairing]:
         """Check a stage's hello against this worker's manifest, or (a pipelined decode) against every decode
         stage in `stages` that holds some of its layers (entry.decode_stages names them); raise IncompatiblePeer
-        (or ManifestError) naming what differs. Returns the entry and the pairing with the first such stage."""
+        (or ManifestError / MessageError) naming what differs, Forbidden if it would replace a live registration.
+        Nothing is registered unless it passes. Returns the entry and the pairing with the first such stage."""
         theirs = Manifest.from_bytes(hello.manifest)
+        self._check_hello(hello, theirs)
         check_draft(theirs, self.manifest, hello.stage, hello.num_stages)
         ours = (
             [(j, m) for j, m in stages if any(m.holds_layer(x) for x in theirs.layers)]
@@ -203,6 +246,22 @@ class StageRegistry:
                 f"this decode pipeline holds any of them ({', '.join(m.describe_layers() for _, m in stages)})"
             )
         pairings = [check_pair(theirs, m) for _, m in ours]
+        with self._lock:
+            old = self._stages.get((hello.prefill, hello.stage))
+        if old is not None and old.boot != hello.boot and self._answers_as(old):
+            self.refused += 1
+            raise Forbidden(
+                f"prefill {hello.prefill!r} stage {hello.stage} is registered by a live process (boot {old.boot} at "
+                f"{old.rpc}); a handshake from boot {hello.boot} at {hello.rpc} cannot replace it: give the second "
+                "prefill worker its own --worker-name"
+            )
+        if old is not None and old.boot == hello.boot and (old.num_stages, old.rpc) != (hello.num_stages, hello.rpc):
+            self.refused += 1
+            raise Forbidden(
+                f"prefill {hello.prefill!r} stage {hello.stage} (boot {old.boot}) registered as stage of "
+                f"{old.num_stages} at {old.rpc}; the same process cannot re-register as {hello.num_stages} at "
+                f"{hello.rpc}"
+            )
         entry = StageEntry(
             prefill=hello.prefill,
             stage=hello.stage,
@@ -213,6 +272,7 @@ class StageRegistry:
             elide=theirs.elide,
             skipped=[str(s.key) for p in pairings for s in p.skipped],
             decode_stages=[j for j, _ in ours],
+            boot=hello.boot,
         )
         with self._lock:
             self._stages[(entry.prefill, entry.stage)] = entry
@@ -257,6 +317,12 @@ class StageRegistry:
     def entry(self, prefill: str, stage: int) -> StageEntry | None:
         with self._lock:
             return self._stages.get((prefill, stage))
+
+    def boot_of(self, prefill: str, stage: int) -> str | None:
+        """The boot id registered now for a stage (a restarted stage re-registers under its new one)."""
+        with self._lock:
+            e = self._stages.get((prefill, stage))
+        return e.boot if e is not None else None
 
     def entries(self) -> list[StageEntry]:
         with self._lock:

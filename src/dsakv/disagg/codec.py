@@ -7,7 +7,9 @@ A dataclass travels as a map of its fields (nested dataclasses, lists, tuples, d
 plain types inside); a field missing from the map takes its default. Anything that does not match the hints
 (a missing required field, an unknown field, a string where an int belongs) raises MessageError naming the
 message, the field path, the value and the expected type, so a malformed or forged message is refused before
-any handler sees it. Imports only the standard library and dsakv.disagg.errors.
+any handler sees it. Every float must be finite (NaN and infinities are refused everywhere), every int fit in 64
+bits, and a field declared with `field(metadata=bounds(lo, hi))` (`bounds(lo, hi, each=True)` for a list of numbers)
+must lie in [lo, hi]. Imports only the standard library and dsakv.disagg.errors.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import types
 import typing
 from typing import Any, TypeVar, Union, cast, get_args, get_origin
@@ -22,6 +25,23 @@ from typing import Any, TypeVar, Union, cast, get_args, get_origin
 from dsakv.disagg.errors import MessageError
 
 T = TypeVar("T")
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+
+
+def bounds(lo: float, hi: float, *, each: bool = False) -> dict[str, Any]:
+    """Field metadata: the value (or, with each=True, every item of its list) must lie in [lo, hi] on arrival;
+    None passes (an Optional field's absence). `x: float = field(metadata=bounds(0.0, 60.0))`."""
+    return {"range": (lo, hi, each)}
+
+
+def _check_range(where: str, value: Any, lo: float, hi: float, each: bool) -> None:
+    items = value if each and isinstance(value, (list, tuple)) else [value]
+    for i, v in enumerate(items):
+        if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if not lo <= v <= hi:
+            at = f"{where}[{i}]" if each else where
+            raise MessageError(f"{at}: {v!r} is out of range: it must be within [{lo:g}, {hi:g}]")
 
 
 def to_wire(obj: Any) -> Any:
@@ -105,10 +125,16 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
     if tp is int:
         if isinstance(data, bool) or not isinstance(data, int):
             raise _fail(where, data, "int")
+        if not INT_MIN <= data <= INT_MAX:
+            raise _fail(where, data, "a 64-bit int")
         return data
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
             raise _fail(where, data, "float")
+        if isinstance(data, int) and not INT_MIN <= data <= INT_MAX:
+            raise _fail(where, data, "a finite float")
+        if not math.isfinite(data):
+            raise _fail(where, data, "a finite float (NaN and infinities are refused)")
         return float(data)
     if tp is str or tp is bytes:
         if not isinstance(data, tp):
@@ -133,6 +159,9 @@ def _decode_dataclass(cls: type, data: Any, where: str) -> Any:
     for name, f in fields.items():
         if name in data:
             kw[name] = _decode(hints[name], data[name], f"{where}.{name}")
+            rng = f.metadata.get("range")
+            if rng is not None:
+                _check_range(f"{where}.{name}", kw[name], *rng)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise MessageError(f"{where}: required field {name!r} is missing")
     try:
@@ -141,4 +170,4 @@ def _decode_dataclass(cls: type, data: Any, where: str) -> Any:
         raise MessageError(f"{where}: {e}") from None
 
 
-__all__ = ["MessageError", "from_wire", "to_wire"]
+__all__ = ["MessageError", "bounds", "from_wire", "to_wire"]

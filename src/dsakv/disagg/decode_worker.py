@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from dsakv.disagg import grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.decode_outputs import DecodeOutputs
+from dsakv.disagg.errors import Forbidden
 from dsakv.disagg.events import EventLog
 from dsakv.disagg.lifecycle import DECODE, InboundKv, Ledger, Phase
 from dsakv.disagg.liveness import ping_stage, stage_waits
@@ -151,11 +153,14 @@ class DecodeWorker:
         self.name = cfg.name or f"decode@{self.address}"
         self.manifest = Manifest.from_pool(self.engine.pool, self.backend.meta(), worker=self.name)
         self.registry = StageRegistry(self.manifest)
+        self.grant_key = grants.new_key()  # signs this process's page grants; handed to handshaken stages only
         self.events = EventLog()
         self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
         self._lock = threading.RLock()
         self._wake = threading.Event()
-        self.counters = dict.fromkeys(("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes"), 0)
+        self.counters = dict.fromkeys(
+            ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused"), 0
+        )
         self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
         st = self.engine.stats()
         log.info(
@@ -253,7 +258,7 @@ class DecodeWorker:
         if self.pipeline is not None:
             return self.pipeline.handshake(self, hello)
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
-        return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name)
+        return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name, grant_key=self.grant_key)
 
     def prealloc(self, p: Prealloc) -> Preallocated:
         """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
@@ -282,13 +287,33 @@ class DecodeWorker:
                 prefill=prefill,
                 num_stages=n,
                 stage_rpc={e.stage: e.rpc for e in stages},
+                stage_boot={e.stage: e.boot for e in stages},
                 kv_timeout=kv_timeout,
             )
             self.inbound.add(inb)
             inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
             self.outputs.add(rid, p.params.n)
+            inb.grant = grants.sign(
+                self.grant_key,
+                rid=rid,
+                prefill=prefill,
+                boot=self.boot,
+                pages=page_list(pages),
+                expires=time.time() + kv_timeout + self.t.kv_grace,
+            )
             self.counters["prealloc"] += 1
-        return Preallocated(pages=page_list(pages), boot=self.boot)
+        return Preallocated(pages=page_list(pages), boot=self.boot, grant=inb.grant)
+
+    def _boots(self, inb: InboundKv, k: int) -> set[str]:
+        """The processes that may report stage k of a request: the one registered at its prealloc, or the one
+        registered now (the stage restarted and re-registered while the request was being dispatched)."""
+        now = self.registry.boot_of(inb.prefill, k)
+        return {b for b in (inb.stage_boot.get(k), now) if b}
+
+    def _refuse_report(self, what: str, why: str) -> Forbidden:
+        self.counters["reports_refused"] += 1
+        log.warning("decode %s: refused %s: %s", self.name, what, why)
+        return Forbidden(f"decode {self.name}: {what} refused: {why}")
 
     def stage_done(self, p: StageDone) -> StageDoneReply:
         """Stage p.stage reported its transfer: start decoding once all did, fail the request if it failed."""
@@ -299,6 +324,14 @@ class DecodeWorker:
                 return StageDoneReply(accepted=False)
             if not 0 <= stage < inb.num_stages:
                 raise ConfigError(f"request {rid}: stage {stage} reported, but its prefill has {inb.num_stages} stages")
+            if p.boot not in self._boots(inb, stage) or p.prefill != inb.prefill:
+                raise self._refuse_report(
+                    f"stage_done of {rid} stage {stage}",
+                    f"from prefill {p.prefill!r} boot {p.boot or '(none)'}, but the request's stage {stage} is "
+                    f"prefill {inb.prefill!r} boot {inb.stage_boot.get(stage)}",
+                )
+            if p.grant != inb.grant:
+                raise self._refuse_report(f"stage_done of {rid} stage {stage}", "it does not carry the request's grant")
             if self.pipeline is not None:  # every (prefill stage, decode stage) pair must have landed
                 wrong = self.pipeline.check_parts(self, p)
                 if wrong is not None:
@@ -332,6 +365,10 @@ class DecodeWorker:
             inb = self.inbound.get(p.rid)
             if inb is None or inb.phase is not Phase.AWAITING_KV:
                 return False
+            if not any(p.boot in self._boots(inb, k) for k in range(inb.num_stages)):
+                raise self._refuse_report(
+                    f"kv_failed of {p.rid}", f"boot {p.boot or '(none)'} is none of the request's stages"
+                )
             self._fail(inb, p.error or f"prefill {inb.prefill} failed the request")
             self._maybe_release(inb)
         return True
@@ -454,10 +491,13 @@ class DecodeWorker:
             for inb in self.inbound.in_phase(Phase.FAILED):
                 self._maybe_release(inb)
 
-    def stage_verdict(self, addr: str, verdict: str | None, waits: list[tuple[InboundKv, int]]) -> None:
+    def stage_verdict(
+        self, addr: str, verdict: str | None, waits: list[tuple[InboundKv, int]], why: str | None = None
+    ) -> None:
         """A liveness ping of stage `addr` said `verdict` (None: it answers; 'dead'; 'not answering'): the
-        requests waiting for it fail, and a dead stage can no longer write their pages."""
-        if verdict is None:
+        requests waiting for it fail, and a dead stage (or one that restarted: `why`) can no longer write their
+        pages."""
+        if verdict is None or not waits:
             return
         with self._lock:
             for inb, k in waits:
@@ -466,7 +506,7 @@ class DecodeWorker:
                 if self.inbound.get(inb.rid) is not inb:
                     continue
                 if inb.phase is Phase.AWAITING_KV:
-                    self._fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {verdict}: request lost")
+                    self._fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {why or verdict}: request lost")
                 self._maybe_release(inb)
 
     def _monitor_loop(self) -> None:
@@ -484,4 +524,10 @@ class DecodeWorker:
                 continue
             last_ping = now
             for addr, items in waits.items():
-                self.stage_verdict(addr, ping_stage(addr, self.t.ping), items)
+                verdict, boot = ping_stage(addr, self.t.ping)
+                if verdict is None and boot is not None:  # it answers: as the process the requests wait for?
+                    with self._lock:
+                        gone = [(inb, k) for inb, k in items if boot not in self._boots(inb, k)]
+                    self.stage_verdict(addr, "dead", gone, f"restarted (now boot {boot})")
+                else:
+                    self.stage_verdict(addr, verdict, items)

@@ -4,6 +4,8 @@ DsakvError
 ├── ManifestError      a manifest is malformed, foreign or inconsistent with its layout
 ├── IncompatiblePeer   two manifests cannot be paired (handshake refused)
 ├── Unavailable        a worker cannot take requests now (pipeline not formed, stopping): route elsewhere
+├── Forbidden          an authenticated caller's role or identity may not make this call (refused, counted)
+│   └── GrantRefused   a page grant is missing, forged, expired, spent or for other pages / another request
 ├── ConfigError
 │   └── MessageError   a control-plane message does not match its type (refused before any handler runs)
 └── TransferError      an engine refused a registration or a transfer (carries the engine's code)
@@ -26,6 +28,16 @@ class IncompatiblePeer(DsakvError):
 
 class Unavailable(DsakvError):
     """This worker cannot take requests now (pipeline not formed, stopping): route elsewhere."""
+
+
+class Forbidden(DsakvError):
+    """The caller may not make this call: its role is not one the RPC allows, or it is not the registered
+    stage (boot id) the request belongs to. Nothing was changed."""
+
+
+class GrantRefused(Forbidden):
+    """A page grant (grants.py) is missing, does not verify, expired, was used already, or names another
+    request, decode, prefill or other pages. Nothing was written."""
 
 
 class MessageError(ConfigError):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsakv.disagg import grants
 from dsakv.disagg.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.bootstrap import DecodeLinks
 from dsakv.disagg.errors import TransferTimeout
@@ -97,7 +98,7 @@ class KvSender:
 
     def fail(self, job: StageJob, why: str) -> None:
         """Tell the decode this stage dropped `job` before transferring it."""
-        self.notifier.post(job.decode, KV_FAILED, KvFailed(job.rid, why, self.prefill))
+        self.notifier.post(job.decode, KV_FAILED, KvFailed(job.rid, why, self.prefill, self.links.hello.boot))
 
     def wait_drained(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.in_flight:
@@ -156,6 +157,9 @@ class KvSender:
                     "its pages are gone"
                 )
             src, dst = np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
+            grants.verify(
+                link.grant_key, job.grant, rid=job.rid, boot=link.boot, pages=list(job.dst_pages[: len(x.src_pages)])
+            )  # before any write
             for part in link.parts:
                 plan = TransferPlan.build(part.table, src, dst)
                 injected = self._injected(part.stage)
@@ -183,6 +187,8 @@ class KvSender:
             x.cached_tokens,
             x.draft_hidden,
             parts,
+            boot=self.links.hello.boot,
+            grant=job.grant,
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

@@ -136,6 +136,7 @@ class StageJob(Tracked):
     pending: set[int] = field(default_factory=set)  # stage 0: stages that still read its pages
     prompt_ids: list[int] | None = None  # the last stage of a PP prefill: prompt logprobs / penalties need them
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # last stage: prompt tokens 1..
+    grant: bytes = b""  # the decode's page grant for dst_pages (grants.py), checked before every write
 
     @property
     def transferring(self) -> bool:
@@ -150,6 +151,8 @@ class InboundKv(Tracked):
     num_stages: int
     stage_rpc: dict[int, str]
     kv_timeout: float
+    stage_boot: dict[int, str] = field(default_factory=dict)  # who may report each stage (registered boot ids)
+    grant: bytes = b""  # the page grant issued for the request: a stage's report must carry it
     reported: dict[int, bool] = field(default_factory=dict)
     first_token: int | None = None
     first_logprobs: TokenLogprobs | None = None  # of the first token (the last stage's), params.logprobs

@@ -2,7 +2,8 @@
 ping's verdict on a stage (None: it answers; 'dead': nothing listens; 'not answering': it does not reply).
 
     waits = stage_waits(inbound.values())     {stage rpc address: [(request, stage), ...]} of every missing report
-    verdict = ping_stage(addr, timeout)       the decode fails the requests waiting on a stage that is not None
+    verdict, boot = ping_stage(addr, timeout) the decode fails the requests waiting on a stage whose verdict is not
+                                              None, or that answers with another boot id (it restarted)
 
 Imports dsakv.disagg.{lifecycle, messages, rpc}; no torch.
 """
@@ -29,19 +30,18 @@ def refused(addr: str, timeout: float = 0.5) -> bool:
         return False
 
 
-def ping_stage(addr: str, timeout: float) -> str | None:
-    """None if the stage answers a PING within `timeout`; 'dead' if nothing listens; 'not answering' if it does
-    not reply."""
+def ping_stage(addr: str, timeout: float) -> tuple[str | None, str | None]:
+    """(None, its boot id) if the stage answers a PING within `timeout`; ('dead', None) if nothing listens;
+    ('not answering', None) if it does not reply; (None, None) if it answers with an error (it is alive)."""
     if refused(addr, timeout / 2):
-        return "dead"
+        return "dead", None
     c = RpcClient(addr, timeout=timeout, connect_timeout=timeout / 2)
     try:
-        c.request(PING, Ping(), timeout=timeout)
-        return None
+        return None, c.request(PING, Ping(), timeout=timeout).boot
     except PeerUnavailable:
-        return "dead" if refused(addr, timeout / 2) else "not answering"
+        return ("dead" if refused(addr, timeout / 2) else "not answering"), None
     except RpcError:
-        return None
+        return None, None
     finally:
         c.close()
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsakv.disagg.codec import bounds
 from dsakv.disagg.rpc import Rpc, Service
 from dsakv.engine.request import SamplingParams, TokenLogprobs
 
@@ -75,6 +76,14 @@ def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
 
 
 Blob = bytes  # a raw-bytes field type where a message also has a field named `bytes`
+
+
+# Bounds of the numeric fields (the codec refuses a value outside them, and NaN / infinities everywhere)
+MAX_KV_TIMEOUT = 3600.0  # seconds: a request's prefill + KV deadline (every page a decode holds has one)
+MAX_QUARANTINE = 600.0  # seconds a timed-out transfer may ask the decode to keep the pages
+MAX_STAGES = 256
+MAX_ID = 2**31 - 1  # token ids, page ids
+MAX_WAIT = 600.0  # seconds: long polls, connect timeouts
 
 
 # ---- common: liveness, health, integrity ----------------------------------------------------------------
@@ -198,7 +207,7 @@ class Connect:
 
     decode: str
     boot: str | None = None
-    timeout: float | None = None
+    timeout: float | None = field(default=None, metadata=bounds(0.0, MAX_WAIT))
 
 
 @dataclass(frozen=True)
@@ -211,16 +220,18 @@ class Connected:
 
 @dataclass(frozen=True)
 class Submit:
-    """Prefill `prompt_ids` and write the KV to the decode's pages `dst_pages` within kv_timeout seconds."""
+    """Prefill `prompt_ids` and write the KV to the decode's pages `dst_pages` within kv_timeout seconds.
+    `grant`: the decode's signed page grant for exactly these pages (Preallocated.grant, see grants.py)."""
 
     rid: str
-    prompt_ids: list[int]
+    prompt_ids: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
     params: SamplingParams
     seed: int
     decode: str
     decode_boot: str
-    dst_pages: list[int]
-    kv_timeout: float
+    dst_pages: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
+    kv_timeout: float = field(metadata=bounds(0.001, MAX_KV_TIMEOUT))
+    grant: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -233,7 +244,7 @@ class Submitted:
 class Abort:
     rid: str
     why: str = "aborted"
-    choice: int | None = None  # decode, params.n > 1: only this choice (None: every choice)
+    choice: int | None = field(default=None, metadata=bounds(0, 4096))  # decode, n > 1: only this choice (None: all)
 
 
 @dataclass(frozen=True)
@@ -241,14 +252,14 @@ class Released:
     """Stage `stage` is done with the request's pages (its transfer finished or failed)."""
 
     rid: str
-    stage: int
+    stage: int = field(metadata=bounds(0, MAX_STAGES))
 
 
 @dataclass(frozen=True)
 class CacheEventsQuery:
     """What changed in the prefix cache after `since` (a cursor from an earlier reply; -1: the whole set)."""
 
-    since: int = -1
+    since: int = field(default=-1, metadata=bounds(-1, 2**62))
 
 
 @dataclass(frozen=True)
@@ -275,10 +286,11 @@ class Hello:
     """A prefill stage's handshake: its manifest, where it is, which pipeline it belongs to."""
 
     prefill: str
-    stage: int
-    num_stages: int
+    stage: int = field(metadata=bounds(0, MAX_STAGES - 1))
+    num_stages: int = field(metadata=bounds(1, MAX_STAGES))
     rpc: str
     manifest: bytes
+    boot: str = ""  # the stage's process (its ping answers with it); the decode registers the stage under it
 
 
 @dataclass(frozen=True)
@@ -299,6 +311,7 @@ class HelloReply:
     # a pipelined decode (--pp-size > 1): every stage with its manifest; the prefill stage transfers each of its
     # keys to the decode stage that holds it (empty: a single-stage decode holds every layer)
     stages: list[DecodeStageRef] = field(default_factory=list)
+    grant_key: bytes = b""  # verifies this decode's page grants (only registered stages get it)
 
 
 @dataclass(frozen=True)
@@ -306,17 +319,18 @@ class Prealloc:
     """Reserve pages for a prompt that prefill worker `prefill` (num_stages stages) computes."""
 
     rid: str
-    prompt_ids: list[int]
+    prompt_ids: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
     params: SamplingParams
     prefill: str
-    num_stages: int
-    kv_timeout: float
+    num_stages: int = field(metadata=bounds(1, MAX_STAGES))
+    kv_timeout: float = field(metadata=bounds(0.001, MAX_KV_TIMEOUT))
 
 
 @dataclass(frozen=True)
 class Preallocated:
     pages: list[int]
     boot: str
+    grant: bytes = b""  # signed: (rid, prefill, this boot, pages, expiry); the prefill writes only these pages
 
 
 @dataclass(frozen=True)
@@ -325,17 +339,20 @@ class StageDone:
 
     rid: str
     prefill: str
-    stage: int
+    stage: int = field(metadata=bounds(0, MAX_STAGES - 1))
     ok: bool
     error: str | None = None
-    quarantine_s: float = 0.0  # a timed-out transfer may still write the pages this long
-    bytes: int = 0
-    first_token: int | None = None  # the last stage's sampled token
+    quarantine_s: float = field(default=0.0, metadata=bounds(0.0, MAX_QUARANTINE))  # a timed-out transfer may
+    # still write the pages this long
+    bytes: int = field(default=0, metadata=bounds(0, 2**48))
+    first_token: int | None = field(default=None, metadata=bounds(0, MAX_ID))  # the last stage's sampled token
     first_logprobs: WireLogprobs | None = None  # last stage: the first token's (params.logprobs)
     prompt_logprobs: WireLogprobs | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
-    cached_tokens: int = 0  # stage 0: prompt tokens its prefix cache supplied
+    cached_tokens: int = field(default=0, metadata=bounds(0, 2**48))  # stage 0: prompt tokens its prefix cache supplied
     draft_hidden: Blob | None = None  # last stage with MTP: float32 [H], the draft's output at the last entry
     parts: dict[int, int] = field(default_factory=dict)  # pipelined decode: decode stage -> bytes landed there
+    boot: str = ""  # the reporting stage's process: must be the one registered for this stage
+    grant: Blob = b""  # the request's page grant, as the stage received it
 
 
 @dataclass(frozen=True)
@@ -351,12 +368,13 @@ class KvFailed:
     rid: str
     error: str
     source: str = ""
+    boot: str = ""  # the reporting stage's process: must be one of the request's registered stages
 
 
 @dataclass(frozen=True)
 class EventsQuery:
-    since: int = 0
-    wait: float = 0.0
+    since: int = field(default=0, metadata=bounds(0, 2**62))
+    wait: float = field(default=0.0, metadata=bounds(0.0, MAX_WAIT))
 
 
 @dataclass(frozen=True)
@@ -414,6 +432,7 @@ class JobSpec:
     params: SamplingParams
     seed: int
     prompt_ids: list[int] | None = None  # for the last stage: prompt logprobs / repetition penalty need them
+    grant: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -441,24 +460,40 @@ class StepMsg:
 
 # ---- the RPCs and the services ------------------------------------------------------------------------------
 
-PING: Rpc[Ping, PingReply] = Rpc("ping", Ping, PingReply, "router, decode", "liveness: pid, boot, epoch")
-HEALTH: Rpc[HealthQuery, Health] = Rpc("health", HealthQuery, Health, "router, demo, tests", "state")
+ANY = None  # Rpc.roles: any role holding the deployment's secret
+ROUTER, PREFILL, DECODE = ("router",), ("prefill",), ("decode",)
+
+PING: Rpc[Ping, PingReply] = Rpc(
+    "ping", Ping, PingReply, "router, decode", "liveness: pid, boot, epoch", roles=ANY, retry=True
+)
+HEALTH: Rpc[HealthQuery, Health] = Rpc("health", HealthQuery, Health, "router, demo, tests", "state", ANY, True)
 CHECK_INTEGRITY: Rpc[IntegrityQuery, str] = Rpc(
-    "check_integrity", IntegrityQuery, str, "tests", "'ok' or what does not balance"
+    "check_integrity", IntegrityQuery, str, "tests", "'ok' or what does not balance", ANY, True
 )
-CONNECT: Rpc[Connect, Connected] = Rpc("connect", Connect, Connected, "router, stage 0", "handshake with a decode")
-SUBMIT: Rpc[Submit, Submitted] = Rpc("submit", Submit, Submitted, "router", "queue a prompt for prefill")
-ABORT: Rpc[Abort, bool] = Rpc("abort", Abort, bool, "router", "drop a request, free its pages")
-RELEASED: Rpc[Released, bool] = Rpc("released", Released, bool, "stage k > 0", "stage k is done with the pages")
-HANDSHAKE: Rpc[Hello, HelloReply] = Rpc("handshake", Hello, HelloReply, "prefill stage k", "pair manifests")
-PREALLOC: Rpc[Prealloc, Preallocated] = Rpc("prealloc", Prealloc, Preallocated, "router", "reserve pages")
+CONNECT: Rpc[Connect, Connected] = Rpc(
+    "connect", Connect, Connected, "router, stage 0", "handshake with a decode", ("router", "prefill")
+)
+SUBMIT: Rpc[Submit, Submitted] = Rpc("submit", Submit, Submitted, "router", "queue a prompt for prefill", ROUTER)
+ABORT: Rpc[Abort, bool] = Rpc("abort", Abort, bool, "router", "drop a request, free its pages", ROUTER)
+RELEASED: Rpc[Released, bool] = Rpc(
+    "released", Released, bool, "stage k > 0", "stage k is done with the pages", PREFILL, retry=True
+)
+HANDSHAKE: Rpc[Hello, HelloReply] = Rpc("handshake", Hello, HelloReply, "prefill stage k", "pair manifests", PREFILL)
+PREALLOC: Rpc[Prealloc, Preallocated] = Rpc("prealloc", Prealloc, Preallocated, "router", "reserve pages", ROUTER)
 STAGE_DONE: Rpc[StageDone, StageDoneReply] = Rpc(
-    "stage_done", StageDone, StageDoneReply, "prefill stage k", "stage k's transfer finished or failed"
+    "stage_done", StageDone, StageDoneReply, "prefill stage k", "stage k's transfer finished or failed", PREFILL, True
 )
-KV_FAILED: Rpc[KvFailed, bool] = Rpc("kv_failed", KvFailed, bool, "prefill stage k", "the prefill dropped it")
-EVENTS: Rpc[EventsQuery, Events] = Rpc("events", EventsQuery, Events, "router", "token events after a cursor")
+KV_FAILED: Rpc[KvFailed, bool] = Rpc(
+    "kv_failed", KvFailed, bool, "prefill stage k", "the prefill dropped it", PREFILL, retry=True
+)
+EVENTS: Rpc[EventsQuery, Events] = Rpc("events", EventsQuery, Events, "router", "token events after a cursor", ROUTER)
 CACHE_EVENTS: Rpc[CacheEventsQuery, CacheEvents] = Rpc(
-    "cache_events", CacheEventsQuery, CacheEvents, "router", "prefix-cache pages stored / removed after a cursor"
+    "cache_events",
+    CacheEventsQuery,
+    CacheEvents,
+    "router",
+    "prefix-cache pages stored / removed after a cursor",
+    ROUTER,
 )
 
 _WORKER = (PING, HEALTH, CHECK_INTEGRITY)

@@ -31,8 +31,9 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache
+from dsakv.disagg import grants
 from dsakv.disagg.codec import to_wire
-from dsakv.disagg.errors import Unavailable
+from dsakv.disagg.errors import GrantRefused, Unavailable
 from dsakv.disagg.host_replay import HostCopyLog
 from dsakv.disagg.kv_sender import Transfer
 from dsakv.disagg.lifecycle import Phase, StageJob
@@ -175,6 +176,7 @@ class PipelineLeader:
         self._last_send = 0.0
         self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
         self.boot = ""  # the worker's boot id (PrefillStage sets it once its service exists)
+        self.spent = grants.SpentGrants()  # page grants submitted already (each is good for one submit)
 
     def _runner(self, pool: DevicePool) -> PipelineRunner:
         self.runner = PipelineRunner(self.ctx, pool, self._step_msg)
@@ -197,6 +199,7 @@ class PipelineLeader:
     def submit(self, p: Submit) -> Submitted:
         ctx = self.ctx
         rid, prompt, ps = p.rid, p.prompt_ids, ctx.page_size
+        self._check_grant(p)  # GrantRefused: nothing queued, nothing written
         with self.lock:
             if ctx.stop.is_set() or not ctx.group.formed or ctx.down_reason is not None:
                 raise Unavailable(f"prefill {ctx.name} is unavailable: {ctx.down_reason or 'stopping'}")
@@ -223,12 +226,30 @@ class PipelineLeader:
                 params=p.params,
                 seed=p.seed,
                 prompt_ids=list(prompt) if last_needs_prompt else None,
+                grant=p.grant,
             )
             ctx.jobs.add(job)
             job.deadline = ctx.jobs.now() + p.kv_timeout
             ctx.counters["submitted"] += 1
         ctx.wake.set()
         return Submitted(accepted=True, epoch=ctx.group.epoch)
+
+    def _check_grant(self, p: Submit) -> None:
+        """The submit's page grant: signed by decode p.decode (boot p.decode_boot) for this request, this prefill
+        and exactly p.dst_pages, unexpired and not used before (grants.py)."""
+        ctx = self.ctx
+        try:
+            link = ctx.sender.links.get(p.decode, p.decode_boot, timeout=ctx.t.rpc)
+            g = grants.verify(
+                link.grant_key, p.grant, rid=p.rid, boot=p.decode_boot, pages=p.dst_pages, prefill=ctx.name
+            )
+            if len(g.pages) != len(p.dst_pages):
+                raise GrantRefused(f"request {p.rid}: {len(p.dst_pages)} pages given, {len(g.pages)} granted")
+            self.spent.spend(g)
+        except GrantRefused as e:
+            ctx.counters["grants_refused"] = ctx.counters.get("grants_refused", 0) + 1
+            log.warning("prefill %s: submit of %s refused: %s", ctx.name, p.rid, e)
+            raise
 
     def abort(self, p: Abort) -> bool:
         with self.lock:
@@ -285,6 +306,7 @@ class PipelineLeader:
                         self._free(job)
                 elif op == "abort" and not job.transferring:
                     self._drop(job, f"prefill {ctx.name}: {arg}")
+            now = ctx.jobs.now()
             for job in ctx.jobs.expired():
                 if not job.transferring:
                     self._drop(
@@ -292,6 +314,17 @@ class PipelineLeader:
                         f"prefill {ctx.name}: request {job.rid} was not prefilled before its KV deadline "
                         f"({job.prompt_len} prompt tokens; queue or pipeline too slow)",
                     )
+                elif now >= job.deadline + self._release_hold():  # every held page has a deadline: a lost
+                    log.warning(  # release cannot keep them, and no transfer can still read them by then
+                        "prefill %s: %s: stage(s) %s did not release its pages by the KV deadline + %.1fs: freed",
+                        ctx.name, job.rid, sorted(job.pending), self._release_hold(),
+                    )  # fmt: skip
+                    self._free(job)
+
+    def _release_hold(self) -> float:
+        """How long past a job's KV deadline its pages wait for the stages' releases: every transfer has ended by
+        then (its deadline, plus the backend's quarantine for one that timed out), plus an RPC's time to say so."""
+        return self.ctx.sender.backend.quarantine_s + self.ctx.t.rpc
 
     def _drop(self, job: StageJob, why: str) -> None:
         """A request still computing leaves: the engine frees its pages, later stages drop it, decode is told."""

@@ -118,7 +118,7 @@ class PrefillStage:
         self.links = DecodeLinks(
             self.backend,
             self.manifest,
-            Hello(self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes()),
+            Hello(self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot),
             rpc_timeout=ctx.t.rpc,
         )
         ctx.sender_ = KvSender(

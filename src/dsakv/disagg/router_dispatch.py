@@ -141,6 +141,7 @@ class Dispatcher:
                     decode_boot=res.boot,
                     dst_pages=res.pages,
                     kv_timeout=self.t.kv,
+                    grant=res.grant,
                 ),
             )
             return None

@@ -3,10 +3,15 @@
 Used for handshakes, page allocation, completion notices and the router. Bulk KV
 bytes never travel here (they go through a TransferBackend).
 
-Wire format, both directions:  | u32 big-endian length | msgpack map |   (frames built in one place:
+Wire format, both directions:  | u32 big-endian length | frame |; the server speaks first, once per connection:
+greeting {"v": 1, "auth": "hmac-sha256" | "none", "nonce": bytes}      (msgpack, public data only)
 request  {"id": int, "method": str, "params": any}                     request_frame / reply_frame /
-response {"id": int, "ok": bool, "result": any}                        error_frame; a new frame field,
-      or {"id": int, "ok": false, "error": str, "kind": str}           e.g. authentication, goes there)
+response {"id": int, "ok": bool, "result": any}                        error_frame (msgpack maps)
+      or {"id": int, "ok": false, "error": str, "kind": str}
+With "auth": "hmac-sha256" each request and reply map travels inside an authenticated frame (dsakv.disagg.auth:
+role, per-connection counter, HMAC-SHA256 tag under the caller's role key); the server checks the tag and the
+counter before it parses the map, then the caller's role against `Rpc.roles`. A refused frame is answered with
+an unauthenticated error ("X1"), counted in `refused`, logged, and its connection closed.
 
 Typed use (dsakv.disagg.messages lists every RPC as an `Rpc` spec: name, request type, reply type):
 
@@ -23,6 +28,7 @@ torch.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import socketserver
 import struct
@@ -35,8 +41,12 @@ from typing import Any, Generic, TypeVar
 import msgpack
 
 from dsakv.cache.allocator import IntegrityError
+from dsakv.disagg import auth as _auth
+from dsakv.disagg.auth import AuthError, ClusterAuth, Session
 from dsakv.disagg.codec import from_wire, to_wire
 from dsakv.disagg.errors import (
+    Forbidden,
+    GrantRefused,
     IncompatiblePeer,
     ManifestError,
     MessageError,
@@ -64,6 +74,14 @@ class RpcError(DsakvError):
         self.kind = kind
 
 
+class Unauthenticated(RpcError):
+    """The peer refused the call's authentication (no or wrong cluster secret, replay), or did not
+    authenticate itself where this process requires it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "Unauthenticated")
+
+
 class PeerUnavailable(RpcError):
     """The peer refused the connection, closed it, or did not answer within the deadline."""
 
@@ -85,6 +103,8 @@ for _cls in (
     ManifestError,
     MessageError,
     Unavailable,
+    Forbidden,
+    GrantRefused,
     TransferError,
     TransferTimeout,
     IntegrityError,
@@ -132,13 +152,18 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class Rpc(Generic[Q, R]):
-    """One RPC: its method name, request and reply types, and who calls it (the documented RPC graph)."""
+    """One RPC: its method name, request and reply types, and who calls it (the documented RPC graph).
+    `roles`: the caller roles an authenticating server accepts (dsakv.disagg.auth.ROLES; None: any role holding
+    the secret). `retry`: a one-shot call whose cached connection turns out dead (the peer restarted) is sent
+    once more on a fresh connection within its deadline (for idempotent calls only)."""
 
     name: str
     request: type[Q]
     reply: type[R]
     caller: str
     doc: str
+    roles: tuple[str, ...] | None = None
+    retry: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,6 +194,11 @@ def bind(service: Service, impl: Mapping[Rpc[Any, Any], Callable[[Any], Any]]) -
     return {r.name: wrap(r, impl[r]) for r in service.rpcs}
 
 
+def acl_of(service: Service) -> dict[str, tuple[str, ...] | None]:
+    """method -> the roles allowed to call it (for RpcServer)."""
+    return {r.name: r.roles for r in service.rpcs}
+
+
 def services_table(services: Sequence[Service]) -> str:
     """Text table of every RPC: service, method, request -> reply, caller (for docs and --help)."""
     rows = []
@@ -176,7 +206,7 @@ def services_table(services: Sequence[Service]) -> str:
         for r in s.rpcs:
             rows.append(
                 f"{s.name:<16} {r.name:<16} {r.request.__name__} -> {getattr(r.reply, '__name__', r.reply)}"
-                f"   (from {r.caller})"
+                f"   (from {r.caller}; roles {'/'.join(r.roles) if r.roles else 'any'})"
             )
     return "\n".join(rows)
 
@@ -191,13 +221,20 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send_msg(sock: socket.socket, obj: Any) -> None:
-    data = msgpack.packb(obj, use_bin_type=True)
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+def send_frame(sock: socket.socket, data: bytes) -> None:
     sock.sendall(_HDR.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE, body_timeout: float | None = None) -> Any:
-    """One frame. A server passes max_bytes (a larger announced frame is refused before it is read) and
+def recv_frame(sock: socket.socket, max_bytes: int = MAX_MESSAGE, body_timeout: float | None = None) -> bytes:
+    """One frame's bytes. A server passes max_bytes (a larger announced frame is refused before it is read) and
     body_timeout (the frame, once announced, must arrive within it; waiting for the next header is unbounded)."""
     (n,) = _HDR.unpack(_recv_exact(sock, _HDR.size))
     if n > max_bytes:
@@ -205,10 +242,26 @@ def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE, body_timeout: fl
     if body_timeout is not None:
         sock.settimeout(body_timeout)
     try:
-        return msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=False)
+        return _recv_exact(sock, n)
     finally:
         if body_timeout is not None:
             sock.settimeout(None)
+
+
+def send_msg(sock: socket.socket, obj: Any) -> None:
+    send_frame(sock, pack(obj))
+
+
+def recv_msg(sock: socket.socket, max_bytes: int = MAX_MESSAGE, body_timeout: float | None = None) -> Any:
+    return unpack(recv_frame(sock, max_bytes, body_timeout))
+
+
+class _Default:
+    """RpcServer / RpcClient `auth` default: this process's credentials (dsakv.disagg.auth.current())."""
+
+
+DEFAULT: Any = _Default()
+REFUSAL = b"X1"
 
 
 Handler = Callable[[Any], Any]
@@ -231,15 +284,25 @@ class RpcServer:
         max_request: int = MAX_REQUEST,
         frame_timeout: float = FRAME_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        auth: ClusterAuth | None | _Default = DEFAULT,
+        acl: Mapping[str, tuple[str, ...] | None] | None = None,
     ):
+        """`auth`: the credentials every call must be authenticated with (default: this process's, when they
+        `require` it; None: unauthenticated, for in-process tests). `acl`: method -> allowed caller roles."""
         self.handlers = dict(handlers)
         self.name = name
         self.max_request = max_request
         self.frame_timeout = frame_timeout
         self.max_connections = max_connections
+        if isinstance(auth, _Default):
+            cur = _auth.current()
+            auth = cur if cur is not None and cur.require else None
+        self.auth: ClusterAuth | None = auth
+        self.acl = dict(acl or {})
         self.open_connections = 0
-        self.refused = {"too_large": 0, "timeout": 0, "connections": 0}
+        self.refused = {"too_large": 0, "timeout": 0, "connections": 0, "unauthenticated": 0, "forbidden": 0}
         self._count = threading.Lock()
+        self._socks: set[socket.socket] = set()
         outer = self
 
         class _Handler(socketserver.BaseRequestHandler):
@@ -251,17 +314,20 @@ class RpcServer:
                         log.warning("%s: %d connections open: refusing one more", outer.name, outer.open_connections)
                         return
                     outer.open_connections += 1
+                    outer._socks.add(sock)
                 try:
                     self._serve(sock)
                 finally:
                     with outer._count:
                         outer.open_connections -= 1
+                        outer._socks.discard(sock)
 
             def _serve(self, sock: socket.socket) -> None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                session = outer._greet(sock)
                 while True:
                     try:
-                        msg = recv_msg(sock, outer.max_request, outer.frame_timeout)
+                        frame = recv_frame(sock, outer.max_request, outer.frame_timeout)
                     except TimeoutError:
                         outer.refused["timeout"] += 1
                         log.warning(
@@ -275,9 +341,23 @@ class RpcServer:
                         return
                     except (OSError, ValueError):
                         return
-                    reply = outer._dispatch(msg)
+                    if session is None:
+                        try:
+                            reply = pack(outer._dispatch(unpack(frame)))
+                        except (ValueError, TypeError):  # not msgpack, or an unhashable map key
+                            return
+                    else:
+                        try:
+                            role, body = session.open_request(frame)
+                        except AuthError as e:
+                            outer._refuse(sock, "unauthenticated", f"call refused: {e}")
+                            return
+                        try:
+                            reply = session.seal_reply(pack(outer._dispatch(unpack(body), role)))
+                        except (ValueError, TypeError):  # not msgpack, or an unhashable map key
+                            return
                     try:
-                        send_msg(sock, reply)
+                        send_frame(sock, reply)
                     except OSError:
                         return
 
@@ -290,12 +370,43 @@ class RpcServer:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _dispatch(self, msg: Any) -> dict[str, Any]:
+    def _greet(self, sock: socket.socket) -> Session | None:
+        """Send the connection's greeting; the Session that authenticates its frames (None: unauthenticated)."""
+        nonce = os.urandom(16)
+        try:
+            send_msg(sock, {"v": 1, "auth": _auth.SCHEME if self.auth else "none", "nonce": nonce})
+        except OSError:
+            return None
+        return Session(nonce, self.auth.keyring) if self.auth is not None else None
+
+    def _refuse(self, sock: socket.socket, why: str, message: str) -> None:
+        with self._count:
+            self.refused[why] += 1
+        try:
+            host, port = sock.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "?"
+        log.warning("%s: %s from %s: %s", self.name, why, peer, message)
+        try:
+            send_frame(sock, REFUSAL + pack(error_frame(None, f"{self.name}: {message}", "Unauthenticated")))
+        except OSError:
+            pass
+
+    def _dispatch(self, msg: Any, role: str | None = None) -> dict[str, Any]:
         mid = msg.get("id") if isinstance(msg, dict) else None
         method = msg.get("method") if isinstance(msg, dict) else None
         fn = self.handlers.get(method) if isinstance(method, str) else None
         if fn is None:
             return error_frame(mid, f"{self.name}: unknown method {method!r}", "RpcError")
+        allowed = self.acl.get(method) if isinstance(method, str) else None
+        if self.auth is not None and allowed is not None and role not in allowed:
+            with self._count:
+                self.refused["forbidden"] += 1
+            log.warning("%s: refused %s from role %s (allowed: %s)", self.name, method, role, ", ".join(allowed))
+            return error_frame(
+                mid, f"{self.name}: {method} may be called by {'/'.join(allowed)} only, not by a {role}", "Forbidden"
+            )
         try:
             return reply_frame(mid, fn(msg.get("params")))
         except Exception as e:  # the error travels to the caller; the server keeps serving
@@ -308,8 +419,16 @@ class RpcServer:
         return self
 
     def stop(self) -> None:
+        """Stop serving: the listener and every open connection (as the process's exit would)."""
         self._server.shutdown()
         self._server.server_close()
+        with self._count:
+            socks = list(self._socks)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 def request_frame(mid: int, method: str, params: Any) -> dict[str, Any]:
@@ -332,15 +451,30 @@ def split_addr(addr: str) -> tuple[str, int]:
 
 
 class RpcClient:
-    """Calls one peer. Thread-safe; reconnects after a failure; every call has a deadline."""
+    """Calls one peer. Thread-safe; reconnects after a failure; every call has a deadline.
 
-    def __init__(self, addr: str, timeout: float = 10.0, connect_timeout: float = 2.0) -> None:
+    `auth`: the credentials its calls are signed with when the peer asks (default: this process's); None:
+    anonymous (a peer that requires authentication refuses every call)."""
+
+    def __init__(
+        self,
+        addr: str,
+        timeout: float = 10.0,
+        connect_timeout: float = 2.0,
+        auth: ClusterAuth | None | _Default = DEFAULT,
+    ) -> None:
         self.addr = addr
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._auth = auth
         self._sock: socket.socket | None = None
+        self._session: Session | None = None
+        self._role: str | None = None
         self._lock = threading.Lock()
         self._next_id = 0
+
+    def _credentials(self) -> ClusterAuth | None:
+        return _auth.current() if isinstance(self._auth, _Default) else self._auth
 
     def _connect(self, deadline: float) -> socket.socket:
         host, port = split_addr(self.addr)
@@ -350,28 +484,84 @@ class RpcClient:
         except OSError as e:
             raise PeerUnavailable(f"peer {self.addr} is unavailable: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            greeting = recv_msg(sock, 4096)
+        except TimeoutError:  # accepts, never speaks: the call's "did not answer within the deadline"
+            sock.close()
+            raise
+        except (OSError, ValueError) as e:
+            sock.close()
+            raise PeerUnavailable(f"peer {self.addr} sent no greeting: {e}") from None
+        scheme = greeting.get("auth") if isinstance(greeting, dict) else None
+        nonce = greeting.get("nonce") if isinstance(greeting, dict) else None
+        cred = self._credentials()
+        self._session, self._role = None, None
+        if scheme == _auth.SCHEME and isinstance(nonce, bytes) and len(nonce) >= 16:
+            if cred is None:
+                sock.close()
+                raise Unauthenticated(
+                    f"peer {self.addr} requires the deployment's cluster secret and this process has none: "
+                    f"pass --cluster-secret-file (or set {_auth.SECRET_ENV})"
+                )
+            self._session, self._role = Session(nonce, cred.keyring), cred.role
+        elif scheme == "none":
+            if cred is not None and cred.require:
+                sock.close()
+                raise Unauthenticated(
+                    f"peer {self.addr} does not authenticate its calls (started without a cluster secret): refused"
+                )
+        else:
+            sock.close()
+            raise PeerUnavailable(f"peer {self.addr} sent a malformed greeting")
         return sock
 
-    def call(self, method: str, params: Any = None, timeout: float | None = None) -> Any:
+    def _roundtrip(self, sock: socket.socket, mid: int, method: str, params: Any) -> Any:
+        body = pack(request_frame(mid, method, params))
+        if self._session is None:
+            send_frame(sock, body)
+            data = recv_frame(sock)
+        else:
+            assert self._role is not None
+            send_frame(sock, self._session.seal_request(self._role, body))
+            frame = recv_frame(sock)
+            if frame[:2] == REFUSAL:
+                err = unpack(frame[2:])
+                msg = err.get("error") if isinstance(err, dict) else None
+                raise Unauthenticated(f"peer {self.addr} refused {method!r}: {msg}")
+            try:
+                data = self._session.open_reply(self._role, frame)
+            except AuthError as e:
+                raise Unauthenticated(f"peer {self.addr} answered {method!r} unauthenticated: {e}") from None
+        return unpack(data)
+
+    def call(self, method: str, params: Any = None, timeout: float | None = None, retry: bool = False) -> Any:
+        """One call. `retry`: if a cached connection turns out dead before the reply (the peer restarted since),
+        reconnect and send it once more, within the same deadline (only for calls that are safe to repeat)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             self._next_id += 1
             mid = self._next_id
-            try:
-                if self._sock is None:
-                    self._sock = self._connect(deadline)
-                self._sock.settimeout(max(0.01, deadline - time.monotonic()))
-                send_msg(self._sock, request_frame(mid, method, params))
-                reply = recv_msg(self._sock)
-            except PeerUnavailable:
-                self.close_locked()
-                raise
-            except TimeoutError:
-                self.close_locked()
-                raise PeerUnavailable(f"peer {self.addr} did not answer {method!r} within the deadline") from None
-            except (OSError, ConnectionError, ValueError) as e:
-                self.close_locked()
-                raise PeerUnavailable(f"peer {self.addr} failed during {method!r}: {e}") from None
+            for attempt in (0, 1):
+                reused = self._sock is not None
+                try:
+                    if self._sock is None:
+                        self._sock = self._connect(deadline)
+                    self._sock.settimeout(max(0.01, deadline - time.monotonic()))
+                    reply = self._roundtrip(self._sock, mid, method, params)
+                    break
+                except (PeerUnavailable, Unauthenticated):
+                    self.close_locked()
+                    raise
+                except TimeoutError:
+                    self.close_locked()
+                    raise PeerUnavailable(f"peer {self.addr} did not answer {method!r} within the deadline") from None
+                except (OSError, ConnectionError, ValueError, TypeError) as e:
+                    self.close_locked()
+                    if retry and reused and attempt == 0 and time.monotonic() < deadline:
+                        log.info("%s %s: cached connection dead (%s): retrying on a new one", self.addr, method, e)
+                        continue
+                    raise PeerUnavailable(f"peer {self.addr} failed during {method!r}: {e}") from None
         if not isinstance(reply, dict):
             raise PeerUnavailable(f"peer {self.addr} answered {method!r} with a malformed frame")
         if not reply.get("ok"):
@@ -380,9 +570,11 @@ class RpcClient:
 
     def request(self, rpc: Rpc[Q, R], msg: Q, timeout: float | None = None) -> R:
         """Typed call: `msg` encoded, the reply checked and decoded as rpc.reply (MessageError if it is not)."""
-        return from_wire(rpc.reply, self.call(rpc.name, to_wire(msg), timeout), f"{rpc.name} reply from {self.addr}")
+        reply = self.call(rpc.name, to_wire(msg), timeout, retry=rpc.retry)
+        return from_wire(rpc.reply, reply, f"{rpc.name} reply from {self.addr}")
 
     def close_locked(self) -> None:
+        self._session = None
         if self._sock is not None:
             try:
                 self._sock.close()

@@ -168,6 +168,7 @@ def job_spec(job: StageJob, now: float) -> JobSpec:
         params=job.params,
         seed=job.seed,
         prompt_ids=job.prompt_ids,
+        grant=job.grant,
     )
 
 
@@ -181,6 +182,7 @@ def job_of(d: JobSpec) -> StageJob:
         params=d.params,
         seed=d.seed,
         prompt_ids=list(d.prompt_ids) if d.prompt_ids is not None else None,
+        grant=d.grant,
     )
 
 

@@ -6,12 +6,16 @@ threads and their lifetime; and the fire-and-forget notices it sends other worke
     service.start([(loop, "decode-step"), ...]); service.serve_forever(); service.stop(join_timeout)
 
 PING, HEALTH and CHECK_INTEGRITY are served here for every role (ping never takes a role's lock, so a
-worker busy in a long step still answers liveness); the role gives the rest of its service spec. Used by
+worker busy in a long step still answers liveness); the role gives the rest of its service spec. The server
+authenticates every call with this process's credentials (dsakv.disagg.auth.use, set by `dsakv serve` from
+--cluster-secret-file; none in in-process tests) and allows each RPC only to the roles its spec names; calls it
+refused are counted in Health.counters as rpc_refused_<why> (unauthenticated, forbidden, too_large, ...). Used by
 the decode worker and by every prefill stage. Imports dsakv.disagg.{rpc, messages, wire}; never torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -20,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dsakv.disagg.messages import CHECK_INTEGRITY, HEALTH, PING, Health, PingReply
-from dsakv.disagg.rpc import Rpc, RpcClient, RpcError, RpcServer, Service, bind
+from dsakv.disagg.rpc import Rpc, RpcClient, RpcError, RpcServer, Service, acl_of, bind
 from dsakv.disagg.wire import new_boot_id
 
 log = logging.getLogger(__name__)
@@ -46,15 +50,20 @@ class WorkerService:
         self.stopping = stopping if stopping is not None else threading.Event()
         common: dict[Rpc[Any, Any], Callable[[Any], Any]] = {
             PING: lambda _: ping() if ping is not None else PingReply(pid=os.getpid(), boot=self.boot),
-            HEALTH: lambda _: health(),
+            HEALTH: lambda _: self._health(health),
             CHECK_INTEGRITY: lambda _: integrity(),
         }
-        self.rpc = RpcServer(bind(service, {**common, **handlers}), host, port, name=name)
+        self.rpc = RpcServer(bind(service, {**common, **handlers}), host, port, name=name, acl=acl_of(service))
         self._threads: list[threading.Thread] = []
 
     @property
     def address(self) -> str:
         return self.rpc.address
+
+    def _health(self, health: Callable[[], Health]) -> Health:
+        h = health()
+        refused = {f"rpc_refused_{k}": v for k, v in self.rpc.refused.items()}
+        return dataclasses.replace(h, counters={**h.counters, **refused})
 
     def start(self, loops: Sequence[tuple[Callable[[], None], str]]) -> None:
         self.rpc.start()
