@@ -177,7 +177,8 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     pipe = cfg.pipeline
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
-    from dsakv.disagg.decode_stage import DecodePipelineConfig, DecodeStageWorker
+    from dsakv.disagg.decode_config import DecodePipelineConfig
+    from dsakv.disagg.decode_stage import DecodeStageWorker
     from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 
     model_dir = options.model_dir_of(args)

@@ -37,13 +37,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.backends import make_backend
+from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.codec import from_wire, to_wire
+from dsakv.disagg.decode_config import DecodeConfig, DecodePipelineConfig
 from dsakv.disagg.errors import Unavailable
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import (
@@ -65,7 +67,7 @@ from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_leader import PipelineRunner
 from dsakv.disagg.rpc import RpcError
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
-from dsakv.disagg.stage_context import decode_batch, encode_batch, split_layers
+from dsakv.disagg.stage_context import decode_batch, encode_batch
 from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.config import EngineConfig, PoolConfig
 from dsakv.engine.engine import Engine
@@ -75,31 +77,27 @@ from dsakv.model.dsa_model import DSAModel, StageCarry
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
-if TYPE_CHECKING:
-    from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+
+class DecodeWorker(Protocol):
+    """What the pipeline reads of the decode worker that owns it (decode_worker.DecodeWorker; a Protocol, so
+    this module does not import that one)."""
+
+    boot: str
+    engine: Engine
+    manifest: Manifest
+    name: str
+    registry: StageRegistry
+    service: WorkerService
+
+    @property
+    def address(self) -> str: ...
+
+    def integrity(self) -> str: ...
+
+    def on_pipeline_break(self, why: str) -> None: ...
+
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodePipelineConfig:
-    """The pipeline of a decode worker: stage k of a worker at --port P listens on P + k."""
-
-    pp_size: int = 1
-    pp_rank: int = 0
-    partition: tuple[int, ...] | None = None
-    stage0_host: str | None = None  # where stage 0 runs (the gloo rendezvous); default --host
-    dist_port: int | None = None  # gloo rendezvous on stage 0; default port + pp_size
-    stage_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
-        if self.stage_timeout <= 0:
-            raise ConfigError(f"--stage-timeout {self.stage_timeout} must be > 0 seconds")
-
-    def ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        return split_layers(num_layers, self.pp_size, self.partition)
 
 
 def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, list[KVLayout], int]:

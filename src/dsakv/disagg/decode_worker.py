@@ -20,13 +20,12 @@ never serve or cli.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ import torch
 from dsakv.disagg import grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
+from dsakv.disagg.decode_config import DecodeConfig
 from dsakv.disagg.decode_outputs import DecodeOutputs
 from dsakv.disagg.errors import Forbidden
 from dsakv.disagg.events import EventLog
@@ -64,44 +64,16 @@ from dsakv.disagg.messages import (
     StageInfo,
     unpack_logprobs,
 )
-from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.wire import page_list
 from dsakv.disagg.worker_service import WorkerService
-from dsakv.engine.config import Config
 from dsakv.engine.engine import Engine
 from dsakv.errors import ConfigError, NoFreePages
 from dsakv.util import ceil_div
 
 if TYPE_CHECKING:
-    from dsakv.disagg.decode_stage import DecodePipeline, DecodePipelineConfig
+    from dsakv.disagg.decode_stage import DecodePipeline
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """A decode worker: the configuration tree (its engine branch is the Engine's; transfer: backend and rpc
-    timeout) and where this process runs."""
-
-    model: str
-    config: Config = field(default_factory=Config)
-    host: str = "127.0.0.1"
-    port: int = 0
-    name: str | None = None
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
-    liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
-    pipeline: DecodePipelineConfig | None = None  # --pp-size > 1: this process is stage 0 (decode_stage.py)
-
-    @functools.cached_property
-    def timeouts(self) -> Timeouts:
-        rpc = self.config.transfer.rpc_timeout
-        return Timeouts(
-            rpc=rpc,
-            connect=min(2.0, rpc),
-            kv_grace=self.kv_grace,
-            liveness_interval=self.liveness_interval,
-        )
 
 
 def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
