@@ -84,6 +84,7 @@ class DecodeWorker(Protocol):
 
     boot: str
     engine: Engine
+    grant_key: bytes
     manifest: Manifest
     name: str
     registry: StageRegistry
@@ -331,7 +332,13 @@ class DecodePipeline:
         """Check the prefill stage against every decode stage it shares layers with; reply with all manifests."""
         self.check_up()
         worker.registry.accept(hello, self.manifests)
-        return HelloReply(manifest=worker.manifest.to_bytes(), boot=worker.boot, name=worker.name, stages=self.refs)
+        return HelloReply(
+            manifest=worker.manifest.to_bytes(),
+            boot=worker.boot,
+            name=worker.name,
+            stages=self.refs,
+            grant_key=worker.grant_key,
+        )
 
     def check_parts(self, worker: DecodeWorker, p: StageDone) -> str | None:
         """Record the bytes of each (prefill stage, decode stage) pair; an error if an ok report does not cover

@@ -36,11 +36,10 @@ from dsakv.disagg import grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.decode_config import DecodeConfig
+from dsakv.disagg.decode_inbound import InboundBook
 from dsakv.disagg.decode_outputs import DecodeOutputs
-from dsakv.disagg.errors import Forbidden
 from dsakv.disagg.events import EventLog
 from dsakv.disagg.lifecycle import DECODE, InboundKv, Ledger, Phase
-from dsakv.disagg.liveness import ping_stage, stage_waits
 from dsakv.disagg.manifest import Manifest
 from dsakv.disagg.messages import (
     ABORT,
@@ -134,6 +133,19 @@ class DecodeWorker:
             ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused"), 0
         )
         self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
+        self.book = InboundBook(
+            self.inbound,
+            name=self.name,
+            lock=self._lock,
+            counters=self.counters,
+            outputs=self.outputs,
+            registry=self.registry,
+            quarantine_s=self.backend.quarantine_s,
+            abort_choices=self._abort_choices,
+            wake=self._wake,
+            timeouts=self.t,
+            stopping=self.service.stopping,
+        )
         st = self.engine.stats()
         log.info(
             "decode %s: %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
@@ -151,7 +163,7 @@ class DecodeWorker:
         return self.service.address
 
     def start(self) -> DecodeWorker:
-        self.service.start([(self._step_loop, "decode-step"), (self._monitor_loop, "decode-monitor")])
+        self.service.start([(self._step_loop, "decode-step"), (self.book.monitor_loop, "decode-monitor")])
         return self
 
     def request_stop(self) -> None:
@@ -276,17 +288,6 @@ class DecodeWorker:
             self.counters["prealloc"] += 1
         return Preallocated(pages=page_list(pages), boot=self.boot, grant=inb.grant)
 
-    def _boots(self, inb: InboundKv, k: int) -> set[str]:
-        """The processes that may report stage k of a request: the one registered at its prealloc, or the one
-        registered now (the stage restarted and re-registered while the request was being dispatched)."""
-        now = self.registry.boot_of(inb.prefill, k)
-        return {b for b in (inb.stage_boot.get(k), now) if b}
-
-    def _refuse_report(self, what: str, why: str) -> Forbidden:
-        self.counters["reports_refused"] += 1
-        log.warning("decode %s: refused %s: %s", self.name, what, why)
-        return Forbidden(f"decode {self.name}: {what} refused: {why}")
-
     def stage_done(self, p: StageDone) -> StageDoneReply:
         """Stage p.stage reported its transfer: start decoding once all did, fail the request if it failed."""
         rid, stage, ok = p.rid, p.stage, p.ok
@@ -296,14 +297,16 @@ class DecodeWorker:
                 return StageDoneReply(accepted=False)
             if not 0 <= stage < inb.num_stages:
                 raise ConfigError(f"request {rid}: stage {stage} reported, but its prefill has {inb.num_stages} stages")
-            if p.boot not in self._boots(inb, stage) or p.prefill != inb.prefill:
-                raise self._refuse_report(
+            if p.boot not in self.book.boots(inb, stage) or p.prefill != inb.prefill:
+                raise self.book.refuse_report(
                     f"stage_done of {rid} stage {stage}",
                     f"from prefill {p.prefill!r} boot {p.boot or '(none)'}, but the request's stage {stage} is "
                     f"prefill {inb.prefill!r} boot {inb.stage_boot.get(stage)}",
                 )
             if p.grant != inb.grant:
-                raise self._refuse_report(f"stage_done of {rid} stage {stage}", "it does not carry the request's grant")
+                raise self.book.refuse_report(
+                    f"stage_done of {rid} stage {stage}", "it does not carry the request's grant"
+                )
             if self.pipeline is not None:  # every (prefill stage, decode stage) pair must have landed
                 wrong = self.pipeline.check_parts(self, p)
                 if wrong is not None:
@@ -323,12 +326,12 @@ class DecodeWorker:
                 inb.draft_hidden = p.draft_hidden
             waiting = inb.phase is Phase.AWAITING_KV
             if waiting and not ok:
-                self._fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
+                self.book.fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
             elif waiting and len(inb.reported) == inb.num_stages and inb.first_token is not None:
                 self._start(inb)
                 return StageDoneReply(accepted=True, started=True)
             if inb.phase is Phase.FAILED:
-                self._maybe_release(inb)
+                self.book.maybe_release(inb)
         return StageDoneReply(accepted=True)
 
     def kv_failed(self, p: KvFailed) -> bool:
@@ -337,12 +340,12 @@ class DecodeWorker:
             inb = self.inbound.get(p.rid)
             if inb is None or inb.phase is not Phase.AWAITING_KV:
                 return False
-            if not any(p.boot in self._boots(inb, k) for k in range(inb.num_stages)):
-                raise self._refuse_report(
+            if not any(p.boot in self.book.boots(inb, k) for k in range(inb.num_stages)):
+                raise self.book.refuse_report(
                     f"kv_failed of {p.rid}", f"boot {p.boot or '(none)'} is none of the request's stages"
                 )
-            self._fail(inb, p.error or f"prefill {inb.prefill} failed the request")
-            self._maybe_release(inb)
+            self.book.fail(inb, p.error or f"prefill {inb.prefill} failed the request")
+            self.book.maybe_release(inb)
         return True
 
     def _rpc_events(self, p: EventsQuery) -> Events:
@@ -356,8 +359,8 @@ class DecodeWorker:
             inb = self.inbound.get(rid)
             if inb is not None:
                 if inb.phase is Phase.AWAITING_KV:
-                    self._fail(inb, why, reason="abort")
-                self._maybe_release(inb)
+                    self.book.fail(inb, why, reason="abort")
+                self.book.maybe_release(inb)
                 return True
             if p.choice is not None:  # one choice of an n > 1 request (its stop string matched)
                 return self.engine.abort(self.outputs.engine_id(rid, p.choice)) is not None
@@ -387,22 +390,6 @@ class DecodeWorker:
         self.counters["kv_bytes"] += inb.bytes
         self._wake.set()
 
-    def _fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
-        self.inbound.move(inb, Phase.FAILED, error)
-        self.counters["kv_failed"] += 1
-        self.outputs.failed(inb.rid, reason, error)
-        log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
-
-    def _maybe_release(self, inb: InboundKv) -> None:
-        """Free a failed request's pages once no prefill stage can still write them."""
-        now = self.inbound.now()
-        hard = inb.deadline + self.backend.quarantine_s
-        if (inb.settled() and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
-            self.inbound.move(inb, Phase.DONE)
-            self._abort_choices(inb.rid)
-            self.outputs.forget(inb.rid)
-            self._wake.set()
-
     # ---- loops ---------------------------------------------------------------------------------------
 
     def on_pipeline_break(self, why: str) -> None:
@@ -410,7 +397,7 @@ class DecodeWorker:
         free their pages once no prefill stage can still write them)."""
         with self._lock:
             for inb in self.inbound.in_phase(Phase.AWAITING_KV):
-                self._fail(inb, why)
+                self.book.fail(inb, why)
             reqs = [r for r in self.engine.scheduler.requests.values() if r.request_id not in self.inbound]
             rids = {r.request_id if not r.choice_index else r.request_id[: -len(f"/{r.choice_index}")] for r in reqs}
             for rid in sorted(rids):  # each request once (choice 0); its forks '<rid>/<i>' go with it
@@ -421,7 +408,7 @@ class DecodeWorker:
                 self.outputs.drop(r.request_id)
                 self.engine.abort(r.request_id)
             for inb in self.inbound.in_phase(Phase.FAILED):
-                self._maybe_release(inb)
+                self.book.maybe_release(inb)
         log.warning("%s: every request it held failed", why)
 
     def _step_loop(self) -> None:
@@ -449,57 +436,11 @@ class DecodeWorker:
         return self.outputs.publish(outs)
 
     def check_deadlines(self) -> None:
-        """Fail every request whose KV did not arrive by its deadline; free failed requests' pages once no
-        stage can still write them (the monitor thread calls this every 50 ms)."""
-        with self._lock:
-            for inb in self.inbound.expired():
-                if inb.phase is Phase.AWAITING_KV:
-                    self._fail(
-                        inb,
-                        f"request {inb.rid}: the KV from prefill {inb.prefill} did not arrive within "
-                        f"{inb.kv_timeout:g}s (+{self.t.kv_grace:g}s grace): stage(s) {inb.missing()} of "
-                        f"{inb.num_stages} never reported",
-                    )
-            for inb in self.inbound.in_phase(Phase.FAILED):
-                self._maybe_release(inb)
+        """InboundBook.check_deadlines (the monitor thread calls it every 50 ms; tests call it directly)."""
+        self.book.check_deadlines()
 
     def stage_verdict(
         self, addr: str, verdict: str | None, waits: list[tuple[InboundKv, int]], why: str | None = None
     ) -> None:
-        """A liveness ping of stage `addr` said `verdict` (None: it answers; 'dead'; 'not answering'): the
-        requests waiting for it fail, and a dead stage (or one that restarted: `why`) can no longer write their
-        pages."""
-        if verdict is None or not waits:
-            return
-        with self._lock:
-            for inb, k in waits:
-                if verdict == "dead":
-                    inb.dead.add(k)
-                if self.inbound.get(inb.rid) is not inb:
-                    continue
-                if inb.phase is Phase.AWAITING_KV:
-                    self._fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {why or verdict}: request lost")
-                self._maybe_release(inb)
-
-    def _monitor_loop(self) -> None:
-        last_ping = 0.0
-        stopping = self.service.stopping
-        while not stopping.is_set():
-            stopping.wait(0.05)
-            self.check_deadlines()
-            now = self.inbound.now()
-            if now - last_ping < self.t.liveness_interval:
-                continue
-            with self._lock:
-                waits = stage_waits(self.inbound.values())
-            if not waits:
-                continue
-            last_ping = now
-            for addr, items in waits.items():
-                verdict, boot = ping_stage(addr, self.t.ping)
-                if verdict is None and boot is not None:  # it answers: as the process the requests wait for?
-                    with self._lock:
-                        gone = [(inb, k) for inb, k in items if boot not in self._boots(inb, k)]
-                    self.stage_verdict(addr, "dead", gone, f"restarted (now boot {boot})")
-                else:
-                    self.stage_verdict(addr, verdict, items)
+        """InboundBook.stage_verdict: one liveness verdict on stage `addr` applied to the requests waiting for it."""
+        self.book.stage_verdict(addr, verdict, waits, why)
