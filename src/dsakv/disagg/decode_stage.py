@@ -66,7 +66,7 @@ from dsakv.disagg.messages import (
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.prefill_leader import PipelineRunner
 from dsakv.disagg.rpc import RpcError
-from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, default_dist_port
+from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
 from dsakv.disagg.stage_context import decode_batch, encode_batch
 from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.config import EngineConfig, PoolConfig
@@ -128,15 +128,16 @@ def _group(cfg: DecodeConfig, model: DSAModel, spec: ModelSpec) -> StageGroup:
     assert p is not None
     if cfg.port == 0:
         raise ConfigError("a decode pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
-    return StageGroup(
+    return stage_group(
         p.pp_rank,
         p.pp_size,
-        p.stage0_host or cfg.host,
-        p.dist_port or default_dist_port(cfg.port, p.pp_size),
-        p.stage_timeout,
+        host=cfg.host,
+        port=cfg.port,
+        stage0_host=p.stage0_host,
+        dist_port=p.dist_port,
+        timeout_s=p.stage_timeout,
         hidden_dtype=model.dtype,
         hidden_size=spec.hidden_size,
-        bind_host=cfg.host,
     )
 
 
@@ -529,11 +530,7 @@ class DecodeStageWorker:
         log.warning("decode %s stage %d: pipeline broke (%s)", self.name, self.rank, why)
 
     def integrity(self) -> str:
-        try:
-            self.mirror.check_integrity()
-        except AssertionError as e:
-            return str(e)
-        return "ok"
+        return self.mirror.integrity()
 
     def health(self) -> Health:
         used = self.mirror.num_used

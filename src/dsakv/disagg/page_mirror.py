@@ -82,6 +82,14 @@ class PageMirror:
     def num_free(self) -> int:
         return self.num_pages - self.num_used
 
+    def integrity(self) -> str:
+        """'ok', or what check_integrity found (a stage's health / CHECK_INTEGRITY answer)."""
+        try:
+            self.check_integrity()
+        except AssertionError as e:
+            return str(e)
+        return "ok"
+
     def check_integrity(self) -> None:
         """Raise IntegrityError if a page that the prefix cache does not hold is held twice (by one request or
         two); cached pages may be shared by the requests that hit them."""

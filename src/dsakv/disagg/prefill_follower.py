@@ -224,11 +224,7 @@ class PipelineFollower:
     # ---- views -----------------------------------------------------------------------------------------
 
     def integrity(self) -> str:
-        try:
-            self.mirror.check_integrity()
-        except AssertionError as e:
-            return str(e)
-        return "ok"
+        return self.mirror.integrity()
 
     def pages_used(self) -> int:
         return self.mirror.num_used

@@ -313,5 +313,31 @@ def default_dist_port(base_port: int, size: int) -> int:
     return base_port + size
 
 
+def stage_group(
+    rank: int,
+    size: int,
+    *,
+    host: str,
+    port: int,
+    stage0_host: str | None,
+    dist_port: int | None,
+    timeout_s: float,
+    hidden_dtype: torch.dtype,
+    hidden_size: int,
+) -> StageGroup:
+    """The StageGroup of stage `rank` of a worker at `host`:`port` (stage k on port + k): the rendezvous on
+    stage 0's host (default: this host) at dist_port (default port + size); this stage's gloo pairs on `host`."""
+    return StageGroup(
+        rank,
+        size,
+        stage0_host or host,
+        dist_port or default_dist_port(port, size),
+        timeout_s,
+        hidden_dtype=hidden_dtype,
+        hidden_size=hidden_size,
+        bind_host=host,
+    )
+
+
 def pid() -> int:
     return os.getpid()

@@ -23,7 +23,7 @@ import torch
 
 from dsakv.disagg.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.messages import JobSpec
-from dsakv.disagg.stage_comm import StageGroup, default_dist_port
+from dsakv.disagg.stage_comm import StageGroup, stage_group
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.worker_service import Notifier
 from dsakv.engine.config import CacheConfig, Config, EngineConfig, PipelineConfig, prefill_cache_error
@@ -231,15 +231,16 @@ class StageContext:
         if draft is not None:
             draft.to(model.device)
         pipe, t = cfg.pipeline, cfg.timeouts
-        group = StageGroup(
+        group = stage_group(
             cfg.pp_rank,
             cfg.pp_size,
-            pipe.stage0_host or cfg.host,
-            pipe.dist_port or default_dist_port(cfg.port, cfg.pp_size),
-            t.stage,
+            host=cfg.host,
+            port=cfg.port,
+            stage0_host=pipe.stage0_host,
+            dist_port=pipe.dist_port,
+            timeout_s=t.stage,
             hidden_dtype=model.dtype,
             hidden_size=spec.hidden_size,
-            bind_host=cfg.host,
         )
         return cls(
             cfg=cfg,
