@@ -17,12 +17,11 @@ contiguous on both sides is one memmove of run x page bytes; a strided column sl
 An index_select + index_copy_ pair reads and writes everything twice; this runs at memcpy speed
 (bench/hicache.py). Page ids are bounds-checked first: nothing is copied for an id outside either tensor.
 
-The memmoves run in C: a 20-line loop (COPY_SOURCE) compiled with the system C compiler on first use into
-~/.cache/dsakv (keyed by its source hash, atomic rename, as disagg/backends/bind_shim.py does) and called once
-per copy_page_set with two int64 tables, one row per buffer (dst address, dst row stride, src address, src row
-stride, row bytes) and one row per run (dst page, src page, pages). Python costs ~1 us per (buffer, run) with
-ctypes.memmove (99 buffers x 16 runs ~ 2 ms per 53 MiB copy); the C loop costs nothing measurable. Without a
-compiler (or DSAKV_NO_COPY_EXT=1) the same loop runs in Python after one warning: same bytes, slower.
+The memmoves run in C (cache/native.py's copy_runs, compiled on first use), called once per copy_page_set
+with two int64 tables, one row per buffer (dst address, dst row stride, src address, src row stride, row bytes)
+and one row per run (dst page, src page, pages). Python costs ~1 us per (buffer, run) with ctypes.memmove
+(99 buffers x 16 runs ~ 2 ms per 53 MiB copy); the C loop costs nothing measurable. Without a compiler (or
+with DSAKV_NO_NATIVE=1) the same loop runs in Python after one warning: same bytes, slower.
 With `threads` > 1 the buffers are split over a thread pool (ctypes releases the GIL); it pays only for
 copies of several MiB on a machine with idle cores, so the default is 1 (COPY_THREADS).
 Imports torch and dsakv.spec/cache only; must not import model or engine.
@@ -31,103 +30,20 @@ Imports torch and dsakv.spec/cache only; must not import model or engine.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from dsakv.cache import native
 from dsakv.cache.device_pool import DevicePool
 from dsakv.spec.layout import BufferKey, KVLayout
-
-log = logging.getLogger(__name__)
 
 COPY_THREADS = 1  # threads for copy_page_set (see the module docstring)
 _POOL: ThreadPoolExecutor | None = None
 _memmove = ctypes.memmove
-
-COPY_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-/* geo: nbuf rows of (dst addr, dst row stride, src addr, src row stride, row bytes);
-   runs: nruns rows of (dst page, src page, pages). Every buffer gets every run. */
-void dsakv_copy_runs(int64_t nbuf, const int64_t *geo, int64_t nruns, const int64_t *runs) {
-    for (int64_t b = 0; b < nbuf; b++) {
-        const int64_t *g = geo + 5 * b;
-        char *da = (char *)(intptr_t)g[0];
-        const char *sa = (const char *)(intptr_t)g[2];
-        int64_t ds = g[1], ss = g[3], w = g[4];
-        for (int64_t r = 0; r < nruns; r++) {
-            int64_t d = runs[3 * r], s = runs[3 * r + 1], k = runs[3 * r + 2];
-            if (ds == w && ss == w) {
-                memmove(da + d * w, sa + s * w, (size_t)(k * w));
-            } else {
-                for (int64_t i = 0; i < k; i++) memmove(da + (d + i) * ds, sa + (s + i) * ss, (size_t)w);
-            }
-        }
-    }
-}
-"""
-_EXT: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable (warned once)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dsakv"
-
-
-def _build_ext() -> ctypes.CDLL | None:
-    tag = hashlib.sha256(COPY_SOURCE.encode()).hexdigest()[:12]
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    why = "no C compiler (cc, gcc or clang) on PATH"
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"dsakv-{os.getuid()}"):
-        out = root / f"page_copy-{tag}.so"
-        try:
-            if not out.is_file():
-                if cc is None:
-                    break
-                root.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=root) as tmp:
-                    src = Path(tmp) / "page_copy.c"
-                    src.write_text(COPY_SOURCE)
-                    obj = Path(tmp) / "page_copy.so"
-                    r = subprocess.run(
-                        [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src)],
-                        capture_output=True,
-                        text=True,
-                        timeout=60,
-                    )
-                    if r.returncode != 0:
-                        why = f"{cc} failed: {r.stderr.strip()[:300]}"
-                        break
-                    os.replace(obj, out)  # atomic: concurrent processes may build it at once
-            lib = ctypes.CDLL(str(out))
-            fn = lib.dsakv_copy_runs
-            fn.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-            fn.restype = None
-            return lib
-        except (OSError, subprocess.SubprocessError) as e:
-            why = f"cannot build or load in {root}: {e}"
-            continue
-    log.warning("page copies: %s; host-tier copies run in Python (same bytes, ~1 us per buffer and run)", why)
-    return None
-
-
-def copy_ext() -> ctypes.CDLL | None:
-    """The compiled copy loop (built on first use), or None (Python fallback; warned once)."""
-    global _EXT
-    if _EXT is None:
-        _EXT = False if os.environ.get("DSAKV_NO_COPY_EXT") else (_build_ext() or False)
-    return _EXT or None
 
 
 @lru_cache(maxsize=64)
@@ -292,7 +208,7 @@ def copy_page_set(
         geo[i] = (da, ds, sa, ss, w)
     runs = np.ascontiguousarray(np.stack([d0, s0, lens], axis=1), dtype=np.int64)
     n = int(lens.sum())
-    ext = copy_ext()
+    ext = native.lib()
 
     def move(g: np.ndarray) -> None:
         if g.shape[0] == 0:
