@@ -63,11 +63,13 @@ DEV_IDS = [9, 10, 11, 2, 5, 6, 0, 13]  # runs 9-11, 2, 5-6, 0, 13 on the device 
 HOST_IDS = [3, 4, 8, 1, 6, 7, 0, 12]  # broken differently on the host side: runs 3-4, 8, 1, 6-7, 0, 12
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "native-stream", "python"])
 def copy_path(request, monkeypatch):
-    if request.param == "native":
+    if request.param.startswith("native"):
         if native.lib() is None:
             pytest.skip("no C compiler: the native path is not built")
+        if request.param == "native-stream":  # non-temporal stores, as copies of >= STREAM_BYTES use
+            monkeypatch.setattr(page_copy, "STREAM_BYTES", 0)
     else:
         monkeypatch.setattr(native, "_LIB", False)
     return request.param

@@ -1,6 +1,7 @@
 """Three small C loops for the host and disk tiers, compiled with the system C compiler on first use.
 
-    copy_runs(geo, runs)         page_copy.copy_page_set: every run of every buffer, one memmove each
+    copy_runs(geo, runs, stream) page_copy.copy_page_set: every run of every buffer, one memmove each (or one
+                                 copy with non-temporal SSE2 stores when `stream`: large copies)
     sum64(segs)                  storage.base.page_checksum: wrapping sum of the payload's little-endian u64 words
     read_sum(fd, offset, segs)   the disk tier's read: preadv straight into the segments in 256 KiB windows, each
                                  summed (sum64) while it is still in cache: one pass over memory, not two
@@ -35,9 +36,40 @@ SOURCE = r"""
 #include <sys/types.h>
 #include <sys/uio.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* dst <- src, n bytes, with non-temporal (streaming) stores where the CPU has them and the ranges do not
+   overlap: what glibc's memcpy does for one large copy, so the destination is not read first (no RFO). */
+static void copy_stream(char *dst, const char *src, size_t n) {
+#if defined(__SSE2__)
+    if (n >= 256 && (dst + n <= src || src + n <= dst)) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head; src += head; n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        memcpy(dst, src, n);
+        return;
+    }
+#endif
+    memmove(dst, src, n);
+}
+
 /* geo: nbuf rows of (dst addr, dst row stride, src addr, src row stride, row bytes);
-   runs: nruns rows of (dst page, src page, pages). Every buffer gets every run. */
-void dsakv_copy_runs(int64_t nbuf, const int64_t *geo, int64_t nruns, const int64_t *runs) {
+   runs: nruns rows of (dst page, src page, pages). Every buffer gets every run. stream: non-temporal stores
+   (for copies larger than the cache, as the caller decides). */
+void dsakv_copy_runs(int64_t nbuf, const int64_t *geo, int64_t nruns, const int64_t *runs, int stream) {
+    void *(*mv)(void *, const void *, size_t) = memmove;
     for (int64_t b = 0; b < nbuf; b++) {
         const int64_t *g = geo + 5 * b;
         char *da = (char *)(intptr_t)g[0];
@@ -46,12 +78,19 @@ void dsakv_copy_runs(int64_t nbuf, const int64_t *geo, int64_t nruns, const int6
         for (int64_t r = 0; r < nruns; r++) {
             int64_t d = runs[3 * r], s = runs[3 * r + 1], k = runs[3 * r + 2];
             if (ds == w && ss == w) {
-                memmove(da + d * w, sa + s * w, (size_t)(k * w));
+                if (stream) copy_stream(da + d * w, sa + s * w, (size_t)(k * w));
+                else mv(da + d * w, sa + s * w, (size_t)(k * w));
             } else {
-                for (int64_t i = 0; i < k; i++) memmove(da + (d + i) * ds, sa + (s + i) * ss, (size_t)w);
+                for (int64_t i = 0; i < k; i++) {
+                    if (stream) copy_stream(da + (d + i) * ds, sa + (s + i) * ss, (size_t)w);
+                    else mv(da + (d + i) * ds, sa + (s + i) * ss, (size_t)w);
+                }
             }
         }
     }
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#endif
 }
 
 /* Adds the little-endian u64 words of n bytes at p, the first at stream position *pos (so segments laid end to
@@ -134,7 +173,7 @@ def _cache_dir() -> Path:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.dsakv_copy_runs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    lib.dsakv_copy_runs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.dsakv_copy_runs.restype = None
     lib.dsakv_sum64.argtypes = [ctypes.c_int64, ctypes.c_void_p]
     lib.dsakv_sum64.restype = ctypes.c_uint64

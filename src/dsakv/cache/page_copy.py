@@ -21,7 +21,10 @@ The memmoves run in C (cache/native.py's copy_runs, compiled on first use), call
 with two int64 tables, one row per buffer (dst address, dst row stride, src address, src row stride, row bytes)
 and one row per run (dst page, src page, pages). Python costs ~1 us per (buffer, run) with ctypes.memmove
 (99 buffers x 16 runs ~ 2 ms per 53 MiB copy); the C loop costs nothing measurable. Without a compiler (or
-with DSAKV_NO_NATIVE=1) the same loop runs in Python after one warning: same bytes, slower.
+with DSAKV_NO_NATIVE=1) the same loop runs in Python after one warning: same bytes, slower. A copy of at least
+STREAM_BYTES (8 MiB, beyond what caches keep) uses non-temporal stores (SSE2 streaming, as glibc's memcpy does for
+one large copy): a plain store of a ~35 KiB page slice reads the destination line first, which costs ~25% of the
+bandwidth (0.75x of a plain copy with memmove, 0.85-0.9x streaming; bench/hicache.py).
 With `threads` > 1 the buffers are split over a thread pool (ctypes releases the GIL); it pays only for
 copies of several MiB on a machine with idle cores, so the default is 1 (COPY_THREADS).
 Imports torch and dsakv.spec/cache only; must not import model or engine.
@@ -42,6 +45,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.spec.layout import BufferKey, KVLayout
 
 COPY_THREADS = 1  # threads for copy_page_set (see the module docstring)
+STREAM_BYTES = 8 << 20  # copies at least this large use non-temporal stores (see the module docstring)
 _POOL: ThreadPoolExecutor | None = None
 _memmove = ctypes.memmove
 
@@ -209,13 +213,14 @@ def copy_page_set(
     runs = np.ascontiguousarray(np.stack([d0, s0, lens], axis=1), dtype=np.int64)
     n = int(lens.sum())
     ext = native.lib()
+    stream = int(n * sum(dst.shape[1] for dst, _ in pairs) >= STREAM_BYTES)
 
     def move(g: np.ndarray) -> None:
         if g.shape[0] == 0:
             return
         if ext is not None:
             g = np.ascontiguousarray(g)
-            ext.dsakv_copy_runs(g.shape[0], g.ctypes.data, runs.shape[0], runs.ctypes.data)
+            ext.dsakv_copy_runs(g.shape[0], g.ctypes.data, runs.shape[0], runs.ctypes.data, stream)
             return
         run_list = runs.tolist()
         for da, ds, sa, ss, w in g.tolist():
