@@ -133,9 +133,15 @@ int64_t dsakv_read_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs
         for (int64_t j = i; j < nseg && cnt < MAXIOV && want < WINDOW; j++, cnt++) {
             uint64_t off = (j == i) ? skip : 0, len = (uint64_t)segs[2 * j + 1] - off;
             if (len > WINDOW - want) len = WINDOW - want;
-            iov[cnt].iov_base = (char *)(intptr_t)segs[2 * j] + off;
-            iov[cnt].iov_len = (size_t)len;
+            char *base = (char *)(intptr_t)segs[2 * j] + off;
             want += len;
+            if (cnt && (char *)iov[cnt - 1].iov_base + iov[cnt - 1].iov_len == base) { /* adjacent: one iovec */
+                iov[cnt - 1].iov_len += (size_t)len;
+                cnt--;
+                continue;
+            }
+            iov[cnt].iov_base = base;
+            iov[cnt].iov_len = (size_t)len;
         }
         ssize_t r = preadv(fd, iov, cnt, (off_t)(offset + got));
         if (r < 0) {
