@@ -94,11 +94,68 @@ def transfer(args: argparse.Namespace) -> None:
             f"load {nbytes / t_load / 1e9:7.2f} GB/s ({t_h2d / t_load:5.2f}x plain)"
         )
         out[name] = {"offload_x_plain": t_d2h / t_off, "load_x_plain": t_h2d / t_load}
+    out["disk"] = disk_reads(args, layout, hosts, host_ids)
     if args.json:
         import json
 
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
         print(f"  wrote {args.json}")
+
+
+def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarray) -> dict[str, float]:
+    """Disk tier (the `file` backend) reads of the same scattered host pages, against one plain read of the same
+    bytes from one file into one contiguous buffer; both from the page cache (files written just before)."""
+    import os
+
+    from dsakv.cache.storage.base import StorageConfig, chain_hashes, layout_identity
+    from dsakv.cache.storage.file import FileStore
+
+    n = len(host_ids)
+    nbytes = n * layout.bytes_per_page
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
+        plain_path = Path(tmp) / "plain.bin"
+        plain_path.write_bytes(np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
+        buf = np.empty(nbytes, dtype=np.uint8)
+
+        def plain_read() -> None:
+            fd = os.open(plain_path, os.O_RDONLY)
+            try:
+                assert os.readv(fd, [memoryview(buf)]) == nbytes
+            finally:
+                os.close(fd)
+
+        fns = {"plain read": plain_read}
+        stores = []
+        for name, h in hosts.items():
+            segs_of = [(h.view(b.key).data_ptr(), h.view(b.key).stride(0), b.page_bytes) for b in layout.buffers]
+            pages = [[(base + int(i) * stride, w) for base, stride, w in segs_of] for i in host_ids]
+            store = FileStore(layout, None, StorageConfig(backend="file", dir=str(Path(tmp) / name)))
+            toks = np.arange(n * layout.page_size) % 500
+            hashes = chain_hashes(layout_identity(layout, None), toks, layout.page_size)
+            assert store.put(hashes, pages) == n
+            stores.append(store)
+
+            def get(store=store, hashes=hashes, pages=pages) -> None:
+                res = store.get(hashes, pages)
+                assert res.n == n, res
+
+            fns[f"{name} disk read"] = get
+        best = {k: float("inf") for k in fns}
+        for _ in range(args.repeat):
+            for k, fn in fns.items():
+                best[k] = min(best[k], _best(fn, 1))
+    t_plain = best["plain read"]
+    print(f"  {'plain file read':<24} read    {nbytes / t_plain / 1e9:7.2f} GB/s   (one {nbytes / 2**20:.1f} MiB file)")
+    out["plain_read_gbps"] = nbytes / t_plain / 1e9
+    for name in sorted(hosts):
+        t = best[f"{name} disk read"]
+        print(
+            f"  {name + ' disk tier':<24} read    {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain; "
+            f"{n} page files, header + checksum checked)"
+        )
+        out[f"{name}_read_x_plain"] = t_plain / t
+    return out
 
 
 def _workload(sessions: int, turns: int, system: int, user: int, seed: int) -> list[list[tuple[int, list[int]]]]:
@@ -306,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=48, help="device pool pages (transfer)")
     p.add_argument("--batch", type=int, default=16, help="pages per offload/load (transfer)")
     p.add_argument("--repeat", type=int, default=9, help="rounds of the transfer part (best of; default 9)")
+    p.add_argument("--disk-dir", default=None, help="directory for the disk-tier reads (default: the temp dir)")
     p.add_argument("--json", help="write the transfer part's figures to this JSON file")
     p.add_argument("--ckpt", default=None, help="checkpoint dir for the workload (default: a fresh tiny one)")
     p.add_argument("--sessions", type=int, default=3)

@@ -1,13 +1,22 @@
-"""copy_page_set: one-pass page copies (runs coalesced on both sides), exact bytes, bounds refused untouched."""
+"""copy_page_set: one-pass page copies (runs coalesced on both sides), exact bytes, bounds refused untouched; the
+native (C) copy, checksum and disk read against the Python paths on real layouts with fragmented runs."""
 
 from __future__ import annotations
+
+import ctypes
+import os
 
 import numpy as np
 import pytest
 import torch
 
-from dsakv.cache import page_copy
+from dsakv.cache import native, page_copy
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.host_pool import make_host_pool
 from dsakv.cache.page_copy import copy_page_set, page_runs
+from dsakv.cache.storage.base import finish_checksum, page_checksum
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.presets import load_spec
 
 
 def test_page_runs_coalesce_on_both_sides():
@@ -46,3 +55,83 @@ def test_copy_page_set_refuses_out_of_range_ids_untouched():
     with pytest.raises(ValueError, match="destination pages of 8 bytes but source pages of 16"):
         copy_page_set([(torch.zeros(4, 8, dtype=torch.uint8), src)], [0], [0])
     assert page_copy.COPY_THREADS == 1
+
+
+# ---- the native (C) path against the Python one and plain indexing: real layouts, fragmented runs ----------
+
+DEV_IDS = [9, 10, 11, 2, 5, 6, 0, 13]  # runs 9-11, 2, 5-6, 0, 13 on the device side
+HOST_IDS = [3, 4, 8, 1, 6, 7, 0, 12]  # broken differently on the host side: runs 3-4, 8, 1, 6-7, 0, 12
+
+
+@pytest.fixture(params=["native", "native-stream", "python"])
+def copy_path(request, monkeypatch):
+    if request.param.startswith("native"):
+        if native.lib() is None:
+            pytest.skip("no C compiler: the native path is not built")
+        if request.param == "native-stream":  # non-temporal stores, as copies of >= STREAM_BYTES use
+            monkeypatch.setattr(page_copy, "STREAM_BYTES", 0)
+    else:
+        monkeypatch.setattr(native, "_LIB", False)
+    return request.param
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("fmt", [("fp32", "fp32"), ("fp8-656", "fp8-132")])
+def test_offload_load_fragmented_runs_exact(copy_path, host_layout, fmt):
+    layout = KVLayout(load_spec("tiny"), kv_format=fmt[0], index_format=fmt[1], page_size=4)
+    dev = DevicePool(layout, 14)
+    g = torch.Generator().manual_seed(1)
+    for key in dev.keys:
+        dev.tensor(key).copy_(torch.randint(0, 256, dev.tensor(key).shape, dtype=torch.uint8, generator=g))
+    host = make_host_pool(host_layout, layout, 13)
+    for key in host.keys:
+        host.view(key).fill_(0xEE)
+    assert host.offload(dev, DEV_IDS, HOST_IDS) == len(DEV_IDS) * layout.bytes_per_page
+    untouched = sorted(set(range(13)) - set(HOST_IDS))
+    for key in dev.keys:
+        assert torch.equal(host.view(key)[HOST_IDS], dev.tensor(key)[DEV_IDS]), key
+        assert bool((host.view(key)[untouched] == 0xEE).all()), key
+    back = DevicePool(layout, 14)
+    for key in back.keys:
+        back.tensor(key).fill_(0x11)
+    order = [7, 0, 3, 1, 6, 2, 5, 4]  # load in another order: other runs
+    dst = [DEV_IDS[i] for i in order]
+    assert host.load(back, [HOST_IDS[i] for i in order], dst) == len(dst) * layout.bytes_per_page
+    for key in dev.keys:
+        assert torch.equal(back.tensor(key)[DEV_IDS], dev.tensor(key)[DEV_IDS]), key
+        assert bool((back.tensor(key)[[1, 3, 4, 7, 8, 12]] == 0x11).all()), key
+
+
+def test_native_checksum_and_read_match_python(tmp_path):
+    lib = native.lib()
+    if lib is None:
+        pytest.skip("no C compiler: the native path is not built")
+    data = np.random.default_rng(3).integers(0, 256, 1000, dtype=np.uint8)
+    base = data.ctypes.data
+    for cuts in ([0, 1000], [0, 8, 1000], [0, 3, 11, 12, 513, 1000], [0, 997, 1000], [0, 1, 2, 3, 4, 5, 6, 7, 1000]):
+        segs = [(base + a, b - a) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+        want = page_checksum([(base, 1000)])  # the same bytes, one segment
+        assert page_checksum(segs) == want
+        os.environ["DSAKV_NO_NATIVE"] = "1"
+        try:
+            saved, native._LIB = native._LIB, None
+            assert page_checksum(segs) == want  # the Python sum agrees
+        finally:
+            native._LIB = saved
+            del os.environ["DSAKV_NO_NATIVE"]
+        # read_sum: preadv into scattered segments of another buffer, from a file offset, summed on the way
+        f = tmp_path / "page.bin"
+        f.write_bytes(b"H" * 40 + data.tobytes())
+        out = np.zeros(1200, dtype=np.uint8)
+        offs = [a + 19 * (i + 1) for i, a in enumerate(cuts[:-1])]  # scattered, gaps between segments
+        dsegs = [(out.ctypes.data + offs[i], n) for i, (_, n) in enumerate(segs)]
+        word = ctypes.c_uint64()
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = lib.dsakv_read_sum(fd, 40, len(dsegs), native.seg_table(dsegs), word)
+        finally:
+            os.close(fd)
+        assert got == 1000
+        assert np.array_equal(np.concatenate([out[o : o + n] for o, (_, n) in zip(offs, segs, strict=False)]), data)
+        assert page_checksum(dsegs) == want
+        assert finish_checksum(word.value, 1000) == want

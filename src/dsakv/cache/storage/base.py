@@ -19,7 +19,7 @@ Integrity: every stored page carries a 64-bit checksum of its payload (`page_che
 
 A page is stored only when every object it needs is present (`count_present` checks them all), so a partially
 written page is never a hit. Failures (a dead master, an I/O error) raise StorageError; the caller computes
-instead. Imports numpy and dsakv.spec only; must not import torch, model or engine.
+instead. Imports numpy, dsakv.spec and dsakv.cache.native only; must not import torch, model or engine.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from dsakv.cache import native
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.util import Registry
@@ -124,12 +125,20 @@ def mview(ptr: int, nbytes: int) -> memoryview:
 _MIX = 0x9E3779B97F4A7C15
 
 
+def finish_checksum(word_sum: int, nbytes: int) -> int:
+    """page_checksum from the wrapping word sum of `nbytes` payload bytes (what native's read_sum returns)."""
+    return (word_sum ^ (nbytes * _MIX)) & 0xFFFFFFFFFFFFFFFF
+
+
 def page_checksum(segs: Segments) -> int:
     """64-bit checksum of a page's payload (its segments laid end to end): the wrapping sum of its little-endian
     8-byte words, mixed with the size. Any flipped bit or overwritten word changes it; it is one pass over memory
     (~9 GB/s), not a MAC. The same bytes give the same value whatever the host layout's segmentation."""
-    total = 0
     nbytes = sum(n for _, n in segs)
+    ext = native.lib()
+    if ext is not None:  # the same sum in C (cache/native.py)
+        return finish_checksum(int(ext.dsakv_sum64(len(segs), native.seg_table(segs))), nbytes)
+    total = 0
     if all(n % 8 == 0 for _, n in segs[:-1]):  # adjacent segments (a page_first page) summed as one region
         merged: Segments = []
         for p, n in segs:

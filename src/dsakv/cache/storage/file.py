@@ -12,11 +12,13 @@ Size cap (max_bytes, None = unbounded): the page files of this layout directory 
 a write evicts the least recently used files first. A use (write or read) touches a file's mtime, the earlier
 pages of a chain last, so a chain loses its deepest pages first; a restart rebuilds the LRU order from mtimes.
 Start-up deletes junk (temporaries, files of another size or format, FIFOs and other non-regular files named
-like pages); a directory named like a page is skipped and never counted. Imports numpy and dsakv.spec/cache.
+like pages); a directory named like a page is skipped and never counted. With a C compiler the read (preadv into
+the host segments) and its checksum run in one native call (cache/native.py). Imports numpy and dsakv.spec/cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import stat
@@ -25,6 +27,7 @@ import uuid
 from collections import OrderedDict
 from pathlib import Path
 
+from dsakv.cache import native
 from dsakv.cache.storage.base import (
     META,
     STORAGE_BACKENDS,
@@ -32,6 +35,7 @@ from dsakv.cache.storage.base import (
     Segments,
     StorageBackend,
     StorageConfig,
+    finish_checksum,
     mview,
     page_checksum,
 )
@@ -239,10 +243,19 @@ class FileStore(StorageBackend):
                 head = os.read(fd, META.size)
                 why, checksum = self.check_meta(h, head)
                 if not why:
-                    got = os.readv(fd, [mview(a, n) for a, n in segs])
+                    ext = native.lib()
+                    if ext is not None:  # preadv into the segments + the checksum's word sum, in C
+                        word_sum = ctypes.c_uint64()
+                        got = ext.dsakv_read_sum(fd, META.size, len(segs), native.seg_table(segs), word_sum)
+                        if got < 0:
+                            raise OSError(-got, os.strerror(-got))
+                        actual = finish_checksum(word_sum.value, self.page_bytes)
+                    else:
+                        got = os.readv(fd, [mview(a, n) for a, n in segs])
+                        actual = page_checksum(segs) if got == self.page_bytes else 0
                     if got != self.page_bytes:
                         why = f"short read ({got} of {self.page_bytes} B)"
-                    elif page_checksum(segs) != checksum:
+                    elif actual != checksum:
                         why = "checksum mismatch"
         except OSError as e:
             why = f"read error: {e.strerror}"
