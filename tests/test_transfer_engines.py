@@ -233,3 +233,36 @@ def test_hung_then_dead_peer_fail_within_deadline(engine, glm) -> None:
         fresh.close()
     finally:
         peer.stop()
+
+
+def test_kv_sender_applies_the_rule(decode, glm) -> None:
+    """KvSender._plan (what every prefill part goes through): over mooncake a fragmented source of 16 pages is
+    staged (one block per key, the buffer held until the transfer ends), over nixl the rule keeps the blocks."""
+    from dsakv.disagg.kv_sender import KvSender
+    from dsakv.disagg.timeouts import Timeouts
+
+    engine, peer = decode
+    pool, be, mine = sender(engine, KVLayout(glm, 20, 40), 16, seed=17)
+    pairing = check_pair(mine, peer.manifest)
+    staging = StagingBuffer(be, pool.nbytes)
+    counters: dict[str, int] = {}
+    ks = KvSender(
+        backend=be, links=None, prefill="p", stage=0, timeouts=Timeouts(), notifier=None, counters=counters,
+        on_done=lambda job, ok: None, staging=staging,
+    )  # type: ignore[arg-type]  # fmt: skip
+    src, dst = np.array([15, 3, 8, 1, 12, 6, 10, 0, 4, 13, 2, 9, 7, 14, 5, 11]), np.arange(30, 46)
+    plan = TransferPlan.build(pairing.pairs, src, dst)
+    sent, held = ks._plan(plan)
+    if engine == "mooncake":
+        assert held and sent.strategy is Strategy.STAGED and (plan.num_blocks, sent.num_blocks) == (400, 25)
+        assert counters == {"transfers_staged": 1} and not staging.acquire(1)
+    else:
+        assert not held and sent is plan and counters == {}
+    m = be.transfer(be.connect(peer.manifest), sent.blocks, deadline_in(30))
+    if held:
+        staging.release()
+    assert m.ok and m.nbytes == 16 * STAGE_BYTES_PER_PAGE
+    keys = [p.key for p in pairing.pairs]
+    theirs = peer.checksums(dst)
+    assert {k: theirs[k] for k in map(str, keys)} == page_checksums(pool, src, keys)
+    be.close()

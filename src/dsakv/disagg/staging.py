@@ -41,7 +41,7 @@ class _Region:
 
 
 def _view(addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr), dtype=np.uint8)
+    return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B"), dtype=np.uint8)
 
 
 class StagingBuffer:
