@@ -166,9 +166,9 @@ class Strategy(StrEnum):
 # Measured by bench/transfer.py (GLM-5.2 layout, 101 keys, over TCP on 127.0.0.1; bench/results/transfer.txt
 # prints the fitted values of the same run): the extra time of one more descriptor, per backend, fitted as
 # (fragmented - contiguous) / (extra blocks), and the gather copy's rate (numpy take into the staging buffer).
-DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 20e-6, "nixl": 7e-6, "local": 1e-6}
-DEFAULT_DESCRIPTOR_COST_S = 7e-6  # an engine not measured: the cheapest measured one (staging rarely)
-GATHER_BYTES_PER_S = 3.0e9
+DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 25e-6, "nixl": 11e-6, "local": 1e-6}  # 32K run: 25.8, 11.0
+DEFAULT_DESCRIPTOR_COST_S = 11e-6  # an engine not measured: the cheapest measured one (staging rarely)
+GATHER_BYTES_PER_S = 5.0e9  # 32K run: 5.14 GB/s (numpy take, 1 thread, shared host)
 
 
 def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: str = "") -> Strategy:
@@ -178,8 +178,9 @@ def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: s
         cost  = nbytes / GATHER_BYTES_PER_S
         STAGED iff saved > cost
 
-    i.e. many small blocks with a fragmented source: for the GLM-5.2 layout (mean block ~35 KB per page) that
-    is staging over mooncake (20 us a descriptor ~ 60 KB of copy) and blocks over nixl (7 us ~ 21 KB). A
+    i.e. many small blocks with a fragmented source. A descriptor is worth 25 us x 5 GB/s = 125 KB of copy on
+    mooncake and 55 KB on nixl; a GLM-5.2 page is ~35 KB a key (101 keys, 3.5 MB a page): a source fragmented
+    page by page is staged on both, one in runs of 2 pages on mooncake only, in runs of 4 on neither. A
     fragmented destination saves nothing (staged_blocks == num_blocks) and stays BLOCKS.
     """
     if num_blocks <= 0 or nbytes <= 0 or staged_blocks >= num_blocks:
