@@ -1,14 +1,23 @@
 """KV transfer benchmark: one GLM-5.2 request (79 layers = 78 + 1 draft, elided) through dsakv vs the raw engine.
 
 For each backend (mooncake, nixl) a receiver runs in a child process on 127.0.0.1 and the sender
-here moves one request's pages, for two page layouts:
+here moves one request's pages, for three page layouts:
   contiguous  the request's pages are consecutive on both sides: 1 run -> 1 block per key (101)
   fragmented  the receiver's pages are a random permutation: ~1 block per page per key
+  src-frag    the sender's pages are a random permutation, the receiver's consecutive (prefix-cache
+              hits / reused prefill pages into a fresh decode allocation): ~1 block per page per key
+Each layout goes both ways where they differ (strategy column):
+  blocks  one descriptor per key and joint run
+  staged  the source pages gathered into a registered staging buffer (dsakv.disagg.staging), then one
+          descriptor per key and destination run; its time includes the gather (gather s column)
+and "*" marks the strategy that TransferPlan.choose (transfer_plan.choose_strategy) picks for the backend.
 Reported in the same run, same bytes, same registered memory:
   dsakv   TransferPlan blocks -> backend.submit/wait (boundary checks, batching, worker thread)
-  raw     the engine's own call on prebuilt inputs (mooncake: batch_transfer_sync_write on Python lists,
-          1,024 descriptors per call; nixl: get_xfer_descs + initialize_xfer + transfer + poll)
-and the plan-building time: TransferPlan.build (numpy) vs a straightforward per-layer Python loop.
+  raw     the engine's own call on the same prebuilt blocks (mooncake: batch_transfer_sync_write on Python
+          lists, 1,024 descriptors per call; nixl: get_xfer_descs + initialize_xfer + transfer + poll)
+The fitted constants of the rule are printed from the same run: the extra cost of a descriptor per backend
+((fragmented - contiguous) / extra blocks, blocks strategy) and the gather's rate.
+Then the plan-building time: TransferPlan.build (numpy) vs a straightforward per-layer Python loop.
 Bytes are verified once per backend (per-key checksums on both sides). Default: a 32K-token
 request, 32768 x 54,728 B = 1.79 GB per side; use --tokens to scale down (the output says so).
 
@@ -33,6 +42,8 @@ from dsakv.disagg.backends import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.compat import KeyPair  # noqa: E402
 from dsakv.disagg.manifest import BackendMeta, Manifest  # noqa: E402
 from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
+from dsakv.disagg.staging import StagingBuffer  # noqa: E402
+from dsakv.disagg.transfer_plan import DESCRIPTOR_COST_S, GATHER_BYTES_PER_S, Strategy  # noqa: E402
 from dsakv.spec import KVLayout, load_spec  # noqa: E402
 from dsakv.util import ceil_div
 
@@ -94,56 +105,72 @@ def run_backend(name: str, layout: KVLayout, pages: int, pool, plans: dict, reps
         mine = Manifest.from_pool(pool, be.meta(), f"prefill-{name}")
         pairing = check_pair(mine, peer.manifest)
         conn = be.connect(peer.manifest)
+        staging = StagingBuffer(be, pages * PairTable.of(pairing.pairs).bytes_per_page)
         for label, (src, dst) in plans.items():
-            plan = TransferPlan.build(pairing.pairs, src, dst)
-            b = plan.blocks
-            if name == "mooncake":
-                lists = [
-                    (x.src.tolist(), x.dst.tolist(), x.length.tolist()) for x in b.batches(be.max_blocks_per_batch)
-                ]
+            built = TransferPlan.build(pairing.pairs, src, dst)
+            chosen = built.choose(name)
+            variants = [(Strategy.BLOCKS, built)]
+            if built.num_staged_blocks < built.num_blocks:
+                variants.append((Strategy.STAGED, built.staged(staging.addr)))
+            for strategy, plan in variants:
+                b = plan.blocks
+                if name == "mooncake":
+                    lists = [
+                        (x.src.tolist(), x.dst.tolist(), x.length.tolist()) for x in b.batches(be.max_blocks_per_batch)
+                    ]
 
-                def raw(lists=lists) -> None:
-                    raw_mooncake(be, str(conn.address), lists)
-            else:
-                ones = np.zeros(len(b), dtype=np.uint64)
-                arrays = (
-                    np.stack([b.src.astype(np.uint64), b.length.astype(np.uint64), ones], 1),
-                    np.stack([b.dst.astype(np.uint64), b.length.astype(np.uint64), ones], 1),
+                    def raw(lists=lists) -> None:
+                        raw_mooncake(be, str(conn.address), lists)
+                else:
+                    ones = np.zeros(len(b), dtype=np.uint64)
+                    arrays = (
+                        np.stack([b.src.astype(np.uint64), b.length.astype(np.uint64), ones], 1),
+                        np.stack([b.dst.astype(np.uint64), b.length.astype(np.uint64), ones], 1),
+                    )
+
+                    def raw(arrays=arrays) -> None:
+                        raw_nixl(be, str(conn.address), arrays)
+
+                batches = 0
+                gather_s: list[float] = []
+
+                def via_dsakv(plan=plan, gather_s=gather_s) -> None:
+                    nonlocal batches
+                    if plan.strategy is Strategy.STAGED:
+                        t0 = time.perf_counter()
+                        staging.gather(plan)
+                        gather_s.append(time.perf_counter() - t0)
+                    m = be.transfer(conn, plan.blocks, deadline_in(600))
+                    batches = m.batches
+
+                via_dsakv()  # warm both paths once
+                raw()
+                d_s, r_s = [], []
+                for _ in range(reps):  # interleaved, so drift hits both alike
+                    d_s.append(best_of(via_dsakv, 1))
+                    r_s.append(best_of(raw, 1))
+                ok = "-"
+                if verify:
+                    via_dsakv()  # the bytes checked are the ones this strategy wrote last
+                    keys = [p.key for p in pairing.pairs]
+                    theirs = peer.checksums(dst)
+                    ok = "yes" if all(theirs[str(k)] == v for k, v in page_checksums(pool, src, keys).items()) else "NO"
+                rows.append(
+                    {
+                        "backend": name,
+                        "pages": label,
+                        "strategy": str(strategy),
+                        "chosen": strategy is chosen,
+                        "blocks": plan.num_blocks,
+                        "batches": batches,
+                        "bytes": plan.nbytes,
+                        "gather_s": statistics.median(gather_s) if gather_s else 0.0,
+                        "dsakv_s": statistics.median(d_s),
+                        "raw_s": statistics.median(r_s),
+                        "intact": ok,
+                    }
                 )
-
-                def raw(arrays=arrays) -> None:
-                    raw_nixl(be, str(conn.address), arrays)
-
-            batches = 0
-
-            def via_dsakv(plan=plan) -> None:
-                nonlocal batches
-                m = be.transfer(conn, plan.blocks, deadline_in(600))
-                batches = m.batches
-
-            via_dsakv()  # warm both paths once
-            raw()
-            d_s, r_s = [], []
-            for _ in range(reps):  # interleaved, so drift hits both alike
-                d_s.append(best_of(via_dsakv, 1))
-                r_s.append(best_of(raw, 1))
-            ok = "-"
-            if verify:
-                keys = [p.key for p in pairing.pairs]
-                theirs = peer.checksums(dst)
-                ok = "yes" if all(theirs[str(k)] == v for k, v in page_checksums(pool, src, keys).items()) else "NO"
-            rows.append(
-                {
-                    "backend": name,
-                    "pages": label,
-                    "blocks": plan.num_blocks,
-                    "batches": batches,
-                    "bytes": plan.nbytes,
-                    "dsakv_s": statistics.median(d_s),
-                    "raw_s": statistics.median(r_s),
-                    "intact": ok,
-                }
-            )
+        staging.close()
         be.close()
     return rows
 
@@ -179,14 +206,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sender pool filled in {time.perf_counter() - t0:.1f}s; receivers start in child processes on 127.0.0.1")
     rng = np.random.default_rng(0)
     src = np.arange(pages, dtype=np.int64)
-    plans = {"contiguous": (src, src.copy()), "fragmented": (src, rng.permutation(pages).astype(np.int64))}
+    plans = {
+        "contiguous": (src, src.copy()),
+        "fragmented": (src, rng.permutation(pages).astype(np.int64)),
+        "src-frag": (rng.permutation(pages).astype(np.int64), src.copy()),
+    }
 
     # plan building: numpy vs a per-layer Python loop, on the same pairs (fake receiver: same layout)
     mine = Manifest.from_pool(pool, BackendMeta("local", b"plan-only"), "plan")
     pairs = check_pair(mine, mine).pairs
     table = PairTable.of(pairs)
     plan_rows = []
-    for label, (s, d) in plans.items():
+    for label, (s, d) in list(plans.items())[:2]:
         sl, dl = s.tolist(), d.tolist()
         np_s = best_of(lambda s=s, d=d: TransferPlan.build(table, s, d), 20)
         np_pairs_s = best_of(lambda s=s, d=d: TransferPlan.build(pairs, s, d), 20)
@@ -212,19 +243,50 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("  numpy ms: TransferPlan.build with the PairTable built at handshake; +table: built per call")
     print()
-    print(f"transfer (median of {args.reps}, after one warm-up; GB = 1e9 bytes)")
+    print(f"transfer (median of {args.reps}, after one warm-up; GB = 1e9 bytes; * = the strategy the rule picks)")
     hdr = (
-        f"{'backend':<9} {'pages':<11} {'blocks':>7} {'batches':>7} {'GB':>7} {'dsakv s':>8} {'dsakv GB/s':>10} "
-        f"{'raw s':>8} {'raw GB/s':>9} {'dsakv/raw':>9} {'intact':>6}"
+        f"{'backend':<9} {'pages':<11} {'strategy':<9} {'blocks':>7} {'batches':>7} {'GB':>6} {'gather s':>8} "
+        f"{'dsakv s':>8} {'dsakv GB/s':>10} {'raw s':>7} {'raw GB/s':>8} {'dsakv/raw':>9} {'vs contig':>9} "
+        f"{'intact':>6}"
     )
     print(hdr)
+    contig = {r["backend"]: r["dsakv_s"] for r in rows if r["pages"] == "contiguous"}
     for r in rows:
+        mark = "*" if r["chosen"] else " "
         print(
-            f"{r['backend']:<9} {r['pages']:<11} {r['blocks']:>7} {r['batches']:>7} {r['bytes'] / 1e9:>7.3f} "
-            f"{r['dsakv_s']:>8.3f} {r['bytes'] / r['dsakv_s'] / 1e9:>10.2f} {r['raw_s']:>8.3f} "
-            f"{r['bytes'] / r['raw_s'] / 1e9:>9.2f} {r['raw_s'] / r['dsakv_s']:>8.2f}x {r['intact']:>6}"
+            f"{r['backend']:<9} {r['pages']:<11} {r['strategy'] + mark:<9} {r['blocks']:>7} {r['batches']:>7} "
+            f"{r['bytes'] / 1e9:>6.3f} {r['gather_s']:>8.3f} {r['dsakv_s']:>8.3f} "
+            f"{r['bytes'] / r['dsakv_s'] / 1e9:>10.2f} "
+            f"{r['raw_s']:>7.3f} {r['bytes'] / r['raw_s'] / 1e9:>8.2f} {r['raw_s'] / r['dsakv_s']:>8.2f}x "
+            f"{contig[r['backend']] / r['dsakv_s']:>8.2f}x {r['intact']:>6}"
         )
-    print("  dsakv/raw: throughput through dsakv relative to the raw engine call (1.00x = no overhead)")
+    print(
+        "  dsakv/raw: throughput through dsakv relative to the raw engine call on the same blocks (1.00x = no overhead)"
+    )
+    print("  vs contig: throughput relative to the contiguous case of the same backend (1.00x = fragmentation is free)")
+    print()
+    print("rule constants fitted from this run (transfer_plan.DESCRIPTOR_COST_S, GATHER_BYTES_PER_S: committed)")
+    for be_name in contig:
+        blk = next(
+            (r for r in rows if r["backend"] == be_name and r["pages"] == "src-frag" and r["strategy"] == "blocks"),
+            None,
+        )
+        stg = next(
+            (r for r in rows if r["backend"] == be_name and r["pages"] == "src-frag" and r["strategy"] == "staged"),
+            None,
+        )
+        if blk is None or stg is None:
+            continue
+        per = (blk["dsakv_s"] - (stg["dsakv_s"] - stg["gather_s"])) / max(1, blk["blocks"] - stg["blocks"])
+        committed = DESCRIPTOR_COST_S.get(be_name, 0) * 1e6
+        print(f"  {be_name:<9} cost of one more descriptor {per * 1e6:6.1f} us (src-frag: blocks - staged transfer, "
+              f"per extra block; committed {committed:.1f} us)")  # fmt: skip
+    gs = [r for r in rows if r["strategy"] == "staged"]
+    if gs:
+        rate = statistics.median(r["bytes"] / r["gather_s"] for r in gs)
+        print(
+            f"  gather into the staging buffer {rate / 1e9:.2f} GB/s  (committed {GATHER_BYTES_PER_S / 1e9:.2f} GB/s)"
+        )
     return 0 if all(r["intact"] != "NO" for r in rows) and all(p[5] for p in plan_rows) else 1
 
 

@@ -97,6 +97,10 @@ CASES = [
     ("serve --role decode --model {tiny} --port 0", "--port 0 is not a TCP port: give 1..65535"),
     ("serve --role decode --model {tiny} --rpc-timeout nan", "--rpc-timeout nan"),
     ("serve --role decode --model {tiny} --mooncake-timeout 1", "--mooncake-timeout 1 must be an integer in 5.."),
+    (
+        "serve --role prefill --model {tiny} --transfer-staging-size lots",
+        "--transfer-staging-size = 'lots' is not a size",
+    ),
     ("serve --role decode --model {experts}", "'num_experts_per_tok' = 11"),
     ("serve --role decode --model {truncated}", "is corrupt or truncated"),
     ("serve --role prefill --model {tiny} --pp-size 0", "--pp-size 0 must be an integer in 1..256"),

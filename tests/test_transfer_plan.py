@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dsakv.disagg import BackendMeta, Blocks, Manifest, RegionInfo, TransferError, TransferPlan, check_pair
-from dsakv.disagg.transfer_plan import PairTable, contiguous_runs
+from dsakv.disagg.transfer_plan import PairTable, Strategy, choose_strategy, contiguous_runs
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec
 
 KV, IK = Kind.KV, Kind.INDEX_K
@@ -121,3 +121,39 @@ def test_batches_split_in_order() -> None:
     assert [len(p) for p in parts] == [4, 4, 2]
     assert np.concatenate([p.src for p in parts]).tolist() == b.src.tolist()
     assert sum(p.nbytes for p in parts) == 160
+
+
+def test_staged_plan_exact_addresses(glm) -> None:
+    stage = manifest(KVLayout(glm, 20, 40), "pp1", 0x1000_0000, 16)
+    decode = manifest(KVLayout(glm, 0, 78, draft_layers=1), "decode", 0x9000_0000, 32)
+    pairs = check_pair(stage, decode).pairs
+    plan = TransferPlan.build(pairs, [9, 4, 1, 6, 2], [10, 11, 12, 20, 21])
+    assert (plan.num_runs, plan.num_blocks, plan.num_staged_blocks) == (5, 125, 50)
+    base = 0x7000_0000
+    staged = plan.staged(base)
+    assert staged.strategy is Strategy.STAGED and staged.staging_addr == base and staged.nbytes == plan.nbytes
+    pb = 656 * 64
+    d = decode.region(BufferKey(20, KV))
+    # key 0 (L20/kv) occupies staging [0, 5 pb): runs at request positions 0 (3 pages) and 3 (2 pages)
+    assert staged.blocks.src[:2].tolist() == [base, base + 3 * pb]
+    assert staged.blocks.dst[:2].tolist() == [d.addr + 10 * pb, d.addr + 20 * pb]
+    assert staged.blocks.length[:2].tolist() == [3 * pb, 2 * pb]
+    offs = staged.staging_offsets
+    assert offs[0] == 0 and offs[1] == 5 * int(plan.table.page_bytes[0])
+    assert int(offs[-1] + 5 * plan.table.page_bytes[-1]) == plan.nbytes  # key-major, no gap, no overlap
+    assert int(staged.blocks.length.sum()) == plan.nbytes
+    assert plan.strategy is Strategy.BLOCKS  # the original is untouched
+    with pytest.raises(ValueError, match="staging address"):
+        plan.staged(0)
+
+
+def test_choose_strategy_rule() -> None:
+    # saved = (blocks - staged) x descriptor cost (mooncake 25 us, nixl 11 us); cost = bytes / 5 GB/s
+    assert choose_strategy(6262, 224_000_000, 101, "mooncake") is Strategy.STAGED  # 154 ms saved > 45 ms copy
+    assert choose_strategy(6262, 224_000_000, 101, "nixl") is Strategy.STAGED  # 68 ms saved > 45 ms copy
+    assert choose_strategy(6262, 400_000_000, 101, "nixl") is Strategy.BLOCKS  # 68 ms saved < 80 ms copy
+    assert choose_strategy(6262, 400_000_000, 101, "mooncake") is Strategy.STAGED
+    assert choose_strategy(6464, 224_000_000, 6464, "mooncake") is Strategy.BLOCKS  # fragmented destination
+    assert choose_strategy(101, 224_000_000, 101, "mooncake") is Strategy.BLOCKS  # contiguous
+    assert choose_strategy(6262, 10 * 224_000_000, 101, "mooncake") is Strategy.BLOCKS  # large blocks
+    assert choose_strategy(0, 0, 0) is Strategy.BLOCKS

@@ -234,6 +234,15 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
         default=None,
         help="mooncake's own per-transfer timeout in seconds (MC_TRANSFER_TIMEOUT, min 5; default 30)",
     )
+    g.add_argument(
+        "--transfer-staging-size",
+        default="256MiB",
+        metavar="SIZE",
+        help="prefill: a registered staging buffer (capped at the stage's pool) that a request with a fragmented "
+        "source is gathered into and sent from in one block per destination run, when the measured rule "
+        "(dsakv.disagg.transfer_plan.choose_strategy) says the saved descriptors cost more than the copy; "
+        "0 turns it off (default 256MiB)",
+    )
     g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
@@ -365,6 +374,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
         mooncake_timeout=getattr(args, "mooncake_timeout", None),
         rpc_timeout=getattr(args, "rpc_timeout", 5.0),
         debug_transfer_delay=getattr(args, "debug_transfer_delay", 0.0),
+        staging_size=parse_size(str(getattr(args, "transfer_staging_size", "256MiB")), "--transfer-staging-size"),
     )
 
 

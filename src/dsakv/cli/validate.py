@@ -130,6 +130,12 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_seconds(args, "health_interval", fix="seconds between health polls, e.g. 0.5")
     check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
     check_seconds(args, "startup_wait", allow_zero=True, fix="how long the startup handshake waits, e.g. 60")
+    staging = getattr(args, "transfer_staging_size", None)
+    if staging is not None:
+        from dsakv.plan.units import parse_size
+
+        if parse_size(str(staging), "--transfer-staging-size") < 0:
+            raise ConfigError(f"--transfer-staging-size {staging!r} must be >= 0 bytes (0: off), e.g. 256MiB")
     check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
     check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
     pp = int(getattr(args, "pp_size", 1) or 1)

@@ -10,6 +10,11 @@
           -> on_done(job, ok): the role frees its books (stage 0: one release of N; stage k: tells stage 0)
     sender.fail(job, why)                                   KV_FAILED: the stage dropped it before its transfer
 
+Strategy per part (TransferPlan.choose, the measured rule in transfer_plan.choose_strategy): with a staging
+buffer (`staging`, dsakv.disagg.staging) a plan of many small blocks whose source is fragmented is gathered
+into it and sent as one block per key and destination run; otherwise (or while the buffer is held by another
+transfer) the plan's own blocks go. The bytes land before STAGE_DONE either way: the decode is unchanged.
+
 A transfer that times out after the engine took it reports the backend's quarantine (the decode keeps the
 pages that long: the engine may still write them). Imports numpy, dsakv.disagg.{backends, bootstrap,
 messages, transfer_plan, worker_service, wire}, dsakv.engine.request; never torch.
@@ -33,8 +38,9 @@ from dsakv.disagg.errors import TransferTimeout
 from dsakv.disagg.lifecycle import StageJob
 from dsakv.disagg.messages import KV_FAILED, STAGE_DONE, KvFailed, StageDone, WireLogprobs
 from dsakv.disagg.rpc import RpcError
+from dsakv.disagg.staging import StagingBuffer
 from dsakv.disagg.timeouts import Timeouts
-from dsakv.disagg.transfer_plan import TransferPlan
+from dsakv.disagg.transfer_plan import Strategy, TransferPlan
 from dsakv.disagg.worker_service import Notifier
 from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import DsakvError
@@ -68,7 +74,9 @@ class KvSender:
         debug_delay: float = 0.0,
         debug_fail: tuple[int, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        staging: StagingBuffer | None = None,
     ) -> None:
+        self.staging = staging
         self.clock = clock  # the ledger's: job deadlines are on it
         self.backend = backend
         self.links = links
@@ -120,7 +128,7 @@ class KvSender:
                 left = max(x.job.deadline for x in batch) - self.clock()
                 time.sleep(max(0.0, min(self.debug_delay, left)))
             started = [self._start(x) for x in batch]
-            for x, handles, err in started:
+            for x, handles, err, staged in started:
                 quarantine = 0.0
                 parts: dict[int, int] = {}
                 for j, h in handles:
@@ -130,6 +138,8 @@ class KvSender:
                         err = err or f"transfer of prefill stage {self.stage}'s layers to decode stage {j} failed: {e}"
                         if isinstance(e, TransferTimeout) and h.job is not None:  # the engine had it: it may
                             quarantine = self.backend.quarantine_s  # still write the decode's pages a while
+                if staged and self.staging is not None:
+                    self.staging.release(quarantine)
                 self._report(x, err, quarantine, parts)
 
     def _injected(self, j: int) -> str | None:
@@ -141,14 +151,35 @@ class KvSender:
             return None
         return f"debug: injected failure of transfer #{self._sent_to[j]} to decode stage {j} (--debug-fail-transfer)"
 
-    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None]:
+    def _plan(self, plan: TransferPlan) -> tuple[TransferPlan, bool]:
+        """The plan to send: staged (gathered into the staging buffer, which it then holds) when the rule
+        says so and the buffer is free and large enough; else as built."""
+        st = self.staging
+        if st is None or plan.choose(self.backend.name) is not Strategy.STAGED or not st.acquire(plan.nbytes):
+            return plan, False
+        try:
+            staged = plan.staged(st.addr)
+            st.gather(staged)
+        except BaseException:
+            st.release()
+            raise
+        self.counters["transfers_staged"] = self.counters.get("transfers_staged", 0) + 1
+        log.debug(
+            "prefill %s stage %d: staged %d pages, %d blocks -> %d", self.prefill, self.stage, plan.num_pages,
+            plan.num_blocks, staged.num_blocks,
+        )  # fmt: skip
+        return staged, True
+
+    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None, bool]:
         """Submit the request's pages to every decode stage this stage shares layers with (one plan per stage:
-        its paired keys only); an error stops the rest (what was submitted is still waited for)."""
+        its paired keys only); an error stops the rest (what was submitted is still waited for). The last
+        value says whether one part holds the staging buffer (released after the waits)."""
         job = x.job
         left = job.deadline - self.clock()
         if left <= 0:
-            return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started"
+            return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started", False
         handles: list[tuple[int, TransferHandle]] = []
+        staged = False
         try:
             link = self.links.get(job.decode, job.decode_boot, timeout=min(self.t.rpc, left))
             if link.boot != job.decode_boot:
@@ -164,11 +195,13 @@ class KvSender:
                 plan = TransferPlan.build(part.table, src, dst)
                 injected = self._injected(part.stage)
                 if injected is not None:
-                    return x, handles, injected
+                    return x, handles, injected, staged
+                if not staged:
+                    plan, staged = self._plan(plan)
                 handles.append((part.stage, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
-            return x, handles, None
+            return x, handles, None, staged
         except (DsakvError, ValueError) as e:
-            return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}"
+            return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}", staged
 
     def _report(self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int]) -> None:
         job = x.job

@@ -67,6 +67,7 @@ from dsakv.disagg.prefill_leader import PipelineLeader
 from dsakv.disagg.rpc import PeerUnavailable, RpcClient
 from dsakv.disagg.stage_comm import StageLinkError
 from dsakv.disagg.stage_context import PrefillConfig, StageContext, split_layers
+from dsakv.disagg.staging import StagingBuffer
 from dsakv.disagg.worker_service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class PrefillStage:
             Hello(self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot),
             rpc_timeout=ctx.t.rpc,
         )
+        size = min(cfg.config.transfer.staging_size, self.role.pool.nbytes)
+        self.staging = StagingBuffer(self.backend, size) if size > 0 else None
         ctx.sender_ = KvSender(
             backend=self.backend,
             links=self.links,
@@ -133,6 +136,7 @@ class PrefillStage:
             debug_delay=cfg.config.transfer.debug_transfer_delay,
             debug_fail=cfg.debug_fail_transfer,
             clock=ctx.jobs.now,
+            staging=self.staging,
         )
         log.info(
             "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",

@@ -12,13 +12,23 @@ key. Everything is numpy over all keys and runs at once:
 
 A block can never be empty: a paired key has page_bytes > 0 and a run has >= 1
 page. `Blocks.check()` asserts it anyway, and every backend calls it at its
-boundary. Imports numpy, spec and disagg.{compat, errors}.
+boundary.
+
+Strategy (per request, `choose_strategy`): BLOCKS sends the blocks above, one descriptor per joint run and key.
+STAGED first gathers every source page into one registered staging buffer (dsakv.disagg.staging), key-major
+and in request order, so the source side is one contiguous region; the blocks are then one per key and
+*destination* run only (`TransferPlan.staged`). It pays when the source is fragmented and the destination
+is not (prefix-cache hits and reused prefill pages vs a fresh decode allocation); it cannot reduce the
+descriptors of a fragmented destination (that would need a receiver-side scatter, not built). The rule and
+its constants come from bench/transfer.py (see choose_strategy). Imports numpy, spec and
+disagg.{compat, errors}.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -148,6 +158,45 @@ def contiguous_runs(src_pages: IntArray, dst_pages: IntArray) -> tuple[IntArray,
     return src_pages[starts], dst_pages[starts], lengths
 
 
+class Strategy(StrEnum):
+    BLOCKS = "blocks"  # one descriptor per (key, joint source/destination run)
+    STAGED = "staged"  # gather into a registered staging buffer, one descriptor per (key, destination run)
+
+
+# Measured by bench/transfer.py (GLM-5.2 layout, 101 keys, over TCP on 127.0.0.1; bench/results/transfer.txt
+# prints the fitted values of the same run): the extra time of one more descriptor, per backend, fitted as
+# (fragmented - contiguous) / (extra blocks), and the gather copy's rate (numpy take into the staging buffer).
+DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 25e-6, "nixl": 11e-6, "local": 1e-6}  # 32K run: 25.8, 11.0
+DEFAULT_DESCRIPTOR_COST_S = 11e-6  # an engine not measured: the cheapest measured one (staging rarely)
+GATHER_BYTES_PER_S = 5.0e9  # 32K run: 5.14 GB/s (numpy take, 1 thread, shared host)
+
+
+def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: str = "") -> Strategy:
+    """STAGED when the descriptors staging saves cost more than copying every byte once more, else BLOCKS.
+
+        saved = (num_blocks - staged_blocks) x DESCRIPTOR_COST_S[backend]
+        cost  = nbytes / GATHER_BYTES_PER_S
+        STAGED iff saved > cost
+
+    i.e. many small blocks with a fragmented source. A descriptor is worth 25 us x 5 GB/s = 125 KB of copy on
+    mooncake and 55 KB on nixl; a GLM-5.2 page is ~35 KB a key (101 keys, 3.5 MB a page): a source fragmented
+    page by page is staged on both, one in runs of 2 pages on mooncake only, in runs of 4 on neither. A
+    fragmented destination saves nothing (staged_blocks == num_blocks) and stays BLOCKS.
+    """
+    if num_blocks <= 0 or nbytes <= 0 or staged_blocks >= num_blocks:
+        return Strategy.BLOCKS
+    per = DESCRIPTOR_COST_S.get(backend, DEFAULT_DESCRIPTOR_COST_S)
+    saved = (num_blocks - staged_blocks) * per
+    return Strategy.STAGED if saved > nbytes / GATHER_BYTES_PER_S else Strategy.BLOCKS
+
+
+def dst_runs(dst_pages: IntArray) -> tuple[IntArray, IntArray]:
+    """Maximal runs where the destination ids step by +1: (start index in the request, run length)."""
+    n = dst_pages.shape[0]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(dst_pages) != 1) + 1)).astype(np.int64)
+    return starts, np.diff(np.concatenate((starts, [n]))).astype(np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class TransferPlan:
     """The blocks that move one request's pages for every paired key."""
@@ -159,6 +208,10 @@ class TransferPlan:
     run_pages: IntArray = field(repr=False)
     blocks: Blocks = field(repr=False)
     pair_index: IntArray = field(repr=False)  # per block: index into table.pairs
+    src_ids: IntArray = field(repr=False)  # the request's page ids, sender side
+    dst_ids: IntArray = field(repr=False)  # and receiver side
+    strategy: Strategy = Strategy.BLOCKS
+    staging_addr: int = 0  # STAGED: the staging buffer the blocks read from
 
     @classmethod
     def build(cls, pairs: Sequence[KeyPair] | PairTable, src_pages: object, dst_pages: object) -> TransferPlan:
@@ -191,7 +244,41 @@ class TransferPlan:
         )
         blocks.check("transfer plan")
         pair_index = np.repeat(np.arange(len(table), dtype=np.int64), run_src.size)
-        return cls(table, int(src.size), run_src, run_dst, run_pages, blocks, pair_index)
+        return cls(table, int(src.size), run_src, run_dst, run_pages, blocks, pair_index, src, dst)
+
+    @property
+    def staging_offsets(self) -> IntArray:
+        """Per key: byte offset of its pages in the staging buffer (key-major, request order)."""
+        sizes = self.table.page_bytes * self.num_pages
+        return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+
+    @property
+    def num_staged_blocks(self) -> int:
+        """Blocks the STAGED plan would send: one per key and destination run."""
+        return len(self.table) * int(dst_runs(self.dst_ids)[0].size)
+
+    def choose(self, backend: str = "") -> Strategy:
+        """choose_strategy for this plan over `backend` (its name: the descriptor cost is per engine)."""
+        return choose_strategy(self.num_blocks, self.nbytes, self.num_staged_blocks, backend)
+
+    def staged(self, staging_addr: int) -> TransferPlan:
+        """The same transfer reading from a staging buffer at `staging_addr` that holds, for key k at
+        staging_offsets[k], the pages src_ids in request order (dsakv.disagg.staging.StagingBuffer.gather)."""
+        if staging_addr <= 0:
+            raise ValueError(f"staging address {staging_addr:#x} is not a buffer")
+        starts, lengths = dst_runs(self.dst_ids)
+        t = self.table
+        pb = t.page_bytes[:, None]
+        blocks = Blocks(
+            (staging_addr + self.staging_offsets[:, None] + starts[None, :] * pb).ravel(),
+            (t.dst_base[:, None] + self.dst_ids[starts][None, :] * pb).ravel(),
+            (lengths[None, :] * pb).ravel(),
+        )
+        blocks.check("staged transfer plan")
+        pair_index = np.repeat(np.arange(len(t), dtype=np.int64), starts.size)
+        return replace(
+            self, blocks=blocks, pair_index=pair_index, strategy=Strategy.STAGED, staging_addr=int(staging_addr)
+        )
 
     @property
     def pairs(self) -> tuple[KeyPair, ...]:

@@ -314,6 +314,7 @@ class TransferConfig:
     mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
     rpc_timeout: float = 5.0  # bound on every control-plane call
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
+    staging_size: int = 256 << 20  # prefill: staging buffer for fragmented sources, bytes (capped at the pool; 0: off)
 
 
 @dataclass(frozen=True)
