@@ -96,6 +96,13 @@ class PairState:
     skipped: list[str] = field(default_factory=list)
 
 
+def _load_of(h: Health | None) -> dict[str, int | None]:
+    """A worker's pages and requests as its last health said (None before its first answer): the load columns
+    of both the instance table (view) and its labelled gauges (instance_metrics)."""
+    fields = ("pages_used", "pages_free", "pages_total", "running", "waiting")
+    return {f: (getattr(h, f) if h is not None else None) for f in fields}
+
+
 class PeerTable:
     def __init__(
         self,
@@ -129,11 +136,7 @@ class PeerTable:
             "error": p.error,
             "in_flight": p.inflight,
             "picked": p.picked,
-            "pages_used": h.pages_used if h is not None else None,
-            "pages_free": h.pages_free if h is not None else None,
-            "pages_total": h.pages_total if h is not None else None,
-            "running": h.running if h is not None else None,
-            "waiting": h.waiting if h is not None else None,
+            **_load_of(h),
             "integrity": h.integrity if h is not None else None,
         }
         if p.role == "prefill":
@@ -160,11 +163,7 @@ class PeerTable:
                     "in_flight": p.inflight,
                     "slow_health_total": p.slow_health,
                     "picked_total": p.picked,
-                    "pages_used": h.pages_used if h is not None else None,
-                    "pages_free": h.pages_free if h is not None else None,
-                    "pages_total": h.pages_total if h is not None else None,
-                    "running": h.running if h is not None else None,
-                    "waiting": h.waiting if h is not None else None,
+                    **_load_of(h),
                     "integrity_ok": float(h.integrity == "ok") if h is not None else None,
                 }
                 if p.role == "prefill":
