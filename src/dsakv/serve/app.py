@@ -188,7 +188,7 @@ class _Server:
 
     def _check_features(self, g: GenRequest) -> None:
         """400 for what this backend cannot do (its `features`; the colocated and router backends do all)."""
-        have = getattr(self.backend, "features", frozenset())
+        have: frozenset[str] = getattr(self.backend, "features", frozenset())
         p = g.params
         asked = [
             ("logprobs", p.logprobs is not None, "logprobs" if g.kind == "completion" else "top_logprobs"),
@@ -328,7 +328,10 @@ class _Server:
     ) -> tuple[dict[str, Any], int]:
         """The legacy completions shape {tokens, token_logprobs, top_logprobs, text_offset}; an entry None (the
         first prompt token) has null logprob and top. The sampled token is always among top_logprobs."""
-        tokens, lps, tops, offs = [], [], [], []
+        tokens: list[str] = []
+        lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offs: list[int] = []
         for t, e in zip(ids, entries, strict=True):
             s = self._token_str(t)
             tokens.append(s)
@@ -381,7 +384,8 @@ class _Server:
             out["text"] = echo_text + text
             if g.logprobs is not None:
                 if len(entries) != len(tok_ids):  # echo without prompt logprobs from the backend
-                    entries = [None] * (len(tok_ids) - len(entries)) + entries
+                    missing: list[TokenLogprobs | None] = [None] * (len(tok_ids) - len(entries))
+                    entries = missing + entries
                 logprobs, c.offset = self._completion_logprobs(entries, tok_ids, c.offset)
         elif final and not g.stream:
             out["message"] = {"role": "assistant", "content": text}
