@@ -32,6 +32,7 @@ from dsakv.errors import ConfigError  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402
 from dsakv.spec.layout import Kind, KVLayout  # noqa: E402
 from dsakv.spec.presets import load_spec  # noqa: E402
+from dsakv.util.procs import die_with_parent  # noqa: E402
 from test_hicache_tiers import LAYOUT, PS, Harness, _expected_rows, _toks  # noqa: E402
 
 os.environ.setdefault("DSAKV_CACHE_DIR", tempfile.mkdtemp(prefix="dsakv-fp-"))
@@ -52,6 +53,7 @@ def store_master() -> Iterator[str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        preexec_fn=die_with_parent(),  # a killed test run takes the store (and its mooncake_master) with it
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until ready (or exit)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from dsakv.util.procs import Proc, dsakv_cmd, ephemeral_range, free_ports
 
@@ -68,3 +73,84 @@ def test_stop_kills_a_child_that_ignores_sigterm(tmp_path):
     assert time.monotonic() - t0 >= 1.0 and _gone(gc)
     assert p.stop() == -signal.SIGKILL  # stopping again is a no-op that reports the exit code
     assert dsakv_cmd("plan", "--help") == [sys.executable, "-m", "dsakv", "plan", "--help"]
+
+
+def _dead(pid: int, timeout: float = 10.0) -> bool:
+    """Whether `pid` is gone (or a zombie: dead, not yet reaped by whoever inherited it) within `timeout`."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.05)
+
+
+MIDDLE = (
+    "import sys, time\n"
+    "from dsakv.util.procs import Proc\n"
+    "c = Proc('sleeper', [sys.executable, '-c', 'import time; time.sleep(120)'], quiet=True).start()\n"
+    "print('grandchild', c.pid, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_a_procs_child_dies_with_its_parent_killed_minus_9(tmp_path):
+    # the middle process starts its child with Proc (own session, so killing the middle's group would not reach it)
+    p = Proc("middle", [sys.executable, "-c", MIDDLE], log=tmp_path / "middle.log", parent_death_signal=None).start()
+    gc = _grandchild(p)
+    assert not _dead(gc, timeout=0.2) and os.getpgid(gc) == gc  # alive, in a session of its own
+    os.kill(p.pid, signal.SIGKILL)  # the middle alone (not its group): only the death signal can end the child
+    p.wait(timeout=10)
+    try:
+        assert _dead(gc)
+    finally:
+        if not _dead(gc, timeout=0):
+            os.kill(gc, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_a_child_whose_parent_died_before_it_armed_the_signal_exits_at_once():
+    # the race: re-parented before prctl -> getppid() is not the parent that started it -> exit 128 + SIGTERM
+    code = "from dsakv.util.procs import arm_parent_death\narm_parent_death(1, 15)\nprint('still running')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (128 + signal.SIGTERM, "")
+    code = "import os\nfrom dsakv.util.procs import arm_parent_death\nprint(arm_parent_death(os.getppid(), 15))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "True\n")  # the live parent: armed, running on
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_store_master_killed_minus_9_leaves_no_mooncake_master(tmp_path):
+    pytest.importorskip("mooncake.store")
+    port = free_ports(3)
+    cmd = dsakv_cmd("store-master", "--port", str(port), "--size", "16MiB")
+    p = Proc("store-master", cmd, log=tmp_path / "store-master.log", parent_death_signal=None).start()
+    end = time.monotonic() + 60
+    while not (m := re.search(r"store master ready: .* mooncake_master pid (\d+)\)", p.tail())):
+        assert p.alive() and time.monotonic() < end, p.tail()
+        time.sleep(0.1)
+    master = int(m.group(1))
+    assert not _dead(master, timeout=0.2)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=10)
+    try:
+        assert _dead(master), f"mooncake_master pid {master} outlived its store-master"
+    finally:
+        if not _dead(master, timeout=0):
+            os.kill(master, signal.SIGKILL)  # leave no orphan behind when the assertion fails
+    end = time.monotonic() + 10
+    while True:  # nothing listens on its RPC port any more (once the kernel has torn its threads down)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except ConnectionRefusedError:
+            break
+        except OSError:  # reset: the listener is closing
+            pass
+        assert time.monotonic() < end, f"port {port} still accepts after mooncake_master pid {master} died"
+        time.sleep(0.1)

@@ -15,7 +15,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.plan.capacity import max_total_num_tokens
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
-from dsakv.util.procs import free_ports
+from dsakv.util.procs import die_with_parent, free_ports
 from engine_support import tiny_path
 from serve_support import make_engine
 
@@ -61,7 +61,7 @@ def test_serve_process_end_to_end(tmp_path):
         "1",
     ]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -20,7 +20,7 @@ from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.util import ceil_div
-from dsakv.util.procs import free_ports
+from dsakv.util.procs import die_with_parent, free_ports
 from engine_support import tiny_path
 from serve_support import make_engine
 
@@ -68,7 +68,8 @@ def demo(tmp_path_factory):
         "--no-host-tier",
     ]
     out = open(log_dir / "demo.out", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180

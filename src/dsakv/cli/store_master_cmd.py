@@ -16,6 +16,7 @@ from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 
 log = logging.getLogger(__name__)
+MIN_STORE_BYTES = 16 << 20  # the smallest segment a Mooncake Store client mounts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address every listener binds to (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="master RPC port; metadata on port+1, metrics on port+2")
-    p.add_argument("--size", default="1GiB", help="store memory this process provides, e.g. 8GiB (default 1GiB)")
+    p.add_argument(
+        "--size", default="1GiB", help="store memory this process provides, e.g. 8GiB (default 1GiB; 16MiB at least)"
+    )
     p.add_argument("--log-level", default="info", help="debug | info | warning")
     p.add_argument("--master-log", default=None, metavar="FILE", help="append mooncake_master's output to FILE")
 
@@ -40,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65533:
         raise ConfigError(f"--port {args.port}: needs port, port + 1 and port + 2 in 1..65535")
     size = parse_size(args.size, "--size")
-    if size < 1 << 20:
-        raise ConfigError(f"--size {args.size}: give at least 1MiB of store memory")
+    if size < MIN_STORE_BYTES:
+        raise ConfigError(f"--size {args.size}: Mooncake mounts at least 16MiB of store memory: give --size 16MiB+")
     from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
 
     ensure_bound_to_host(args.host, "the mooncake store (master metadata + store memory)")  # it binds every interface

@@ -29,6 +29,7 @@ import numpy as np
 from dsakv.disagg.backends.registry import make_backend
 from dsakv.disagg.manifest import Manifest
 from dsakv.spec.layout import BufferKey, KVLayout
+from dsakv.util.procs import arm_parent_death
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ def nonzero_outside(pool: Any, pages: np.ndarray) -> dict[str, int]:
     return {str(k): int(pool.tensor(k)[mask].count_nonzero()) for k in pool.keys}
 
 
-def _child_main(conn: Connection, spec: PeerSpec) -> None:
+def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
+    arm_parent_death(parent, signal.SIGKILL)  # a killed test run takes its peers with it (Linux)
     for k, v in spec.env.items():
         os.environ[k] = v
     import torch
@@ -118,7 +120,8 @@ class PeerProcess:
     def __init__(self, spec: PeerSpec, start_timeout: float = 120.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(child, spec), name=f"dsakv-{spec.worker}", daemon=True)
+        args = (child, spec, os.getpid())
+        self.proc = ctx.Process(target=_child_main, args=args, name=f"dsakv-{spec.worker}", daemon=True)
         self.proc.start()
         child.close()
         self.manifest = Manifest.from_bytes(self._reply(start_timeout, "start"))

@@ -13,10 +13,20 @@ process-wide set, so two picks in one process never overlap (a test module that 
 Processes: each child runs in its own session (process group) unless `new_session=False`, so stopping it stops
 whatever it started (a PP prefill's stages); `stop()` sends SIGTERM to the group, waits, then SIGKILLs it and
 reaps the child. Imports nothing from dsakv but errors (it sits below every layer).
+
+Parent death: on Linux every child started here (and mooncake_master, and the transfer tests' peer processes) gets
+a parent-death signal (prctl PR_SET_PDEATHSIG; SIGTERM for dsakv processes, which then stop their own children the
+same way, SIGKILL for mooncake_master), so a `kill -9` of a server, of `dsakv store-master` or of a test run
+leaves no orphan behind. `die_with_parent(sig)` is the `preexec_fn` that sets it; `arm_parent_death(parent, sig)`
+is the same for a child already running (a multiprocessing child). A parent that died before the child armed
+the signal is caught by checking getppid() afterwards (the child exits at once). The kernel sends the signal
+when the *thread* that started the child exits, so start children from a long-lived thread (the main one).
+Elsewhere (macOS) both are no-ops.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import socket
@@ -24,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
 from typing import IO, Any
@@ -36,6 +46,50 @@ LOWEST_PORT = 20000
 
 _handed_out: set[int] = set()
 _ports_lock = threading.Lock()
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up once in the parent (a forked child must not dlopen), or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_prctl = _load_prctl()
+
+
+def arm_parent_death(parent: int, sig: int = SIGTERM) -> bool:
+    """In a child of process `parent`: ask the kernel for `sig` when the parent dies. If the parent is already
+    gone (the child was re-parented before the request), exit now with 128 + sig. False where unsupported."""
+    if _prctl is None:
+        return False
+    if _prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # died between fork and prctl: nobody will send the signal
+        os._exit(128 + int(sig))
+    return True
+
+
+def die_with_parent(sig: int = SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for subprocess.Popen that gives the child `sig` when this process dies (None off Linux,
+    where Popen runs nothing). Called in the parent, so it knows the pid the child must see as its parent."""
+    if _prctl is None:
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        arm_parent_death(parent, sig)
+
+    return arm
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -96,7 +150,8 @@ def dsakv_cmd(*args: str) -> list[str]:
 
 class Proc:
     """One child process: environment `env` (default: this one plus CHILD_ENV), output to `log` (appended), to
-    /dev/null (log=None, quiet) or inherited (log=None), in its own process group unless `new_session=False`."""
+    /dev/null (log=None, quiet) or inherited (log=None), in its own process group unless `new_session=False`; it
+    gets `parent_death_signal` (SIGTERM; None: none) when this process dies (Linux)."""
 
     def __init__(
         self,
@@ -107,10 +162,12 @@ class Proc:
         env: dict[str, str] | None = None,
         new_session: bool = True,
         quiet: bool = False,
+        parent_death_signal: int | None = SIGTERM,
     ) -> None:
         self.name, self.cmd, self.log, self.addr = name, list(cmd), log, addr
         self.env = {**os.environ, **CHILD_ENV} if env is None else dict(env)
         self.new_session, self.quiet = new_session, quiet
+        self.parent_death_signal = parent_death_signal
         self.popen: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
 
@@ -127,6 +184,7 @@ class Proc:
                 stderr=subprocess.STDOUT if f is not None or self.quiet else None,
                 env=self.env,
                 start_new_session=self.new_session,
+                preexec_fn=die_with_parent(self.parent_death_signal) if self.parent_death_signal else None,
             )
         finally:
             if f is not None:

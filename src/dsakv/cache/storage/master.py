@@ -20,10 +20,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from signal import SIGKILL
 from typing import IO
 
 from dsakv.errors import ConfigError
-from dsakv.util.procs import free_ports
+from dsakv.util.procs import die_with_parent, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,13 @@ class MasterProcess:
         if self.log_path is not None:
             self._log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's life
         out = self._log if self._log is not None else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(  # SIGKILL when this process dies (Linux): no orphaned master holding the ports
+            self.argv(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(SIGKILL),
+        )
         deadline = time.monotonic() + timeout
         while not (_listening(self.host, self.port) and _listening(self.host, self.port + 1)):
             if self.proc.poll() is not None:
