@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dsakv.util import procs as procs_mod
 from dsakv.util.procs import Proc, dsakv_cmd, ephemeral_range, free_ports
 
 GRANDCHILD = (
@@ -154,3 +155,58 @@ def test_store_master_killed_minus_9_leaves_no_mooncake_master(tmp_path):
             pass
         assert time.monotonic() < end, f"port {port} still accepts after mooncake_master pid {master} died"
         time.sleep(0.1)
+
+
+PICKER = (
+    "import os, random, sys, time\n"
+    "from dsakv.util.procs import free_ports\n"
+    "random.seed(1234)  # both pickers draw the same candidates: only the shared ledger keeps them apart\n"
+    "while not os.path.exists(sys.argv[1]): time.sleep(0.005)\n"
+    "print(' '.join(str(free_ports(3)) for _ in range(40)), flush=True)\n"
+)
+
+
+def _pick_concurrently(tmp_path, ledger: str) -> list[list[int]]:
+    go = tmp_path / "go"
+    go.unlink(missing_ok=True)
+    env = {**os.environ, "DSAKV_PORT_LEDGER": ledger}
+    cmd = [sys.executable, "-c", PICKER, str(go)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    time.sleep(1.0)  # both started and waiting
+    go.touch()
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    return [[int(b) for b in out.split()] for out in outs]
+
+
+def test_free_ports_two_processes_at_once_get_disjoint_ports(tmp_path, monkeypatch):
+    ledger = tmp_path / "ports.ledger"
+    a, b = _pick_concurrently(tmp_path, str(ledger))
+    spans_a = {p for base in a for p in range(base, base + 3)}
+    spans_b = {p for base in b for p in range(base, base + 3)}
+    assert len(spans_a) == len(spans_b) == 120 and not spans_a & spans_b
+    assert {int(line.split()[0]) for line in ledger.read_text().splitlines()} == spans_a | spans_b
+    monkeypatch.setenv("DSAKV_PORT_LEDGER", str(ledger))
+    mine = free_ports(1)  # the pickers exited: the next reader drops their entries and leaves only its own
+    assert [line.split()[:2] for line in ledger.read_text().splitlines()] == [[str(mine), str(os.getpid())]]
+    # the control: without a usable ledger (a directory), the same seed hands both processes the same ports
+    a, b = _pick_concurrently(tmp_path, str(tmp_path))
+    assert a == b
+
+
+def test_the_port_ledger_drops_expired_dead_and_garbled_entries(tmp_path, monkeypatch):
+    ledger = tmp_path / "ports.ledger"
+    monkeypatch.setenv("DSAKV_PORT_LEDGER", str(ledger))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    now, me = time.time(), os.getpid()
+    ledger.write_text(
+        f"25000 {me} {now + 100:.0f}\n25001 {dead.pid} {now + 100:.0f}\n25002 {me} {now - 1:.0f}\nnot a line\n"
+    )
+    with procs_mod._Ledger() as led:
+        assert led.ok and led.held == {25000: (me, float(f"{now + 100:.0f}"))}
+        assert led.taken(range(24999, 25001)) and not led.taken(range(25001, 25003))
+        led.hold(range(25005, 25007))
+    lines = ledger.read_text().splitlines()
+    assert [line.split()[:2] for line in lines] == [["25000", str(me)], ["25005", str(me)], ["25006", str(me)]]
+    assert abs(float(lines[1].split()[2]) - (time.time() + procs_mod.PORT_HOLD_S)) < 5

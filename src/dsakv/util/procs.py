@@ -1,14 +1,21 @@
 """Child processes and ports on 127.0.0.1: the one launcher used by `dsakv demo`, the PP prefill's stage
 supervisor, the tests' clusters and the benches.
 
-    port = free_ports(3)                      # 3 consecutive free ports, never handed out twice in this process
+    port = free_ports(3)                      # 3 consecutive free ports, not handed out to anyone else on this machine
     p = Proc("decode", dsakv_cmd("serve", "--role", "decode", "--port", str(port)), log=Path("decode.log")).start()
     p.alive(); p.tail(20); p.stop()           # SIGTERM to its process group, SIGKILL after the timeout
 
 Ports: the kernel hands port 0 binds (and so Mooncake's and UCX's own listeners) ports from its ephemeral range
 (/proc/sys/net/ipv4/ip_local_port_range), so a port picked there can be taken between the pick and its use.
-`free_ports` picks below that range, checks every port by binding it, and remembers what it handed out in a
-process-wide set, so two picks in one process never overlap (a test module that starts several clusters).
+`free_ports` picks below that range, checks every port by binding it, and remembers what it handed out twice:
+in a process-wide set (two picks in one process never overlap: a test module that starts several clusters) and
+in a ledger shared by every process on the machine (two test runs, a bench and the demo at once): a file under
+the temp dir (`$DSAKV_PORT_LEDGER` to move it), locked with flock while a pick reads and extends it, one line
+`port pid until` per port handed out. A port stays held there for PORT_HOLD_S (10 min, long enough for the
+child it was meant for to bind it, after which the bind check keeps it out) or until the pid that took it exits
+(its children die with it, below). The caller binds nothing: the port goes to a child that binds it later, so
+holding a socket open until then is not an option. Without a usable ledger (read-only temp dir, no fcntl) a
+warning is logged once and picks are race-free within the process only.
 
 Processes: each child runs in its own session (process group) unless `new_session=False`, so stopping it stops
 whatever it started (a PP prefill's stages); `stop()` sends SIGTERM to the group, waits, then SIGKILLs it and
@@ -27,11 +34,13 @@ Elsewhere (macOS) both are no-ops.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +50,21 @@ from typing import IO, Any
 
 from dsakv.errors import ConfigError
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Unix
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
 LOWEST_PORT = 20000
+PORT_HOLD_S = 600.0  # how long the machine-wide ledger keeps a port handed out by a live process
+LEDGER_ENV = "DSAKV_PORT_LEDGER"
 
 _handed_out: set[int] = set()
 _ports_lock = threading.Lock()
+_ledger_warned = False
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -110,30 +129,129 @@ def _bindable(port: int, host: str = "127.0.0.1") -> bool:
             return False
 
 
+def ledger_path() -> Path:
+    """The machine-wide ledger of handed-out ports ($DSAKV_PORT_LEDGER, else dsakv-ports.ledger in the temp dir)."""
+    return Path(os.environ.get(LEDGER_ENV) or Path(tempfile.gettempdir()) / "dsakv-ports.ledger")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+class _Ledger:
+    """The ledger, locked (flock) from __enter__ to __exit__: `held` maps port -> (pid, until) for the live
+    entries; `hold(span)` adds this process's and __exit__ writes the file back. Lines that do not parse (a
+    writer killed mid-write) are dropped. `ok` is False (and nothing is shared) when the file cannot be used."""
+
+    def __init__(self) -> None:
+        self.path = ledger_path()
+        self.held: dict[int, tuple[int, float]] = {}
+        self.fd = -1
+        self.changed = False
+
+    @property
+    def ok(self) -> bool:
+        return self.fd >= 0
+
+    def __enter__(self) -> _Ledger:
+        global _ledger_warned
+        if fcntl is None:
+            return self
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            raw = b""
+            while chunk := os.read(self.fd, 1 << 16):
+                raw += chunk
+        except OSError as e:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            if not _ledger_warned:
+                _ledger_warned = True
+                log.warning(
+                    "free_ports: cannot use the port ledger %s (%s): ports are unique in this process only "
+                    "(set $%s to a writable file)",
+                    self.path,
+                    e,
+                    LEDGER_ENV,
+                )
+            return self
+        now, live = time.time(), dict[int, bool]()
+        for line in raw.decode("ascii", "replace").splitlines():
+            try:
+                port_s, pid_s, until_s = line.split()
+                port, pid, until = int(port_s), int(pid_s), float(until_s)
+            except ValueError:
+                self.changed = True
+                continue
+            live[pid] = live[pid] if pid in live else _pid_alive(pid)
+            if until > now and live[pid]:
+                self.held[port] = (pid, until)
+            else:
+                self.changed = True  # expired, or its process (and so, with parent death, its children) is gone
+        return self
+
+    def taken(self, span: range) -> bool:
+        return any(p in self.held for p in span)
+
+    def hold(self, span: range) -> None:
+        until = time.time() + PORT_HOLD_S
+        for p in span:
+            self.held[p] = (os.getpid(), until)
+        self.changed = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if self.changed:
+                body = "".join(f"{p} {pid} {until:.0f}\n" for p, (pid, until) in sorted(self.held.items()))
+                os.lseek(self.fd, 0, os.SEEK_SET)
+                os.ftruncate(self.fd, 0)
+                os.write(self.fd, body.encode("ascii"))
+        finally:
+            os.close(self.fd)  # releases the lock
+            self.fd = -1
+
+
 def free_ports(n: int = 1, attempts: int = 500, host: str = "127.0.0.1") -> int:
     """The first of `n` consecutive ports on `host` that are free now, below the ephemeral range, and not handed
-    out before by this process (they are remembered, and never handed out again)."""
+    out before by this process (they are remembered, and never handed out again) nor, within PORT_HOLD_S, by any
+    other live process on this machine (the shared ledger)."""
     if n < 1:
         raise ValueError(f"free_ports: n = {n} must be >= 1")
     lo, _hi = ephemeral_range()
     top = min(lo, 32768) - n - 1
-    with _ports_lock:
+
+    def usable(span: range, ledger: _Ledger) -> bool:
+        mine = any(p in _handed_out for p in span)
+        return not mine and not ledger.taken(span) and all(_bindable(p, host) for p in span)
+
+    with _ports_lock, _Ledger() as ledger:
         if top > LOWEST_PORT:
             for _ in range(attempts):
                 base = random.randint(LOWEST_PORT, top)
                 span = range(base, base + n)
-                if any(p in _handed_out for p in span) or not all(_bindable(p, host) for p in span):
-                    continue
-                _handed_out.update(span)
-                return base
+                if usable(span, ledger):
+                    _handed_out.update(span)
+                    ledger.hold(span)
+                    return base
         # no room below the ephemeral range: fall back to what the kernel gives a port-0 bind
         for _ in range(attempts):
             with socket.socket() as s:
                 s.bind((host, 0))
                 base = int(s.getsockname()[1])
             span = range(base, base + n)
-            if base + n < 65535 and not any(p in _handed_out for p in span) and all(_bindable(p, host) for p in span):
+            if base + n < 65535 and usable(span, ledger):
                 _handed_out.update(span)
+                ledger.hold(span)
                 return base
     raise ConfigError(f"found no {n} consecutive free ports on {host}")
 

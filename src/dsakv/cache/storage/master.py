@@ -47,7 +47,7 @@ def master_binary() -> str:
 
 def free_port(host: str = "127.0.0.1", span: int = 3) -> int:
     """A port p with p .. p+span-1 free on `host` (the master, its metadata server and its metrics): below the
-    ephemeral range, never handed out twice in this process (dsakv.util.procs.free_ports)."""
+    ephemeral range, never handed out twice on this machine (dsakv.util.procs.free_ports)."""
     return free_ports(span, host=host)
 
 
