@@ -14,14 +14,13 @@ an unreachable one fails its requests at once. A failed request's pages are free
 still write them: every stage reported (plus the quarantine a timed-out transfer asks for) or is gone,
 else at the deadline + the backend's quarantine.
 The parts: WorkerService (RPC, health, threads), the Engine, the InboundKv ledger (this class), DecodeOutputs
-(engine outputs -> events, n > 1 choices), liveness (stage pings). Imports torch, dsakv.engine and dsakv.disagg;
-never serve or cli.
+(engine outputs -> events, n > 1 choices), liveness (stage pings), decode_views (HEALTH, integrity). Imports
+torch, dsakv.engine and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dsakv.disagg import grants
+from dsakv.disagg import decode_views, grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.bootstrap import StageRegistry
 from dsakv.disagg.decode_config import DecodeConfig
@@ -60,7 +59,6 @@ from dsakv.disagg.messages import (
     Preallocated,
     StageDone,
     StageDoneReply,
-    StageInfo,
     unpack_logprobs,
 )
 from dsakv.disagg.wire import page_list
@@ -183,60 +181,12 @@ class DecodeWorker:
     # ---- RPC ----------------------------------------------------------------------------------------
 
     def integrity(self) -> str:
-        """'ok', or what does not balance (engine books; requests waiting for KV == the ones tracked)."""
-        try:
-            self.engine.check_integrity()
-            with self._lock:
-                waiting = set(self.engine.scheduler.awaiting_kv)
-                ours = set(self.inbound)
-            if waiting != ours:
-                return (
-                    f"requests waiting for KV in the engine {sorted(waiting - ours)[:4]} are not tracked, "
-                    f"tracked ones {sorted(ours - waiting)[:4]} are not waiting"
-                )
-        except AssertionError as e:
-            return str(e)
-        return "ok"
+        """decode_views.integrity: 'ok', or what does not balance in the engine's and the inbound ledger's books."""
+        return decode_views.integrity(self)
 
     def health(self) -> Health:
-        st = self.engine.stats()
-        with self._lock:
-            failed_held = len(self.inbound.in_phase(Phase.FAILED))
-            inbound = len(self.inbound) - failed_held
-        extra = self.pipeline.health_fields(self) if self.pipeline is not None else {}
-        return Health(
-            ok=not self.service.stopping.is_set() and extra.get("down") is None,
-            role="decode",
-            name=self.name,
-            pid=os.getpid(),
-            boot=self.boot,
-            elide=self.engine.layout.elide,
-            backend=self.cfg.config.transfer.backend,
-            page_size=st.page_size,
-            pages_total=st.pages_total,
-            pages_used=st.pages_used,
-            pages_free=st.pages_free,
-            capacity_tokens=st.capacity_tokens,
-            bytes_per_token=st.bytes_per_token,
-            max_prompt_tokens=st.capacity_tokens - 1,
-            running=st.num_running,
-            waiting=st.num_waiting,
-            inbound=inbound,
-            failed_held=failed_held,
-            stages=[
-                StageInfo(stage=e.stage, rpc=e.rpc, prefill=e.prefill, layers=[e.layer_start, e.layer_end - 1])
-                for e in self.registry.entries()
-            ],
-            counters=dict(self.counters),
-            integrity=self.integrity(),
-            spec=self._spec_counters(),
-            **extra,
-        )
-
-    def _spec_counters(self) -> dict[str, float] | None:
-        """Engine.spec_stats() without the engine lock (plain counters): health must not wait for another step."""
-        sp = self.engine.speculator
-        return sp.stats.to_dict() if sp is not None else None
+        """decode_views.health: the HEALTH reply."""
+        return decode_views.health(self)
 
     def _rpc_handshake(self, hello: Hello) -> HelloReply:
         if self.pipeline is not None:
