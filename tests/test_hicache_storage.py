@@ -325,3 +325,50 @@ def test_write_policies_decide_when_pages_reach_the_store(store: str) -> None:
     for h in (wb, sel, fresh):
         h.cache.check_integrity()
         h.cache.close()
+
+
+class _Copies:
+    """A HostCopyObserver that records every copy it is told of, as plain lists."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[int], list[int]]] = []
+
+    def on_offload(self, dev_ids: Any, host_ids: Any) -> None:
+        self.events.append(("offload", np.asarray(dev_ids).tolist(), np.asarray(host_ids).tolist()))
+
+    def on_load(self, host_ids: Any, dev_ids: Any) -> None:
+        self.events.append(("load", np.asarray(host_ids).tolist(), np.asarray(dev_ids).tolist()))
+
+
+def test_storage_hits_tell_the_observers_their_host_to_device_loads(store: str) -> None:
+    a = _toks(14, 21)  # 5 whole pages + 1 token
+    h = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    h.run(a)
+    st = h.cache.storage
+    assert st is not None
+    keys = [st.key(x) for x in st.page_hashes(a)]  # type: ignore[attr-defined]
+
+    def fresh() -> tuple[Harness, _Copies]:
+        c = Harness(device_pages=12, hicache_ratio=1.0, storage=_cfg(store))
+        c.alloc.hold("another request", c.alloc.alloc(3))  # device pages 0-2 taken: the ids differ below
+        seen = _Copies()
+        c.cache.add_observer(seen)
+        return c, seen
+
+    h2, seen = fresh()
+    m = h2.run(a)  # all 5 pages from the store, through host pages, onto the device (bytes checked in run())
+    assert (m.disk_pages, m.host_pages, m.num_tokens) == (5, 0, 20)
+    [node] = h2.cache.radix.match(a[:20])
+    assert node.host is not None and node.device is not None
+    assert seen.events == [("load", node.host.tolist(), node.device.tolist())]
+    assert seen.events == [("load", [0, 1, 2, 3, 4], [3, 4, 5, 6, 7])]
+    # a broken chain: page 2 has no record, so only the intact prefix (pages 0, 1) is read and told; the
+    # recomputed pages 2-4 are then backed up (write-through) like any computed page
+    _raw(h).remove(keys[2] + ".meta", True)
+    h3, seen3 = fresh()
+    m = h3.run(a)
+    assert (m.disk_pages, m.num_tokens) == (2, 8)
+    assert seen3.events == [("load", [0, 1], [3, 4]), ("offload", [5, 6, 7], [2, 3, 4])]
+    for c in (h.cache, h2.cache, h3.cache):
+        c.check_integrity()
+        c.close()

@@ -30,7 +30,11 @@ with it; a match released without admit() (the scheduler retries admission later
 in unadmitted_lookups, so a request that retries under memory pressure is counted once.
 
 Observers (add_observer): told the page ids of every device <-> host copy, after it ran, in order (a
-pipeline-parallel prefill's stage 0 records them and later stages replay them on their own pools).
+pipeline-parallel prefill's stage 0 records them and later stages replay them on their own pools): offloads
+(backup), loads of host hits, and loads of storage hits read into host pages (on_load(host pages, device pages)
+of the intact prefix that was read). A storage read itself (store -> host pages) and a storage hit without a host
+tier (store -> staging -> device) are no device <-> host copy and are not told; a replaying stage would need the
+store's bytes for its own layers, which is why a PP prefill refuses the storage tier.
 
 match_prefix(tokens, load=False) reserves device pages and returns a match with pending loads; complete()
 runs them and release() before completion gives the reserved pages back (an abort mid-load leaks nothing).
@@ -626,6 +630,8 @@ class HiCache:
         if host.size:
             assert self.host is not None
             self.host.load(self.device, host[:n], ids)
+            for obs in self._observers:  # a host -> device copy like a host hit's (the store filled host[:n])
+                obs.on_load(host[:n], ids)
         else:
             assert staging is not None
             scatter_rows(self.device, ids, staging[:n])
