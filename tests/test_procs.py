@@ -194,7 +194,7 @@ def test_free_ports_two_processes_at_once_get_disjoint_ports(tmp_path, monkeypat
     assert a == b
 
 
-def test_the_port_ledger_drops_expired_dead_and_garbled_entries(tmp_path, monkeypatch):
+def test_the_port_ledger_drops_expired_dead_garbled_and_forged_entries(tmp_path, monkeypatch):
     ledger = tmp_path / "ports.ledger"
     monkeypatch.setenv("DSAKV_PORT_LEDGER", str(ledger))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -202,10 +202,11 @@ def test_the_port_ledger_drops_expired_dead_and_garbled_entries(tmp_path, monkey
     now, me = time.time(), os.getpid()
     ledger.write_text(
         f"25000 {me} {now + 100:.0f}\n25001 {dead.pid} {now + 100:.0f}\n25002 {me} {now - 1:.0f}\nnot a line\n"
+        f"25003 {me} {now + 10 * procs_mod.PORT_HOLD_S:.0f}\n"  # held longer than any hold: forged
     )
     with procs_mod._Ledger() as led:
         assert led.ok and led.held == {25000: (me, float(f"{now + 100:.0f}"))}
-        assert led.taken(range(24999, 25001)) and not led.taken(range(25001, 25003))
+        assert led.taken(range(24999, 25001)) and not led.taken(range(25001, 25004))
         led.hold(range(25005, 25007))
     lines = ledger.read_text().splitlines()
     assert [line.split()[:2] for line in lines] == [["25000", str(me)], ["25005", str(me)], ["25006", str(me)]]

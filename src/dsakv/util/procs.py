@@ -33,6 +33,7 @@ Elsewhere (macOS) both are no-ops.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -165,6 +166,9 @@ class _Ledger:
             return self
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            with contextlib.suppress(OSError):  # shared by every user (the umask took write access away)
+                if os.fstat(self.fd).st_uid == os.getuid():
+                    os.fchmod(self.fd, 0o666)
             fcntl.flock(self.fd, fcntl.LOCK_EX)
             raw = b""
             while chunk := os.read(self.fd, 1 << 16):
@@ -192,7 +196,7 @@ class _Ledger:
                 self.changed = True
                 continue
             live[pid] = live[pid] if pid in live else _pid_alive(pid)
-            if until > now and live[pid]:
+            if now < until <= now + PORT_HOLD_S + 1 and live[pid]:  # never longer than a hold (forged lines)
                 self.held[port] = (pid, until)
             else:
                 self.changed = True  # expired, or its process (and so, with parent death, its children) is gone
