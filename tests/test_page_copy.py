@@ -4,7 +4,9 @@ native (C) copy, checksum and disk read against the Python paths on real layouts
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -135,3 +137,178 @@ def test_native_checksum_and_read_match_python(tmp_path):
         assert np.array_equal(np.concatenate([out[o : o + n] for o, (_, n) in zip(offs, segs, strict=False)]), data)
         assert page_checksum(dsegs) == want
         assert finish_checksum(word.value, 1000) == want
+
+
+def test_native_map_sum_one_pass_copy_exact(tmp_path):
+    """map_sum (the disk tier's read from a mapping: copy + word sum in one pass, streaming stores) against the
+    Python checksum, with segments whose destinations are 8-aligned with the stream (the vector path) or not
+    (copy then sum), odd lengths, and a file offset that is not page aligned; a file shorter than the mapping
+    (SIGBUS on the first page past its end) reads as -EFAULT, and the process carries on."""
+    lib = native.lib()
+    if lib is None:
+        pytest.skip("no C compiler: the native path is not built")
+    data = np.random.default_rng(4).integers(0, 256, 9000, dtype=np.uint8)
+    f = tmp_path / "page.bin"
+    f.write_bytes(b"H" * 104 + data.tobytes())
+    want = page_checksum([(data.ctypes.data, 9000)])
+    for cuts in ([0, 9000], [0, 8, 4104, 9000], [0, 3, 11, 12, 513, 4999, 9000], [0, 8997, 9000]):
+        for gap in (64, 19):  # 64: dst - stream position a multiple of 8 (vector path); 19: not
+            out = np.zeros(9000 + gap * len(cuts), dtype=np.uint8)
+            offs = [a + gap * (i + 1) for i, a in enumerate(cuts[:-1])]
+            lens = [b - a for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+            dsegs = [(out.ctypes.data + o, n) for o, n in zip(offs, lens, strict=True)]
+            word = ctypes.c_uint64()
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                got = lib.dsakv_map_sum(fd, 104, len(dsegs), native.seg_table(dsegs), word)
+            finally:
+                os.close(fd)
+            assert got == 9000, (cuts, gap)
+            assert np.array_equal(np.concatenate([out[o : o + n] for o, n in zip(offs, lens, strict=True)]), data)
+            assert finish_checksum(word.value, 9000) == want, (cuts, gap)
+            mask = np.ones(out.size, dtype=bool)
+            for o, n in zip(offs, lens, strict=True):
+                mask[o : o + n] = False
+            assert int(out[mask].sum()) == 0  # nothing written outside the segments
+    short = tmp_path / "short.bin"
+    short.write_bytes(data[:5000].tobytes())  # ends inside page 1 of the mapping: page 2 on raises SIGBUS
+    out = np.zeros(20000, dtype=np.uint8)
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        got = lib.dsakv_map_sum(fd, 0, 1, native.seg_table([(out.ctypes.data, 20000)]), ctypes.c_uint64())
+    finally:
+        os.close(fd)
+    assert got == -errno.EFAULT
+    assert np.array_equal(out[:5000], data[:5000])  # what lay before the end was copied
+
+
+# ---- the disk tier's batch read (FileStore.get): the native one-call path against the Python one ----------
+
+
+@pytest.fixture(params=["native-mmap", "native-preadv", "native-2-threads", "python"])
+def disk_path(request, monkeypatch):
+    from dsakv.cache.storage import file as file_mod
+
+    if request.param == "python":
+        monkeypatch.setattr(native, "_LIB", False)
+    elif native.lib() is None:
+        pytest.skip("no C compiler: the native path is not built")
+    monkeypatch.setattr(file_mod, "READ_MAP", request.param != "native-preadv")
+    monkeypatch.setattr(file_mod, "READ_THREADS", 2 if request.param == "native-2-threads" else 1)
+    return request.param
+
+
+DISK_LAYOUT = KVLayout(load_spec("tiny"), kv_format="fp8-656", index_format="fp8-132", page_size=4)
+SRC_IDS = [3, 7, 1, 10, 5]  # the chain's pages in the writer's host pool
+DST_IDS = [8, 0, 6, 2, 11]  # and where a reader loads them
+
+
+def _disk_store(tmp_path):
+    from dsakv.cache.storage.base import StorageConfig
+    from dsakv.cache.storage.file import FileStore
+
+    return FileStore(DISK_LAYOUT, None, StorageConfig(backend="file", dir=str(tmp_path)))
+
+
+def _host(name, fill=None):
+    host = make_host_pool(name, DISK_LAYOUT, 12)
+    g = torch.Generator().manual_seed(5)
+    for key in host.keys:
+        v = host.view(key)
+        v.copy_(
+            torch.randint(0, 256, v.shape, dtype=torch.uint8, generator=g) if fill is None else torch.full_like(v, fill)
+        )
+    return host
+
+
+def _segs(host, ids):
+    return [[(host.view(b.key)[i].data_ptr(), b.page_bytes) for b in DISK_LAYOUT.buffers] for i in ids]
+
+
+@pytest.mark.parametrize("layouts", [("layer_first", "page_first"), ("page_first", "layer_first")])
+def test_disk_tier_reads_exact_bytes_per_page(disk_path, layouts, tmp_path):
+    src, dst = _host(layouts[0]), _host(layouts[1], fill=0xEE)
+    store = _disk_store(tmp_path)
+    hashes = store.page_hashes(np.arange(20) % 7 + 2)
+    assert len(hashes) == 5 and store.put(hashes, _segs(src, SRC_IDS)) == 5
+    res = store.get(hashes, _segs(dst, DST_IDS))
+    assert (res.n, res.corrupt, res.refused, res.missing, res.reason) == (5, 0, 0, 0, "")
+    untouched = sorted(set(range(12)) - set(DST_IDS))
+    for key in src.keys:
+        assert torch.equal(dst.view(key)[DST_IDS], src.view(key)[SRC_IDS]), key
+        assert bool((dst.view(key)[untouched] == 0xEE).all()), key
+    # the read stamped the chain for the LRU: the first page most recent, on disk and in the index
+    mtimes = [store.path(h).stat().st_mtime_ns for h in hashes]
+    assert mtimes == sorted(mtimes, reverse=True) and len(set(mtimes)) == 5
+    assert list(store._lru)[-5:] == hashes[::-1]
+    assert (store.corrupt_pages, store.junk_deleted) == (0, 0)
+
+
+def _damage(store, h, how, good: bytes) -> str:
+    """Damages page h's file; returns the reason a read gives for it."""
+    from dsakv.cache.storage.base import META, META_MAGIC
+
+    p = store.path(h)
+    size = META.size + DISK_LAYOUT.bytes_per_page
+    if how == "missing":
+        p.unlink()
+        return "missing"
+    if how == "truncated":
+        os.truncate(p, size - 1)
+        return f"size {size - 1} B, not {size}"
+    if how == "foreign":  # a genuine-looking record of another layout, its payload intact
+        p.write_bytes(
+            META.pack(META_MAGIC, b"0123456789abcdef", h.encode(), DISK_LAYOUT.bytes_per_page, 0) + good[104:]
+        )
+        return f"identity 0123456789abcdef/{h[:12]} is not this page's"
+    if how == "old-magic":
+        p.write_bytes(b"DSAKVPG1" + good[8:])
+        return "bad magic b'DSAKVPG1'"
+    if how == "flip":
+        b = bytearray(good)
+        b[META.size + 1234] ^= 0x20
+        p.write_bytes(bytes(b))
+        return "checksum mismatch"
+    if how == "fifo":
+        p.unlink()
+        os.mkfifo(p)
+        return "not a regular file"
+    if how == "dir":
+        p.unlink()
+        p.mkdir()
+        return "not a regular file"
+    assert how == "symlink"
+    other = p.with_name("elsewhere.bin")
+    other.write_bytes(good)
+    p.unlink()
+    p.symlink_to(other)
+    return "cannot open: Too many levels of symbolic links"
+
+
+@pytest.mark.parametrize("how", ["missing", "truncated", "foreign", "old-magic", "flip", "fifo", "dir", "symlink"])
+def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
+    """Page 2 of a 5-page chain damaged: pages 0-1 load with exact bytes, the read stops there with the same
+    reason and counts on every path (native mmap / preadv / threads, Python), the bad file is deleted (a
+    directory is left alone) and the page leaves the index."""
+    src, dst = _host("layer_first"), _host("page_first", fill=0xEE)
+    store = _disk_store(tmp_path)
+    hashes = store.page_hashes(np.arange(20) % 7 + 2)
+    assert store.put(hashes, _segs(src, SRC_IDS)) == 5
+    bad = store.path(hashes[2])
+    why = _damage(store, hashes[2], how, bad.read_bytes())
+    res = store.get(hashes, _segs(dst, DST_IDS))
+    assert (res.n, res.reason) == (2, why)
+    corrupt = how == "flip"
+    assert (res.corrupt, res.refused, res.missing) == (
+        int(corrupt),
+        int(how not in ("flip", "missing")),
+        int(how == "missing"),
+    )
+    assert store.corrupt_pages == int(corrupt)
+    assert store.junk_deleted == (0 if how in ("missing", "dir") else 1)
+    assert bad.is_dir() if how == "dir" else not os.path.lexists(bad)
+    assert not store.contains(hashes[2]) and store.contains(hashes[3])
+    for key in src.keys:
+        assert torch.equal(dst.view(key)[DST_IDS[:2]], src.view(key)[SRC_IDS[:2]]), key
+    if how == "fifo":
+        assert not any(stat.S_ISFIFO(x.lstat().st_mode) for x in store.dir.rglob("*"))

@@ -30,13 +30,23 @@ log = logging.getLogger(__name__)
 SOURCE = r"""
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
-#if defined(__SSE2__)
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#elif defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
@@ -167,6 +177,319 @@ int64_t dsakv_read_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs
     *sum = total;
     return got;
 }
+
+/* ---- copy + word sum in one pass, from a read-only mapping of the page file ---- */
+
+#if defined(__x86_64__) || defined(__i386__)
+/* n (a multiple of 128) bytes src -> dst (32-byte aligned) with streaming stores; returns their u64 word sum. */
+__attribute__((target("avx2"))) static uint64_t copy_sum_avx2(char *dst, const char *src, uint64_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (; n; n -= 128, src += 128, dst += 128) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)src);
+        __m256i x = _mm256_loadu_si256((const __m256i *)(src + 32));
+        __m256i y = _mm256_loadu_si256((const __m256i *)(src + 64));
+        __m256i z = _mm256_loadu_si256((const __m256i *)(src + 96));
+        a = _mm256_add_epi64(a, w); b = _mm256_add_epi64(b, x); c = _mm256_add_epi64(c, y); d = _mm256_add_epi64(d, z);
+        _mm256_stream_si256((__m256i *)dst, w);
+        _mm256_stream_si256((__m256i *)(dst + 32), x);
+        _mm256_stream_si256((__m256i *)(dst + 64), y);
+        _mm256_stream_si256((__m256i *)(dst + 96), z);
+    }
+    uint64_t l[4];
+    _mm256_storeu_si256((__m256i *)l, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
+    return l[0] + l[1] + l[2] + l[3];
+}
+#endif
+
+#if defined(__SSE2__)
+static uint64_t copy_sum_sse2(char *dst, const char *src, uint64_t n) { /* as above, 16-byte lanes */
+    __m128i a = _mm_setzero_si128(), b = a, c = a, d = a;
+    for (; n; n -= 128, src += 128, dst += 128) {
+        for (int k = 0; k < 128; k += 64) {
+            __m128i w = _mm_loadu_si128((const __m128i *)(src + k));
+            __m128i x = _mm_loadu_si128((const __m128i *)(src + k + 16));
+            __m128i y = _mm_loadu_si128((const __m128i *)(src + k + 32));
+            __m128i z = _mm_loadu_si128((const __m128i *)(src + k + 48));
+            a = _mm_add_epi64(a, w); b = _mm_add_epi64(b, x); c = _mm_add_epi64(c, y); d = _mm_add_epi64(d, z);
+            _mm_stream_si128((__m128i *)(dst + k), w);
+            _mm_stream_si128((__m128i *)(dst + k + 16), x);
+            _mm_stream_si128((__m128i *)(dst + k + 32), y);
+            _mm_stream_si128((__m128i *)(dst + k + 48), z);
+        }
+    }
+    uint64_t l[2];
+    _mm_storeu_si128((__m128i *)l, _mm_add_epi64(_mm_add_epi64(a, b), _mm_add_epi64(c, d)));
+    return l[0] + l[1];
+}
+#endif
+
+/* dst <- src, n bytes, adding their words (stream position *pos, as sum_into) to *total: one pass over the data,
+   the destination written with streaming stores (not read first). Where dst and the stream position are not
+   equally 8-byte aligned, plain copies of 64 KiB, each summed while in cache. */
+static void copy_sum(char *dst, const char *src, uint64_t n, uint64_t *pos, uint64_t *total) {
+    if ((((uintptr_t)dst - *pos) & 7) != 0) {
+        for (uint64_t k; n; n -= k, dst += k, src += k) {
+            k = n < 65536 ? n : 65536;
+            memcpy(dst, src, k);
+            sum_into((const unsigned char *)dst, k, pos, total);
+        }
+        return;
+    }
+    uint64_t head = 0; /* to a 32-byte aligned dst, in whole stream words after the first partial one */
+    while (head < n && ((uintptr_t)(dst + head) & 31)) head++;
+    if (head) {
+        memcpy(dst, src, head);
+        sum_into((const unsigned char *)dst, head, pos, total);
+        dst += head; src += head; n -= head;
+    }
+    uint64_t body = n & ~(uint64_t)127;
+    if (body) {
+        uint64_t t;
+#if defined(__x86_64__) || defined(__i386__)
+        if (__builtin_cpu_supports("avx2")) t = copy_sum_avx2(dst, src, body);
+        else
+#endif
+#if defined(__SSE2__)
+            t = copy_sum_sse2(dst, src, body);
+#else
+        { memcpy(dst, src, body); t = 0; uint64_t q = 0; sum_into((const unsigned char *)dst, body, &q, &t); }
+#endif
+        *total += t;
+        *pos += body;
+        dst += body; src += body; n -= body;
+    }
+    if (n) {
+        memcpy(dst, src, n);
+        sum_into((const unsigned char *)dst, n, pos, total);
+    }
+}
+
+/* A SIGBUS while copying from a mapping (the file was truncated under it) jumps back to the copy's caller, which
+   reports -EFAULT; any other SIGBUS goes to the handler installed before (Python's faulthandler, the default). */
+static __thread sigjmp_buf *bus_jmp;
+static struct sigaction bus_prev;
+static pthread_mutex_t bus_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_bus(int sig, siginfo_t *si, void *uc) {
+    sigjmp_buf *j = bus_jmp;
+    if (j) {
+        bus_jmp = NULL;
+        siglongjmp(*j, 1);
+    }
+    if (bus_prev.sa_flags & SA_SIGINFO) {
+        if (bus_prev.sa_sigaction) { bus_prev.sa_sigaction(sig, si, uc); return; }
+    } else if (bus_prev.sa_handler != SIG_DFL && bus_prev.sa_handler != SIG_IGN) {
+        bus_prev.sa_handler(sig);
+        return;
+    }
+    sigaction(SIGBUS, &bus_prev, NULL); /* the fault repeats on return and ends the process, as without us */
+}
+
+static int guard_bus(void) {
+    struct sigaction cur, sa;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) return -1;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_bus) return 0;
+    pthread_mutex_lock(&bus_mu);
+    int r = 0;
+    if (sigaction(SIGBUS, NULL, &cur) == 0 && !((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_bus)) {
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_bus;
+        sa.sa_flags = SA_SIGINFO;
+        sigemptyset(&sa.sa_mask);
+        r = sigaction(SIGBUS, &sa, &bus_prev);
+    }
+    pthread_mutex_unlock(&bus_mu);
+    return r;
+}
+
+/* Bytes [offset, offset + total segment bytes) of fd (a regular file at least that long, as the caller's fstat
+   said) into the segments through a read-only shared mapping of the page cache, summed on the way (copy_sum).
+   Returns the bytes copied or -errno: -EFAULT when the file shrank under the mapping (SIGBUS). */
+int64_t dsakv_map_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs, uint64_t *sum) {
+    uint64_t want = 0, pos = 0, total = 0;
+    for (int64_t i = 0; i < nseg; i++) want += (uint64_t)segs[2 * i + 1];
+    *sum = 0;
+    if (!want) return 0;
+    if (guard_bus() != 0) return -(int64_t)errno;
+    size_t maplen = (size_t)offset + want;
+    char *map = mmap(NULL, maplen, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) return -(int64_t)errno;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 1)) {
+        munmap(map, maplen);
+        return -EFAULT;
+    }
+    bus_jmp = &jb;
+    const char *src = map + offset;
+    for (int64_t i = 0; i < nseg; i++) {
+        copy_sum((char *)(intptr_t)segs[2 * i], src, (uint64_t)segs[2 * i + 1], &pos, &total);
+        src += segs[2 * i + 1];
+    }
+    bus_jmp = NULL;
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    munmap(map, maplen);
+    *sum = total;
+    return (int64_t)want;
+}
+
+/* ---- the disk tier's batch read (storage/file.py FileStore.get): one call per batch, the GIL released ---- */
+
+enum { PG_OK = 0, PG_MISSING = 1, PG_OPEN = 2, PG_NOTREG = 3, PG_SIZE = 4, PG_HEADER = 5, PG_SHORT = 6,
+       PG_CHECKSUM = 7, PG_IOERR = 8, PG_SHRANK = 9 };
+
+typedef struct {
+    int dirfd;
+    const char *names;          /* page i's path relative to dirfd at names + i * namelen, NUL terminated */
+    int64_t namelen;
+    const unsigned char *expect; /* page i's expected header prefix at expect + i * cmp_bytes */
+    int64_t cmp_bytes, head_bytes, file_bytes;
+    uint64_t mix;               /* checksum = word sum ^ (payload bytes * mix), stored at head[cmp_bytes..+8] */
+    const int64_t *segoff;      /* page i's segments: segs[segoff[i] .. segoff[i + 1]) rows of (addr, bytes) */
+    const int64_t *segs;
+    int advise;                 /* posix_fadvise(WILLNEED) on the next page file while this one is read */
+    int map;                    /* copy from a mapping of the file (dsakv_map_sum), else preadv (dsakv_read_sum) */
+} pages_job;
+
+typedef struct {
+    const pages_job *job;
+    int64_t lo, hi;             /* pages [lo, hi) */
+    int64_t fail, status, aux;  /* first failing page (hi if none), its status and detail (errno, size, bytes) */
+    unsigned char head[256];    /* the failing page's header bytes as read (PG_HEADER) */
+} pages_part;
+
+static int open_page(const pages_job *j, int64_t i, int *err) {
+    int fd;
+    do fd = openat(j->dirfd, j->names + i * j->namelen, O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR);
+    *err = fd < 0 ? errno : 0;
+    if (fd >= 0 && j->advise) posix_fadvise(fd, 0, (off_t)j->file_bytes, POSIX_FADV_WILLNEED);
+    return fd;
+}
+
+/* Opens, checks (regular file of file_bytes, header prefix, payload checksum) and reads page files [lo, hi) into
+   their segments, stopping at the first that fails. The next page's file is opened (and advised) before this
+   one is read, so a cold read overlaps the next file's I/O. */
+static void *read_part(void *arg) {
+    pages_part *pp = (pages_part *)arg;
+    const pages_job *j = pp->job;
+    int64_t payload = j->file_bytes - j->head_bytes;
+    int err = 0, next_err = 0;
+    int next = pp->lo < pp->hi ? open_page(j, pp->lo, &next_err) : -1;
+    pp->fail = pp->hi;
+    for (int64_t i = pp->lo; i < pp->hi; i++) {
+        int fd = next;
+        err = next_err;
+        next = i + 1 < pp->hi ? open_page(j, i + 1, &next_err) : -1;
+        int64_t status = PG_OK, aux = 0;
+        struct stat st;
+        if (fd < 0) {
+            status = err == ENOENT ? PG_MISSING : PG_OPEN;
+            aux = err;
+        } else if (fstat(fd, &st) != 0) {
+            status = PG_IOERR;
+            aux = errno;
+        } else if (!S_ISREG(st.st_mode)) {
+            status = PG_NOTREG;
+        } else if ((int64_t)st.st_size != j->file_bytes) {
+            status = PG_SIZE;
+            aux = (int64_t)st.st_size;
+        } else {
+            ssize_t h;
+            do h = pread(fd, pp->head, (size_t)j->head_bytes, 0);
+            while (h < 0 && errno == EINTR);
+            if (h < 0) {
+                status = PG_IOERR;
+                aux = errno;
+            } else if (h != j->head_bytes || memcmp(pp->head, j->expect + i * j->cmp_bytes, (size_t)j->cmp_bytes)) {
+                status = PG_HEADER;
+                aux = h;
+            } else {
+                uint64_t want, sum = 0;
+                memcpy(&want, pp->head + j->cmp_bytes, 8);
+                const int64_t *sg = j->segs + 2 * j->segoff[i];
+                int64_t nsg = j->segoff[i + 1] - j->segoff[i];
+                int64_t got = j->map ? dsakv_map_sum(fd, j->head_bytes, nsg, sg, &sum)
+                                     : dsakv_read_sum(fd, j->head_bytes, nsg, sg, &sum);
+                if (got == -EFAULT && j->map) {
+                    status = PG_SHRANK;
+                } else if (got < 0) {
+                    status = PG_IOERR;
+                    aux = -got;
+                } else if (got != payload) {
+                    status = PG_SHORT;
+                    aux = got;
+                } else if ((sum ^ ((uint64_t)payload * j->mix)) != want) {
+                    status = PG_CHECKSUM;
+                }
+            }
+        }
+        if (fd >= 0) close(fd);
+        if (status != PG_OK) {
+            pp->fail = i;
+            pp->status = status;
+            pp->aux = aux;
+            break;
+        }
+    }
+    if (next >= 0) close(next);
+    return NULL;
+}
+
+/* Reads pages [0, n) (see pages_job) with `threads` threads, each a contiguous share of the pages. Returns k: the
+   pages before the first failing one, all read and verified; when k < n, detail = (status, aux) of page k and
+   head its header bytes (head_bytes). Then stamps pages [0, k) whose stamp_ns is not 0 (utimensat, no symlink
+   follow: the LRU order), ok_stamp[i] = 0 where that failed. */
+int64_t dsakv_read_pages(int dirfd, int64_t n, const char *names, int64_t namelen, const unsigned char *expect,
+                         int64_t cmp_bytes, int64_t head_bytes, int64_t file_bytes, uint64_t mix,
+                         const int64_t *segoff, const int64_t *segs, int advise, int map, int threads,
+                         const int64_t *stamp_ns, unsigned char *ok_stamp, int64_t *detail, unsigned char *head) {
+    enum { MAXT = 16 };
+    pages_job job = {dirfd, names, namelen, expect, cmp_bytes, head_bytes, file_bytes, mix, segoff, segs, advise,
+                     map};
+    pages_part parts[MAXT];
+    pthread_t tids[MAXT];
+    int started[MAXT];
+    if (head_bytes > (int64_t)sizeof(parts[0].head) || cmp_bytes + 8 > head_bytes) return -EINVAL;
+    if (threads < 1) threads = 1;
+    if (threads > MAXT) threads = MAXT;
+    if (threads > n) threads = n > 0 ? (int)n : 1;
+    for (int t = 0; t < threads; t++) {
+        parts[t].job = &job;
+        parts[t].lo = n * t / threads;
+        parts[t].hi = n * (t + 1) / threads;
+        parts[t].status = PG_OK;
+        parts[t].aux = 0;
+        started[t] = t > 0 && pthread_create(&tids[t], NULL, read_part, &parts[t]) == 0;
+    }
+    read_part(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else read_part(&parts[t]); /* no thread: run its share here */
+    }
+    int64_t k = n;
+    detail[0] = PG_OK;
+    detail[1] = 0;
+    for (int t = 0; t < threads; t++) {
+        if (parts[t].fail < parts[t].hi) {
+            k = parts[t].fail;
+            detail[0] = parts[t].status;
+            detail[1] = parts[t].aux;
+            memcpy(head, parts[t].head, (size_t)head_bytes);
+            break;
+        }
+    }
+    for (int64_t i = 0; i < k; i++) {
+        ok_stamp[i] = 1;
+        if (!stamp_ns[i]) continue;
+        struct timespec ts[2];
+        ts[0].tv_sec = ts[1].tv_sec = (time_t)(stamp_ns[i] / 1000000000);
+        ts[0].tv_nsec = ts[1].tv_nsec = (long)(stamp_ns[i] % 1000000000);
+        if (utimensat(dirfd, names + i * namelen, ts, AT_SYMLINK_NOFOLLOW) != 0) ok_stamp[i] = 0;
+    }
+    return k;
+}
 """
 
 _LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable (warned once)
@@ -191,6 +514,13 @@ def _load(path: Path) -> ctypes.CDLL:
         ctypes.POINTER(ctypes.c_uint64),
     ]
     lib.dsakv_read_sum.restype = ctypes.c_int64
+    p = ctypes.c_void_p
+    i64 = ctypes.c_int64
+    lib.dsakv_read_pages.argtypes = [ctypes.c_int, i64, p, i64, p, i64, i64, i64, ctypes.c_uint64, p, p]
+    lib.dsakv_read_pages.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p, p]
+    lib.dsakv_map_sum.argtypes = [ctypes.c_int, i64, i64, p, ctypes.POINTER(ctypes.c_uint64)]
+    lib.dsakv_map_sum.restype = i64
+    lib.dsakv_read_pages.restype = i64
     return lib
 
 
@@ -210,7 +540,7 @@ def _build() -> ctypes.CDLL | None:
                     src.write_text(SOURCE)
                     obj = Path(tmp) / "page_native.so"
                     r = subprocess.run(
-                        [cc, "-O3", "-shared", "-fPIC", "-o", str(obj), str(src)],
+                        [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(obj), str(src)],
                         capture_output=True,
                         text=True,
                         timeout=60,

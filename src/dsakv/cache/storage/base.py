@@ -122,7 +122,7 @@ def mview(ptr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_uint8 * nbytes).from_address(ptr)).cast("B")
 
 
-_MIX = 0x9E3779B97F4A7C15
+CHECKSUM_MIX = _MIX = 0x9E3779B97F4A7C15  # the size mix of page_checksum (native read_pages uses it)
 
 
 def finish_checksum(word_sum: int, nbytes: int) -> int:
