@@ -102,9 +102,27 @@ def transfer(args: argparse.Namespace) -> None:
         print(f"  wrote {args.json}")
 
 
+def _drop_cache(paths: list[Path]) -> None:
+    """Evict the files' pages from the page cache (flushed first): the next read comes from the disk."""
+    import os
+
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarray) -> dict[str, float]:
-    """Disk tier (the `file` backend) reads of the same scattered host pages, against one plain read of the same
-    bytes from one file into one contiguous buffer; both from the page cache (files written just before)."""
+    """Disk tier (the `file` backend): FileStore.get of the same scattered host pages (each host layout) against
+    one plain read of the same number of bytes from one file into one contiguous buffer of the same allocator as
+    the host pools (torch.empty), and FileStore.put of those pages against one plain write of one new file of the
+    same bytes. Same process, interleaved round by round, best of --repeat. Reads run warm (every file in the page
+    cache: just written) and, with --disk-cold, also cold (before every timed read, the plain file's and the page
+    files' pages alike are flushed and dropped from the page cache with posix_fadvise(DONTNEED)). Writes land in
+    the page cache (no fsync) for both; each round writes new files (the old ones deleted outside the timing)."""
     import os
 
     from dsakv.cache.storage.base import StorageConfig, chain_hashes, layout_identity
@@ -116,45 +134,99 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
         plain_path = Path(tmp) / "plain.bin"
         plain_path.write_bytes(np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tobytes())
-        buf = np.empty(nbytes, dtype=np.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8)  # the host pools' allocator
+        buf.fill_(0)
+        mv = memoryview(buf.numpy())
 
         def plain_read() -> None:
             fd = os.open(plain_path, os.O_RDONLY)
             try:
-                assert os.readv(fd, [memoryview(buf)]) == nbytes
+                assert os.readv(fd, [mv]) == nbytes
             finally:
                 os.close(fd)
 
-        fns = {"plain read": plain_read}
-        stores = []
+        rounds = [0]
+
+        def plain_write() -> None:
+            p = Path(tmp) / f"plain-w{rounds[0]}.bin"
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                assert os.writev(fd, [mv]) == nbytes
+            finally:
+                os.close(fd)
+
+        toks = np.arange(n * layout.page_size) % 500
+        hashes = chain_hashes(layout_identity(layout, None), toks, layout.page_size)
+        reads: dict[str, object] = {"plain": plain_read}
+        writes: dict[str, object] = {"plain": plain_write}
+        files: dict[str, list[Path]] = {"plain": [plain_path]}
+        writes_store: dict[str, FileStore] = {}
         for name, h in hosts.items():
             segs_of = [(h.view(b.key).data_ptr(), h.view(b.key).stride(0), b.page_bytes) for b in layout.buffers]
             pages = [[(base + int(i) * stride, w) for base, stride, w in segs_of] for i in host_ids]
             store = FileStore(layout, None, StorageConfig(backend="file", dir=str(Path(tmp) / name)))
-            toks = np.arange(n * layout.page_size) % 500
-            hashes = chain_hashes(layout_identity(layout, None), toks, layout.page_size)
             assert store.put(hashes, pages) == n
-            stores.append(store)
+            files[name] = [store.path(x) for x in hashes]
 
-            def get(store=store, hashes=hashes, pages=pages) -> None:
+            def get(store=store, pages=pages) -> None:
                 res = store.get(hashes, pages)
                 assert res.n == n, res
 
-            fns[f"{name} disk read"] = get
-        best = {k: float("inf") for k in fns}
+            wstore = FileStore(layout, None, StorageConfig(backend="file", dir=str(Path(tmp) / f"{name}-puts")))
+
+            def put(wstore=wstore, pages=pages) -> None:
+                assert wstore.put(hashes, pages) == n
+
+            reads[name], writes[name], writes_store[name] = get, put, wstore
+        modes = ["warm"] + (["cold"] if args.disk_cold else [])
+        wall: dict[tuple[str, str], float] = {}
+        cpu: dict[tuple[str, str], float] = {}
+
+        def timed(key: tuple[str, str], fn) -> None:  # best wall time and best CPU time (user + system)
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            t, c = time.perf_counter() - t0, time.process_time() - c0
+            wall[key] = min(wall.get(key, float("inf")), t)
+            cpu[key] = min(cpu.get(key, float("inf")), c)
+
         for _ in range(args.repeat):
-            for k, fn in fns.items():
-                best[k] = min(best[k], _best(fn, 1))
-    t_plain = best["plain read"]
-    print(f"  {'plain file read':<24} read    {nbytes / t_plain / 1e9:7.2f} GB/s   (one {nbytes / 2**20:.1f} MiB file)")
-    out["plain_read_gbps"] = nbytes / t_plain / 1e9
-    for name in sorted(hosts):
-        t = best[f"{name} disk read"]
+            for mode in modes:
+                for k, fn in reads.items():
+                    if mode == "cold":
+                        _drop_cache(files[k])
+                    timed((mode, k), fn)
+            for k, fn in writes.items():
+                timed(("write", k), fn)
+            # this round's new files deleted outside the timing (the page files' subdirectories stay, as they do
+            # in a disk tier that has run a while)
+            for x in Path(tmp).glob("plain-w*"):
+                x.unlink()
+            for name in hosts:
+                ws = writes_store[name]
+                for x in hashes:
+                    ws.path(x).unlink()
+                ws._lru.clear()
+                ws._used = 0
+            rounds[0] += 1
+    mib = f"{nbytes / 2**20:.1f} MiB"
+    for mode in [*modes, "write"]:
+        op = "read " if mode != "write" else "write"
+        t_plain, c_plain = wall[mode, "plain"], cpu[mode, "plain"]
+        what = {"warm": "page cache warm", "cold": "page cache dropped before each read", "write": "a new file"}[mode]
         print(
-            f"  {name + ' disk tier':<24} read    {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain; "
-            f"{n} page files, header + checksum checked)"
+            f"  {'plain file ' + op.strip():<24} {op}   {nbytes / t_plain / 1e9:7.2f} GB/s   (one {mib} file; {what})"
         )
-        out[f"{name}_read_x_plain"] = t_plain / t
+        out[f"plain_{op.strip()}_{mode}_gbps"] = nbytes / t_plain / 1e9
+        for name in sorted(hosts):
+            t, c = wall[mode, name], cpu[mode, name]
+            cpu_x = "" if mode == "cold" else f", CPU time {c_plain / c:4.2f}x"  # cold: the wait is I/O, not CPU
+            print(
+                f"  {name + ' disk tier':<24} {op}   {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain{cpu_x}; "
+                f"{n} page files, header + checksum; {mode})"
+            )
+            out[f"{name}_{op.strip()}_{mode}_x_plain"] = t_plain / t
+            if mode != "cold":
+                out[f"{name}_{op.strip()}_{mode}_cpu_x_plain"] = c_plain / c
     return out
 
 
@@ -364,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16, help="pages per offload/load (transfer)")
     p.add_argument("--repeat", type=int, default=9, help="rounds of the transfer part (best of; default 9)")
     p.add_argument("--disk-dir", default=None, help="directory for the disk-tier reads (default: the temp dir)")
+    p.add_argument(
+        "--disk-cold",
+        action="store_true",
+        help="also time disk reads from a dropped page cache (posix_fadvise DONTNEED before each read, both sides)",
+    )
     p.add_argument("--json", help="write the transfer part's figures to this JSON file")
     p.add_argument("--ckpt", default=None, help="checkpoint dir for the workload (default: a fresh tiny one)")
     p.add_argument("--sessions", type=int, default=3)

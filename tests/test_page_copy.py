@@ -312,3 +312,55 @@ def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
         assert torch.equal(dst.view(key)[DST_IDS[:2]], src.view(key)[SRC_IDS[:2]]), key
     if how == "fifo":
         assert not any(stat.S_ISFIFO(x.lstat().st_mode) for x in store.dir.rglob("*"))
+
+
+@pytest.fixture(params=["native", "native-2-threads", "python"])
+def write_path(request, monkeypatch):
+    from dsakv.cache.storage import file as file_mod
+
+    if request.param == "python":
+        monkeypatch.setattr(native, "_LIB", False)
+    elif native.lib() is None:
+        pytest.skip("no C compiler: the native path is not built")
+    monkeypatch.setattr(file_mod, "WRITE_THREADS", 2 if request.param == "native-2-threads" else 1)
+    return request.param
+
+
+def test_disk_tier_writes_the_same_file_bytes_on_every_path(write_path, monkeypatch, tmp_path):
+    """put (native batch write, its threads, or the Python loop) writes byte-identical page files: header (magic,
+    layout id, hash, payload size, page_checksum) + the page's buffers in layout order; read back on the Python
+    path, each page's bytes are exact."""
+    from dsakv.cache.storage.base import META, META_MAGIC, page_checksum
+
+    src = _host("layer_first")
+    store = _disk_store(tmp_path)
+    hashes = store.page_hashes(np.arange(20) % 7 + 2)
+    segs = _segs(src, SRC_IDS)
+    assert store.put(hashes, segs) == 5 and store.put(hashes, segs) == 0  # the second finds them all on disk
+    assert sorted(p.name for p in store.dir.rglob("*") if p.is_file()) == sorted(f"{h}.page" for h in hashes)
+    for h, i, sg in zip(hashes, SRC_IDS, segs, strict=True):
+        payload = b"".join(src.view(b.key)[i].numpy().tobytes() for b in DISK_LAYOUT.buffers)
+        head = META.pack(
+            META_MAGIC, store.layout_id.encode(), h.encode(), DISK_LAYOUT.bytes_per_page, page_checksum(sg)
+        )
+        assert store.path(h).read_bytes() == head + payload, h
+    monkeypatch.setattr(native, "_LIB", False)
+    dst = _host("page_first", fill=0)
+    assert store.get(hashes, _segs(dst, DST_IDS)).n == 5
+    for key in src.keys:
+        assert torch.equal(dst.view(key)[DST_IDS], src.view(key)[SRC_IDS]), key
+
+
+def test_disk_tier_write_failure_writes_a_prefix(write_path, tmp_path):
+    """Page 1's subdirectory is taken by a regular file: put writes page 0 only, on every path (the native
+    threads' share after the failure is removed again), leaves no temporary behind, and indexes only page 0."""
+    src = _host("layer_first")
+    store = _disk_store(tmp_path)
+    hashes = store.page_hashes(np.arange(20) % 7 + 2)
+    assert hashes[1][:2] not in {h[:2] for h in hashes[:1] + hashes[2:]}  # the test's premise
+    (store.dir / hashes[1][:2]).write_bytes(b"not a directory")
+    assert store.put(hashes, _segs(src, SRC_IDS)) == 1
+    assert [store.contains(h) for h in hashes] == [True, False, False, False, False]
+    on_disk = sorted(p.name for p in store.dir.rglob("*") if p.is_file())
+    assert on_disk == sorted([f"{hashes[0]}.page", hashes[1][:2]])
+    assert store.used_bytes == store.file_bytes

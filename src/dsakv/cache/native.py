@@ -105,9 +105,32 @@ void dsakv_copy_runs(int64_t nbuf, const int64_t *geo, int64_t nruns, const int6
 
 /* Adds the little-endian u64 words of n bytes at p, the first at stream position *pos (so segments laid end to
    end sum as one stream, the last word zero padded), to *total. */
+#if defined(__x86_64__) || defined(__i386__)
+/* The u64 word sum of n (a multiple of 128) bytes at p. */
+__attribute__((target("avx2"))) static uint64_t sum_avx2(const unsigned char *p, uint64_t n) {
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    for (; n; n -= 128, p += 128) {
+        a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i *)p));
+        b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i *)(p + 32)));
+        c = _mm256_add_epi64(c, _mm256_loadu_si256((const __m256i *)(p + 64)));
+        d = _mm256_add_epi64(d, _mm256_loadu_si256((const __m256i *)(p + 96)));
+    }
+    uint64_t l[4];
+    _mm256_storeu_si256((__m256i *)l, _mm256_add_epi64(_mm256_add_epi64(a, b), _mm256_add_epi64(c, d)));
+    return l[0] + l[1] + l[2] + l[3];
+}
+#endif
+
 static void sum_into(const unsigned char *p, uint64_t n, uint64_t *pos, uint64_t *total) {
     uint64_t t = *total, q = *pos;
     while (n && (q & 7)) { t += (uint64_t)*p++ << (8 * (q & 7)); q++; n--; }
+#if defined(__x86_64__) || defined(__i386__)
+    if (n >= 128 && __builtin_cpu_supports("avx2")) {
+        uint64_t body = n & ~(uint64_t)127;
+        t += sum_avx2(p, body);
+        p += body; q += body; n -= body;
+    }
+#endif
     uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
     for (; n >= 32; n -= 32, p += 32, q += 32) {
         uint64_t w[4];
@@ -176,6 +199,57 @@ int64_t dsakv_read_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs
     }
     *sum = total;
     return got;
+}
+
+/* The disk tier's write: the segments to fd from `offset` with pwritev in windows of at most 256 KiB (adjacent
+   segments as one iovec), each window summed (sum_into) just before it is written, so the kernel's copy reads it
+   from cache: one pass over memory, not two. Returns the bytes written or -errno; *sum their word sum. */
+int64_t dsakv_write_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs, uint64_t *sum) {
+    enum { WINDOW = 256 * 1024, MAXIOV = 256 };
+    struct iovec iov[MAXIOV];
+    int64_t put = 0, i = 0;
+    uint64_t skip = 0, pos = 0, total = 0;
+    while (i < nseg) {
+        int cnt = 0;
+        uint64_t want = 0;
+        for (int64_t j = i; j < nseg && cnt < MAXIOV && want < WINDOW; j++, cnt++) {
+            uint64_t off = (j == i) ? skip : 0, len = (uint64_t)segs[2 * j + 1] - off;
+            if (len > WINDOW - want) len = WINDOW - want;
+            char *base = (char *)(intptr_t)segs[2 * j] + off;
+            want += len;
+            if (cnt && (char *)iov[cnt - 1].iov_base + iov[cnt - 1].iov_len == base) {
+                iov[cnt - 1].iov_len += (size_t)len;
+                cnt--;
+                continue;
+            }
+            iov[cnt].iov_base = base;
+            iov[cnt].iov_len = (size_t)len;
+        }
+        for (int c = 0; c < cnt; c++) sum_into((const unsigned char *)iov[c].iov_base, iov[c].iov_len, &pos, &total);
+        uint64_t left = want;
+        int c0 = 0;
+        while (left) { /* a short write: the rest of this window */
+            ssize_t r = pwritev(fd, iov + c0, cnt - c0, (off_t)(offset + put));
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                return -(int64_t)errno;
+            }
+            if (r == 0) return -(int64_t)EIO;
+            put += r;
+            left -= (uint64_t)r;
+            while (c0 < cnt && (uint64_t)r >= iov[c0].iov_len) { r -= (ssize_t)iov[c0].iov_len; c0++; }
+            if (c0 < cnt) { iov[c0].iov_base = (char *)iov[c0].iov_base + r; iov[c0].iov_len -= (size_t)r; }
+        }
+        left = want;
+        while (i < nseg && left >= (uint64_t)segs[2 * i + 1] - skip) {
+            left -= (uint64_t)segs[2 * i + 1] - skip;
+            skip = 0;
+            i++;
+        }
+        skip += left;
+    }
+    *sum = total;
+    return put;
 }
 
 /* ---- copy + word sum in one pass, from a read-only mapping of the page file ---- */
@@ -490,6 +564,112 @@ int64_t dsakv_read_pages(int dirfd, int64_t n, const char *names, int64_t namele
     }
     return k;
 }
+/* ---- the disk tier's batch write (storage/file.py FileStore.put): one call per batch, the GIL released ---- */
+
+typedef struct {
+    int dirfd;
+    const char *names, *tmps;   /* page i's file and its temporary, relative to dirfd, NUL terminated */
+    int64_t namelen, tmplen;
+    unsigned char *heads;       /* page i's header at heads + i * head_bytes; its checksum is filled in here */
+    int64_t cmp_bytes, head_bytes, payload;
+    uint64_t mix;
+    const int64_t *segoff, *segs;
+} wpages_job;
+
+typedef struct {
+    const wpages_job *job;
+    int64_t lo, hi, fail, err;  /* first page not written (hi if none) and its errno */
+} wpages_part;
+
+/* Page i: a new temporary (its directory made if missing), the payload (dsakv_write_sum), then the header with
+   the checksum, renamed into place; 0 or errno (the temporary removed). */
+static int64_t write_page(const wpages_job *j, int64_t i) {
+    const char *name = j->names + i * j->namelen, *tmp = j->tmps + i * j->tmplen;
+    int fd = openat(j->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno == ENOENT) {
+        char dir[256];
+        const char *slash = strchr(name, '/');
+        size_t len = slash ? (size_t)(slash - name) : 0;
+        if (len && len < sizeof dir) {
+            memcpy(dir, name, len);
+            dir[len] = 0;
+            if (mkdirat(j->dirfd, dir, 0777) != 0 && errno != EEXIST) return errno;
+            fd = openat(j->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        }
+    }
+    if (fd < 0) return errno;
+    int64_t err = 0;
+    uint64_t sum = 0;
+    unsigned char *head = j->heads + i * j->head_bytes;
+    int64_t put = dsakv_write_sum(fd, j->head_bytes, j->segoff[i + 1] - j->segoff[i], j->segs + 2 * j->segoff[i], &sum);
+    if (put < 0) err = -put;
+    else if (put != j->payload) err = EIO;
+    else {
+        uint64_t c = sum ^ ((uint64_t)j->payload * j->mix);
+        memcpy(head + j->cmp_bytes, &c, 8);
+        ssize_t w = pwrite(fd, head, (size_t)j->head_bytes, 0);
+        if (w != j->head_bytes) err = w < 0 ? errno : EIO;
+    }
+    if (close(fd) != 0 && !err) err = errno;
+    if (!err && renameat(j->dirfd, tmp, j->dirfd, name) != 0) err = errno;
+    if (err) unlinkat(j->dirfd, tmp, 0);
+    return err;
+}
+
+static void *write_part(void *arg) {
+    wpages_part *pp = (wpages_part *)arg;
+    pp->fail = pp->hi;
+    for (int64_t i = pp->lo; i < pp->hi; i++) {
+        int64_t err = write_page(pp->job, i);
+        if (err) {
+            pp->fail = i;
+            pp->err = err;
+            break;
+        }
+    }
+    return NULL;
+}
+
+/* Writes pages [0, n) (see wpages_job) with `threads` threads, each a contiguous share. Returns k: pages [0, k)
+   are in place; when k < n, *err is page k's errno, and the pages after k that other threads wrote are removed
+   again (a batch writes a prefix, as the Python loop does). */
+int64_t dsakv_write_pages(int dirfd, int64_t n, const char *names, int64_t namelen, const char *tmps,
+                          int64_t tmplen, unsigned char *heads, int64_t cmp_bytes, int64_t head_bytes,
+                          int64_t payload, uint64_t mix, const int64_t *segoff, const int64_t *segs, int threads,
+                          int64_t *err) {
+    enum { MAXT = 16 };
+    wpages_job job = {dirfd, names, tmps, namelen, tmplen, heads, cmp_bytes, head_bytes, payload, mix, segoff, segs};
+    wpages_part parts[MAXT];
+    pthread_t tids[MAXT];
+    int started[MAXT];
+    if (cmp_bytes + 8 > head_bytes) return -EINVAL;
+    if (threads < 1) threads = 1;
+    if (threads > MAXT) threads = MAXT;
+    if (threads > n) threads = n > 0 ? (int)n : 1;
+    for (int t = 0; t < threads; t++) {
+        parts[t].job = &job;
+        parts[t].lo = n * t / threads;
+        parts[t].hi = n * (t + 1) / threads;
+        parts[t].err = 0;
+        started[t] = t > 0 && pthread_create(&tids[t], NULL, write_part, &parts[t]) == 0;
+    }
+    write_part(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else write_part(&parts[t]);
+    }
+    int64_t k = n;
+    *err = 0;
+    for (int t = 0; t < threads; t++) {
+        if (k < n) { /* after the first failure: undo what later shares wrote */
+            for (int64_t i = parts[t].lo; i < parts[t].fail; i++) unlinkat(dirfd, names + i * namelen, 0);
+        } else if (parts[t].fail < parts[t].hi) {
+            k = parts[t].fail;
+            *err = parts[t].err;
+        }
+    }
+    return k;
+}
 """
 
 _LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable (warned once)
@@ -520,6 +700,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.dsakv_read_pages.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p, p]
     lib.dsakv_map_sum.argtypes = [ctypes.c_int, i64, i64, p, ctypes.POINTER(ctypes.c_uint64)]
     lib.dsakv_map_sum.restype = i64
+    lib.dsakv_write_sum.argtypes = [ctypes.c_int, i64, i64, p, ctypes.POINTER(ctypes.c_uint64)]
+    lib.dsakv_write_sum.restype = i64
+    lib.dsakv_write_pages.argtypes = [ctypes.c_int, i64, p, i64, p, i64, p, i64, i64, i64, ctypes.c_uint64, p, p]
+    lib.dsakv_write_pages.argtypes += [ctypes.c_int, p]
+    lib.dsakv_write_pages.restype = i64
     lib.dsakv_read_pages.restype = i64
     return lib
 
