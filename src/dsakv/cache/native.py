@@ -1,17 +1,29 @@
-"""Three small C loops for the host and disk tiers, compiled with the system C compiler on first use.
+"""Small C loops for the host and disk tiers, compiled with the system C compiler on first use.
 
     copy_runs(geo, runs, stream) page_copy.copy_page_set: every run of every buffer, one memmove each (or one
                                  copy with non-temporal SSE2 stores when `stream`: large copies)
     sum64(segs)                  storage.base.page_checksum: wrapping sum of the payload's little-endian u64 words
-    read_sum(fd, offset, segs)   the disk tier's read: preadv straight into the segments in 256 KiB windows, each
-                                 summed (sum64) while it is still in cache: one pass over memory, not two
+                                 (AVX2 where the CPU has it)
+    read_pages(...)              FileStore.get: a whole batch of page files in one call, the GIL released: per
+                                 file openat (non-blocking, no symlinks), fstat (regular, exact size), the record
+                                 compared with the expected one, the payload copied into the host segments and
+                                 checksummed (map_sum or read_sum), the LRU stamp (utimensat); stops at the first
+                                 page that fails and says why (status, errno/size/bytes, the record as read)
+    map_sum(fd, offset, segs)    copy from a read-only shared mapping of the page cache, the checksum words
+                                 added in the same pass, streaming stores (the destination is not read first); a
+                                 SIGBUS (the file truncated under the mapping) reads as -EFAULT
+    read_sum(fd, offset, segs)   the same with preadv in 256 KiB windows, each summed after it is read
+                                 (DSAKV_DISK_READ=preadv)
+    write_pages(...)             FileStore.put: a batch of page files in one call: per file a temporary (its
+                                 directory made if missing), checksum into the record, record + payload in one
+                                 pwritev, rename; a failure leaves a written prefix (other threads' pages undone)
 
 Python pays ~1 us per buffer and run (ctypes.memmove, memoryview, numpy view): 99 buffers x 16 pages is ~2-3 ms
 on a 53 MiB copy that memcpy does in ~8 ms. These loops do the same work once per call. The library is built
 into ~/.cache/dsakv (or the temp dir) as page_native-<source hash>.so by an atomic rename, as
 disagg/backends/bind_shim.py builds its shim. Without a compiler, if the build fails, or with
-DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python loops (same bytes).
-Standard library only (no torch, no numpy): storage/base.py imports it.
+DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python loops (same bytes, same
+files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ SOURCE = r"""
 #include <setjmp.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -199,57 +212,6 @@ int64_t dsakv_read_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs
     }
     *sum = total;
     return got;
-}
-
-/* The disk tier's write: the segments to fd from `offset` with pwritev in windows of at most 256 KiB (adjacent
-   segments as one iovec), each window summed (sum_into) just before it is written, so the kernel's copy reads it
-   from cache: one pass over memory, not two. Returns the bytes written or -errno; *sum their word sum. */
-int64_t dsakv_write_sum(int fd, int64_t offset, int64_t nseg, const int64_t *segs, uint64_t *sum) {
-    enum { WINDOW = 256 * 1024, MAXIOV = 256 };
-    struct iovec iov[MAXIOV];
-    int64_t put = 0, i = 0;
-    uint64_t skip = 0, pos = 0, total = 0;
-    while (i < nseg) {
-        int cnt = 0;
-        uint64_t want = 0;
-        for (int64_t j = i; j < nseg && cnt < MAXIOV && want < WINDOW; j++, cnt++) {
-            uint64_t off = (j == i) ? skip : 0, len = (uint64_t)segs[2 * j + 1] - off;
-            if (len > WINDOW - want) len = WINDOW - want;
-            char *base = (char *)(intptr_t)segs[2 * j] + off;
-            want += len;
-            if (cnt && (char *)iov[cnt - 1].iov_base + iov[cnt - 1].iov_len == base) {
-                iov[cnt - 1].iov_len += (size_t)len;
-                cnt--;
-                continue;
-            }
-            iov[cnt].iov_base = base;
-            iov[cnt].iov_len = (size_t)len;
-        }
-        for (int c = 0; c < cnt; c++) sum_into((const unsigned char *)iov[c].iov_base, iov[c].iov_len, &pos, &total);
-        uint64_t left = want;
-        int c0 = 0;
-        while (left) { /* a short write: the rest of this window */
-            ssize_t r = pwritev(fd, iov + c0, cnt - c0, (off_t)(offset + put));
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                return -(int64_t)errno;
-            }
-            if (r == 0) return -(int64_t)EIO;
-            put += r;
-            left -= (uint64_t)r;
-            while (c0 < cnt && (uint64_t)r >= iov[c0].iov_len) { r -= (ssize_t)iov[c0].iov_len; c0++; }
-            if (c0 < cnt) { iov[c0].iov_base = (char *)iov[c0].iov_base + r; iov[c0].iov_len -= (size_t)r; }
-        }
-        left = want;
-        while (i < nseg && left >= (uint64_t)segs[2 * i + 1] - skip) {
-            left -= (uint64_t)segs[2 * i + 1] - skip;
-            skip = 0;
-            i++;
-        }
-        skip += left;
-    }
-    *sum = total;
-    return put;
 }
 
 /* ---- copy + word sum in one pass, from a read-only mapping of the page file ---- */
@@ -422,7 +384,7 @@ typedef struct {
     uint64_t mix;               /* checksum = word sum ^ (payload bytes * mix), stored at head[cmp_bytes..+8] */
     const int64_t *segoff;      /* page i's segments: segs[segoff[i] .. segoff[i + 1]) rows of (addr, bytes) */
     const int64_t *segs;
-    int advise;                 /* posix_fadvise(WILLNEED) on the next page file while this one is read */
+    int advise;                 /* posix_fadvise(WILLNEED) each page file as it is opened (one ahead) */
     int map;                    /* copy from a mapping of the file (dsakv_map_sum), else preadv (dsakv_read_sum) */
 } pages_job;
 
@@ -443,8 +405,8 @@ static int open_page(const pages_job *j, int64_t i, int *err) {
 }
 
 /* Opens, checks (regular file of file_bytes, header prefix, payload checksum) and reads page files [lo, hi) into
-   their segments, stopping at the first that fails. The next page's file is opened (and advised) before this
-   one is read, so a cold read overlaps the next file's I/O. */
+   their segments, stopping at the first that fails. The next page's file is opened (and, with `advise`, its
+   readahead started) before this one is read. */
 static void *read_part(void *arg) {
     pages_part *pp = (pages_part *)arg;
     const pages_job *j = pp->job;
@@ -581,8 +543,56 @@ typedef struct {
     int64_t lo, hi, fail, err;  /* first page not written (hi if none) and its errno */
 } wpages_part;
 
-/* Page i: a new temporary (its directory made if missing), the payload (dsakv_write_sum), then the header with
-   the checksum, renamed into place; 0 or errno (the temporary removed). */
+/* header + segments to fd from offset 0 in as few pwritev calls as the iovec limit allows (one for a page: the
+   page cache gets large folios, which the mapped read then maps cheaply); 0 or errno. */
+static int64_t write_all(int fd, const unsigned char *head, int64_t head_bytes, int64_t nseg, const int64_t *segs,
+                         int64_t want) {
+    enum { MAXIOV = 1024 };
+    struct iovec iov[MAXIOV];
+    int64_t done = 0, i = 0;
+    uint64_t skip = 0;  /* bytes of the current entry already written; entry -1 is the header */
+    int in_head = 1;
+    while (done < want) {
+        int cnt = 0;
+        if (in_head) {
+            iov[cnt].iov_base = (void *)(head + skip);
+            iov[cnt].iov_len = (size_t)((uint64_t)head_bytes - skip);
+            cnt++;
+        }
+        for (int64_t k = i; k < nseg && cnt < MAXIOV; k++) {
+            uint64_t off = (!in_head && k == i) ? skip : 0;
+            char *base = (char *)(intptr_t)segs[2 * k] + off;
+            size_t len = (size_t)((uint64_t)segs[2 * k + 1] - off);
+            if (cnt && (char *)iov[cnt - 1].iov_base + iov[cnt - 1].iov_len == base) iov[cnt - 1].iov_len += len;
+            else { iov[cnt].iov_base = base; iov[cnt].iov_len = len; cnt++; }
+        }
+        ssize_t r = pwritev(fd, iov, cnt, (off_t)done);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return errno;
+        }
+        if (r == 0) return EIO;
+        done += r;
+        uint64_t left = (uint64_t)r; /* advance (in_head, i, skip) by r bytes */
+        if (in_head) {
+            uint64_t h = (uint64_t)head_bytes - skip;
+            if (left < h) { skip += left; continue; }
+            left -= h;
+            in_head = 0;
+            skip = 0;
+        }
+        while (i < nseg && left >= (uint64_t)segs[2 * i + 1] - skip) {
+            left -= (uint64_t)segs[2 * i + 1] - skip;
+            skip = 0;
+            i++;
+        }
+        skip += left;
+    }
+    return 0;
+}
+
+/* Page i: a new temporary (its directory made if missing), the payload's checksum (dsakv_sum64) into its
+   header, header + payload in one pwritev (write_all), renamed into place; 0 or errno (the temporary removed). */
 static int64_t write_page(const wpages_job *j, int64_t i) {
     const char *name = j->names + i * j->namelen, *tmp = j->tmps + i * j->tmplen;
     int fd = openat(j->dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -599,17 +609,13 @@ static int64_t write_page(const wpages_job *j, int64_t i) {
     }
     if (fd < 0) return errno;
     int64_t err = 0;
-    uint64_t sum = 0;
     unsigned char *head = j->heads + i * j->head_bytes;
-    int64_t put = dsakv_write_sum(fd, j->head_bytes, j->segoff[i + 1] - j->segoff[i], j->segs + 2 * j->segoff[i], &sum);
-    if (put < 0) err = -put;
-    else if (put != j->payload) err = EIO;
-    else {
-        uint64_t c = sum ^ ((uint64_t)j->payload * j->mix);
-        memcpy(head + j->cmp_bytes, &c, 8);
-        ssize_t w = pwrite(fd, head, (size_t)j->head_bytes, 0);
-        if (w != j->head_bytes) err = w < 0 ? errno : EIO;
-    }
+    int64_t nseg = j->segoff[i + 1] - j->segoff[i];
+    const int64_t *sg = j->segs + 2 * j->segoff[i];
+    uint64_t c = dsakv_sum64(nseg, sg) ^ ((uint64_t)j->payload * j->mix);
+    memcpy(head + j->cmp_bytes, &c, 8);
+    int64_t want = j->head_bytes + j->payload;
+    err = write_all(fd, head, j->head_bytes, nseg, sg, want);
     if (close(fd) != 0 && !err) err = errno;
     if (!err && renameat(j->dirfd, tmp, j->dirfd, name) != 0) err = errno;
     if (err) unlinkat(j->dirfd, tmp, 0);
@@ -700,8 +706,6 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.dsakv_read_pages.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, p, p]
     lib.dsakv_map_sum.argtypes = [ctypes.c_int, i64, i64, p, ctypes.POINTER(ctypes.c_uint64)]
     lib.dsakv_map_sum.restype = i64
-    lib.dsakv_write_sum.argtypes = [ctypes.c_int, i64, i64, p, ctypes.POINTER(ctypes.c_uint64)]
-    lib.dsakv_write_sum.restype = i64
     lib.dsakv_write_pages.argtypes = [ctypes.c_int, i64, p, i64, p, i64, p, i64, i64, i64, ctypes.c_uint64, p, p]
     lib.dsakv_write_pages.argtypes += [ctypes.c_int, p]
     lib.dsakv_write_pages.restype = i64

@@ -12,8 +12,17 @@ Size cap (max_bytes, None = unbounded): the page files of this layout directory 
 a write evicts the least recently used files first. A use (write or read) touches a file's mtime, the earlier
 pages of a chain last, so a chain loses its deepest pages first; a restart rebuilds the LRU order from mtimes.
 Start-up deletes junk (temporaries, files of another size or format, FIFOs and other non-regular files named
-like pages); a directory named like a page is skipped and never counted. With a C compiler the read (preadv into
-the host segments) and its checksum run in one native call (cache/native.py). Imports numpy and dsakv.spec/cache.
+like pages); a directory named like a page is skipped and never counted.
+
+With a C compiler a batch read (get) and a batch write (put) are one native call each (cache/native.py
+read_pages / write_pages, the GIL released), doing what the Python loops below do, page for page: the same checks
+in the same order, the same reason strings and counters, the same files. A read copies each payload from a
+read-only mapping of the file straight into the host segments with its checksum summed in the same pass
+(DSAKV_DISK_READ=preadv: preadv windows instead); a file truncated under the mapping is refused ("the file shrank
+while it was read"), not a crash. DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch over threads
+(default 1); DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by
+default: it measured slower, warm and cold).
+Imports numpy and dsakv.spec/cache.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ _PG_MISSING, _PG_OPEN, _PG_NOTREG, _PG_SIZE, _PG_HEADER, _PG_SHORT, _PG_CHECKSUM
 READ_THREADS = int(os.environ.get("DSAKV_DISK_READ_THREADS", "1"))  # threads of one batch read (C path)
 WRITE_THREADS = int(os.environ.get("DSAKV_DISK_WRITE_THREADS", "1"))  # threads of one batch write (C path)
 READ_MAP = os.environ.get("DSAKV_DISK_READ", "mmap") != "preadv"  # copy from a mapping (one pass) or preadv
-READ_ADVISE = os.environ.get("DSAKV_DISK_READ_ADVISE", "1") != "0"  # WILLNEED the next page file while reading
+# posix_fadvise(WILLNEED) of the next page file while one is read: off, it measured slower warm and cold
+READ_ADVISE = os.environ.get("DSAKV_DISK_READ_ADVISE", "0") == "1"
 
 
 @STORAGE_BACKENDS.register("file")
@@ -275,17 +285,6 @@ class FileStore(StorageBackend):
 
     def _write_one(self, fd: int, h: str, segs: Segments, tmp: Path) -> None:
         """Page h's file (header + payload) to the new file fd."""
-        ext = native.lib()
-        if ext is not None:  # payload first, each window summed just before pwritev copies it; the header last
-            word_sum = ctypes.c_uint64()
-            put = ext.dsakv_write_sum(fd, META.size, len(segs), native.seg_table(segs), word_sum)
-            if put < 0:
-                raise OSError(-put, os.strerror(-put))
-            if put != self.page_bytes:
-                raise OSError(f"short write of {tmp}")
-            if os.pwrite(fd, self.meta(h, finish_checksum(word_sum.value, self.page_bytes)), 0) != META.size:
-                raise OSError(f"short write of {tmp}")
-            return
         bufs: list[bytes | memoryview] = [self.meta(h, page_checksum(segs))]
         bufs += [mview(a, n) for a, n in segs]
         want = sum(len(b) for b in bufs)
