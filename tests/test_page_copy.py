@@ -314,7 +314,7 @@ def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
         assert not any(stat.S_ISFIFO(x.lstat().st_mode) for x in store.dir.rglob("*"))
 
 
-@pytest.fixture(params=["native", "native-2-threads", "python"])
+@pytest.fixture(params=["native", "native-one-pwritev", "native-odd-window", "native-2-threads", "python"])
 def write_path(request, monkeypatch):
     from dsakv.cache.storage import file as file_mod
 
@@ -323,6 +323,10 @@ def write_path(request, monkeypatch):
     elif native.lib() is None:
         pytest.skip("no C compiler: the native path is not built")
     monkeypatch.setattr(file_mod, "WRITE_THREADS", 2 if request.param == "native-2-threads" else 1)
+    if request.param == "native-one-pwritev":  # record + payload in one call (no windows)
+        monkeypatch.setattr(file_mod, "WRITE_WINDOW", 0)
+    if request.param == "native-odd-window":  # windows that split segments at odd offsets
+        monkeypatch.setattr(file_mod, "WRITE_WINDOW", 1000)
     return request.param
 
 
