@@ -8,7 +8,10 @@
 Part 1 (transfer): a DevicePool of the model's elided layout; `--batch` scattered pages are offloaded to
 scattered pages of a HostPool (each layout) and loaded back, and the same number of bytes is copied as one
 plain contiguous tensor copy, in the same process, interleaved round by round (best of --repeat): GB/s of each
-and the ratio to the plain copy.
+and the ratio to the plain copy. Then the disk tier (the `file` backend) on the same scattered host pages:
+FileStore.get against one plain read of one file of the same bytes (page cache warm; with --disk-cold also
+dropped before every read, on both sides alike) and FileStore.put against one plain write of one new file of the
+same bytes, wall-time and CPU-time ratios (see disk_reads).
 
 Part 2 (workload): the tiny checkpoint (made in a temp dir unless --ckpt is given) serves `--sessions`
 conversations of `--turns` turns each, round robin; every turn's prompt is the session's whole history plus
@@ -216,7 +219,8 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
         print(
             f"  {'plain file ' + op.strip():<24} {op}   {nbytes / t_plain / 1e9:7.2f} GB/s   (one {mib} file; {what})"
         )
-        out[f"plain_{op.strip()}_{mode}_gbps"] = nbytes / t_plain / 1e9
+        tag = f"read_{mode}" if mode != "write" else "write"
+        out[f"plain_{tag}_gbps"] = nbytes / t_plain / 1e9
         for name in sorted(hosts):
             t, c = wall[mode, name], cpu[mode, name]
             cpu_x = "" if mode == "cold" else f", CPU time {c_plain / c:4.2f}x"  # cold: the wait is I/O, not CPU
@@ -224,9 +228,9 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
                 f"  {name + ' disk tier':<24} {op}   {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain{cpu_x}; "
                 f"{n} page files, header + checksum; {mode})"
             )
-            out[f"{name}_{op.strip()}_{mode}_x_plain"] = t_plain / t
+            out[f"{name}_{tag}_x_plain"] = t_plain / t
             if mode != "cold":
-                out[f"{name}_{op.strip()}_{mode}_cpu_x_plain"] = c_plain / c
+                out[f"{name}_{tag}_cpu_x_plain"] = c_plain / c
     return out
 
 
