@@ -234,8 +234,8 @@ class FileStore(StorageBackend):
     def _put_native(self, ext: ctypes.CDLL, hashes: list[str], pages: list[Segments], keep: set[str]) -> int | None:
         """put's writes in one C call (native.py's write_pages, the GIL released): the same pages as the Python
         loop (the cap's evictions decided first, page by page, as it does), each a temporary file written
-        (payload summed window by window, then the header) and renamed into place. Pages written, or None (no
-        directory: the Python path)."""
+        (checksum, then record + payload in one pwritev; WRITE_WINDOW > 0: windows) and renamed into place. Pages
+        written, or None (no directory: the Python path)."""
         todo: list[int] = []
         seen: set[str] = set()
         for i, h in enumerate(hashes):
@@ -330,8 +330,9 @@ class FileStore(StorageBackend):
 
     def _get_native(self, ext: ctypes.CDLL, hashes: list[str], pages: list[Segments]) -> tuple[int, str] | None:
         """The whole batch in one C call (native.py's read_pages, the GIL released): per page open, the same checks
-        as _read_one (regular file, size, header, checksum), preadv into the segments, and the LRU stamp of the
-        pages read. (pages read and verified, why the next one was not) or None (no directory: the Python path)."""
+        as _read_one (regular file, size, header, checksum) on the payload copied into the segments (from a
+        mapping, or preadv), and the LRU stamp of the pages read. (pages read and verified, why the next one was
+        not) or None (no directory: the Python path)."""
         n = len(hashes)
         try:
             dirfd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
