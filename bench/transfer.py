@@ -1,22 +1,29 @@
 """KV transfer benchmark: one GLM-5.2 request (79 layers = 78 + 1 draft, elided) through dsakv vs the raw engine.
 
-For each backend (mooncake, nixl) a receiver runs in a child process on 127.0.0.1 and the sender
-here moves one request's pages, for three page layouts:
+For each backend (mooncake, nixl) a receiver (a decode with one destination staging slot) runs in a child
+process on 127.0.0.1 and the sender here moves one request's pages, for four page layouts:
   contiguous  the request's pages are consecutive on both sides: 1 run -> 1 block per key (101)
   fragmented  the receiver's pages are a random permutation: ~1 block per page per key
   src-frag    the sender's pages are a random permutation, the receiver's consecutive (prefix-cache
               hits / reused prefill pages into a fresh decode allocation): ~1 block per page per key
-Each layout goes both ways where they differ (strategy column):
-  blocks  one descriptor per key and joint run
-  staged  the source pages gathered into a registered staging buffer (dsakv.disagg.staging), then one
-          descriptor per key and destination run; its time includes the gather (gather s column)
-and "*" marks the strategy that TransferPlan.choose (transfer_plan.choose_strategy) picks for the backend.
+  both-frag   both are random permutations
+Each layout goes every way that differs (strategy column):
+  blocks       one descriptor per key and joint run
+  staged       the source pages gathered into a registered staging buffer (dsakv.disagg.staging), then one
+               descriptor per key and destination run; its time includes the gather (gather s column)
+  slot         (fragmented destination) into the receiver's staging slot (TransferPlan.into_slot: one
+               descriptor per key and source run), then the receiver scatters the slot into its pages; its
+               time includes the scatter (scatter s column, measured in the receiver)
+  slot+gather  both: the gathered source into the slot, coalesced to one descriptor
+and "*" marks the strategy the rules pick for the backend: the decode's transfer_plan.choose_destination
+(slot or not), then the sender's TransferPlan.choose (gather or not).
 Reported in the same run, same bytes, same registered memory:
   dsakv   TransferPlan blocks -> backend.submit/wait (boundary checks, batching, worker thread)
   raw     the engine's own call on the same prebuilt blocks (mooncake: batch_transfer_sync_write on Python
           lists, 1,024 descriptors per call; nixl: get_xfer_descs + initialize_xfer + transfer + poll)
-The fitted constants of the rule are printed from the same run: the extra cost of a descriptor per backend
-((fragmented - contiguous) / extra blocks, blocks strategy) and the gather's rate.
+The fitted constants of the rules are printed from the same run: the extra cost of a descriptor per backend
+(blocks - staged transfer time over the extra blocks, for src-frag and for fragmented), the gather's and the
+scatter's rates.
 Then the plan-building time: TransferPlan.build (numpy) vs a straightforward per-layer Python loop.
 Bytes are verified once per backend (per-key checksums on both sides). Default: a 32K-token
 request, 32768 x 54,728 B = 1.79 GB per side; use --tokens to scale down (the output says so).
@@ -43,7 +50,14 @@ from dsakv.disagg.compat import KeyPair  # noqa: E402
 from dsakv.disagg.manifest import BackendMeta, Manifest  # noqa: E402
 from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
 from dsakv.disagg.staging import StagingBuffer  # noqa: E402
-from dsakv.disagg.transfer_plan import DESCRIPTOR_COST_S, GATHER_BYTES_PER_S, Strategy  # noqa: E402
+from dsakv.disagg.transfer_plan import (  # noqa: E402
+    DESCRIPTOR_COST_S,
+    GATHER_BYTES_PER_S,
+    SCATTER_BYTES_PER_S,
+    Strategy,
+    choose_destination,
+    dst_runs,
+)
 from dsakv.spec import KVLayout, load_spec  # noqa: E402
 from dsakv.util import ceil_div
 
@@ -99,19 +113,32 @@ def run_backend(name: str, layout: KVLayout, pages: int, pool, plans: dict, reps
     child_env = {**LOOPBACK_UCX_ENV, "MC_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
     opts = {"env": LOOPBACK_UCX_ENV} if name == "nixl" else {}
     rows = []
-    with PeerProcess(PeerSpec(layout, pages, name, opts, f"decode-{name}", child_env), start_timeout=300) as peer:
+    slot_bytes = pages * layout.bytes_per_page
+    spec = PeerSpec(layout, pages, name, opts, f"decode-{name}", child_env, staging_slots=(slot_bytes, 1))
+    with PeerProcess(spec, start_timeout=300) as peer:
         be = make_backend(name, **opts)
         be.register(pool.regions())
         mine = Manifest.from_pool(pool, be.meta(), f"prefill-{name}")
         pairing = check_pair(mine, peer.manifest)
         conn = be.connect(peer.manifest)
         staging = StagingBuffer(be, pages * PairTable.of(pairing.pairs).bytes_per_page)
+        region = peer.manifest.staging
+        assert region is not None
+        offsets = peer.manifest.slot_offsets(pages)
+        slot_off = [offsets[p.key] for p in pairing.pairs]
         for label, (src, dst) in plans.items():
             built = TransferPlan.build(pairing.pairs, src, dst)
-            chosen = built.choose(name)
-            variants = [(Strategy.BLOCKS, built)]
+            variants = [("blocks", built)]
             if built.num_staged_blocks < built.num_blocks:
-                variants.append((Strategy.STAGED, built.staged(staging.addr)))
+                variants.append(("staged", built.staged(staging.addr)))
+            chosen = str(built.choose(name))
+            if dst_runs(dst)[0].size > 1:
+                into = TransferPlan.into_slot(pairing.pairs, src, region.slot_addr(0), slot_off)
+                variants.append(("slot", into.coalesced()))
+                if into.num_staged_blocks < into.num_blocks:
+                    variants.append(("slot+gather", into.staged(staging.addr).coalesced()))
+                if choose_destination(len(pairing.pairs), dst, built.nbytes, name) is Strategy.STAGED:
+                    chosen = "slot+gather" if into.choose(name) is Strategy.STAGED else "slot"
             for strategy, plan in variants:
                 b = plan.blocks
                 if name == "mooncake":
@@ -133,8 +160,11 @@ def run_backend(name: str, layout: KVLayout, pages: int, pool, plans: dict, reps
 
                 batches = 0
                 gather_s: list[float] = []
+                scatter_s: list[float] = []
 
-                def via_dsakv(plan=plan, gather_s=gather_s) -> None:
+                def via_dsakv(
+                    plan=plan, gather_s=gather_s, scatter_s=scatter_s, slot=strategy.startswith("slot"), dst=dst
+                ) -> None:
                     nonlocal batches
                     if plan.strategy is Strategy.STAGED:
                         t0 = time.perf_counter()
@@ -142,6 +172,8 @@ def run_backend(name: str, layout: KVLayout, pages: int, pool, plans: dict, reps
                         gather_s.append(time.perf_counter() - t0)
                     m = be.transfer(conn, plan.blocks, deadline_in(600))
                     batches = m.batches
+                    if slot:  # the decode's scatter, timed in the receiver
+                        scatter_s.append(peer.scatter(0, dst))
 
                 via_dsakv()  # warm both paths once
                 raw()
@@ -159,12 +191,13 @@ def run_backend(name: str, layout: KVLayout, pages: int, pool, plans: dict, reps
                     {
                         "backend": name,
                         "pages": label,
-                        "strategy": str(strategy),
-                        "chosen": strategy is chosen,
+                        "strategy": strategy,
+                        "chosen": strategy == chosen,
                         "blocks": plan.num_blocks,
                         "batches": batches,
                         "bytes": plan.nbytes,
                         "gather_s": statistics.median(gather_s) if gather_s else 0.0,
+                        "scatter_s": statistics.median(scatter_s) if scatter_s else 0.0,
                         "dsakv_s": statistics.median(d_s),
                         "raw_s": statistics.median(r_s),
                         "intact": ok,
@@ -206,10 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sender pool filled in {time.perf_counter() - t0:.1f}s; receivers start in child processes on 127.0.0.1")
     rng = np.random.default_rng(0)
     src = np.arange(pages, dtype=np.int64)
+    dperm, sperm = rng.permutation(pages).astype(np.int64), rng.permutation(pages).astype(np.int64)
     plans = {
         "contiguous": (src, src.copy()),
-        "fragmented": (src, rng.permutation(pages).astype(np.int64)),
-        "src-frag": (rng.permutation(pages).astype(np.int64), src.copy()),
+        "fragmented": (src, dperm),
+        "src-frag": (sperm, src.copy()),
+        "both-frag": (sperm, dperm),
     }
 
     # plan building: numpy vs a per-layer Python loop, on the same pairs (fake receiver: same layout)
@@ -245,17 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"transfer (median of {args.reps}, after one warm-up; GB = 1e9 bytes; * = the strategy the rule picks)")
     hdr = (
-        f"{'backend':<9} {'pages':<11} {'strategy':<9} {'blocks':>7} {'batches':>7} {'GB':>6} {'gather s':>8} "
-        f"{'dsakv s':>8} {'dsakv GB/s':>10} {'raw s':>7} {'raw GB/s':>8} {'dsakv/raw':>9} {'vs contig':>9} "
-        f"{'intact':>6}"
+        f"{'backend':<9} {'pages':<11} {'strategy':<12} {'blocks':>7} {'batches':>7} {'GB':>6} {'gather s':>8} "
+        f"{'scatter s':>9} {'dsakv s':>8} {'dsakv GB/s':>10} {'raw s':>7} {'raw GB/s':>8} {'dsakv/raw':>9} "
+        f"{'vs contig':>9} {'intact':>6}"
     )
     print(hdr)
     contig = {r["backend"]: r["dsakv_s"] for r in rows if r["pages"] == "contiguous"}
     for r in rows:
         mark = "*" if r["chosen"] else " "
         print(
-            f"{r['backend']:<9} {r['pages']:<11} {r['strategy'] + mark:<9} {r['blocks']:>7} {r['batches']:>7} "
-            f"{r['bytes'] / 1e9:>6.3f} {r['gather_s']:>8.3f} {r['dsakv_s']:>8.3f} "
+            f"{r['backend']:<9} {r['pages']:<11} {r['strategy'] + mark:<12} {r['blocks']:>7} {r['batches']:>7} "
+            f"{r['bytes'] / 1e9:>6.3f} {r['gather_s']:>8.3f} {r['scatter_s']:>9.3f} {r['dsakv_s']:>8.3f} "
             f"{r['bytes'] / r['dsakv_s'] / 1e9:>10.2f} "
             f"{r['raw_s']:>7.3f} {r['bytes'] / r['raw_s'] / 1e9:>8.2f} {r['raw_s'] / r['dsakv_s']:>8.2f}x "
             f"{contig[r['backend']] / r['dsakv_s']:>8.2f}x {r['intact']:>6}"
@@ -265,28 +300,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("  vs contig: throughput relative to the contiguous case of the same backend (1.00x = fragmentation is free)")
     print()
-    print("rule constants fitted from this run (transfer_plan.DESCRIPTOR_COST_S, GATHER_BYTES_PER_S: committed)")
+    print(
+        "rule constants fitted from this run (transfer_plan.DESCRIPTOR_COST_S, GATHER_BYTES_PER_S, "
+        "SCATTER_BYTES_PER_S: committed)"
+    )
+
+    def row(be_name: str, pages: str, strategy: str) -> dict | None:
+        return next((r for r in rows if (r["backend"], r["pages"], r["strategy"]) == (be_name, pages, strategy)), None)
+
     for be_name in contig:
-        blk = next(
-            (r for r in rows if r["backend"] == be_name and r["pages"] == "src-frag" and r["strategy"] == "blocks"),
-            None,
-        )
-        stg = next(
-            (r for r in rows if r["backend"] == be_name and r["pages"] == "src-frag" and r["strategy"] == "staged"),
-            None,
-        )
-        if blk is None or stg is None:
+        fits = []
+        for pages, other in (("src-frag", "staged"), ("fragmented", "slot")):
+            blk, stg = row(be_name, pages, "blocks"), row(be_name, pages, other)
+            if blk is None or stg is None:
+                continue
+            moved = stg["dsakv_s"] - stg["gather_s"] - stg["scatter_s"]  # the transfer alone
+            fits.append((pages, (blk["dsakv_s"] - moved) / max(1, blk["blocks"] - stg["blocks"])))
+        if not fits:
             continue
-        per = (blk["dsakv_s"] - (stg["dsakv_s"] - stg["gather_s"])) / max(1, blk["blocks"] - stg["blocks"])
         committed = DESCRIPTOR_COST_S.get(be_name, 0) * 1e6
-        print(f"  {be_name:<9} cost of one more descriptor {per * 1e6:6.1f} us (src-frag: blocks - staged transfer, "
-              f"per extra block; committed {committed:.1f} us)")  # fmt: skip
-    gs = [r for r in rows if r["strategy"] == "staged"]
-    if gs:
-        rate = statistics.median(r["bytes"] / r["gather_s"] for r in gs)
-        print(
-            f"  gather into the staging buffer {rate / 1e9:.2f} GB/s  (committed {GATHER_BYTES_PER_S / 1e9:.2f} GB/s)"
-        )
+        both = ", ".join(f"{p} {v * 1e6:.1f} us" for p, v in fits)
+        mean = statistics.mean(v for _, v in fits) * 1e6
+        print(f"  {be_name:<9} cost of one more descriptor (blocks - staged transfer, per extra block): {both}; "
+              f"mean {mean:.1f} us (committed {committed:.1f} us)")  # fmt: skip
+    for col, what, committed in (
+        ("gather_s", "gather into the staging buffer", GATHER_BYTES_PER_S),
+        ("scatter_s", "scatter of a slot into the pages", SCATTER_BYTES_PER_S),
+    ):
+        rs = [r for r in rows if r[col] > 0]
+        if rs:
+            rate = statistics.median(r["bytes"] / r[col] for r in rs)
+            print(f"  {what} {rate / 1e9:.2f} GB/s  (committed {committed / 1e9:.2f} GB/s)")
     return 0 if all(r["intact"] != "NO" for r in rows) and all(p[5] for p in plan_rows) else 1
 
 

@@ -241,8 +241,20 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
         help="prefill: a registered staging buffer (capped at the stage's pool) that a request with a fragmented "
         "source is gathered into and sent from in one block per destination run, when the measured rule "
         "(dsakv.disagg.transfer_plan.choose_strategy) says the saved descriptors cost more than the copy; "
-        "0 turns it off (default 256MiB)",
+        "decode: the registered region (capped at its pool) split into --transfer-staging-slots slots that a "
+        "request with fragmented destination pages is written into and then scattered from "
+        "(transfer_plan.choose_destination); 0 turns it off (default 256MiB)",
     )
+    g.add_argument(
+        "--transfer-staging-slots",
+        type=int,
+        default=4,
+        metavar="N",
+        help="decode: destination staging slots (requests staged at once; a request that finds none free, or "
+        "does not fit one, has its pages written directly); 0 turns destination staging off; not used by a "
+        "pipelined decode (--pp-size > 1) (default 4)",
+    )
+    g.add_argument("--debug-transfer-strategy", choices=("", "blocks", "staged"), default="", help=argparse.SUPPRESS)
     g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
@@ -375,6 +387,8 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
         rpc_timeout=getattr(args, "rpc_timeout", 5.0),
         debug_transfer_delay=getattr(args, "debug_transfer_delay", 0.0),
         staging_size=parse_size(str(getattr(args, "transfer_staging_size", "256MiB")), "--transfer-staging-size"),
+        staging_slots=getattr(args, "transfer_staging_slots", 4),
+        debug_transfer_strategy=getattr(args, "debug_transfer_strategy", "") or "",
     )
 
 

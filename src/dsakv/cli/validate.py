@@ -136,6 +136,7 @@ def validate_serve(args: argparse.Namespace) -> None:
 
         if parse_size(str(staging), "--transfer-staging-size") < 0:
             raise ConfigError(f"--transfer-staging-size {staging!r} must be >= 0 bytes (0: off), e.g. 256MiB")
+    check_int(args, "transfer_staging_slots", 0, 1024, "destination staging slots of the decode (0: none)")
     check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
     check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
     pp = int(getattr(args, "pp_size", 1) or 1)

@@ -48,10 +48,12 @@ class InboundBook:
         wake: threading.Event,
         timeouts: Timeouts,
         stopping: threading.Event,
+        release_slot: Callable[[InboundKv], None] | None = None,
     ) -> None:
         self.inbound, self.name, self.lock, self.counters = inbound, name, lock, counters
         self.outputs, self.registry, self.quarantine_s = outputs, registry, quarantine_s
         self.abort_choices, self.wake, self.t, self.stopping = abort_choices, wake, timeouts, stopping
+        self.release_slot = release_slot  # frees a request's destination staging slot with its pages
 
     def fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
         self.inbound.move(inb, Phase.FAILED, error)
@@ -60,11 +62,16 @@ class InboundBook:
         log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
 
     def maybe_release(self, inb: InboundKv) -> None:
-        """Free a failed request's pages once no prefill stage can still write them."""
+        """Free a failed request's pages (and staging slot) once no prefill stage can still write them, and no
+        scatter is writing them."""
+        if inb.scattering:
+            return  # the scatter's end releases it
         now = self.inbound.now()
         hard = inb.deadline + self.quarantine_s
         if (inb.settled() and now >= inb.hold_until) or now >= max(hard, inb.hold_until):
             self.inbound.move(inb, Phase.DONE)
+            if self.release_slot is not None:
+                self.release_slot(inb)
             self.abort_choices(inb.rid)
             self.outputs.forget(inb.rid)
             self.wake.set()

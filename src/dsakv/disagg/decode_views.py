@@ -3,7 +3,8 @@
     decode_views.health(worker)     -> Health (pools, inbound / failed-held requests, registered prefill stages,
                                        counters, integrity, MTP counters, a pipeline's fields from stage 0)
     decode_views.integrity(worker)  -> "ok", or what does not balance (the engine's books; the requests the engine
-                                       holds waiting for KV == the ones the inbound ledger tracks)
+                                       holds waiting for KV == the ones the inbound ledger tracks; the staging
+                                       slots held == the ones the requests hold)
 
 DecodeWorker.health / .integrity answer with these (the HEALTH RPC and WorkerService's integrity hook); the worker's
 RPC handlers and step loop stay in decode_worker. The worker is read through a Protocol (DecodeState), so this module
@@ -20,6 +21,7 @@ from dsakv.disagg import decode_stage
 from dsakv.disagg.decode_config import DecodeConfig
 from dsakv.disagg.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.messages import Health, StageInfo
+from dsakv.disagg.staging import StagingSlots
 from dsakv.engine.engine import Engine
 
 
@@ -30,6 +32,7 @@ class DecodeState(decode_stage.DecodeWorker, Protocol):
     counters: dict[str, int]
     inbound: Ledger[InboundKv]
     pipeline: decode_stage.DecodePipeline | None
+    slots: StagingSlots | None
 
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
@@ -47,6 +50,12 @@ def integrity(w: DecodeState) -> str:
                 f"requests waiting for KV in the engine {sorted(waiting - ours)[:4]} are not tracked, "
                 f"tracked ones {sorted(ours - waiting)[:4]} are not waiting"
             )
+        if w.slots is not None:
+            with w._lock:  # slots are taken and given back under it
+                want = {inb.slot: inb.rid for inb in w.inbound.values() if inb.slot >= 0}
+                held = w.slots.held()
+            if held != want:
+                return f"staging slots held {held} but the requests hold {want}"
     except AssertionError as e:
         return str(e)
     return "ok"
@@ -85,6 +94,7 @@ def health(w: DecodeState) -> Health:
         counters=dict(w.counters),
         integrity=w.integrity(),
         spec=spec_counters(w.engine),
+        staging_slots=[w.slots.free, w.slots.num_slots] if w.slots is not None else None,
         **extra,
     )
 

@@ -61,6 +61,7 @@ from dsakv.disagg.messages import (
     StageDoneReply,
     unpack_logprobs,
 )
+from dsakv.disagg.staging import decode_slots, offer_slot, written_keys
 from dsakv.disagg.wire import page_list
 from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.engine import Engine
@@ -71,6 +72,11 @@ if TYPE_CHECKING:
     from dsakv.disagg.decode_stage import DecodePipeline
 
 log = logging.getLogger(__name__)
+
+
+def cfg_force(cfg: DecodeConfig) -> str:
+    """Testing (--debug-transfer-strategy): "staged" / "blocks" overrides the destination rule."""
+    return cfg.config.transfer.debug_transfer_strategy
 
 
 def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
@@ -102,6 +108,10 @@ class DecodeWorker:
             )
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
+        tc = cfg.config.transfer  # destination staging (disagg.staging): slots for fragmented destinations
+        self.slots = decode_slots(
+            self.backend, min(tc.staging_size, self.engine.pool.nbytes), tc.staging_slots, self.pipeline is not None
+        )
         self.service = WorkerService(
             DECODE_SERVICE,
             {
@@ -120,7 +130,9 @@ class DecodeWorker:
         )
         self.boot = self.service.boot if self.pipeline is None else f"{self.service.boot}.0"  # .<formation>
         self.name = cfg.name or f"decode@{self.address}"
-        self.manifest = Manifest.from_pool(self.engine.pool, self.backend.meta(), worker=self.name)
+        self.manifest = Manifest.from_pool(
+            self.engine.pool, self.backend.meta(), self.name, self.slots.region if self.slots is not None else None
+        )
         self.registry = StageRegistry(self.manifest)
         self.grant_key = grants.new_key()  # signs this process's page grants; handed to handshaken stages only
         self.events = EventLog()
@@ -128,7 +140,9 @@ class DecodeWorker:
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self.counters = dict.fromkeys(
-            ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused"), 0
+            ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused")
+            + ("staged_in", "staging_no_slot"),
+            0,
         )
         self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
         self.book = InboundBook(
@@ -143,6 +157,7 @@ class DecodeWorker:
             wake=self._wake,
             timeouts=self.t,
             stopping=self.service.stopping,
+            release_slot=self._release_slot,
         )
         st = self.engine.stats()
         log.info(
@@ -173,6 +188,8 @@ class DecodeWorker:
         self.service.stop(join_timeout=5)
         if self.pipeline is not None:
             self.pipeline.group.close()
+        if self.slots is not None:
+            self.slots.close()
         self.backend.close()
 
     def serve_forever(self) -> None:
@@ -227,6 +244,15 @@ class DecodeWorker:
             self.inbound.add(inb)
             inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
             self.outputs.add(rid, p.params.n)
+            written = page_list(pages)[: ceil_div(len(prompt), st.page_size)]  # what the prefill stages write
+            keys = written_keys(self.manifest, stages)
+            inb.slot, wanted = offer_slot(
+                self.slots, self.manifest, rid, written, keys, self.backend.name, cfg_force(self.cfg)
+            )
+            if inb.slot >= 0:
+                inb.slot_dst, inb.slot_keys = written, keys
+            elif wanted:
+                self.counters["staging_no_slot"] += 1
             inb.grant = grants.sign(
                 self.grant_key,
                 rid=rid,
@@ -234,6 +260,8 @@ class DecodeWorker:
                 boot=self.boot,
                 pages=page_list(pages),
                 expires=time.time() + kv_timeout + self.t.kv_grace,
+                slot=inb.slot,
+                slot_pages=len(inb.slot_dst),
             )
             self.counters["prealloc"] += 1
         return Preallocated(pages=page_list(pages), boot=self.boot, grant=inb.grant)
@@ -241,6 +269,7 @@ class DecodeWorker:
     def stage_done(self, p: StageDone) -> StageDoneReply:
         """Stage p.stage reported its transfer: start decoding once all did, fail the request if it failed."""
         rid, stage, ok = p.rid, p.stage, p.ok
+        scatter = False
         with self._lock:
             inb = self.inbound.get(rid)
             if inb is None:
@@ -262,6 +291,9 @@ class DecodeWorker:
                 if wrong is not None:
                     p = replace(p, ok=False, error=wrong)
                     ok = False
+            if ok and p.slot != inb.slot:  # the grant named the slot: a stage that wrote elsewhere left it partial
+                p = replace(p, ok=False, error=f"it wrote into staging slot {p.slot}, the grant named {inb.slot}")
+                ok = False
             inb.reported[stage] = ok
             inb.bytes += p.bytes
             if p.quarantine_s > 0:
@@ -277,12 +309,56 @@ class DecodeWorker:
             waiting = inb.phase is Phase.AWAITING_KV
             if waiting and not ok:
                 self.book.fail(inb, f"prefill {inb.prefill} stage {stage}: {p.error or 'failed'}")
-            elif waiting and len(inb.reported) == inb.num_stages and inb.first_token is not None:
-                self._start(inb)
-                return StageDoneReply(accepted=True, started=True)
+            elif waiting and not inb.scattering and len(inb.reported) == inb.num_stages and inb.first_token is not None:
+                if inb.slot < 0:
+                    self._start(inb)
+                    return StageDoneReply(accepted=True, started=True)
+                inb.scattering = scatter = True  # below, outside the lock; its pages and slot stay held meanwhile
+            if inb.phase is Phase.FAILED:
+                self.book.maybe_release(inb)
+        if scatter:
+            return self._scatter_and_start(inb)
+        return StageDoneReply(accepted=True)
+
+    def _scatter_and_start(self, inb: InboundKv) -> StageDoneReply:
+        """Every stage wrote into the request's staging slot: scatter it into its pages, free the slot, start
+        decoding (unless the request failed or was aborted meanwhile: then its pages go the failed way)."""
+        assert self.slots is not None
+        t0 = time.perf_counter()
+        err = None
+        try:
+            nbytes = self.slots.scatter(
+                inb.slot,
+                self.manifest,
+                self.engine.pool.regions(),
+                inb.slot_keys,
+                inb.slot_dst,  # type: ignore[arg-type]
+            )
+        except (ValueError, KeyError) as e:
+            err = f"request {inb.rid}: scatter of staging slot {inb.slot} failed: {e}"
+        with self._lock:
+            inb.scattering = False
+            if err is None:
+                self.counters["staged_in"] += 1
+                log.debug(
+                    "decode %s: %s scattered %d B from staging slot %d into %d pages in %.4fs", self.name, inb.rid,
+                    nbytes, inb.slot, len(inb.slot_dst), time.perf_counter() - t0,
+                )  # fmt: skip
+            self._release_slot(inb)  # every stage reported: nothing more lands in it
+            if inb.phase is Phase.AWAITING_KV:
+                if err is None:
+                    self._start(inb)
+                    return StageDoneReply(accepted=True, started=True)
+                self.book.fail(inb, err)
             if inb.phase is Phase.FAILED:
                 self.book.maybe_release(inb)
         return StageDoneReply(accepted=True)
+
+    def _release_slot(self, inb: InboundKv) -> None:
+        """Give the request's staging slot back (after its scatter, or once its failed pages are freed)."""
+        if inb.slot >= 0 and self.slots is not None:
+            self.slots.release(inb.slot, inb.rid)
+            inb.slot = -1
 
     def kv_failed(self, p: KvFailed) -> bool:
         """A prefill dropped the request before transferring it."""

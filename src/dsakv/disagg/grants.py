@@ -5,13 +5,17 @@
     Preallocated(pages, boot, grant=g) ─► router ─► Submit(..., grant=g) ─► prefill stage 0 ─► JobSpec ─► stage k
     verify(key, g, rid=..., prefill=..., boot=..., pages=...)  # GrantRefused naming what does not match
 
-A grant is msgpack [1, rid, prefill, decode boot, pages, expiry (unix seconds)] followed by its HMAC-SHA256
-tag under the decode's grant key. The decode hands that key only to prefill stages in their handshake reply,
-so only the decode mints grants and only registered stages can check them; the router carries a grant it
-cannot forge or widen. Prefill stage 0 refuses a submit whose grant does not verify, has expired, was spent
-already, or names another request, decode or prefill, or other pages than `dst_pages`; every stage checks the
-grant again right before it starts writing (kv_sender), and the decode accepts a stage's report only with the
-grant it issued for that request. Expiry is wall-clock time (hosts of a deployment keep their clocks in sync).
+A grant is msgpack [1, rid, prefill, decode boot, pages, expiry (unix seconds), staging slot, slot pages]
+followed by its HMAC-SHA256 tag under the decode's grant key. A staging slot >= 0 (dsakv.disagg.staging.
+StagingSlots; the decode's destination pages are fragmented) tells every stage to write the first `slot pages`
+pages into that slot of the decode's staging region instead of into `pages`; the decode scatters it. The slot is
+signed with the pages, and the decode scatters only the slot its own record of the request holds.
+The decode hands the grant key only to prefill stages in their handshake reply, so only the decode mints
+grants and only registered stages can check them; the router carries a grant it cannot forge or widen.
+Prefill stage 0 refuses a submit whose grant does not verify, has expired, was spent already, or names another
+request, decode or prefill, or other pages than `dst_pages`; every stage checks the grant again right before it
+starts writing (kv_sender), and the decode accepts a stage's report only with the grant it issued for that
+request. Expiry is wall-clock time (hosts of a deployment keep their clocks in sync).
 Imports the standard library and msgpack.
 """
 
@@ -44,10 +48,25 @@ class Grant:
     pages: tuple[int, ...]
     expires: float
     tag: bytes
+    slot: int = -1  # a destination staging slot to write into (-1: write the pages directly)
+    slot_pages: int = 0  # how many pages the slot holds (the prompt's)
 
 
-def sign(key: bytes, *, rid: str, prefill: str, boot: str, pages: Sequence[int], expires: float) -> bytes:
-    body = msgpack.packb([1, rid, prefill, boot, [int(p) for p in pages], float(expires)], use_bin_type=True)
+def sign(
+    key: bytes,
+    *,
+    rid: str,
+    prefill: str,
+    boot: str,
+    pages: Sequence[int],
+    expires: float,
+    slot: int = -1,
+    slot_pages: int = 0,
+) -> bytes:
+    body = msgpack.packb(
+        [1, rid, prefill, boot, [int(p) for p in pages], float(expires), int(slot), int(slot_pages)],
+        use_bin_type=True,
+    )
     return body + hmac.new(key, b"dsakv-grant-v1" + body, hashlib.sha256).digest()
 
 
@@ -62,8 +81,8 @@ def parse(key: bytes, blob: bytes) -> Grant:
         tag, hmac.new(key, b"dsakv-grant-v1" + body, hashlib.sha256).digest()
     ):
         raise GrantRefused("the page grant does not verify (forged, altered, or from another decode process)")
-    v, rid, prefill, boot, pages, expires = msgpack.unpackb(body, raw=False)
-    return Grant(rid, prefill, boot, tuple(pages), float(expires), tag)
+    v, rid, prefill, boot, pages, expires, slot, slot_pages = msgpack.unpackb(body, raw=False)
+    return Grant(rid, prefill, boot, tuple(pages), float(expires), tag, int(slot), int(slot_pages))
 
 
 def verify(

@@ -13,7 +13,11 @@
 Strategy per part (TransferPlan.choose, the measured rule in transfer_plan.choose_strategy): with a staging
 buffer (`staging`, dsakv.disagg.staging) a plan of many small blocks whose source is fragmented is gathered
 into it and sent as one block per key and destination run; otherwise (or while the buffer is held by another
-transfer) the plan's own blocks go. The bytes land before STAGE_DONE either way: the decode is unchanged.
+transfer) the plan's own blocks go. A grant that names a destination staging slot (the decode's pages are
+fragmented: transfer_plan.choose_destination, dsakv.disagg.staging.StagingSlots) makes every part go into that
+slot instead (TransferPlan.into_slot, Manifest.slot_offsets), gathered too when the rule says so, and its blocks
+coalesced (a gathered source into a slot: one block per range of adjacent keys); STAGE_DONE names the slot, and
+the decode scatters it into the pages.
 
 A transfer that times out after the engine took it reports the backend's quarantine (the decode keeps the
 pages that long: the engine may still write them). Imports numpy, dsakv.disagg.{backends, bootstrap,
@@ -33,7 +37,7 @@ import numpy as np
 
 from dsakv.disagg import grants
 from dsakv.disagg.backends.base import TransferBackend, TransferHandle
-from dsakv.disagg.bootstrap import DecodeLinks
+from dsakv.disagg.bootstrap import DecodeLink, DecodeLinks, LinkPart
 from dsakv.disagg.errors import TransferTimeout
 from dsakv.disagg.lifecycle import StageJob
 from dsakv.disagg.messages import KV_FAILED, STAGE_DONE, KvFailed, StageDone, WireLogprobs
@@ -128,7 +132,7 @@ class KvSender:
                 left = max(x.job.deadline for x in batch) - self.clock()
                 time.sleep(max(0.0, min(self.debug_delay, left)))
             started = [self._start(x) for x in batch]
-            for x, handles, err, staged in started:
+            for x, handles, err, staged, slot in started:
                 quarantine = 0.0
                 parts: dict[int, int] = {}
                 for j, h in handles:
@@ -140,7 +144,7 @@ class KvSender:
                             quarantine = self.backend.quarantine_s  # still write the decode's pages a while
                 if staged and self.staging is not None:
                     self.staging.release(quarantine)
-                self._report(x, err, quarantine, parts)
+                self._report(x, err, quarantine, parts, slot)
 
     def _injected(self, j: int) -> str | None:
         """Testing (debug_fail = (decode stage, n)): the n-th transfer to decode stage j fails before it starts."""
@@ -170,16 +174,34 @@ class KvSender:
         )  # fmt: skip
         return staged, True
 
-    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None, bool]:
+    def _into_slot(self, link: DecodeLink, part: LinkPart, g: grants.Grant, src: np.ndarray) -> TransferPlan:
+        """The plan writing `src` into the decode staging slot the grant names (its layout: slot_offsets)."""
+        region = part.manifest.staging
+        if region is None or len(link.parts) != 1:
+            raise DsakvError(
+                f"the grant names staging slot {g.slot}, but decode {link.addr} "
+                f"{'has no staging region' if region is None else 'is pipelined'}"
+            )
+        n = int(src.size)
+        if g.slot_pages != n or n * part.manifest.bytes_per_page > region.slot_bytes:
+            raise DsakvError(
+                f"staging slot {g.slot} holds {g.slot_pages} pages ({region.slot_bytes} B), this stage writes {n}"
+            )
+        off = part.manifest.slot_offsets(n)
+        return TransferPlan.into_slot(part.table, src, region.slot_addr(g.slot), [off[p.key] for p in part.table.pairs])
+
+    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None, bool, int]:
         """Submit the request's pages to every decode stage this stage shares layers with (one plan per stage:
-        its paired keys only); an error stops the rest (what was submitted is still waited for). The last
-        value says whether one part holds the staging buffer (released after the waits)."""
+        its paired keys only); an error stops the rest (what was submitted is still waited for). The fourth
+        value says whether one part holds the staging buffer (released after the waits), the last which
+        destination staging slot the parts went into (-1: the pages)."""
         job = x.job
         left = job.deadline - self.clock()
         if left <= 0:
-            return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started", False
+            return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started", False, -1
         handles: list[tuple[int, TransferHandle]] = []
         staged = False
+        slot = -1
         try:
             link = self.links.get(job.decode, job.decode_boot, timeout=min(self.t.rpc, left))
             if link.boot != job.decode_boot:
@@ -188,22 +210,26 @@ class KvSender:
                     "its pages are gone"
                 )
             src, dst = np.asarray(x.src_pages), np.asarray(job.dst_pages[: len(x.src_pages)])
-            grants.verify(
+            g = grants.verify(
                 link.grant_key, job.grant, rid=job.rid, boot=link.boot, pages=list(job.dst_pages[: len(x.src_pages)])
             )  # before any write
             for part in link.parts:
-                plan = TransferPlan.build(part.table, src, dst)
+                into = g.slot >= 0
+                plan = self._into_slot(link, part, g, src) if into else TransferPlan.build(part.table, src, dst)
                 injected = self._injected(part.stage)
                 if injected is not None:
-                    return x, handles, injected, staged
+                    return x, handles, injected, staged, slot
                 if not staged:
                     plan, staged = self._plan(plan)
+                if into:
+                    plan, slot = plan.coalesced(), g.slot
+                    self.counters["transfers_into_slot"] = self.counters.get("transfers_into_slot", 0) + 1
                 handles.append((part.stage, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
-            return x, handles, None, staged
+            return x, handles, None, staged, slot
         except (DsakvError, ValueError) as e:
-            return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}", staged
+            return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}", staged, slot
 
-    def _report(self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int]) -> None:
+    def _report(self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int], slot: int = -1) -> None:
         job = x.job
         nbytes = sum(parts.values())
         done = StageDone(
@@ -222,6 +248,7 @@ class KvSender:
             parts,
             boot=self.links.hello.boot,
             grant=job.grant,
+            slot=slot,
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

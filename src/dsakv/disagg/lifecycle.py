@@ -28,7 +28,7 @@ import queue
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams, TokenLogprobs
@@ -162,6 +162,10 @@ class InboundKv(Tracked):
     dead: set[int] = field(default_factory=set)
     bytes: int = 0
     draft_hidden: Blob | None = None  # MTP: the last stage's draft output (StageDone.draft_hidden)
+    slot: int = -1  # the destination staging slot granted (disagg.staging.StagingSlots; -1: pages written directly)
+    slot_dst: list[int] = field(default_factory=list)  # the pages the slot scatters into, in request order
+    slot_keys: tuple[Any, ...] = ()  # the decode keys its prefill stages write (BufferKey)
+    scattering: bool = False  # the scatter is running: the pages are not freed meanwhile
 
     def missing(self) -> list[int]:
         return [k for k in range(self.num_stages) if k not in self.reported]

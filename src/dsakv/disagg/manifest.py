@@ -7,6 +7,7 @@ A manifest names every registered buffer by its key, never by position:
     L21/kv       addr 0x7f..000  41,984 B/page x 512 pages
     L22/kv  ...  L22/index_k  addr 0x7f..000  8,448 B/page x 512 pages      (22 is a producer)
     backend mooncake  meta b"..."   (how a peer reaches this worker's engine)
+    staging addr 0x7f..000  4 slots x 64 MiB    (a decode's destination staging slots, optional)
 
 A shared layer under elision has no INDEX_K entry at all. The regions must be
 exactly the layout's buffers: a region for a key the layout does not hold (a
@@ -95,6 +96,32 @@ class RegionInfo:
 
 
 @dataclass(frozen=True)
+class SlotRegion:
+    """A decode's registered destination-staging region: `num_slots` slots of `slot_bytes` from `addr`
+    (dsakv.disagg.staging.StagingSlots). A slot holding n pages lays them out key-major in manifest key order,
+    each key n x its page bytes (Manifest.slot_offsets)."""
+
+    addr: int
+    slot_bytes: int
+    num_slots: int
+
+    def __post_init__(self) -> None:
+        for name in ("addr", "slot_bytes", "num_slots"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ManifestError(f"staging region {name} = {v!r} must be a positive integer")
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_bytes * self.num_slots
+
+    def slot_addr(self, index: int) -> int:
+        if not 0 <= index < self.num_slots:
+            raise ManifestError(f"staging slot {index} is not within the region's {self.num_slots} slots")
+        return self.addr + index * self.slot_bytes
+
+
+@dataclass(frozen=True)
 class BackendMeta:
     """How a peer reaches this worker's transfer engine: backend name plus the backend's own bytes."""
 
@@ -148,6 +175,7 @@ class Manifest:
     regions: Mapping[BufferKey, RegionInfo] = field(hash=False)
     backend_meta: BackendMeta
     version: int = MANIFEST_VERSION
+    staging: SlotRegion | None = None  # a decode's destination-staging slots (None: it offers none)
     _layer_set: frozenset[int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -175,6 +203,8 @@ class Manifest:
                 )
         if not isinstance(self.backend_meta, BackendMeta):
             raise ManifestError(f"manifest of {self.worker!r}: backend_meta must be a BackendMeta")
+        if self.staging is not None and not isinstance(self.staging, SlotRegion):
+            raise ManifestError(f"manifest of {self.worker!r}: staging must be a SlotRegion or None")
         regions = dict(self.regions)
         for key, reg in regions.items():
             if not isinstance(key, BufferKey) or not isinstance(reg, RegionInfo):
@@ -245,6 +275,7 @@ class Manifest:
         regions: Mapping[BufferKey, RegionLike],
         backend_meta: BackendMeta,
         worker: str = "",
+        staging: SlotRegion | None = None,
     ) -> Manifest:
         """A manifest for `layout` whose buffers live at `regions` (one per layout key, exactly)."""
         spec = layout.spec
@@ -272,12 +303,15 @@ class Manifest:
             elide=layout.elide,
             regions=infos,
             backend_meta=backend_meta,
+            staging=staging,
         )
 
     @classmethod
-    def from_pool(cls, pool: PoolLike, backend_meta: BackendMeta, worker: str = "") -> Manifest:
+    def from_pool(
+        cls, pool: PoolLike, backend_meta: BackendMeta, worker: str = "", staging: SlotRegion | None = None
+    ) -> Manifest:
         """The manifest of a DevicePool (or HostPool) registered with a backend whose meta is `backend_meta`."""
-        return cls.from_layout(pool.layout, pool.regions(), backend_meta, worker)
+        return cls.from_layout(pool.layout, pool.regions(), backend_meta, worker, staging)
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -297,6 +331,14 @@ class Manifest:
             return self.regions[key]
         except KeyError:
             raise KeyError(f"worker {self.worker!r} holds no buffer {key}") from None
+
+    def slot_offsets(self, pages: int) -> dict[BufferKey, int]:
+        """Byte offset of each key's pages in a staging slot holding `pages` pages (key-major, key order)."""
+        out, off = {}, 0
+        for key, reg in self.regions.items():
+            out[key] = off
+            off += reg.page_bytes * pages
+        return out
 
     def format_of(self, kind: Kind) -> str | None:
         return self.kv_format if kind is Kind.KV else self.index_format
@@ -343,6 +385,9 @@ class Manifest:
             "regions": [[k.layer, k.kind.value, r.addr, r.page_bytes, r.num_pages] for k, r in self.regions.items()],
             "backend": self.backend_meta.backend,
             "backend_meta": self.backend_meta.data,
+            "staging": None
+            if self.staging is None
+            else [self.staging.addr, self.staging.slot_bytes, self.staging.num_slots],
         }
 
     def to_bytes(self) -> bytes:
@@ -390,6 +435,9 @@ class Manifest:
         meta = obj.get("backend_meta")
         if not isinstance(meta, bytes):
             raise ManifestError(f"manifest field 'backend_meta' must be bytes, got {type(meta).__name__}")
+        st = obj.get("staging")
+        if st is not None and (not isinstance(st, list) or len(st) != 3):
+            raise ManifestError(f"manifest field 'staging' = {st!r} must be [addr, slot_bytes, slots] or nil")
         return cls(
             worker=r.get("worker", str),
             model_name=r.get("model_name", str),
@@ -405,6 +453,7 @@ class Manifest:
             elide=r.get("elide", bool),
             regions=regions,
             backend_meta=BackendMeta(r.get("backend", str), meta),
+            staging=SlotRegion(*st) if st is not None else None,
         )
 
 

@@ -196,6 +196,7 @@ class Health:
     spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
     pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
     kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
+    staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
@@ -353,6 +354,7 @@ class StageDone:
     parts: dict[int, int] = field(default_factory=dict)  # pipelined decode: decode stage -> bytes landed there
     boot: str = ""  # the reporting stage's process: must be the one registered for this stage
     grant: Blob = b""  # the request's page grant, as the stage received it
+    slot: int = field(default=-1, metadata=bounds(-1, 2**16))  # the staging slot it wrote into (the grant's; -1: none)
 
 
 @dataclass(frozen=True)

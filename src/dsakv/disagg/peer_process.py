@@ -7,6 +7,8 @@
     pair(mine, peer.manifest); connect; submit
     peer.checksums(pages)              ── pipe ──► blake2b of each key's pages, and non-zero bytes
                                        ◄────────── outside them (must stay 0)
+    peer.scatter(slot, pages)          ── pipe ──► (with PeerSpec.staging_slots) StagingSlots.scatter of every
+                                       ◄────────── key: slot -> pages; its seconds
     peer.stop() / peer.kill() / peer.pause()
 
 The handshake is a multiprocessing Pipe (no port to allocate). Every call has
@@ -20,6 +22,7 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,6 +31,7 @@ import numpy as np
 
 from dsakv.disagg.backends.registry import make_backend
 from dsakv.disagg.manifest import Manifest
+from dsakv.disagg.staging import StagingSlots
 from dsakv.spec.layout import BufferKey, KVLayout
 from dsakv.util.procs import arm_parent_death
 
@@ -41,6 +45,7 @@ class PeerSpec:
     worker: str = "peer"
     env: dict[str, str] = field(default_factory=dict)
     fill_seed: int | None = None  # None: zeros (a receiver); else deterministic random bytes
+    staging_slots: tuple[int, int] | None = None  # (slot bytes, slots): a decode's destination staging region
 
 
 def fill_random(pool: Any, seed: int) -> None:
@@ -89,7 +94,8 @@ def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
             fill_random(pool, spec.fill_seed)
         backend = make_backend(spec.backend, **spec.backend_options)
         backend.register(pool.regions())
-        manifest = Manifest.from_pool(pool, backend.meta(), spec.worker)
+        slots = StagingSlots(backend, *spec.staging_slots) if spec.staging_slots is not None else None
+        manifest = Manifest.from_pool(pool, backend.meta(), spec.worker, slots.region if slots else None)
         conn.send(("ok", manifest.to_bytes()))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
@@ -102,6 +108,10 @@ def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
         try:
             if cmd == "checksums":
                 conn.send(("ok", page_checksums(pool, args)))
+            elif cmd == "scatter" and slots is not None:
+                t0 = time.perf_counter()
+                slots.scatter(args[0], manifest, pool.regions(), manifest.keys, args[1])
+                conn.send(("ok", time.perf_counter() - t0))
             elif cmd == "nonzero_outside":
                 conn.send(("ok", nonzero_outside(pool, args)))
             elif cmd == "stop":
@@ -141,6 +151,10 @@ class PeerProcess:
 
     def checksums(self, pages: np.ndarray) -> dict[str, str]:
         return dict(self.call("checksums", np.asarray(pages, dtype=np.int64)))
+
+    def scatter(self, slot: int, pages: np.ndarray) -> float:
+        """Scatter staging slot `slot` into `pages` (every key) in the child; the seconds it took there."""
+        return float(self.call("scatter", (slot, np.asarray(pages, dtype=np.int64))))
 
     def nonzero_outside(self, pages: np.ndarray) -> dict[str, int]:
         return dict(self.call("nonzero_outside", np.asarray(pages, dtype=np.int64)))

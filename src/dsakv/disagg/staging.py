@@ -1,4 +1,6 @@
-"""StagingBuffer: one registered host buffer a sender gathers a fragmented request's pages into.
+"""Staging: registered host memory that turns many small transfer blocks into few large ones.
+
+StagingBuffer (sender): one buffer a prefill stage gathers a fragmented request's source pages into.
 
     staging = StagingBuffer(backend, nbytes)    allocated and registered with the backend (key STAGING_KEY)
     if plan.choose() is Strategy.STAGED and staging.acquire(plan.nbytes):
@@ -11,7 +13,20 @@ One transfer holds it at a time (acquire fails while it is held, or when the pla
 then sends the plan's own blocks). The gather runs on the sender's thread before submit, so the bytes the
 engine reads are final; the receiver sees nothing different (same destination pages, fewer descriptors).
 Source regions are read through numpy views of the registered addresses (the sender's own pool).
-Imports numpy, disagg.{backends.base, transfer_plan}.
+
+StagingSlots (decode): a registered region of `num_slots` slots, published in the decode's manifest
+(Manifest.staging), for requests whose *destination* pages are fragmented:
+
+    slots = StagingSlots(backend, slot_bytes, num_slots)  registered (key SLOTS_KEY) before backend.meta()
+    i = slots.acquire(rid, nbytes)                         prealloc, when choose_destination says STAGED; None:
+                                                           none free / too small -> the request goes BLOCKS
+    grant names (i, pages) ─► every prefill stage writes its pages into slot i (Manifest.slot_offsets layout)
+    slots.scatter(i, pool regions, keys, pages, dst_ids)   every stage reported ok: slot -> the request's pages
+    slots.release(i, rid)                                  after the scatter, or when the failed request's pages
+                                                           are freed (late writes may land in both until then)
+
+A slot is held by one request (its id); acquire never waits. Imports numpy, disagg.{backends.base,
+manifest, transfer_plan}, spec.
 """
 
 from __future__ import annotations
@@ -20,17 +35,22 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from dsakv.disagg.backends.base import TransferBackend
-from dsakv.disagg.transfer_plan import Strategy, TransferPlan
+from dsakv.disagg.manifest import Manifest, RegionLike, SlotRegion
+from dsakv.disagg.transfer_plan import Strategy, TransferPlan, choose_destination
+from dsakv.spec.layout import BufferKey
 
 log = logging.getLogger(__name__)
 
 STAGING_KEY = "transfer-staging"
+SLOTS_KEY = "transfer-staging-slots"
 
 
 @dataclass(frozen=True)
@@ -91,3 +111,141 @@ class StagingBuffer:
     def close(self) -> None:
         if STAGING_KEY in self.backend.registered:
             self.backend.unregister([STAGING_KEY])
+
+
+class StagingSlots:
+    """A decode's destination-staging region: `num_slots` slots of `slot_bytes`, registered with `backend`."""
+
+    def __init__(self, backend: TransferBackend, slot_bytes: int, num_slots: int) -> None:
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError(f"{num_slots} staging slots of {slot_bytes} B: give positive sizes (or no slots)")
+        self.backend = backend
+        self.slot_bytes = int(slot_bytes)
+        self.num_slots = int(num_slots)
+        self._mem = np.zeros(self.slot_bytes * self.num_slots, dtype=np.uint8)  # touched up front
+        self.addr = int(self._mem.ctypes.data)
+        backend.register({SLOTS_KEY: _Region(self.addr, self._mem.size)})
+        self._lock = threading.Lock()
+        self._owner: dict[int, str] = {}
+        self.used = 0  # slots scattered
+        log.info(
+            "%s: %d destination staging slots of %d B registered for fragmented destinations",
+            backend.name, self.num_slots, self.slot_bytes,
+        )  # fmt: skip
+
+    @property
+    def region(self) -> SlotRegion:
+        return SlotRegion(self.addr, self.slot_bytes, self.num_slots)
+
+    def acquire(self, owner: str, nbytes: int) -> int | None:
+        """A free slot for `owner` (a request id) that holds `nbytes`; None if none is free or it does not fit."""
+        if nbytes > self.slot_bytes or nbytes <= 0:
+            return None
+        with self._lock:
+            for i in range(self.num_slots):
+                if i not in self._owner:
+                    self._owner[i] = owner
+                    return i
+        return None
+
+    def release(self, index: int, owner: str) -> None:
+        """Give slot `index` back; only its holder may (a mismatch is a bug and raises)."""
+        with self._lock:
+            held = self._owner.get(index)
+            if held != owner:
+                raise AssertionError(f"staging slot {index} is held by {held!r}, not {owner!r}: not released")
+            del self._owner[index]
+
+    def held(self) -> dict[int, str]:
+        with self._lock:
+            return dict(self._owner)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return self.num_slots - len(self._owner)
+
+    def view(self, index: int) -> npt.NDArray[np.uint8]:
+        if not 0 <= index < self.num_slots:
+            raise ValueError(f"staging slot {index} is not within 0..{self.num_slots - 1}")
+        return self._mem[index * self.slot_bytes : (index + 1) * self.slot_bytes]
+
+    def scatter(
+        self,
+        index: int,
+        manifest: Manifest,
+        regions: Mapping[BufferKey, RegionLike],
+        keys: Iterable[BufferKey],
+        dst_pages: Sequence[int] | npt.NDArray[np.int64],
+    ) -> int:
+        """Copy slot `index` (laid out by manifest.slot_offsets(len(dst_pages))) into `dst_pages` of each of
+        `keys` in the pool `regions` (host memory); returns the bytes copied."""
+        dst = np.asarray(dst_pages, dtype=np.int64)
+        n = int(dst.size)
+        slot = self.view(index)
+        offsets = manifest.slot_offsets(n)
+        copied = 0
+        for key in keys:
+            reg = regions[key]
+            pb, cap = int(reg.page_bytes), int(reg.num_pages)
+            if n and (int(dst.min()) < 0 or int(dst.max()) >= cap):
+                raise ValueError(f"scatter: pages {int(dst.min())}..{int(dst.max())} outside {key}'s {cap} pages")
+            off = offsets[key]
+            if off + n * pb > self.slot_bytes:
+                raise ValueError(f"scatter: {key} at +{off} ({n} pages) runs past the {self.slot_bytes} B slot")
+            pool = _view(int(reg.addr), pb * cap).reshape(cap, pb)
+            pool[dst] = slot[off : off + n * pb].reshape(n, pb)
+            copied += n * pb
+        self.used += 1
+        return copied
+
+    def close(self) -> None:
+        if SLOTS_KEY in self.backend.registered:
+            self.backend.unregister([SLOTS_KEY])
+
+
+class _StageEntryLike(Protocol):
+    @property
+    def skipped(self) -> list[str]: ...
+
+
+def written_keys(manifest: Manifest, entries: Iterable[_StageEntryLike]) -> tuple[BufferKey, ...]:
+    """The decode keys a request's prefill stages write: all but the one-sided index-K they skip."""
+    skipped = {s for e in entries for s in e.skipped}
+    return tuple(k for k in manifest.keys if str(k) not in skipped)
+
+
+def offer_slot(
+    slots: StagingSlots | None,
+    manifest: Manifest,
+    rid: str,
+    dst_pages: Sequence[int],
+    keys: Sequence[BufferKey],
+    backend: str,
+    force: str = "",
+) -> tuple[int, bool]:
+    """The decode's choice at prealloc for the pages the prefill writes (`dst_pages`): (slot, wanted). slot >= 0:
+    a staging slot held for `rid` (choose_destination said STAGED, or `force` == "staged"); -1: write the pages
+    directly, and wanted says whether the rule wanted a slot but none was free or big enough."""
+    if slots is None or force == "blocks" or not dst_pages:
+        return -1, False
+    n = len(dst_pages)
+    written = n * sum(manifest.region(k).page_bytes for k in keys)
+    if force != "staged" and choose_destination(len(keys), np.asarray(dst_pages), written, backend) is Strategy.BLOCKS:
+        return -1, False
+    i = slots.acquire(rid, n * manifest.bytes_per_page)
+    return (-1, True) if i is None else (i, True)
+
+
+def decode_slots(backend: TransferBackend, region_bytes: int, num_slots: int, pipelined: bool) -> StagingSlots | None:
+    """The decode's StagingSlots (region_bytes split into num_slots), or None: off (0), or a pipelined decode
+    (each decode stage would need its own region and scatter: not built, its transfers stay BLOCKS)."""
+    if region_bytes <= 0 or num_slots <= 0:
+        return None
+    if pipelined:
+        log.info(
+            "destination staging is off on a pipelined decode (--pp-size > 1): every decode stage would need "
+            "its own slots and scatter; fragmented destinations are written page run by page run"
+        )
+        return None
+    return StagingSlots(backend, region_bytes // num_slots, num_slots) if region_bytes >= num_slots else None

@@ -18,10 +18,14 @@ Strategy (per request, `choose_strategy`): BLOCKS sends the blocks above, one de
 STAGED first gathers every source page into one registered staging buffer (dsakv.disagg.staging), key-major
 and in request order, so the source side is one contiguous region; the blocks are then one per key and
 *destination* run only (`TransferPlan.staged`). It pays when the source is fragmented and the destination
-is not (prefix-cache hits and reused prefill pages vs a fresh decode allocation); it cannot reduce the
-descriptors of a fragmented destination (that would need a receiver-side scatter, not built). The rule and
-its constants come from bench/transfer.py (see choose_strategy). Imports numpy, spec and
-disagg.{compat, errors}.
+is not (prefix-cache hits and reused prefill pages vs a fresh decode allocation).
+
+A fragmented *destination* is the decode's call (`choose_destination`, at prealloc): it grants a staging slot
+(dsakv.disagg.staging.StagingSlots) and the sender plans into it (`TransferPlan.into_slot`: the slot is one
+contiguous run per key, so one block per key and source run; gathered too, the blocks coalesce to one per
+range of keys adjacent in both layouts, `Blocks.coalesce`); the decode scatters the slot into its pages. The
+rules and their constants come from bench/transfer.py (see choose_strategy, choose_destination). Imports numpy,
+spec and disagg.{compat, errors}.
 """
 
 from __future__ import annotations
@@ -81,6 +85,20 @@ class Blocks:
 
     def slice(self, start: int, stop: int) -> Blocks:
         return Blocks(self.src[start:stop], self.dst[start:stop], self.length[start:stop])
+
+    def merge_starts(self) -> IntArray:
+        """Indices of the blocks that do not continue the previous one on both sides (coalesce's run starts)."""
+        if len(self) < 2:
+            return np.zeros(len(self), dtype=np.int64)
+        brk = (self.src[1:] != self.src[:-1] + self.length[:-1]) | (self.dst[1:] != self.dst[:-1] + self.length[:-1])
+        return np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
+
+    def coalesce(self) -> Blocks:
+        """Merge consecutive blocks that continue each other on both sides (same bytes, fewer descriptors)."""
+        starts = self.merge_starts()
+        if starts.size == len(self):
+            return self
+        return Blocks(self.src[starts], self.dst[starts], np.add.reduceat(self.length, starts).astype(np.int64))
 
     def batches(self, max_blocks: int) -> list[Blocks]:
         """Consecutive slices of at most `max_blocks` blocks (what one engine call accepts)."""
@@ -169,6 +187,7 @@ class Strategy(StrEnum):
 DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 25e-6, "nixl": 11e-6, "local": 1e-6}  # 32K run: 25.8, 11.0
 DEFAULT_DESCRIPTOR_COST_S = 11e-6  # an engine not measured: the cheapest measured one (staging rarely)
 GATHER_BYTES_PER_S = 5.0e9  # 32K run: 5.14 GB/s (numpy take, 1 thread, shared host)
+SCATTER_BYTES_PER_S = 5.0e9  # the decode's scatter of a slot into its pages (numpy put, 1 thread)
 
 
 def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: str = "") -> Strategy:
@@ -188,6 +207,24 @@ def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: s
     per = DESCRIPTOR_COST_S.get(backend, DEFAULT_DESCRIPTOR_COST_S)
     saved = (num_blocks - staged_blocks) * per
     return Strategy.STAGED if saved > nbytes / GATHER_BYTES_PER_S else Strategy.BLOCKS
+
+
+def choose_destination(num_keys: int, dst_pages: object, nbytes: int, backend: str = "") -> Strategy:
+    """The decode's rule at prealloc: STAGED (grant a staging slot, scatter it after the transfer) when the
+    descriptors a contiguous slot saves cost more than the scatter's copy, else BLOCKS (write the pages).
+
+        saved = num_keys x (destination runs - 1) x DESCRIPTOR_COST_S[backend]   (a contiguous source assumed:
+        cost  = nbytes / SCATTER_BYTES_PER_S                                       one block per key and run)
+        STAGED iff saved > cost
+
+    A fresh allocation (one run) stays BLOCKS; a fragmented one of small pages goes STAGED. The sender may
+    gather a fragmented source too, which only adds to the saving."""
+    dst = _as_ids("dst_pages", dst_pages)
+    if num_keys <= 0 or nbytes <= 0 or dst.size < 2:
+        return Strategy.BLOCKS
+    runs = int(dst_runs(dst)[0].size)
+    per = DESCRIPTOR_COST_S.get(backend, DEFAULT_DESCRIPTOR_COST_S)
+    return Strategy.STAGED if num_keys * (runs - 1) * per > nbytes / SCATTER_BYTES_PER_S else Strategy.BLOCKS
 
 
 def dst_runs(dst_pages: IntArray) -> tuple[IntArray, IntArray]:
@@ -245,6 +282,32 @@ class TransferPlan:
         blocks.check("transfer plan")
         pair_index = np.repeat(np.arange(len(table), dtype=np.int64), run_src.size)
         return cls(table, int(src.size), run_src, run_dst, run_pages, blocks, pair_index, src, dst)
+
+    @classmethod
+    def into_slot(
+        cls, pairs: Sequence[KeyPair] | PairTable, src_pages: object, slot_addr: int, offsets: Sequence[int]
+    ) -> TransferPlan:
+        """Plan moving sender pages `src_pages` into a decode staging slot at `slot_addr` that holds, for pair k
+        at `offsets[k]`, the request's pages in request order (Manifest.slot_offsets of the decode): the
+        destination is one run per key, so one block per key and source run."""
+        table = PairTable.of(pairs)
+        src = _as_ids("src_pages", src_pages)
+        off = np.asarray(offsets, dtype=np.int64)
+        if off.shape != (len(table),):
+            raise ValueError(f"{off.size} slot offsets for {len(table)} paired keys: one per key")
+        if slot_addr <= 0:
+            raise ValueError(f"staging slot address {slot_addr:#x} is not a buffer")
+        n = max(1, int(src.size))
+        slot = replace(table, dst_base=slot_addr + off, dst_pages=np.full(len(table), n, dtype=np.int64))
+        return cls.build(slot, src, np.arange(src.size, dtype=np.int64))
+
+    def coalesced(self) -> TransferPlan:
+        """The same plan with its blocks merged where they continue each other on both sides (pair_index: the
+        first key of each merged block)."""
+        starts = self.blocks.merge_starts()
+        if starts.size == self.num_blocks:
+            return self
+        return replace(self, blocks=self.blocks.coalesce(), pair_index=self.pair_index[starts])
 
     @property
     def staging_offsets(self) -> IntArray:

@@ -314,7 +314,10 @@ class TransferConfig:
     mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
     rpc_timeout: float = 5.0  # bound on every control-plane call
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
-    staging_size: int = 256 << 20  # prefill: staging buffer for fragmented sources, bytes (capped at the pool; 0: off)
+    staging_size: int = 256 << 20  # prefill: staging buffer for fragmented sources; decode: its staging slots' region
+    # (bytes, capped at the pool; 0: off)
+    staging_slots: int = 4  # decode: destination staging slots the region is split into (0: none)
+    debug_transfer_strategy: str = ""  # testing: "blocks" / "staged" overrides the measured rule ("": the rule)
 
 
 @dataclass(frozen=True)

@@ -275,6 +275,8 @@ class TransferBackend(ABC):
             )
         address = self._engine_connect(manifest.backend_meta.data, manifest)
         spans: dict[Hashable, Span] = {k: Span(r.addr, r.nbytes) for k, r in manifest.regions.items()}
+        if manifest.staging is not None:  # a decode's destination-staging slots (disagg.staging.StagingSlots)
+            spans["staging-slots"] = Span(manifest.staging.addr, manifest.staging.nbytes)
         log.info("%s: connected to %s", self.name, manifest.worker)
         return Peer(manifest.worker, self.name, address, manifest, SpanTable(spans))
 

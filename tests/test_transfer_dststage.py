@@ -1,0 +1,251 @@
+"""Destination staging: a decode whose pages are fragmented grants a staging slot, the prefill stages write into it
+(one block per key, or per range of keys when the source is gathered too), the decode scatters it.
+
+Unit level (no processes): the decode's rule (transfer_plan.choose_destination) on exact page ids, the slot
+plan's exact addresses and its coalescing, the slot books (StagingSlots), the grant carrying the slot, the
+manifest carrying the region.
+
+End to end, per real backend (mooncake, nixl), one cluster per module: `dsakv serve --role decode` forced to
+stage every request (--debug-transfer-strategy staged; elision off, so the decode holds index-K the elided
+prefill never writes and the scatter must leave alone) and a 2-stage prefill (elision on) whose stage 1 fails
+its 3rd transfer. Tokens equal colocated serving, the counters say every request went through a slot, the
+failed request fails alone, and at the end every page and every slot is back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests
+from dsakv.disagg import grants
+from dsakv.disagg.backends import make_backend
+from dsakv.disagg.compat import check_pair
+from dsakv.disagg.manifest import BackendMeta, Manifest, SlotRegion
+from dsakv.disagg.messages import fetch_health
+from dsakv.disagg.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
+from dsakv.disagg.transfer_plan import Blocks, Strategy, TransferPlan, choose_destination
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from dsakv.spec import KVLayout, load_spec
+from engine_support import tiny_model, tiny_path
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def _glm_manifest(pages: int = 8, backend: str = "local") -> tuple[KVLayout, Manifest]:
+    from dsakv.cache.device_pool import DevicePool
+
+    layout = KVLayout(load_spec("glm-5.2"), 0, 78, draft_layers=1)
+    pool = DevicePool(layout, pages)
+    return layout, Manifest.from_pool(pool, BackendMeta(backend, b"x"), "d")
+
+
+def test_choose_destination_rule_exact():
+    _, m = _glm_manifest()
+    keys, bpp = len(m.keys), m.bytes_per_page  # 101 keys, 3.5 MB a page
+    assert (keys, bpp) == (101, 54728 * 64)
+    frag = [0, 2, 4, 6, 8, 10, 12, 14]  # a run per page
+    runs2 = [0, 1, 4, 5, 8, 9, 12, 13]
+    runs4 = [0, 1, 2, 3, 8, 9, 10, 11]
+    contiguous = list(range(8))
+    got = {
+        (be, name): choose_destination(keys, ids, len(ids) * bpp, be)
+        for be in ("mooncake", "nixl")
+        for name, ids in (("frag", frag), ("runs2", runs2), ("runs4", runs4), ("contig", contiguous))
+    }
+    S, B = Strategy.STAGED, Strategy.BLOCKS
+    assert got == {
+        ("mooncake", "frag"): S,
+        ("mooncake", "runs2"): S,
+        ("mooncake", "runs4"): B,
+        ("mooncake", "contig"): B,
+        ("nixl", "frag"): S,
+        ("nixl", "runs2"): B,
+        ("nixl", "runs4"): B,
+        ("nixl", "contig"): B,
+    }
+    assert choose_destination(keys, [5], bpp, "mooncake") is B  # one page: nothing to save
+
+
+def test_slot_plan_exact_addresses_and_coalescing():
+    _, m = _glm_manifest()
+    pairs = check_pair(m, m).pairs
+    n, base = 3, 1 << 40
+    off = m.slot_offsets(n)
+    keys = list(m.keys)
+    assert off[keys[0]] == 0 and off[keys[1]] == n * m.region(keys[0]).page_bytes
+    src = np.array([5, 1, 2])  # fragmented source: 2 runs
+    plan = TransferPlan.into_slot(pairs, src, base, [off[p.key] for p in pairs])
+    assert plan.num_blocks == 2 * len(pairs)  # one block per key and source run; the slot is one run
+    p0 = pairs[0]
+    pb = p0.page_bytes
+    assert plan.blocks.src[:2].tolist() == [p0.src.addr + 5 * pb, p0.src.addr + 1 * pb]
+    assert plan.blocks.dst[:2].tolist() == [base, base + pb]
+    assert plan.blocks.length[:2].tolist() == [pb, 2 * pb]
+    assert plan.coalesced().num_blocks == plan.num_blocks  # sources of different keys are apart
+    staged = plan.staged(1 << 41)  # gathered: key-major in pair order, as the slot
+    assert staged.num_blocks == len(pairs)
+    one = staged.coalesced()
+    assert (one.num_blocks, one.blocks.src.tolist(), one.blocks.dst.tolist(), one.blocks.length.tolist()) == (
+        1,
+        [1 << 41],
+        [base],
+        [n * m.bytes_per_page],
+    )
+    b = Blocks.of([0, 10, 30], [100, 110, 200], [10, 20, 5]).coalesce()
+    assert (b.src.tolist(), b.dst.tolist(), b.length.tolist()) == ([0, 30], [100, 200], [30, 5])
+
+
+def test_slot_books_grant_and_manifest():
+    be = make_backend("local")
+    try:
+        slots = StagingSlots(be, 1000, 2)
+        assert slots.acquire("a", 1001) is None  # does not fit: the request goes BLOCKS
+        assert (slots.acquire("a", 1000), slots.acquire("b", 10), slots.acquire("c", 10)) == (0, 1, None)
+        with pytest.raises(AssertionError, match="held by 'a', not 'b'"):
+            slots.release(0, "b")
+        slots.release(0, "a")
+        assert (slots.free, slots.held(), slots.acquire("c", 10)) == (1, {1: "b"}, 0)
+        region = slots.region
+        assert (region.slot_addr(1), region.nbytes) == (slots.addr + 1000, 2000)
+        slots.close()
+        assert "transfer-staging-slots" not in be.registered
+    finally:
+        be.close()
+    key = grants.new_key()
+    g = grants.sign(key, rid="r", prefill="P", boot="B", pages=[7, 9, 11], expires=2e9, slot=3, slot_pages=2)
+    got = grants.verify(key, g, rid="r", boot="B", pages=[7, 9], now=1e9)
+    assert (got.slot, got.slot_pages) == (3, 2)
+    assert grants.parse(key, grants.sign(key, rid="r", prefill="P", boot="B", pages=[1], expires=2e9)).slot == -1
+    forged = bytearray(g)
+    forged[-40] ^= 1  # the slot sits in the signed body: changing it breaks the tag
+    with pytest.raises(grants.GrantRefused):
+        grants.parse(key, bytes(forged))
+    _, m = _glm_manifest()
+    m2 = Manifest.from_dict({**m.to_dict(), "staging": [1 << 30, 4096, 3]})
+    assert m2.staging == SlotRegion(1 << 30, 4096, 3)
+    assert (
+        Manifest.from_bytes(m2.to_bytes()).staging == m2.staging and Manifest.from_bytes(m.to_bytes()).staging is None
+    )
+
+
+def test_offer_slot_follows_the_rule_and_the_books():
+    _, m = _glm_manifest()
+    be = make_backend("local")
+    try:
+        slots = StagingSlots(be, 8 * m.bytes_per_page, 1)
+        keys = written_keys(m, [])
+        assert keys == m.keys
+        frag, contig = [0, 2, 4, 6], [0, 1, 2, 3]
+        assert offer_slot(slots, m, "a", contig, keys, "mooncake") == (-1, False)  # one run: BLOCKS
+        assert offer_slot(slots, m, "a", frag, keys, "mooncake") == (0, True)
+        assert offer_slot(slots, m, "b", frag, keys, "mooncake") == (-1, True)  # wanted, none free
+        assert offer_slot(slots, m, "b", frag, keys, "mooncake", force="blocks") == (-1, False)
+        slots.release(0, "a")
+        assert offer_slot(slots, m, "b", contig, keys, "mooncake", force="staged") == (0, True)
+        slots.close()
+    finally:
+        be.close()
+
+
+def test_scatter_lands_exactly_and_leaves_unwritten_keys():
+    from dsakv.cache.device_pool import DevicePool
+
+    layout = KVLayout(load_spec("glm-5.2"), 0, 3)
+    pool = DevicePool(layout, 6)
+    m = Manifest.from_pool(pool, BackendMeta("local", b"x"), "d")
+    be = make_backend("local")
+    try:
+        slots = StagingSlots(be, 4 * m.bytes_per_page, 1)
+        view = slots.view(0)
+        view[:] = np.arange(view.size, dtype=np.int64).astype(np.uint8)
+        skip = m.keys[-1]
+        dst = [4, 1, 3]
+        off = m.slot_offsets(3)
+        nbytes = slots.scatter(0, m, pool.regions(), [k for k in m.keys if k != skip], dst)
+        assert nbytes == 3 * (m.bytes_per_page - m.region(skip).page_bytes)
+        for k in m.keys:
+            t = pool.tensor(k).numpy()
+            pb = m.region(k).page_bytes
+            if k == skip:
+                assert not t.any()
+                continue
+            want = view[off[k] : off[k] + 3 * pb].reshape(3, pb)
+            assert np.array_equal(t[dst], want) and not t[[0, 2, 5]].any()
+        slots.close()
+    finally:
+        be.close()
+
+
+def test_staging_buffer_and_slot_register_side_by_side():
+    be = make_backend("local")
+    try:
+        buf, slots = StagingBuffer(be, 100), StagingSlots(be, 50, 2)
+        assert {"transfer-staging", "transfer-staging-slots"} <= set(be.registered)
+        buf.close()
+        slots.close()
+    finally:
+        be.close()
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+
+LENGTHS = (7, 16, 41, 290, 33, 64, 100)  # the 3rd (41 tokens) fails: prefill stage 1's injected failure
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(23)
+    return [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    return eng.generate(PROMPTS, GREEDY)
+
+
+@pytest.fixture(scope="module", params=("mooncake", "nixl"))
+def world(request, tmp_path_factory):
+    backend = request.param
+    cluster = Cluster(tiny_path("glm_moe_dsa"), tmp_path_factory.mktemp(f"dststage-{backend}"))
+    try:
+        dec = cluster.decode("decode", backend, False, extra=["--debug-transfer-strategy", "staged"])
+        port = free_ports(3)
+        pre = cluster.prefill("p2", backend, True, (7, 5), port=port, ranks=(0,))
+        pre += cluster.prefill(
+            "p2", backend, True, (7, 5), port=port, ranks=(1,), extra=["--debug-fail-transfer", "0:3"]
+        )
+        cluster.wait_healthy([dec, *pre], timeout=240)
+        router = cluster.router([pre[0].addr], [dec.addr])
+        assert router.wait_ready(90), router.health()
+        yield backend, cluster, dec, pre, router
+    finally:
+        cluster.close()
+
+
+def test_fragmented_destination_goes_through_a_slot(world, reference):
+    backend, cluster, dec, pre, router = world
+    h0 = fetch_health(dec.addr)
+    assert h0.staging_slots is not None and h0.staging_slots[0] == h0.staging_slots[1] == 4
+    got = run_requests(router, PROMPTS[:2], GREEDY, f"{backend}-a")  # transfers #1, #2 of each stage
+    bad = run_requests(router, PROMPTS[2:3], GREEDY, f"{backend}-b")  # #3: prefill stage 1 fails it
+    got += run_requests(router, PROMPTS[3:], GREEDY, f"{backend}-c")
+    want = reference[:2] + reference[3:]
+    assert [t for t, _, _ in got] == want, "tokens differ from colocated serving"
+    assert [r for _, r, _ in got] == ["length"] * len(want)
+    assert bad[0][1] == "error" and "injected failure of transfer #3" in (bad[0][2] or ""), bad
+    assert_clean([dec.addr, *(p.addr for p in pre)], procs=cluster.procs)  # pages back, integrity ok (slots too)
+    h = fetch_health(dec.addr)
+    assert h.staging_slots == [4, 4], h.staging_slots
+    n = len(PROMPTS)
+    assert (h.counters["staged_in"], h.counters["kv_failed"], h.counters["staging_no_slot"]) == (n - 1, 1, 0)
+    for k, p in enumerate(pre):
+        c = call(p.addr, "health")["counters"]
+        # stage 0 sent every request into its slot; stage 1 built the 3rd one's plan, then the injected failure
+        assert c["transfers_into_slot"] == (n if k == 0 else n - 1), (k, c)
