@@ -3,7 +3,9 @@
 
 Unit level (no processes): the decode's rule (transfer_plan.choose_destination) on exact page ids, the slot
 plan's exact addresses and its coalescing, the slot books (StagingSlots), the grant carrying the slot, the
-manifest carrying the region.
+manifest carrying the region; an in-process DecodeWorker (local backend, injected clock) per outcome: scattered
+(exact bytes in the pages), a report naming another slot, a failed transfer with quarantine, an abort, a forged
+report: the slot comes back exactly when the pages do.
 
 End to end, per real backend (mooncake, nixl), one cluster per module: `dsakv serve --role decode` forced to
 stage every request (--debug-transfer-strategy staged; elision off, so the decode holds index-K the elided
@@ -14,18 +16,25 @@ failed request fails alone, and at the end every page and every slot is back.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests
+from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, role_config, run_requests
+from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg import grants
 from dsakv.disagg.backends import make_backend
 from dsakv.disagg.compat import check_pair
+from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.errors import Forbidden
+from dsakv.disagg.lifecycle import Phase
 from dsakv.disagg.manifest import BackendMeta, Manifest, SlotRegion
-from dsakv.disagg.messages import fetch_health
+from dsakv.disagg.messages import Abort, Hello, Prealloc, StageDone, fetch_health
 from dsakv.disagg.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
 from dsakv.disagg.transfer_plan import Blocks, Strategy, TransferPlan, choose_destination
+from dsakv.engine.config import TransferConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec import KVLayout, load_spec
@@ -35,8 +44,6 @@ pytestmark = [pytest.mark.timeout(300)]
 
 
 def _glm_manifest(pages: int = 8, backend: str = "local") -> tuple[KVLayout, Manifest]:
-    from dsakv.cache.device_pool import DevicePool
-
     layout = KVLayout(load_spec("glm-5.2"), 0, 78, draft_layers=1)
     pool = DevicePool(layout, pages)
     return layout, Manifest.from_pool(pool, BackendMeta(backend, b"x"), "d")
@@ -151,8 +158,6 @@ def test_offer_slot_follows_the_rule_and_the_books():
 
 
 def test_scatter_lands_exactly_and_leaves_unwritten_keys():
-    from dsakv.cache.device_pool import DevicePool
-
     layout = KVLayout(load_spec("glm-5.2"), 0, 3)
     pool = DevicePool(layout, 6)
     m = Manifest.from_pool(pool, BackendMeta("local", b"x"), "d")
@@ -188,6 +193,108 @@ def test_staging_buffer_and_slot_register_side_by_side():
         slots.close()
     finally:
         be.close()
+
+
+# ---- the decode's books, in process (local backend, injected clock) ------------------------------------------
+
+ENGINE = dict(kv_format="fp32", index_format="fp32", page_size=16, num_pages=16)
+PROMPT = list(range(2, 22))  # 20 tokens: the prefill writes 2 pages (the grant's 2 pages hold the first token too)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _decode(clock: Clock, force: str = "staged") -> DecodeWorker:
+    model = tiny_model("glm_moe_dsa")
+    cfg = replace(role_config(ENGINE), transfer=TransferConfig(backend="local", debug_transfer_strategy=force))
+    dec = DecodeWorker(DecodeConfig(model="", config=cfg, kv_grace=1.0), model, clock)
+    spec, mdl = model
+    layout = mdl.layout_for(elide=True, kv_format="fp32", index_format="fp32", page_size=16)
+    pool = DevicePool(layout, 2)
+    be = make_backend("local")
+    be.register(pool.regions())
+    manifest = Manifest.from_pool(pool, be.meta(), worker="P/stage0")
+    dec._rpc_handshake(Hello("P", 0, 1, "127.0.0.1:1", manifest.to_bytes(), boot="boot0"))
+    be.close()
+    return dec
+
+
+def _done(ok: bool, slot: int, grant: bytes, quarantine: float = 0.0) -> StageDone:
+    err = None if ok else "stage 0 broke"
+    return StageDone("r", "P", 0, ok, err, quarantine, 100, 7 if ok else None, boot="boot0", grant=grant, slot=slot)
+
+
+# (name, what the stage does, phase after it, slots free right after, seconds until pages + slot come back)
+BOOK_CASES = [
+    ("scattered", "ok", "decoding", 4, None),
+    ("wrong slot reported", "wrong-slot", "done", 4, 0.0),
+    ("failed, quarantined", "fail-q", "failed", 3, 3.0),
+    ("aborted while waiting", "abort", "failed", 3, 5.0),
+    ("forged report refused", "forged", "awaiting_kv", 3, 5.0),
+]
+
+
+@pytest.mark.parametrize(("name", "step", "phase", "free", "release_after"), BOOK_CASES, ids=[c[0] for c in BOOK_CASES])
+def test_decode_slot_books(name, step, phase, free, release_after):
+    clock = Clock()
+    dec = _decode(clock)
+    try:
+        sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        got = dec.prealloc(Prealloc("r", PROMPT, sp, "P", 1, kv_timeout=4.0))
+        g = grants.parse(dec.grant_key, got.grant)
+        assert (got.pages, g.slot, g.slot_pages, dec.slots.free) == ([0, 1], 0, 2, 3)
+        inb = dec.inbound.get("r")
+        assert inb is not None and inb.slot_dst == [0, 1]
+        view = dec.slots.view(0)
+        view[:] = (np.arange(view.size) % 251).astype(np.uint8)  # what the prefill "wrote" into the slot
+        if step == "ok":
+            assert dec.stage_done(_done(True, 0, got.grant)).started
+        elif step == "wrong-slot":
+            dec.stage_done(_done(True, -1, got.grant))  # it wrote the pages, not the slot the grant named
+        elif step == "fail-q":
+            dec.stage_done(_done(False, -1, got.grant, quarantine=3.0))
+        elif step == "abort":
+            dec.abort(Abort("r", "client left"))
+        else:
+            with pytest.raises(Forbidden, match="does not carry the request's grant"):
+                other = grants.sign(dec.grant_key, rid="r", prefill="P", boot=dec.boot, pages=[0, 1], expires=2e9)
+                dec.stage_done(_done(True, 0, other))
+        assert inb.phase is Phase(phase), (inb.phase, inb.error)
+        assert dec.slots.free == free and dec.integrity() == "ok"
+        if step == "ok":
+            off = dec.manifest.slot_offsets(2)
+            for key in inb.slot_keys:
+                pb = dec.manifest.region(key).page_bytes
+                t = dec.engine.pool.tensor(key).numpy()
+                assert np.array_equal(t[[0, 1]].reshape(-1), view[off[key] : off[key] + 2 * pb])
+            assert (dec.counters["staged_in"], dec.slots.held()) == (1, {})
+            assert dec.abort(Abort("r"))
+        else:
+            if release_after:
+                clock.t += release_after - 0.01
+                dec.check_deadlines()
+                assert dec.slots.free == free and dec.engine.stats().pages_used == 2  # late writes may still land
+                clock.t += 0.01
+            dec.check_deadlines()
+            assert "r" not in dec.inbound and dec.counters["staged_in"] == 0
+        dec.engine.step()
+        assert (dec.engine.stats().pages_used, dec.slots.free, dec.integrity()) == (0, 4, "ok")
+    finally:
+        dec.backend.close()
+
+
+def test_contiguous_destination_is_not_staged_by_the_rule():
+    dec = _decode(Clock(), force="")
+    try:
+        got = dec.prealloc(Prealloc("r", PROMPT, SamplingParams(max_new_tokens=4), "P", 1, kv_timeout=4.0))
+        assert (got.pages, grants.parse(dec.grant_key, got.grant).slot, dec.slots.free) == ([0, 1], -1, 4)
+    finally:
+        dec.backend.close()
 
 
 # ---- end to end -------------------------------------------------------------------------------------------
