@@ -25,13 +25,15 @@ import torch
 from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, role_config, run_requests
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg import grants
-from dsakv.disagg.backends import make_backend
+from dsakv.disagg.backends import LOOPBACK_UCX_ENV, make_backend
+from dsakv.disagg.backends.base import deadline_in
 from dsakv.disagg.compat import check_pair
 from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.errors import Forbidden
 from dsakv.disagg.lifecycle import Phase
 from dsakv.disagg.manifest import BackendMeta, Manifest, SlotRegion
 from dsakv.disagg.messages import Abort, Hello, Prealloc, StageDone, fetch_health
+from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums
 from dsakv.disagg.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
 from dsakv.disagg.transfer_plan import Blocks, Strategy, TransferPlan, choose_destination
 from dsakv.engine.config import TransferConfig
@@ -193,6 +195,48 @@ def test_staging_buffer_and_slot_register_side_by_side():
         slots.close()
     finally:
         be.close()
+
+
+# ---- real engines: slot + gather lands exactly -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["mooncake", "nixl"])
+def test_gathered_source_into_a_slot_scatters_exactly(engine):
+    """Both sides fragmented: the source gathered, written into the receiver's slot as ONE block, scattered by
+    the receiver (a child process on a real engine): every key's destination pages hold the source pages'
+    bytes, every other page stays zero."""
+    layout = KVLayout(load_spec("glm-5.2"), 0, 3)  # 3 KV + 3 index-K (elided: only producers) keys
+    opts = {"env": LOOPBACK_UCX_ENV} if engine == "nixl" else {}
+    env = {**LOOPBACK_UCX_ENV, "MC_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+    pages = 12
+    slot_bytes = 8 * layout.bytes_per_page
+    with PeerProcess(PeerSpec(layout, pages, engine, opts, "decode", env, staging_slots=(slot_bytes, 2))) as peer:
+        pool = DevicePool(layout, pages)
+        fill_random(pool, 31)
+        be = make_backend(engine, **opts)
+        try:
+            be.register(pool.regions())
+            mine = Manifest.from_pool(pool, be.meta(), "prefill")
+            pairing = check_pair(mine, peer.manifest)
+            region = peer.manifest.staging
+            assert region == SlotRegion(region.addr, slot_bytes, 2)
+            src, dst = np.array([7, 2, 9, 0, 4]), np.array([11, 3, 5, 1, 8])
+            off = peer.manifest.slot_offsets(len(src))
+            into = TransferPlan.into_slot(pairing.pairs, src, region.slot_addr(1), [off[p.key] for p in pairing.pairs])
+            assert into.num_blocks == len(pairing.pairs) * 5  # one per key and source run (every page a run)
+            staging = StagingBuffer(be, into.nbytes)
+            plan = into.staged(staging.addr).coalesced()
+            assert (plan.num_blocks, plan.nbytes) == (1, 5 * layout.bytes_per_page)
+            staging.gather(plan)
+            m = be.transfer(be.connect(peer.manifest), plan.blocks, deadline_in(30))
+            assert m.ok and m.nbytes == 5 * layout.bytes_per_page
+            assert peer.checksums(dst) != page_checksums(pool, src)  # nothing in the pages before the scatter
+            assert peer.scatter(1, dst) >= 0.0
+            assert peer.checksums(dst) == page_checksums(pool, src)
+            assert set(peer.nonzero_outside(dst).values()) == {0}
+            staging.close()
+        finally:
+            be.close()
 
 
 # ---- the decode's books, in process (local backend, injected clock) ------------------------------------------

@@ -1,7 +1,8 @@
 """DecodeWorker: the decode side of disaggregated serving (one process).
 
     router ─ PREALLOC Prealloc(rid, prompt, params, prefill, num_stages, kv_timeout) ─► pages (held, WAITING_KV)
-    prefill stage k ─ transfer (its layers' paired keys) ─► those pages
+    prefill stage k ─ transfer (its layers' paired keys) ─► those pages (fragmented pages: the staging slot the
+                    grant names, disagg.staging; scattered into the pages once every stage reported ok)
                     ─ STAGE_DONE StageDone(rid, k, ok, error, first token + MTP draft hidden (last stage)) ─►
     when every stage reported ok and the first token is known: Engine.start_decode -> continuous batching
     (with --speculative-num-steps K: engine/speculative.py on the received KV, the draft layer's included)
@@ -72,11 +73,6 @@ if TYPE_CHECKING:
     from dsakv.disagg.decode_stage import DecodePipeline
 
 log = logging.getLogger(__name__)
-
-
-def cfg_force(cfg: DecodeConfig) -> str:
-    """Testing (--debug-transfer-strategy): "staged" / "blocks" overrides the destination rule."""
-    return cfg.config.transfer.debug_transfer_strategy
 
 
 def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
@@ -246,9 +242,8 @@ class DecodeWorker:
             self.outputs.add(rid, p.params.n)
             written = page_list(pages)[: ceil_div(len(prompt), st.page_size)]  # what the prefill stages write
             keys = written_keys(self.manifest, stages)
-            inb.slot, wanted = offer_slot(
-                self.slots, self.manifest, rid, written, keys, self.backend.name, cfg_force(self.cfg)
-            )
+            force = self.cfg.config.transfer.debug_transfer_strategy  # testing: overrides the rule
+            inb.slot, wanted = offer_slot(self.slots, self.manifest, rid, written, keys, self.backend.name, force)
             if inb.slot >= 0:
                 inb.slot_dst, inb.slot_keys = written, keys
             elif wanted:

@@ -70,7 +70,8 @@ class StagingBuffer:
             raise ValueError(f"staging buffer of {nbytes} B: give a positive size (or no staging buffer)")
         self.backend = backend
         self.nbytes = int(nbytes)
-        self._mem = np.zeros(self.nbytes, dtype=np.uint8)  # touched: no page faults inside a transfer
+        self._mem = np.zeros(self.nbytes, dtype=np.uint8)
+        self._mem.fill(0)  # touched (np.zeros maps lazily): no page faults inside a transfer
         self.addr = int(self._mem.ctypes.data)
         backend.register({STAGING_KEY: _Region(self.addr, self.nbytes)})
         self._lock = threading.Lock()
@@ -122,7 +123,8 @@ class StagingSlots:
         self.backend = backend
         self.slot_bytes = int(slot_bytes)
         self.num_slots = int(num_slots)
-        self._mem = np.zeros(self.slot_bytes * self.num_slots, dtype=np.uint8)  # touched up front
+        self._mem = np.zeros(self.slot_bytes * self.num_slots, dtype=np.uint8)
+        self._mem.fill(0)  # touched up front: the engine's writes and the scatter take no page faults
         self.addr = int(self._mem.ctypes.data)
         backend.register({SLOTS_KEY: _Region(self.addr, self._mem.size)})
         self._lock = threading.Lock()

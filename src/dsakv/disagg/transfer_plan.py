@@ -184,10 +184,13 @@ class Strategy(StrEnum):
 # Measured by bench/transfer.py (GLM-5.2 layout, 101 keys, over TCP on 127.0.0.1; bench/results/transfer.txt
 # prints the fitted values of the same run): the extra time of one more descriptor, per backend, fitted as
 # (fragmented - contiguous) / (extra blocks), and the gather copy's rate (numpy take into the staging buffer).
-DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 25e-6, "nixl": 11e-6, "local": 1e-6}  # 32K run: 25.8, 11.0
-DEFAULT_DESCRIPTOR_COST_S = 11e-6  # an engine not measured: the cheapest measured one (staging rarely)
-GATHER_BYTES_PER_S = 5.0e9  # 32K run: 5.14 GB/s (numpy take, 1 thread, shared host)
-SCATTER_BYTES_PER_S = 5.0e9  # the decode's scatter of a slot into its pages (numpy put, 1 thread)
+# Each is the median of the fits of five 32K runs over sessions 3 and 4 on a shared 2-core host (load 2-9; the
+# single fits scatter widely, nixl's from -4 to 27 us): mooncake 25 us (fits 22-31, one outlier 89), nixl 9 us
+# (median 9.4 of -3.8, 7.3, 8.3, 9.0, 9.7, 11.0, 22.4, 26.9), gather 5.1 GB/s (3.8-6.1), scatter 5.4 GB/s (4.7-7.0).
+DESCRIPTOR_COST_S: dict[str, float] = {"mooncake": 25e-6, "nixl": 9e-6, "local": 1e-6}
+DEFAULT_DESCRIPTOR_COST_S = 9e-6  # an engine not measured: the cheapest measured one (staging rarely)
+GATHER_BYTES_PER_S = 5.0e9  # numpy take into the staging buffer, 1 thread
+SCATTER_BYTES_PER_S = 5.0e9  # the decode's scatter of a slot into its pages (numpy fancy assignment, 1 thread)
 
 
 def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: str = "") -> Strategy:
@@ -198,9 +201,10 @@ def choose_strategy(num_blocks: int, nbytes: int, staged_blocks: int, backend: s
         STAGED iff saved > cost
 
     i.e. many small blocks with a fragmented source. A descriptor is worth 25 us x 5 GB/s = 125 KB of copy on
-    mooncake and 55 KB on nixl; a GLM-5.2 page is ~35 KB a key (101 keys, 3.5 MB a page): a source fragmented
+    mooncake and 45 KB on nixl; a GLM-5.2 page is ~35 KB a key (101 keys, 3.5 MB a page): a source fragmented
     page by page is staged on both, one in runs of 2 pages on mooncake only, in runs of 4 on neither. A
-    fragmented destination saves nothing (staged_blocks == num_blocks) and stays BLOCKS.
+    fragmented destination saves nothing here (staged_blocks == num_blocks): the decode's staging slot is the
+    remedy for it (choose_destination).
     """
     if num_blocks <= 0 or nbytes <= 0 or staged_blocks >= num_blocks:
         return Strategy.BLOCKS
