@@ -54,7 +54,7 @@ from torch import nn
 
 from dsakv.cache.kv_access import TokenAccess
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import LinearGroup, RMSNorm, linear, rms_norm
+from dsakv.model.layers import LinearGroup, NormGroup, RMSNorm, linear_add
 from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
@@ -213,11 +213,11 @@ class Indexer(nn.Module):
             proj = (self.wq_b(q_resid), self.wk(x), self.weights_proj(x.to(self.weights_proj.weight.dtype)))
         q_raw, k_raw, w_raw = proj
         rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
-        q = torch.matmul(q_raw.view(t, self.n_heads, self.head_dim), rot)
+        q = torch.bmm(q_raw.view(t, self.n_heads, self.head_dim), rot)
         if q.dtype != torch.float32:
             q = q.float()
         kn = self.k_norm
-        k = torch.matmul(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
+        k = torch.bmm(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
         k = k.squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
@@ -229,8 +229,8 @@ class Indexer(nn.Module):
         picks = []
         for q0, q1 in ctx.query_blocks(s_max * max(self.n_heads, self.head_dim)):
             kb = keys[q0:q1] if ctx.decode_only else keys[ctx.tok_seq[q0:q1]]  # [E, D, S]
-            scores = F.relu(torch.matmul(q[q0:q1], kb) * self.softmax_scale)  # [E, H, S]
-            idx = torch.matmul(w[q0:q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
+            scores = torch.bmm(q[q0:q1], kb).mul_(self.softmax_scale).relu_()  # [E, H, S]
+            idx = torch.bmm(w[q0:q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
             idx = idx.masked_fill(masked[q0:q1], float("-inf"))
             picks.append(idx.topk(k_sel, dim=-1).indices)
         sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
@@ -264,6 +264,7 @@ class MLAttention(nn.Module):
         self.scaling = cfg.softmax_scale
         bias = cfg.attention_bias
         assert s.q_lora_rank is not None
+        self.q_lora_rank = s.q_lora_rank
         self.q_a_proj = nn.Linear(s.hidden_size, s.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(s.q_lora_rank, 1e-6)
         self.q_b_proj = nn.Linear(s.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
@@ -278,6 +279,8 @@ class MLAttention(nn.Module):
         ix = self.indexer
         x_in: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
         self._x_proj = LinearGroup(x_in + ([ix.wk, ix.weights_proj] if ix is not None else []))
+        # q_a_layernorm and kv_a_layernorm normalise adjacent columns of x -> q_a | kv_a: one segmented RMSNorm
+        self._qkv_norm = NormGroup([self.q_a_layernorm, self.kv_a_layernorm])
         self._q_proj = LinearGroup([self.q_b_proj] + ([ix.wq_b] if ix is not None else []))
         self._w_uk_uv_cache: tuple[int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
@@ -292,19 +295,24 @@ class MLAttention(nn.Module):
         self._w_uk_uv_cache = (weight.data_ptr(), dtype, w_uk, w_uv_t)
         return w_uk, w_uv_t
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
+    def forward(
+        self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, TopK]:
+        """(attention output [T, hidden], plus `residual` when given, added inside o_proj's matmul; the top-k)."""
         t = x.shape[0]
         h = self.num_heads
         rot = ctx.rope(self.rope_dim, True, x.dtype)
-        x_out = self._x_proj(x)
-        q_resid = rms_norm(x_out[0], self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+        q_lora, r = self.q_lora_rank, self.kv_lora_rank
+        y = self._x_proj.fused(x)  # [T, q_a | kv_a | (indexer wk | weights_proj)]
+        x_out = self._x_proj(x) if y is None else list(torch.split(y, self._x_proj.sizes, dim=-1))
+        # q_a_layernorm | kv_a_layernorm over the adjacent q_a | latent columns, in one pass
+        normed = self._qkv_norm(y[:, : q_lora + r] if y is not None else torch.cat((x_out[0], x_out[1][:, :r]), -1))
+        q_resid, latent = normed[:, :q_lora], normed[:, q_lora:]
         q_out = self._q_proj(q_resid)
         q = q_out[0].view(t, h, self.qk_head_dim)
         q_nope = q[..., : self.nope]
-        q_rot = torch.matmul(q[..., self.nope :], rot)
-        kv, k_rot = torch.split(x_out[1], [self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = rms_norm(kv, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps)
-        k_rot = torch.matmul(k_rot.unsqueeze(1), rot).squeeze(1)
+        q_rot = torch.bmm(q[..., self.nope :], rot)
+        k_rot = torch.bmm(x_out[1][:, None, r:], rot).squeeze(1)
         kv_key = BufferKey(self.layer, Kind.KV)
         ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
 
@@ -325,7 +333,7 @@ class MLAttention(nn.Module):
             out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask, slots)
         else:
             out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask)
-        return linear(out.reshape(t, h * self.v_dim), self.o_proj), topk
+        return linear_add(out.reshape(t, h * self.v_dim), self.o_proj, residual), topk
 
     def _absorbed(
         self,
@@ -343,7 +351,7 @@ class MLAttention(nn.Module):
         [T, k]: their pool slots (read unless the step has a row source)."""
         t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
         w_uk, w_uv_t = self._w_uk_uv(x.dtype)
-        q_lat = torch.matmul(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
         query = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + d]
         k = slots.shape[1]
         blocks = ctx.query_blocks(k * max(r + self.rope_dim, h))
@@ -360,13 +368,13 @@ class MLAttention(nn.Module):
             probs = F.softmax(scores, dim=-1, dtype=torch.float32)
             if probs.dtype != x.dtype:
                 probs = probs.to(x.dtype)
-            o = torch.matmul(probs, rows[..., :r])  # [E, H, r]
+            o = torch.bmm(probs, rows[..., :r])  # [E, H, r]
             if o_lat is None:
                 o_lat = o
             else:
                 o_lat[q0:q1] = o
         assert o_lat is not None
-        return torch.matmul(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
 
     def _expanded(
         self,

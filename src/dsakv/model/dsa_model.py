@@ -44,9 +44,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        attn, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk)
-        x = x + attn
-        return x + self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps)), topk
+        x, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x)
+        return self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps), residual=x), topk
 
 
 class Backbone(nn.Module):

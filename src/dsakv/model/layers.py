@@ -12,7 +12,7 @@ Imports torch and dsakv.model.config only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,14 @@ class LinearGroup:
         self._ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
         return self._fused
 
+    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[..., in] -> [..., sum of outputs], the members' outputs side by side; None unless every member is fused
+        (then call the group instead)."""
+        w, bias, members = self._current()
+        if len(members) != len(self.linears):
+            return None
+        return F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
         w, bias, members = self._current()
@@ -110,11 +118,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)), the normalisation in float32 (as transformers). The hot path calls this directly
     with the RMSNorm's weight and eps (no Module call per use)."""
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        # transformers' formula with the temporaries reused in place: fewer dispatches than F.rms_norm's
-        # composite on CPU, same float32 result
-        v = x.pow(2).mean(-1, keepdim=True)
-        v.add_(eps).rsqrt_()
-        return (x * v).mul_(weight)
+        # transformers' formula (x * rsqrt(mean(x^2) + eps) * weight), bitwise: one call, its ops in C++
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
     return weight * h.to(x.dtype)
 
@@ -122,6 +127,71 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
     """m(x) without the Module call machinery (the hot path runs hundreds of these per step)."""
     return F.linear(x, m.weight, m.bias)
+
+
+def linear_add(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+    """residual + m(x) as one addmm (x and residual 2-D); m(x) if residual is None."""
+    if residual is None:
+        return F.linear(x, m.weight, m.bias)
+    if m.bias is not None:
+        return torch.addmm(residual, x, m.weight.t()).add_(m.bias)
+    return torch.addmm(residual, x, m.weight.t())
+
+
+class NormGroup:
+    """RMSNorms over adjacent column blocks of one tensor (q_a_layernorm | kv_a_layernorm of the fused x -> q_a |
+    kv_a projection), run as one segmented RMSNorm: the blocks' mean squares in one matmul against a [width,
+    blocks] averaging matrix, one rsqrt, one scale by the blocks' weights.
+
+    The members' weights are re-pointed as views into one fused weight (nothing stored twice; rebuilt if their
+    storage moved), as LinearGroup does. Float32 only, members of one eps; anything else runs member by member.
+    Not a Module: it holds no parameters of its own.
+    """
+
+    def __init__(self, norms: Sequence[RMSNorm]) -> None:
+        self.norms = list(norms)
+        self.sizes = [int(n.weight.shape[0]) for n in self.norms]
+        self._fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._ptrs: tuple[int, int] = (0, 0)
+
+    def _current(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(fused weight [width], averaging matrix [width, blocks], block of each column [width]) or None when the
+        members cannot run as one (dtypes, devices or eps differ, or not float32)."""
+        first, last = self.norms[0].weight, self.norms[-1].weight
+        f = self._fused
+        if f is not None and (first.data_ptr(), last.data_ptr()) == self._ptrs:
+            return f
+        ws = [n.weight for n in self.norms]
+        if (
+            any(w.dtype != torch.float32 or w.device != first.device for w in ws)
+            or len({n.eps for n in self.norms}) > 1
+        ):
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            w = torch.cat(ws)
+            start = 0
+            for n, size in zip(self.norms, self.sizes, strict=True):
+                n.weight.data = w[start : start + size]
+                start += size
+        sizes = torch.tensor(self.sizes, device=w.device)
+        blocks = torch.repeat_interleave(torch.arange(len(ws), device=w.device), sizes)
+        avg = torch.zeros(int(w.shape[0]), len(ws), dtype=torch.float32, device=w.device)
+        avg[torch.arange(int(w.shape[0]), device=w.device), blocks] = 1.0 / sizes[blocks]
+        self._fused = (w, avg, blocks)
+        self._ptrs = (first.data_ptr(), last.data_ptr())
+        return self._fused
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, sum of sizes] (the members' inputs side by side, in order) -> the same shape, every column block
+        normalised by its member (float32: one segmented pass; else member by member)."""
+        f = self._current()
+        if f is None or x.dtype != torch.float32:
+            parts = torch.split(x, self.sizes, dim=-1)
+            return torch.cat([rms_norm(p, n.weight, n.eps) for p, n in zip(parts, self.norms, strict=True)], dim=-1)
+        w, avg, blocks = f
+        ms = torch.mm(x * x, avg)  # [T, blocks] mean squares
+        ms.add_(self.norms[0].eps).rsqrt_()
+        return (x * ms.index_select(1, blocks)).mul_(w)
 
 
 class MLP(nn.Module):
@@ -135,11 +205,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self._gate_up = LinearGroup([self.gate_proj, self.up_proj]) if fuse else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x)), plus `residual` when given (added inside the down matmul)."""
         if self._gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return linear_add(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj, residual)
         g, u = self._gate_up(x)
-        return linear(F.silu(g) * u, self.down_proj)
+        return linear_add(F.silu(g).mul_(u), self.down_proj, residual)
 
 
 class Router(nn.Module):
@@ -206,20 +277,35 @@ def choose_moe_path(tokens: int, top_k: int, experts: int, row_macs: int, counts
     return "padded" if padded <= loop else "per_expert"
 
 
+class MoEWeights(NamedTuple):
+    """The MoE's fused storage (MoE._weights): every projection of the layer is a view into w_in or w_down."""
+
+    w_in: torch.Tensor  # [R + 2 * (E*I + Is), hidden]: router (R = E rows, or 0 if it runs alone) | routed gates |
+    #                      shared gate | routed ups | shared up
+    w_down: torch.Tensor  # [hidden, E*I + Is]: routed downs | shared down (column blocks)
+    router_rows: int  # R
+    gates: torch.Tensor  # [E, I, hidden] views of w_in
+    ups: torch.Tensor  # [E, I, hidden]
+    down: torch.Tensor  # [E, hidden, I] view of w_down
+
+
 class MoE(nn.Module):
     """Routed experts + shared expert, on one of three paths (choose_moe_path):
 
-    - dense: every expert runs every token in two batched matmuls over the stacked expert weights
-      [E, rows, hidden], and each token takes its top_k outputs (few experts and few tokens: decode batches of
-      small models, where grouping costs more ops than the extra rows);
+    - dense: every expert and the shared expert run every token as two matmuls in all, one over the fused input
+      weight (router | gates | ups) and one over the fused down weight, the routing weights scaling each expert's
+      activations in between (a zero for the experts a token did not pick): no sort, gather or scatter (few
+      experts and few tokens: decode batches of small models, where grouping costs more ops than extra rows);
     - padded: tokens grouped per expert by one stable sort, one gather into per-expert rows padded to the
-      busiest expert, the same two batched matmuls, one scatter-add back;
+      busiest expert, batched matmuls over the stacked expert weights [E, rows, hidden], one scatter-add back;
     - per expert: the same grouping, then one gate/up/down per hit expert on its contiguous slice (prefill,
       or many experts with few hits each).
 
-    The stacked weights are the experts' storage: each expert's Linear weights are views into them (built on
-    first use and again if the weights were moved), so no tensor is held twice. The router's and the shared
-    expert's gate/up projections read the same input and run as one matmul where their dtypes agree.
+    Storage (MoEWeights): w_in [router | routed gates | shared gate | routed ups | shared up] rows and w_down
+    [routed downs | shared down] columns; every Linear weight of the layer (router, experts, shared expert) is a
+    view into them, built on first use and again if the weights were moved, so no tensor is held twice and the
+    state dict keeps transformers' names. A router whose dtype or device differs (float32 in a bf16 model) keeps
+    its own weight and runs alone.
     """
 
     def __init__(self, cfg: DSAConfig) -> None:
@@ -228,55 +314,89 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         inter = s.moe_intermediate_size
         self.experts = nn.ModuleList(MLP(s.hidden_size, inter, fuse=False) for _ in range(s.n_routed_experts))
-        self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts)
-        self._stack: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._ptrs: tuple[int, int] = (0, 0)
+        self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts, fuse=False)
+        self._fused: MoEWeights | None = None
+        self._ptrs: tuple[int, int, int] = (0, 0, 0)
         self._row_macs = 3 * s.hidden_size * s.moe_intermediate_size
-        sh = self.shared_experts
-        self._in = LinearGroup([self.gate, sh.gate_proj, sh.up_proj])  # type: ignore[list-item]
+        ex0, ex1 = cast(MLP, self.experts[0]), cast(MLP, self.experts[-1])
+        # the Linears whose storage _weights watches (a tuple: not registered as submodules again)
+        self._watch = (ex0.gate_proj, ex1.down_proj, self.shared_experts.down_proj)
 
     def _experts(self) -> list[MLP]:
         return [cast(MLP, m) for m in self.experts]  # nn.ModuleList yields Module
 
-    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate|up [E, 2I, hidden], down [E, hidden, I]) aliased by every expert's Linear weights."""
-        ex = self._experts()
-        st = self._stack
-        if st is not None and (ex[0].gate_proj.weight.data_ptr(), ex[-1].down_proj.weight.data_ptr()) == self._ptrs:
-            return st
-        experts = list(ex)
-        inter = experts[0].gate_proj.weight.shape[0]
+    def _members(self) -> tuple[int, int, int]:
+        a, b, c = self._watch
+        return (a.weight.data_ptr(), b.weight.data_ptr(), c.weight.data_ptr())
+
+    def _weights(self) -> MoEWeights:
+        """The fused storage, every member's weight re-pointed into it (built once, again if storage moved)."""
+        f = self._fused
+        if f is not None and self._members() == self._ptrs:
+            return f
+        ex, sh = self._experts(), cast(MLP, self.shared_experts)
+        n_e, inter = len(ex), ex[0].gate_proj.weight.shape[0]
+        hidden = ex[0].gate_proj.weight.shape[1]
+        first = ex[0].gate_proj.weight
+        router = self.gate.weight
+        fuse_router = router.dtype == first.dtype and router.device == first.device
         with torch.inference_mode(False), torch.no_grad():
-            gu = torch.stack([torch.cat((m.gate_proj.weight, m.up_proj.weight)) for m in experts])
-            down = torch.stack([m.down_proj.weight for m in experts])
-            for e, m in enumerate(experts):
-                m.gate_proj.weight.data = gu[e, :inter]
-                m.up_proj.weight.data = gu[e, inter:]
-                m.down_proj.weight.data = down[e]
-        self._stack = (gu, down)
-        self._ptrs = (experts[0].gate_proj.weight.data_ptr(), experts[-1].down_proj.weight.data_ptr())
-        return self._stack
+            gates = [m.gate_proj.weight for m in ex] + [sh.gate_proj.weight]
+            ups = [m.up_proj.weight for m in ex] + [sh.up_proj.weight]
+            w_in = torch.cat(([router] if fuse_router else []) + gates + ups)
+            w_down = torch.cat([m.down_proj.weight for m in ex] + [sh.down_proj.weight], dim=1)
+            r = n_e if fuse_router else 0
+            width = n_e * inter + sh.gate_proj.weight.shape[0]  # E*I + Is
+            if fuse_router:
+                router.data = w_in[:r]
+            for i, m in enumerate(ex + [sh]):
+                g0, d0 = r + i * inter, i * inter
+                gn = m.gate_proj.weight.shape[0]
+                m.gate_proj.weight.data = w_in[g0 : g0 + gn]
+                m.up_proj.weight.data = w_in[g0 + width : g0 + width + gn]
+                m.down_proj.weight.data = w_down[:, d0 : d0 + gn]
+        ei = n_e * inter
+        self._fused = MoEWeights(
+            w_in,
+            w_down,
+            r,
+            w_in[r : r + ei].view(n_e, inter, hidden),
+            w_in[r + width : r + width + ei].view(n_e, inter, hidden),
+            w_down[:, :ei].view(hidden, n_e, inter).permute(1, 0, 2),
+        )
+        self._ptrs = self._members()
+        return self._fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; expert outputs are added in expert-id order per token on the grouped paths (the stable
-        sort keeps it), as transformers' per-expert index_add_ does; the dense path adds a token's top_k outputs
-        in its router order (exactly the same sum for top_k <= 2)."""
-        logits, sg, su = self._in(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden] (plus `residual` when given); expert outputs are added in expert-id order per token on
+        the grouped paths (the stable sort keeps it), as transformers' per-expert index_add_ does; the dense path
+        sums them (and the shared expert) inside its down matmul."""
+        f = self._weights()
+        n, e = x.shape[0], len(self.experts)
+        k = self.gate.top_k
+        sh = cast(MLP, self.shared_experts)
+        if choose_moe_path(n, k, e, self._row_macs) == "dense":
+            h = F.linear(x, f.w_in)
+            r = f.router_rows
+            logits = h[:, :r] if r else F.linear(x.to(self.gate.weight.dtype), self.gate.weight)
+            weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
+            width = f.w_down.shape[1]
+            act = F.silu(h[:, r : r + width]).mul_(h[:, r + width :])  # [N, E*I + Is]: every expert's, shared last
+            dense = weights.new_zeros(n, e).scatter_(1, ids, weights)  # weight per token and expert (0: not picked)
+            act[:, : e * f.gates.shape[1]].view(n, e, -1).mul_(dense.unsqueeze(-1))
+            return torch.addmm(residual, act, f.w_down.t()) if residual is not None else F.linear(act, f.w_down)
+        if f.router_rows:
+            logits = F.linear(x, self.gate.weight)
+        else:
+            logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight)
         weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
-        act = F.silu(sg) * su
-        shared = linear(act if act.dtype == x.dtype else act.to(x.dtype), self.shared_experts.down_proj)
-        return self._routed(x, weights, ids) + shared
+        shared = linear(F.silu(linear(x, sh.gate_proj)) * linear(x, sh.up_proj), sh.down_proj)
+        out = self._routed(x, weights, ids, f).add_(shared)
+        return out if residual is None else out.add_(residual)
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
         n, k = ids.shape
         num_experts = len(self.experts)
-        if choose_moe_path(n, k, num_experts, self._row_macs) == "dense":
-            gu, down = self._stacked()
-            inter = down.shape[2]
-            hgu = torch.matmul(x, gu.transpose(1, 2))  # [E, N, 2I]: every expert on every token
-            yp = torch.bmm(F.silu(hgu[..., :inter]) * hgu[..., inter:], down.transpose(1, 2))  # [E, N, hidden]
-            y = yp[ids, torch.arange(n, device=x.device)[:, None]] * weights.unsqueeze(-1)  # [N, k, hidden]
-            return (y if y.dtype == x.dtype else y.to(x.dtype)).sum(dim=1)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
@@ -284,14 +404,12 @@ class MoE(nn.Module):
         counts_t = torch.bincount(flat, minlength=num_experts)
         counts = counts_t.tolist()
         if choose_moe_path(n, k, num_experts, self._row_macs, counts) == "padded":
-            gu, down = self._stacked()
-            inter = down.shape[2]
             se = flat[order]
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
             xp = x.new_zeros(num_experts, max(counts), x.shape[1])
             xp[se, pos] = x[tok]  # one gather (x[tok]) into the padded per-expert rows
-            hgu = torch.bmm(xp, gu.transpose(1, 2))
-            yp = torch.bmm(F.silu(hgu[..., :inter]) * hgu[..., inter:], down.transpose(1, 2))
+            act = F.silu(torch.bmm(xp, f.gates.transpose(1, 2))) * torch.bmm(xp, f.ups.transpose(1, 2))
+            yp = torch.bmm(act, f.down.transpose(1, 2))
             y = yp[se, pos] * ws
         else:
             xs = x[tok]  # one gather: [N * k, hidden], grouped by expert
