@@ -450,7 +450,8 @@ class Engine:
                         next_tokens[i] = 0
                 elif rows:
                     assert logits is not None
-                    toks, lps = sample_with_logprobs(logits[rows], [chunks[i].request for i in rows])
+                    picked = logits if len(rows) == len(chunks) else logits[rows]  # decode: every row samples
+                    toks, lps = sample_with_logprobs(picked, [chunks[i].request for i in rows])
                     for i, t, lp in zip(rows, toks, lps, strict=True):
                         next_tokens[i] = t
                         if lp is not None:

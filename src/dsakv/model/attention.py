@@ -136,14 +136,20 @@ class StepContext:
             if t is topk and sel[2].dtype == dtype:
                 return sel
         pos = topk[:, : self.k_sel]
-        invalid = pos < 0
-        pos = pos.clamp(min=0)
-        bias = torch.zeros(pos.shape, dtype=dtype, device=pos.device).masked_fill_(invalid, float("-inf"))
+        t, k = pos.shape
+        if self.full_topk:  # every token has k causal picks: no -1 to mask
+            valid = torch.ones((t, k), dtype=torch.bool, device=pos.device)
+            bias = torch.zeros((t, 1, k), dtype=dtype, device=pos.device)
+        else:
+            invalid = pos < 0
+            pos = pos.clamp(min=0)
+            bias = torch.zeros((t, 1, k), dtype=dtype, device=pos.device).masked_fill_(invalid[:, None], float("-inf"))
+            valid = ~invalid
         if self.decode_only:
             slots = self.table.gather(1, pos)
         else:
             slots = self.table[self.tok_seq[:, None], pos]
-        out = (pos, ~invalid, bias.unsqueeze(1), slots)
+        out = (pos, valid, bias, slots)
         self._selections.append((topk, out))  # holds topk, so `is` cannot match a recycled tensor
         return out
 
@@ -221,17 +227,22 @@ class Indexer(nn.Module):
         k = k.squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
-        w = w_raw.float() * (self.n_heads**-0.5)
+        # relu(s * q.k) = s * relu(q.k) for the softmax scale s > 0: s folds into the head weights, [T, H, 1]
+        w = (w_raw.float() * (self.n_heads**-0.5 * self.softmax_scale)).unsqueeze(-1)
         b, s_max = ctx.table.shape
-        keys = ctx.pool.read(key, ctx.padded_slots()).view(b, s_max, self.head_dim).transpose(1, 2)  # [B, D, S]
+        keys = ctx.pool.read(key, ctx.padded_slots()).view(b, s_max, self.head_dim)  # [B, S, D] as read
+        qt = q.transpose(1, 2)  # [T, D, H]
         k_sel = ctx.k_sel
         masked = ctx.causal_mask()
         picks = []
         for q0, q1 in ctx.query_blocks(s_max * max(self.n_heads, self.head_dim)):
-            kb = keys[q0:q1] if ctx.decode_only else keys[ctx.tok_seq[q0:q1]]  # [E, D, S]
-            scores = torch.bmm(q[q0:q1], kb).mul_(self.softmax_scale).relu_()  # [E, H, S]
-            idx = torch.bmm(w[q0:q1].unsqueeze(-2), scores).squeeze(-2)  # [E, S]
-            idx = idx.masked_fill(masked[q0:q1], float("-inf"))
+            if ctx.decode_only and q1 - q0 == t:  # one block of every sequence's one token: no slicing
+                kb, qb, wb, mb = keys, qt, w, masked
+            else:
+                kb = keys[q0:q1] if ctx.decode_only else keys[ctx.tok_seq[q0:q1]]  # [E, S, D]
+                qb, wb, mb = qt[q0:q1], w[q0:q1], masked[q0:q1]
+            scores = torch.bmm(kb, qb).relu_()  # [E, S, H]
+            idx = torch.bmm(scores, wb).squeeze(-1).masked_fill_(mb, float("-inf"))  # [E, S]
             picks.append(idx.topk(k_sel, dim=-1).indices)
         sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
         return canonical_topk(sel, ctx)
@@ -357,14 +368,18 @@ class MLAttention(nn.Module):
         blocks = ctx.query_blocks(k * max(r + self.rope_dim, h))
         o_lat = x.new_empty(t, h, r) if len(blocks) > 1 else None
         for q0, q1 in blocks:
+            one = q1 - q0 == t  # a single block (decode): the step's tensors as they are, no slicing
             if ctx.rows is None:
-                rows = ctx.pool.read(kv_key, slots[q0:q1].reshape(-1))
+                rows = ctx.pool.read(kv_key, (slots if one else slots[q0:q1]).reshape(-1))
             else:
-                rows = ctx.rows.read_selected(self.layer, sel[q0:q1], valid[q0:q1], ctx.table, ctx.tok_seq, q0)
+                rows = ctx.rows.read_selected(
+                    self.layer, sel if one else sel[q0:q1], valid if one else valid[q0:q1], ctx.table, ctx.tok_seq, q0
+                )
             if rows.dtype != x.dtype:
                 rows = rows.to(x.dtype)
             rows = rows.view(q1 - q0, k, r + self.rope_dim)
-            scores = torch.baddbmm(mask[q0:q1], query[q0:q1], rows.transpose(1, 2), alpha=self.scaling)  # [E, H, k]
+            qb, mb = (query, mask) if one else (query[q0:q1], mask[q0:q1])
+            scores = torch.baddbmm(mb, qb, rows.transpose(1, 2), alpha=self.scaling)  # [E, H, k]
             probs = F.softmax(scores, dim=-1, dtype=torch.float32)
             if probs.dtype != x.dtype:
                 probs = probs.to(x.dtype)

@@ -155,7 +155,7 @@ class NormGroup:
         self._ptrs: tuple[int, int] = (0, 0)
 
     def _current(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(fused weight [width], averaging matrix [width, blocks], block of each column [width]) or None when the
+        """(fused weight [width], averaging matrix [width, blocks], spreading matrix [blocks, width]) or None when the
         members cannot run as one (dtypes, devices or eps differ, or not float32)."""
         first, last = self.norms[0].weight, self.norms[-1].weight
         f = self._fused
@@ -175,9 +175,8 @@ class NormGroup:
                 start += size
         sizes = torch.tensor(self.sizes, device=w.device)
         blocks = torch.repeat_interleave(torch.arange(len(ws), device=w.device), sizes)
-        avg = torch.zeros(int(w.shape[0]), len(ws), dtype=torch.float32, device=w.device)
-        avg[torch.arange(int(w.shape[0]), device=w.device), blocks] = 1.0 / sizes[blocks]
-        self._fused = (w, avg, blocks)
+        spread = torch.nn.functional.one_hot(blocks, len(ws)).to(torch.float32)  # [width, blocks]: column -> its block
+        self._fused = (w, spread / sizes, spread.t().contiguous())
         self._ptrs = (first.data_ptr(), last.data_ptr())
         return self._fused
 
@@ -188,10 +187,10 @@ class NormGroup:
         if f is None or x.dtype != torch.float32:
             parts = torch.split(x, self.sizes, dim=-1)
             return torch.cat([rms_norm(p, n.weight, n.eps) for p, n in zip(parts, self.norms, strict=True)], dim=-1)
-        w, avg, blocks = f
+        w, avg, spread = f
         ms = torch.mm(x * x, avg)  # [T, blocks] mean squares
         ms.add_(self.norms[0].eps).rsqrt_()
-        return (x * ms.index_select(1, blocks)).mul_(w)
+        return (x * torch.mm(ms, spread)).mul_(w)  # each column scaled by its block's 1 / rms (a 0/1 matmul: exact)
 
 
 class MLP(nn.Module):
@@ -253,8 +252,8 @@ class Router(nn.Module):
     def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.routed_scaling_factor
+            weights.div_(weights.sum(dim=-1, keepdim=True).add_(1e-20))
+        return weights.mul_(self.routed_scaling_factor)
 
 
 def choose_moe_path(tokens: int, top_k: int, experts: int, row_macs: int, counts: list[int] | None = None) -> str:
