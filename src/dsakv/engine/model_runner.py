@@ -34,23 +34,28 @@ def build_batch(chunks: Sequence[ScheduledChunk], page_size: int) -> ForwardBatc
     """The ForwardBatch for `chunks` (one row each, in order)."""
     if not chunks:
         raise ValueError("build_batch: no chunks scheduled")
-    ends = np.array([c.end for c in chunks], dtype=np.int64)
-    starts = np.array([c.start for c in chunks], dtype=np.int64)
-    max_len = int(ends.max())
+    starts_l = [c.start for c in chunks]
+    ends_l = [c.start + c.num_tokens for c in chunks]
+    ends = np.array(ends_l, dtype=np.int64)
+    starts = np.array(starts_l, dtype=np.int64)
+    max_len = max(ends_l)
     max_pages = ceil_div(max_len, page_size)
     page_table = np.full((len(chunks), max_pages), -1, dtype=np.int64)
-    for b, c in enumerate(chunks):
-        pages = c.request.page_ids[: ceil_div(c.end, page_size)]
+    ids: list[int] = []
+    for b, (c, end) in enumerate(zip(chunks, ends_l, strict=True)):
+        pages = c.request.page_ids[: ceil_div(end, page_size)]
         page_table[b, : len(pages)] = pages
+        ids.extend(c.request.token_ids(c.start, end))
     t = np.arange(max_len, dtype=np.int64)
     slot_table = page_table[:, t // page_size] * page_size + t % page_size
     slot_table[t[None, :] >= ends[:, None]] = -1
-    ids: list[int] = []
-    for c in chunks:
-        ids.extend(c.request.token_ids(c.start, c.end))
-    rows = np.repeat(np.arange(len(chunks)), ends - starts)
-    positions = np.concatenate([np.arange(c.start, c.end, dtype=np.int64) for c in chunks])
-    out_slots = slot_table[rows, positions]
+    if len(ids) == len(chunks):  # decode: one token per row, at its start
+        positions = starts.copy()  # not shared with prefix_lens
+        out_slots = slot_table[np.arange(len(chunks)), positions]
+    else:
+        rows = np.repeat(np.arange(len(chunks)), ends - starts)
+        positions = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in zip(starts_l, ends_l, strict=True)])
+        out_slots = slot_table[rows, positions]
     if np.any(out_slots < 0):
         raise ValueError("build_batch: a new token has no page (the scheduler did not allocate it)")
     return ForwardBatch(

@@ -54,7 +54,7 @@ from torch import nn
 
 from dsakv.cache.kv_access import TokenAccess
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import LinearGroup, NormGroup, RMSNorm, linear_add
+from dsakv.model.layers import LinearGroup, RMSNorm, linear_add, rms_norm
 from dsakv.model.rope import rotation_matrix
 from dsakv.spec.layout import BufferKey, Kind
 
@@ -275,7 +275,6 @@ class MLAttention(nn.Module):
         self.scaling = cfg.softmax_scale
         bias = cfg.attention_bias
         assert s.q_lora_rank is not None
-        self.q_lora_rank = s.q_lora_rank
         self.q_a_proj = nn.Linear(s.hidden_size, s.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(s.q_lora_rank, 1e-6)
         self.q_b_proj = nn.Linear(s.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
@@ -290,8 +289,6 @@ class MLAttention(nn.Module):
         ix = self.indexer
         x_in: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
         self._x_proj = LinearGroup(x_in + ([ix.wk, ix.weights_proj] if ix is not None else []))
-        # q_a_layernorm and kv_a_layernorm normalise adjacent columns of x -> q_a | kv_a: one segmented RMSNorm
-        self._qkv_norm = NormGroup([self.q_a_layernorm, self.kv_a_layernorm])
         self._q_proj = LinearGroup([self.q_b_proj] + ([ix.wq_b] if ix is not None else []))
         self._w_uk_uv_cache: tuple[int, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
@@ -313,12 +310,11 @@ class MLAttention(nn.Module):
         t = x.shape[0]
         h = self.num_heads
         rot = ctx.rope(self.rope_dim, True, x.dtype)
-        q_lora, r = self.q_lora_rank, self.kv_lora_rank
-        y = self._x_proj.fused(x)  # [T, q_a | kv_a | (indexer wk | weights_proj)]
-        x_out = self._x_proj(x) if y is None else list(torch.split(y, self._x_proj.sizes, dim=-1))
-        # q_a_layernorm | kv_a_layernorm over the adjacent q_a | latent columns, in one pass
-        normed = self._qkv_norm(y[:, : q_lora + r] if y is not None else torch.cat((x_out[0], x_out[1][:, :r]), -1))
-        q_resid, latent = normed[:, :q_lora], normed[:, q_lora:]
+        r = self.kv_lora_rank
+        x_out = self._x_proj(x)  # q_a | kv_a (| indexer wk | weights_proj): views of one matmul
+        qn, kn = self.q_a_layernorm, self.kv_a_layernorm
+        q_resid = rms_norm(x_out[0], qn.weight, qn.eps)
+        latent = rms_norm(x_out[1][:, :r], kn.weight, kn.eps)
         q_out = self._q_proj(q_resid)
         q = q_out[0].view(t, h, self.qk_head_dim)
         q_nope = q[..., : self.nope]

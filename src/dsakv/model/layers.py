@@ -73,14 +73,6 @@ class LinearGroup:
         self._ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
         return self._fused
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor | None:
-        """[..., in] -> [..., sum of outputs], the members' outputs side by side; None unless every member is fused
-        (then call the group instead)."""
-        w, bias, members = self._current()
-        if len(members) != len(self.linears):
-            return None
-        return F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
-
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
         w, bias, members = self._current()
@@ -136,61 +128,6 @@ def linear_add(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None) -> 
     if m.bias is not None:
         return torch.addmm(residual, x, m.weight.t()).add_(m.bias)
     return torch.addmm(residual, x, m.weight.t())
-
-
-class NormGroup:
-    """RMSNorms over adjacent column blocks of one tensor (q_a_layernorm | kv_a_layernorm of the fused x -> q_a |
-    kv_a projection), run as one segmented RMSNorm: the blocks' mean squares in one matmul against a [width,
-    blocks] averaging matrix, one rsqrt, one scale by the blocks' weights.
-
-    The members' weights are re-pointed as views into one fused weight (nothing stored twice; rebuilt if their
-    storage moved), as LinearGroup does. Float32 only, members of one eps; anything else runs member by member.
-    Not a Module: it holds no parameters of its own.
-    """
-
-    def __init__(self, norms: Sequence[RMSNorm]) -> None:
-        self.norms = list(norms)
-        self.sizes = [int(n.weight.shape[0]) for n in self.norms]
-        self._fused: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._ptrs: tuple[int, int] = (0, 0)
-
-    def _current(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(fused weight [width], averaging matrix [width, blocks], spreading matrix [blocks, width]) or None when the
-        members cannot run as one (dtypes, devices or eps differ, or not float32)."""
-        first, last = self.norms[0].weight, self.norms[-1].weight
-        f = self._fused
-        if f is not None and (first.data_ptr(), last.data_ptr()) == self._ptrs:
-            return f
-        ws = [n.weight for n in self.norms]
-        if (
-            any(w.dtype != torch.float32 or w.device != first.device for w in ws)
-            or len({n.eps for n in self.norms}) > 1
-        ):
-            return None
-        with torch.inference_mode(False), torch.no_grad():
-            w = torch.cat(ws)
-            start = 0
-            for n, size in zip(self.norms, self.sizes, strict=True):
-                n.weight.data = w[start : start + size]
-                start += size
-        sizes = torch.tensor(self.sizes, device=w.device)
-        blocks = torch.repeat_interleave(torch.arange(len(ws), device=w.device), sizes)
-        spread = torch.nn.functional.one_hot(blocks, len(ws)).to(torch.float32)  # [width, blocks]: column -> its block
-        self._fused = (w, spread / sizes, spread.t().contiguous())
-        self._ptrs = (first.data_ptr(), last.data_ptr())
-        return self._fused
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, sum of sizes] (the members' inputs side by side, in order) -> the same shape, every column block
-        normalised by its member (float32: one segmented pass; else member by member)."""
-        f = self._current()
-        if f is None or x.dtype != torch.float32:
-            parts = torch.split(x, self.sizes, dim=-1)
-            return torch.cat([rms_norm(p, n.weight, n.eps) for p, n in zip(parts, self.norms, strict=True)], dim=-1)
-        w, avg, spread = f
-        ms = torch.mm(x * x, avg)  # [T, blocks] mean squares
-        ms.add_(self.norms[0].eps).rsqrt_()
-        return (x * torch.mm(ms, spread)).mul_(w)  # each column scaled by its block's 1 / rms (a 0/1 matmul: exact)
 
 
 class MLP(nn.Module):
