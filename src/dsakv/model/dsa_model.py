@@ -127,17 +127,16 @@ class DSAModel(nn.Module):
 
         The slot table is checked against the pool once here, so the layers' reads and writes skip the check.
         """
-        _check_batch(batch)
+        ext_l, pre_l = _check_batch(batch)
         self.check_pool(pool)
         assert self._checked is not None
         access = self._checked[2]
         dev = self.device
         b, t = batch.batch_size, batch.num_tokens
-        pre_host = batch.prefix_lens
         ext = batch.extend_lens.to(dev)
-        pre = pre_host.to(dev)
+        pre = batch.prefix_lens.to(dev)
         seq_lens = pre + ext
-        s_max = int(seq_lens.max())
+        s_max = max(p + e for p, e in zip(pre_l, ext_l, strict=True))
         table = batch.slot_table.to(dev)[:, :s_max]
         out_slots = batch.out_slots.to(dev)
         lo, hi = (int(v) for v in torch.aminmax(table)) if access is not None else (0, 0)
@@ -166,13 +165,13 @@ class DSAModel(nn.Module):
             )
         s = self.spec
         k = min(s.index_topk, s_max)
-        rows = int(seq_lens.sum())
+        rows = sum(pre_l) + t
         path = choose_mla_path(
             self.mla_path, t, rows, k, s.num_attention_heads, s.kv_lora_rank,
             s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim,
         )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
-        full = int(pre_host.min()) + 1 >= k  # every token sits at or beyond its prefix: >= k causal keys each
+        full = min(pre_l) + 1 >= k  # every token sits at or beyond its prefix: >= k causal keys each
         if access is None:  # HiSparse: logical slots; selected rows from the hot buffer (cache/hisparse.py)
             assert isinstance(pool, HiSparsePool)
             hs = pool.step_access(batch.extend_lens, batch.positions, dev)
@@ -272,7 +271,8 @@ def unpack_topk(packed: torch.Tensor, ctx: StepContext, index_topk: int) -> TopK
     return packed.to(torch.int64)
 
 
-def _check_batch(batch: ForwardBatch) -> None:
+def _check_batch(batch: ForwardBatch) -> tuple[list[int], list[int]]:
+    """Raise ValueError unless the batch's shapes agree; (extend_lens, prefix_lens) as host lists."""
     b = batch.batch_size
     t = batch.num_tokens
     if batch.prefix_lens.shape != (b,) or batch.slot_table.dim() != 2 or batch.slot_table.shape[0] != b:
@@ -285,10 +285,13 @@ def _check_batch(batch: ForwardBatch) -> None:
             f"input_ids has {t} tokens but positions {tuple(batch.positions.shape)} and out_slots "
             f"{tuple(batch.out_slots.shape)}: give one position and one slot per new token"
         )
-    if b == 0 or int(batch.extend_lens.min()) < 1 or int(batch.extend_lens.sum()) != t:
-        raise ValueError(f"extend_lens {batch.extend_lens.tolist()} must be >= 1 each and sum to the {t} new tokens")
-    if int(batch.seq_lens.max()) > batch.slot_table.shape[1]:
+    ext, pre = batch.extend_lens.tolist(), batch.prefix_lens.tolist()  # host lists: B ints, one call each
+    if b == 0 or min(ext) < 1 or sum(ext) != t:
+        raise ValueError(f"extend_lens {ext} must be >= 1 each and sum to the {t} new tokens")
+    seq_max = max(p + e for p, e in zip(pre, ext, strict=True))
+    if seq_max > batch.slot_table.shape[1]:
         raise ValueError(
-            f"slot_table has {batch.slot_table.shape[1]} columns but a sequence holds {int(batch.seq_lens.max())} "
+            f"slot_table has {batch.slot_table.shape[1]} columns but a sequence holds {seq_max} "
             "tokens after this step: widen the table to max(prefix_lens + extend_lens)"
         )
+    return ext, pre

@@ -72,17 +72,30 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor, width: int, interleave
     """[T, width, width] R with x @ R == rope(x) on the first 2 * cos.shape[1] values, identity on the rest.
 
     One batched matmul per rope application instead of slicing, four products and a cat: built once
-    per step, on cos's device. interleaved: apply_interleaved's layout; else apply_half_split's.
+    per step, on cos's device, by one scatter of [cos | -sin | cos | sin | 1] into a zero matrix at entries
+    cached per (width, pairs, layout, device). interleaved: apply_interleaved's layout; else apply_half_split's.
     """
     t, h = cos.shape
-    rot = torch.zeros(t, width, width, dtype=cos.dtype, device=cos.device)
-    i = torch.arange(h, device=cos.device)
-    even, odd = (2 * i, 2 * i + 1) if interleaved else (i, h + i)
-    rot[:, even, i] = cos
-    rot[:, odd, i] = -sin
-    rot[:, odd, h + i] = cos
-    rot[:, even, h + i] = sin
+    flat = _rotation_entries(width, h, interleaved, cos.device)
+    values = [cos, -sin, cos, sin]
     if width > 2 * h:
-        rest = torch.arange(2 * h, width, device=cos.device)
-        rot[:, rest, rest] = 1.0
-    return rot
+        values.append(cos.new_ones(t, width - 2 * h))
+    rot = cos.new_zeros(t, width * width)
+    rot.index_copy_(1, flat, torch.cat(values, dim=1))
+    return rot.view(t, width, width)
+
+
+_ENTRIES: dict[tuple[int, int, bool, torch.device], torch.Tensor] = {}
+
+
+def _rotation_entries(width: int, h: int, interleaved: bool, device: torch.device) -> torch.Tensor:
+    """Flat indices into a [width, width] matrix of R's (cos, -sin, cos, sin, identity) entries, in that order."""
+    key = (width, h, interleaved, device)
+    if key not in _ENTRIES:
+        i = torch.arange(h)
+        even, odd = (2 * i, 2 * i + 1) if interleaved else (i, h + i)
+        rest = torch.arange(2 * h, width)
+        rows = torch.cat((even, odd, odd, even, rest))
+        cols = torch.cat((i, i, h + i, h + i, rest))
+        _ENTRIES[key] = (rows * width + cols).to(device)
+    return _ENTRIES[key]
