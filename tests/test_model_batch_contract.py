@@ -133,3 +133,89 @@ def test_fused_projections_alias_the_weights(model):
     assert torch.equal(fused[:n], w_before + 1.0)
     with torch.no_grad():
         attn.q_a_proj.weight.copy_(w_before)
+
+
+def test_moe_fused_storage_aliases_every_weight(model):
+    """MoE._weights: router, routed experts and shared expert are views of w_in [router | gates | shared gate |
+    ups | shared up] and w_down [downs | shared down]; values and state-dict names unchanged; in-place updates
+    (load_state_dict) reach the fused tensors."""
+    moe = model.model.layers[1].mlp
+    before = {k: v.detach().clone() for k, v in moe.state_dict().items()}
+    f = moe._weights()
+    after = moe.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    e, (inter, hidden) = len(moe.experts), moe.experts[0].gate_proj.weight.shape
+    shared = moe.shared_experts.gate_proj.weight.shape[0]
+    width = e * inter + shared
+    assert f.router_rows == e  # float32 model: the router fuses too
+    assert tuple(f.w_in.shape) == (e + 2 * width, hidden) and tuple(f.w_down.shape) == (hidden, width)
+    row = f.w_in.stride(0) * f.w_in.element_size()
+    assert moe.gate.weight.data_ptr() == f.w_in.data_ptr()
+    assert moe.experts[3].gate_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + 3 * inter) * row
+    assert moe.experts[3].up_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + width + 3 * inter) * row
+    assert moe.shared_experts.up_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + width + e * inter) * row
+    col = f.w_down.element_size()
+    assert moe.experts[3].down_proj.weight.data_ptr() == f.w_down.data_ptr() + 3 * inter * col
+    assert moe.shared_experts.down_proj.weight.data_ptr() == f.w_down.data_ptr() + e * inter * col
+    assert torch.equal(f.gates[3], moe.experts[3].gate_proj.weight)
+    assert torch.equal(f.down[3], before["experts.3.down_proj.weight"])
+    with torch.no_grad():
+        moe.experts[3].down_proj.weight.add_(1.0)
+    assert torch.equal(f.w_down[:, 3 * inter : 4 * inter], before["experts.3.down_proj.weight"] + 1.0)
+    with torch.no_grad():
+        moe.experts[3].down_proj.weight.copy_(before["experts.3.down_proj.weight"])
+    assert moe._weights() is f  # storage did not move: not rebuilt
+
+
+def test_linear_add_is_residual_plus_linear(model):
+    from dsakv.model.layers import linear_add
+
+    o = model.model.layers[0].self_attn.o_proj
+    g = torch.Generator().manual_seed(3)
+    x, res = torch.randn(5, o.weight.shape[1], generator=g), torch.randn(5, o.weight.shape[0], generator=g)
+    assert torch.equal(linear_add(x, o, None), torch.nn.functional.linear(x, o.weight))
+    torch.testing.assert_close(linear_add(x, o, res), res + torch.nn.functional.linear(x, o.weight), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotation_matrix_entries(interleaved):
+    """rope.rotation_matrix scatters cos, -sin, cos, sin (and 1 on the un-roped rest) at the documented entries."""
+    from dsakv.model.rope import apply_half_split, apply_interleaved, rotation_matrix
+
+    cos, sin = torch.tensor([[0.5, 0.25]]), torch.tensor([[2.0, 4.0]])
+    rot = rotation_matrix(cos, sin, 5, interleaved)[0]
+    c0, c1, s0, s1 = 0.5, 0.25, 2.0, 4.0
+    if interleaved:  # pairs (0, 1), (2, 3): out[2i] = x[2i] c - x[2i+1] s, out[2i+1] = x[2i+1] c + x[2i] s
+        want = [[c0, 0, s0, 0, 0], [-s0, 0, c0, 0, 0], [0, c1, 0, s1, 0], [0, -s1, 0, c1, 0], [0, 0, 0, 0, 1]]
+    else:  # halves (0, 2), (1, 3)
+        want = [[c0, 0, s0, 0, 0], [0, c1, 0, s1, 0], [-s0, 0, c0, 0, 0], [0, -s1, 0, c1, 0], [0, 0, 0, 0, 1]]
+    assert torch.equal(rot, torch.tensor(want))
+    x = torch.randn(1, 3, 4, generator=torch.Generator().manual_seed(0))
+    apply = apply_interleaved if interleaved else apply_half_split
+    torch.testing.assert_close(torch.matmul(x, rotation_matrix(cos, sin, 4, interleaved)), apply(x, cos, sin))
+
+
+def test_selection_without_masks_when_every_pick_is_causal(model):
+    """A step whose tokens all have >= k causal keys (full_topk) builds its selection without masking; the same
+    positions, valid flags, additive mask and slots as the masked build."""
+    from dataclasses import replace
+
+    pool = DevicePool(model.layout_for(kv_format="fp32", index_format="fp32", page_size=4), 12)
+    b = ForwardBatch(
+        input_ids=torch.tensor([5, 6]),
+        positions=torch.tensor([20, 17]),
+        prefix_lens=torch.tensor([20, 17]),
+        extend_lens=torch.tensor([1, 1]),
+        slot_table=torch.arange(2 * 21).view(2, 21).where(torch.arange(21) <= torch.tensor([[20], [17]]), -1),
+        out_slots=torch.tensor([20, 21 + 17]),
+    )
+    with torch.inference_mode():
+        ctx = model.make_context(b, pool)
+        assert ctx.full_topk and ctx.decode_only and ctx.k_sel == 16
+        topk = torch.stack([torch.arange(16) + 2, torch.arange(16)])
+        fast = ctx.selection(topk, torch.float32)
+        slow = replace(ctx, full_topk=False, _memo={}, _selections=[]).selection(topk, torch.float32)
+    for a, c in zip(fast, slow, strict=True):
+        assert torch.equal(a, c)
+    assert bool(fast[1].all()) and not bool(fast[2].any())
+    assert fast[3].tolist() == [list(range(2, 18)), list(range(21, 37))]
