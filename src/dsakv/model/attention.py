@@ -136,14 +136,14 @@ class StepContext:
             if t is topk and sel[2].dtype == dtype:
                 return sel
         pos = topk[:, : self.k_sel]
-        t, k = pos.shape
+        n, k = int(pos.shape[0]), int(pos.shape[1])
         if self.full_topk:  # every token has k causal picks: no -1 to mask
-            valid = torch.ones((t, k), dtype=torch.bool, device=pos.device)
-            bias = torch.zeros((t, 1, k), dtype=dtype, device=pos.device)
+            valid = torch.ones((n, k), dtype=torch.bool, device=pos.device)
+            bias = torch.zeros((n, 1, k), dtype=dtype, device=pos.device)
         else:
             invalid = pos < 0
             pos = pos.clamp(min=0)
-            bias = torch.zeros((t, 1, k), dtype=dtype, device=pos.device).masked_fill_(invalid[:, None], float("-inf"))
+            bias = torch.zeros((n, 1, k), dtype=dtype, device=pos.device).masked_fill_(invalid[:, None], float("-inf"))
             valid = ~invalid
         if self.decode_only:
             slots = self.table.gather(1, pos)
