@@ -21,7 +21,7 @@ elision: for each batch size and elision setting:
   remaining --decode-tokens steps are timed (decode tokens / s, all sequences together).
 Best of --repeat runs, on and off alternating. Prints a table and the on/off ratio (elision changes memory, not compute:
 the ratio should be ~1.0) with bytes per token and pool capacity at --budget. Never asserts on time.
---json PATH writes every figure.
+--json PATH writes every figure. The load average (1, 5, 15 min) is printed (and written) at the start and end.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     if sections - {"hf", "long", "elision"}:
         ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision")
-    results: dict = {"threads": args.threads, "arch": args.arch}
+    results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
+    print(f"load average at start (1, 5, 15 min): {_load()}")
 
     with tempfile.TemporaryDirectory(prefix="dsakv-bench-") as tmp:
         path = Path(args.model) if args.model else make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
@@ -357,7 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _load() -> str:
+    return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def _dump(results: dict, args: argparse.Namespace) -> None:
+    results["load_average_end"] = os.getloadavg()
+    print(f"load average at end (1, 5, 15 min): {_load()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -78,7 +78,7 @@ class LinearGroup:
         w, bias, members = self._current()
         y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
         if len(members) == len(self.linears):
-            return list(torch.split(y, self.sizes, dim=-1)) if len(members) > 1 else [y]
+            return list(y.split_with_sizes(self.sizes, dim=-1)) if len(members) > 1 else [y]
         parts = iter(torch.split(y, [self.sizes[i] for i in members], dim=-1))
         out = []
         for i, m in enumerate(self.linears):
