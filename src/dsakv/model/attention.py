@@ -100,6 +100,7 @@ class StepContext:
     # when unknown
     full_topk: bool = False
     _memo: dict[str, torch.Tensor] = field(default_factory=dict)
+    _ropes: dict[tuple[int, bool, torch.dtype], torch.Tensor] = field(default_factory=dict)
     rows: RowSource | None = None  # None: selected rows are read from `pool` by slot
     _selections: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
         default_factory=list
@@ -163,10 +164,11 @@ class StepContext:
 
     def rope(self, width: int, interleaved: bool, dtype: torch.dtype) -> torch.Tensor:
         """The step's rope as [T, width, width] rotation matrices (see rope.rotation_matrix), built once."""
-        name = f"rope{width}{'i' if interleaved else 'h'}{dtype}"
-        if name not in self._memo:
-            self._memo[name] = rotation_matrix(self.cos, self.sin, width, interleaved).to(dtype)
-        return self._memo[name]
+        key = (width, interleaved, dtype)
+        rot = self._ropes.get(key)
+        if rot is None:
+            rot = self._ropes[key] = rotation_matrix(self.cos, self.sin, width, interleaved).to(dtype)
+        return rot
 
     def query_blocks(self, per_token: int) -> list[tuple[int, int]]:
         """Flat token ranges whose per_token elements each stay under SCORE_BLOCK_ELEMS (decode: one block)."""

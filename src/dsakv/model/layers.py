@@ -44,13 +44,13 @@ class LinearGroup:
         self.sizes = [int(_w(m).shape[0]) for m in self.linears]
         self._fused: tuple[torch.Tensor, torch.Tensor | None, list[int]] | None = None
         self._ptrs: tuple[int, int] = (0, 0)
+        self._ends: tuple[nn.Module, nn.Module] = (self.linears[0], self.linears[-1])
 
     def _current(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         f = self._fused
         if f is not None:
-            members = f[2]
-            ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
-            if ptrs == self._ptrs:
+            head, tail = self._ends
+            if (_w(head).data_ptr(), _w(tail).data_ptr()) == self._ptrs:
                 return f
         first = _w(self.linears[0])
         members = [i for i, m in enumerate(self.linears) if _w(m).dtype == first.dtype and _w(m).device == first.device]
@@ -70,7 +70,8 @@ class LinearGroup:
                     b.data = bias[start : start + n]
                 start += n
         self._fused = (w, bias, members)
-        self._ptrs = (_w(self.linears[members[0]]).data_ptr(), _w(self.linears[members[-1]]).data_ptr())
+        self._ends = (self.linears[members[0]], self.linears[members[-1]])  # whose storage _current watches
+        self._ptrs = (_w(self._ends[0]).data_ptr(), _w(self._ends[1]).data_ptr())
         return self._fused
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -109,7 +110,7 @@ class RMSNorm(nn.Module):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)), the normalisation in float32 (as transformers). The hot path calls this directly
     with the RMSNorm's weight and eps (no Module call per use)."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+    if x.dtype is torch.float32 and weight.dtype is torch.float32:
         # transformers' formula (x * rsqrt(mean(x^2) + eps) * weight), bitwise: one call, its ops in C++
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
@@ -223,6 +224,8 @@ class MoEWeights(NamedTuple):
     gates: torch.Tensor  # [E, I, hidden] views of w_in
     ups: torch.Tensor  # [E, I, hidden]
     down: torch.Tensor  # [E, hidden, I] view of w_down
+    w_down_t: torch.Tensor  # w_down.t(), as addmm takes it
+    routed_width: int  # E*I: the routed experts' columns of w_down
 
 
 class MoE(nn.Module):
@@ -254,6 +257,8 @@ class MoE(nn.Module):
         self._fused: MoEWeights | None = None
         self._ptrs: tuple[int, int, int] = (0, 0, 0)
         self._row_macs = 3 * s.hidden_size * s.moe_intermediate_size
+        self._n_experts, self._top_k = s.n_routed_experts, s.num_experts_per_tok
+        self._width = s.n_routed_experts * inter + s.moe_intermediate_size * s.n_shared_experts  # E*I + Is
         ex0, ex1 = cast(MLP, self.experts[0]), cast(MLP, self.experts[-1])
         # the Linears whose storage _weights watches (a tuple: not registered as submodules again)
         self._watch = (ex0.gate_proj, ex1.down_proj, self.shared_experts.down_proj)
@@ -299,6 +304,8 @@ class MoE(nn.Module):
             w_in[r : r + ei].view(n_e, inter, hidden),
             w_in[r + width : r + width + ei].view(n_e, inter, hidden),
             w_down[:, :ei].view(hidden, n_e, inter).permute(1, 0, 2),
+            w_down.t(),
+            ei,
         )
         self._ptrs = self._members()
         return self._fused
@@ -308,19 +315,19 @@ class MoE(nn.Module):
         the grouped paths (the stable sort keeps it), as transformers' per-expert index_add_ does; the dense path
         sums them (and the shared expert) inside its down matmul."""
         f = self._weights()
-        n, e = x.shape[0], len(self.experts)
-        k = self.gate.top_k
-        sh = cast(MLP, self.shared_experts)
-        if choose_moe_path(n, k, e, self._row_macs) == "dense":
+        n, e = x.shape[0], self._n_experts
+        if choose_moe_path(n, self._top_k, e, self._row_macs) == "dense":
+            gate = self.gate
             h = F.linear(x, f.w_in)
             r = f.router_rows
-            logits = h[:, :r] if r else F.linear(x.to(self.gate.weight.dtype), self.gate.weight)
-            weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
-            width = f.w_down.shape[1]
+            logits = h[:, :r] if r else F.linear(x.to(gate.weight.dtype), gate.weight)
+            weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
+            width = self._width
             act = F.silu(h[:, r : r + width]).mul_(h[:, r + width :])  # [N, E*I + Is]: every expert's, shared last
             dense = weights.new_zeros(n, e).scatter_(1, ids, weights)  # weight per token and expert (0: not picked)
-            act[:, : e * f.gates.shape[1]].view(n, e, -1).mul_(dense.unsqueeze(-1))
-            return torch.addmm(residual, act, f.w_down.t()) if residual is not None else F.linear(act, f.w_down)
+            act[:, : f.routed_width].view(n, e, -1).mul_(dense.unsqueeze(-1))
+            return torch.addmm(residual, act, f.w_down_t) if residual is not None else F.linear(act, f.w_down)
+        sh = cast(MLP, self.shared_experts)
         if f.router_rows:
             logits = F.linear(x, self.gate.weight)
         else:
