@@ -99,15 +99,18 @@ def test_shared_layer_uses_only_its_producers_topk() -> None:
 
 
 def test_two_requests_one_copy_per_layer_and_newest_page_backup(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dsakv.cache.hisparse as hs
-
     pool = _pool()
     pool.admit("a", [3, 4], length=7)
     pool.admit("b", [9, 10], length=6)
     va, vb = _fill(pool, "a", 7, seed=3), _fill(pool, "b", 6, seed=4)
     copies: list[int] = []
-    real_put = hs.put
-    monkeypatch.setattr(hs, "put", lambda dst, idx, src: (copies.append(idx.numel()), real_put(dst, idx, src)))
+    real_copy = HiSparsePool._copy_in
+
+    def copy_in(self: HiSparsePool, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies.append(dst.numel())
+        real_copy(self, layer, dst, src)
+
+    monkeypatch.setattr(HiSparsePool, "_copy_in", copy_in)
     pool.begin_step()
     assert pool.swap_in(1, {"a": torch.tensor([0, 1, 6]), "b": torch.tensor([0, 2])}) == {1: 4}
     assert copies == [4]  # both requests' missing rows of layer 1 in one index_copy_

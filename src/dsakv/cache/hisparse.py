@@ -74,6 +74,11 @@ class HiSparseStats:
             s.rows_in += rows
             s.bytes_in += nbytes
 
+    def add_group(self, layers: Iterable[int], lookups: int, hits: int, rows: int, nbytes: int) -> None:
+        """The same counts for each layer of a producer group (its layers share one swap-in)."""
+        for layer in layers:
+            self.add(layer, lookups, hits, rows, nbytes)
+
     @property
     def hit_rate(self) -> float:
         lookups = sum(s.lookups for s in self.total.values())
@@ -96,28 +101,46 @@ class HiSparseStats:
         }
 
 
-class _Residency:
-    """One request's LRU slots for one layer."""
-
-    def __init__(self, buffer_size: int) -> None:
-        self.slot_pos = np.full(buffer_size, -1, dtype=np.int64)  # position held by each slot, -1 empty
-        self.last_used = np.full(buffer_size, -1, dtype=np.int64)
-        self.pos_slot = np.full(0, -1, dtype=np.int64)  # slot of each position, -1 not resident
-        self.rows = np.zeros(0, dtype=np.int64)  # block-relative rows of the last top-k, in top-k order
-        self.positions = np.zeros(0, dtype=np.int64)
-
-    def grow(self, capacity: int) -> None:
-        if capacity > self.pos_slot.size:
-            extra = np.full(capacity - self.pos_slot.size, -1, dtype=np.int64)
-            self.pos_slot = np.concatenate((self.pos_slot, extra))
-
-
 @dataclass
 class _Request:
     block: int
     pages: np.ndarray
     length: int
-    layers: dict[int, _Residency]
+
+
+@dataclass
+class _StepRows:
+    """The rows `prepare` was given for one step, as arrays: request ids, hot blocks, token counts after the
+    step, and their logical pages (a padded page table)."""
+
+    rids: list[RequestId]
+    blocks: np.ndarray  # int64 [B]
+    lengths: np.ndarray  # int64 [B]
+    pages: np.ndarray  # int64 [B, max pages] (-1 beyond a request's pages)
+
+
+@dataclass
+class SwapRows:
+    """The requests of one swap-in, as int64 tensors on the pool's device (built once per step, used by every
+    producer group): hot blocks [D], token counts [D], logical pages [D, max pages] (-1 padding). Derived: the
+    first position of each newest page [D, 1], the first hot row of each block [D, 1], the first logical slot
+    of each page. `rids` names them for errors."""
+
+    rids: Sequence[RequestId]
+    blocks: torch.Tensor
+    lengths: torch.Tensor
+    pages: torch.Tensor
+    newest: torch.Tensor = field(init=False)
+    base: torch.Tensor = field(init=False)
+    page_starts: torch.Tensor = field(init=False)
+    page_size: int = 1
+    block_rows: int = 1
+
+    def __post_init__(self) -> None:
+        p = self.page_size
+        self.newest = ((self.lengths - 1).clamp(min=0) // p * p)[:, None]
+        self.base = (self.blocks * self.block_rows)[:, None]
+        self.page_starts = self.pages * p  # first logical slot of each page
 
 
 class HiSparsePool:
@@ -175,6 +198,33 @@ class HiSparsePool:
         for layer in layout.layers:
             self.groups.setdefault(self.spec.producer_of(layer), ())
             self.groups[self.spec.producer_of(layer)] += (layer,)
+        self.producer_of = {layer: p for p, group in self.groups.items() for layer in group}
+        self._gidx = {p: g for g, p in enumerate(self.groups)}
+        # Residency, one table per producer group (every layer of a group is given the same top-k at the same
+        # steps, so its layers' hot rows always hold the same positions), by hot block, on the device:
+        #   state [G, blocks, 2, S + P + 1]: [0] the logical position each row of the block holds (-1 empty),
+        #   [1] the clock of the swap-in that last hit or filled it (-1 never). Columns are the block's rows:
+        #   buffer_size LRU slots, page_size newest-page rows, then one scratch column that padding entries of a
+        #   top-k write to (so every swap-in of a block sets its newest clock: its rows with that clock are the
+        #   last top-k).
+        g, dev = len(self.groups), self.device
+        self._state = torch.full((g, max_requests, 2, self.block_rows + 1), -1, dtype=torch.int64, device=dev)
+        self._cols = torch.arange(buffer_size, device=dev)
+        # the row tensors copies go through: [rows, kv_row_bytes] as int64 words when rows allow it (all formats)
+        word = torch.int64 if self.kv_row_bytes % 8 == 0 else torch.uint8
+        self._hot_words = {k.layer: t.view(word) for k, t in self._hot.items()}
+        self._host_words = {
+            k.layer: t.view(logical_pages * self.page_size, self.kv_row_bytes).view(word) for k, t in self._host.items()
+        }
+        self._word = word
+        iw = self.index_codec.bytes_per_token if self.index_codec is not None else 0
+        self._index_words: dict[int, torch.Tensor] = {}  # single-segment index formats as word rows by slot
+        if self.index_codec is not None and len(self.index_codec.segments) == 1:
+            iword = torch.int64 if iw % 8 == 0 else torch.int32 if iw % 4 == 0 else torch.uint8
+            self._index_words = {
+                k.layer: t.view(logical_pages * self.page_size, iw).view(iword) for k, t in self._index.items()
+            }
+        self._step: _StepRows | None = None
 
     @classmethod
     def for_figures(
@@ -260,7 +310,7 @@ class HiSparsePool:
     # ---- requests -----------------------------------------------------------------------
 
     def admit(self, rid: RequestId, pages: npt.ArrayLike, length: int = 0) -> int:
-        """Give request `rid` a hot block and its logical pages; returns the block id."""
+        """Give request `rid` a hot block (its residency cleared) and its logical pages; returns the block id."""
         if rid in self._reqs:
             raise ValueError(f"request {rid!r} is already admitted to the HiSparse pool")
         if not self._free_blocks:
@@ -269,10 +319,8 @@ class HiSparsePool:
                 f"{self.block_rows} rows per layer are in use; finish a request or raise the device budget"
             )
         block = self._free_blocks.pop(0)
-        req = _Request(
-            block, np.zeros(0, dtype=np.int64), 0, {layer: _Residency(self.buffer_size) for layer in self.layout.layers}
-        )
-        self._reqs[rid] = req
+        self._reqs[rid] = _Request(block, np.zeros(0, dtype=np.int64), 0)
+        self._state[:, block] = -1
         try:
             self.grow(rid, length, pages)
         except Exception:
@@ -288,15 +336,13 @@ class HiSparsePool:
             raise IndexError(
                 f"request {rid!r}: logical pages {new.tolist()} outside the pool's pages 0..{self.logical_pages - 1}"
             )
-        pages_all = np.concatenate((req.pages, new))
+        pages_all = np.concatenate((req.pages, new)) if new.size else req.pages
         if length < req.length or length > pages_all.size * self.page_size:
             raise ValueError(
                 f"request {rid!r}: length {length} must be >= its current {req.length} and fit its "
                 f"{pages_all.size} pages of {self.page_size} tokens"
             )
         req.pages, req.length = pages_all, length
-        for res in req.layers.values():
-            res.grow(pages_all.size * self.page_size)
 
     def release(self, rid: RequestId) -> None:
         """Free the request's hot block (its logical pages belong to the caller's allocator)."""
@@ -328,11 +374,16 @@ class HiSparsePool:
         after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded from the
         host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
         self.begin_step()
-        live = set(running) | {e[0] for e in entries}
+        live = set(running)
+        live.update(e[0] for e in entries)
         for rid in [r for r in self._reqs if r not in live]:
             self.release(rid)
-        rids = []
-        for rid, page_ids, start, end in entries:
+        n = len(entries)
+        rids: list[RequestId] = []
+        blocks = np.empty(n, dtype=np.int64)
+        lengths = np.empty(n, dtype=np.int64)
+        page_lists = []
+        for i, (rid, page_ids, start, end) in enumerate(entries):
             pages = np.asarray(page_ids, dtype=np.int64)[: ceil_div(end, self.page_size)]
             req = self._reqs.get(rid)
             if req is not None and (
@@ -345,23 +396,28 @@ class HiSparsePool:
             if req is None:
                 self.admit(rid, pages[: ceil_div(start, self.page_size)], start)
                 self.load_newest(rid)
-            held = self._reqs[rid].pages.size
-            self.grow(rid, end, pages[held:])
+                req = self._reqs[rid]
+            self.grow(rid, end, pages[req.pages.size :])
             rids.append(rid)
-        self._step_rids = rids
+            blocks[i], lengths[i] = req.block, end
+            page_lists.append(req.pages)
+        table = np.full((n, max((p.size for p in page_lists), default=0)), -1, dtype=np.int64)
+        for i, p in enumerate(page_lists):
+            table[i, : p.size] = p
+        self._step = _StepRows(rids, blocks, lengths, table)
 
     def step_access(
         self, extend_lens: torch.Tensor, positions: torch.Tensor, device: torch.device | None = None
     ) -> HiSparseStep:
         """The access a model step uses (StepContext.pool and .rows), for the rows `prepare` was given: new tokens
         per row `extend_lens` [B] and the position of every new token `positions` [T] (ForwardBatch's)."""
-        rids = getattr(self, "_step_rids", None)
-        if rids is None or len(rids) != extend_lens.numel():
+        rows = self._step
+        if rows is None or len(rows.rids) != extend_lens.numel():
             raise ValueError(
                 f"HiSparse step of {extend_lens.numel()} sequences but prepare() was given "
-                f"{'none' if rids is None else len(rids)}: call prepare(entries, running) before each step"
+                f"{'none' if rows is None else len(rows.rids)}: call prepare(entries, running) before each step"
             )
-        return HiSparseStep(self, list(rids), extend_lens, positions, device or self.device)
+        return HiSparseStep(self, rows, extend_lens, positions, device or self.device)
 
     def _req(self, rid: RequestId) -> _Request:
         try:
@@ -405,104 +461,193 @@ class HiSparsePool:
         self.stats.step = {}
         self.stats.steps += 1
 
-    def swap_in(self, producer: int, topk: Mapping[RequestId, torch.Tensor]) -> dict[int, int]:
-        """Make the top-k positions of every request resident for `producer` and each layer reusing its top-k.
-
-        `topk[rid]` holds positions, any shape ([k], or [num_new, k] for several query tokens: their union is
-        made resident); each < the request's length; -1 is padding and ignored. Returns rows swapped in per
-        layer of the group, this call.
-        """
+    def _check_producer(self, producer: int) -> None:
         if producer not in self.groups or self.spec.producer_of(producer) != producer:
             owner = self.spec.producer_of(producer)
             raise ValueError(
                 f"layer {producer} is not a producer of this layout's layers: it reuses the top-k of layer {owner}; "
                 f"call swap_in with layer {owner}'s top-k"
             )
+
+    def swap_in(self, producer: int, topk: Mapping[RequestId, torch.Tensor]) -> dict[int, int]:
+        """Make the top-k positions of every request resident for `producer` and each layer reusing its top-k.
+
+        `topk[rid]` holds positions, any shape ([k], or [num_new, k] for several query tokens: their union is
+        made resident); each < the request's length; -1 is padding and ignored. Returns rows swapped in per
+        layer of the group, this call. (The per-request form of swap_rows, which a model step calls.)
+        """
+        self._check_producer(producer)
+        rids = list(topk)
+        reqs = [self._req(rid) for rid in rids]
+        wanted = []
+        for t in topk.values():
+            pos = t.reshape(-1).to(self.device, torch.int64)
+            wanted.append(torch.unique(pos[pos >= 0]))  # the union over the request's query tokens, ascending
+        pos = torch.full((len(rids), max((w.numel() for w in wanted), default=0)), -1, dtype=torch.int64)
+        pos = pos.to(self.device)
+        for i, w in enumerate(wanted):
+            pos[i, : w.numel()] = w
+        pages = np.full((len(rids), max((r.pages.size for r in reqs), default=0)), -1, dtype=np.int64)
+        for i, r in enumerate(reqs):
+            pages[i, : r.pages.size] = r.pages
+        rows = self.swap_rows_of(
+            rids, np.array([r.block for r in reqs], dtype=np.int64), np.array([r.length for r in reqs]), pages
+        )
+        _, n = self.swap_rows(producer, rows, pos)
+        return {layer: n for layer in self.groups[producer]}
+
+    def swap_rows_of(
+        self, rids: Sequence[RequestId], blocks: np.ndarray, lengths: np.ndarray, pages: np.ndarray
+    ) -> SwapRows:
+        """SwapRows for requests `rids` (hot blocks, token counts, padded page table), on the pool's device."""
+        dev = self.device
+        return SwapRows(
+            rids, as_index(blocks, dev), as_index(lengths, dev), as_index(pages, dev), self.page_size, self.block_rows
+        )
+
+    # Up to this many [D, K, S] elements, hits are found by one broadcast compare; beyond, by a batched
+    # searchsorted over each block's sorted slots (fewer ops against O(D K log S) work).
+    BROADCAST_ELEMS = 1 << 18
+
+    def swap_rows(self, producer: int, rows: SwapRows, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The swap-in of one producer group for D requests at once, vectorised (no loop over requests or rows).
+
+        pos [D, K] (int64, the pool's device): each request's top-k positions in `rows` order, -1 padding, no
+        position twice in a row. Positions in a request's newest page are hits (its hot newest page); the others
+        are looked up in the group's LRU slots of its block; each miss takes the least recently used slot not hit
+        by this top-k (empty first, then the lowest slot), misses in row-major order. The missing rows are then
+        copied host -> device with one index_select and one index_copy_ per layer of the group. Checked before
+        anything changes (one device -> host sync, with the counts): every position < its request's length, and
+        at most device_buffer_size positions outside the newest page.
+        Returns (hot rows [D, K]: each position's absolute row in the hot buffer, padding: the block's first
+        row; rows swapped in per layer of the group)."""
+        g = self._gidx.get(producer)
+        if g is None:
+            self._check_producer(producer)
+        assert g is not None
         self._clock += 1
         clock = self._clock
-        wanted: dict[RequestId, np.ndarray] = {}  # checked for every request before anything changes
-        for rid, t in topk.items():
-            req = self._req(rid)
-            pos = t.to("cpu", torch.int64).numpy().reshape(-1)
-            pos = np.unique(pos[pos >= 0])  # the union over the request's query tokens, ascending
-            if pos.size and int(pos.max()) >= req.length:
+        size, page, scratch = self.buffer_size, self.page_size, self.block_rows
+        d, k = pos.shape
+        if not d or not k:
+            self.stats.add_group(self.groups[producer], 0, 0, 0, 0)
+            return rows.base + torch.zeros_like(pos), 0
+        state = self._state[g].index_select(0, rows.blocks)  # [D, 2, S + P + 1]
+        slot_pos, last_used = state[:, 0], state[:, 1]
+        valid = pos >= 0
+        lru = valid & (pos < rows.newest)
+        if d * k * size <= self.BROADCAST_ELEMS:
+            found, hit_slot = (pos[:, :, None] == slot_pos[:, None, :size]).max(dim=2)
+            hit = lru & found
+        else:
+            ordered, perm = slot_pos[:, :size].sort(dim=1)
+            at = torch.searchsorted(ordered, pos.contiguous()).clamp_(max=size - 1)
+            hit = lru & (ordered.gather(1, at) == pos)
+            hit_slot = perm.gather(1, at)
+        miss = lru ^ hit
+        need, nmiss = lru.sum(1), miss.sum(1)
+        most, over, lookups, n = torch.stack(
+            (need.max(), (pos.amax(1) - rows.lengths).max(), valid.sum(), nmiss.sum())
+        ).tolist()
+        if most > size or over >= 0:
+            i = int(((need > size) | (pos.amax(1) >= rows.lengths)).nonzero()[0, 0])
+            rid, length = rows.rids[i], int(rows.lengths[i])
+            if int(pos[i].max()) >= length:
                 raise IndexError(
-                    f"request {rid!r}: top-k position {int(pos.max())} >= its length {req.length} (layer {producer})"
+                    f"request {rid!r}: top-k position {int(pos[i].max())} >= its length {length} (layer {producer})"
                 )
-            outside = int((pos < self._newest_start(req)).sum())
-            if outside > self.buffer_size:
-                raise CapacityError(
-                    f"request {rid!r}, layer {producer}: the top-k needs {outside} rows outside the newest page but "
-                    f"device_buffer_size is {self.buffer_size}: raise device_buffer_size to at least the top-k"
-                )
-            wanted[rid] = pos
-        out: dict[int, int] = {}
-        for layer in self.groups[producer]:
-            src_parts, dst_parts = [], []
-            lookups = hits = 0
-            for rid, pos in wanted.items():
-                req = self._reqs[rid]
-                res = req.layers[layer]
-                base = req.block * self.block_rows
-                newest = pos >= self._newest_start(req)
-                slots = res.pos_slot[pos]
-                hit = newest | (slots >= 0)
-                miss_pos = pos[~hit]
-                lookups += pos.size
-                hits += int(hit.sum())
-                # victims: LRU slots not used by this top-k, empty first, then least recently used, then lowest slot
-                protected = np.zeros(self.buffer_size, dtype=bool)
-                protected[slots[~newest & hit]] = True
-                cand = np.flatnonzero(~protected)
-                order = np.lexsort((cand, res.last_used[cand]))
-                victims = cand[order[: miss_pos.size]]
-                old = res.slot_pos[victims]
-                res.pos_slot[old[old >= 0]] = -1
-                res.slot_pos[victims] = miss_pos
-                res.pos_slot[miss_pos] = victims
-                res.last_used[slots[~newest & hit]] = clock
-                res.last_used[victims] = clock
-                rows = np.where(newest, self.buffer_size + pos % self.page_size, res.pos_slot[pos])
-                res.rows, res.positions = rows, pos
-                if miss_pos.size:
-                    src_parts.append(req.pages[miss_pos // self.page_size] * self.page_size + miss_pos % self.page_size)
-                    dst_parts.append(base + victims)
-            n = sum(p.size for p in src_parts)
-            if n:
-                src = torch.from_numpy(np.concatenate(src_parts))
-                dst = as_index(np.concatenate(dst_parts), self.device)
-                put(self.hot_tensor(layer), dst, take(self._host_rows(layer), src).to(self.device, non_blocking=True))
-            self.stats.add(layer, lookups, hits, n, n * self.kv_row_bytes)
-            out[layer] = n
-        return out
+            raise CapacityError(
+                f"request {rid!r}, layer {producer}: the top-k needs {int(need[i])} rows outside the newest page "
+                f"but device_buffer_size is {size}: raise device_buffer_size to at least the top-k"
+            )
+        slot = torch.where(valid ^ lru, pos % page + size, torch.where(hit, hit_slot, scratch))
+        if n:
+            # victims: per row the LRU slots by (last used, slot); this top-k's hits, marked with the newest clock,
+            # sort last and are never taken (a row's misses <= its free + unhit slots); row j takes nmiss[j]
+            last_used.scatter_(1, torch.where(hit, hit_slot, scratch), clock)
+            order = last_used[:, :size].sort(dim=1, stable=True).indices
+            slot.masked_scatter_(miss, order[self._cols < nmiss[:, None]])  # row-major, as miss.nonzero()
+        slot_pos.scatter_(1, slot, pos)  # hits rewrite their own position; padding writes the scratch column
+        last_used.scatter_(1, slot, clock)
+        self._state[g].index_copy_(0, rows.blocks, state)
+        hot = rows.base + torch.where(valid, slot, 0)
+        group = self.groups[producer]
+        if n:
+            src = (rows.page_starts.gather(1, pos.clamp(min=0) // page) + pos % page)[miss].cpu()
+            dst = hot[miss]
+            for layer in group:
+                self._copy_in(layer, dst, src)
+        self.stats.add_group(group, lookups, lookups - n, n, n * self.kv_row_bytes)
+        return hot, n
+
+    def _words(self, table: dict[int, torch.Tensor], layer: int, get: Any) -> torch.Tensor:
+        words = table.get(layer)
+        if words is None:
+            get(layer)  # raises the KeyError naming the layer and kind
+            raise AssertionError(f"layer {layer}: no row view")  # pragma: no cover
+        return words
+
+    def read_hot(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """Float32 KV of absolute hot rows `rows` (device index) of `layer`: one gather of whole rows, decoded."""
+        words = self._words(self._hot_words, layer, self.hot_tensor)
+        return self.kv_codec.decode([words.index_select(0, rows).view(torch.uint8)])
+
+    def read_host(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Float32 KV of logical token slots `slots` (CPU index) of `layer`, from the host rows."""
+        words = self._words(self._host_words, layer, self.host_tensor)
+        return self.kv_codec.decode([words.index_select(0, slots).view(torch.uint8)])
+
+    def _copy_in(self, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Hot rows `dst` (device index) of `layer` = its host rows `src` (CPU index): one gather on the host, one
+        host -> device copy, one index_copy_ on the device."""
+        host, hot = self._host_words[layer], self._hot_words[layer]
+        hot.index_copy_(0, dst, host.index_select(0, src).to(hot.device, non_blocking=True))
 
     # ---- reads ---------------------------------------------------------------------------------------
 
+    def _group_block(self, layer: int, rid: RequestId) -> tuple[int, int]:
+        req = self._req(rid)
+        if layer not in self.producer_of:
+            raise KeyError(f"layer {layer} is not one of this HiSparse pool's layers {list(self.layout.layers)}")
+        return self._gidx[self.producer_of[layer]], req.block
+
+    def _last_topk(self, layer: int, rid: RequestId) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, block-relative hot rows) of the last top-k made resident for `layer`, by ascending position:
+        the rows (LRU slots and newest-page rows) its group's last swap-in for the request hit or filled (those
+        with the block's newest clock)."""
+        g, b = self._group_block(layer, rid)
+        slot_pos, used = self._state[g, b].cpu().numpy()
+        clock = used.max()
+        rows = np.flatnonzero(used[: self.block_rows] == clock) if clock >= 0 else np.zeros(0, dtype=np.int64)
+        pos = slot_pos[rows]
+        order = np.argsort(pos, kind="stable")
+        return pos[order], rows[order]
+
     def rows(self, layer: int, rid: RequestId) -> torch.Tensor:
         """Hot-buffer rows (absolute) of the last top-k made resident for `layer`, by ascending position."""
-        req = self._req(rid)
-        return as_index(req.block * self.block_rows + req.layers[layer].rows, self.device)
+        _, rows = self._last_topk(layer, rid)
+        return as_index(self._req(rid).block * self.block_rows + rows, self.device)
 
     def rows_for(self, layer: int, rid: RequestId, sel: torch.Tensor) -> torch.Tensor:
         """Hot rows (absolute) of the positions `sel` (any shape, -1 padding -> -1), all resident for `layer`."""
-        req = self._req(rid)
-        res = req.layers[layer]
+        positions, rows = self._last_topk(layer, rid)
         pos = sel.to("cpu", torch.int64).numpy()
-        idx = np.searchsorted(res.positions, np.where(pos >= 0, pos, 0))
-        idx = np.minimum(idx, max(res.positions.size - 1, 0))
-        ok = (pos < 0) | ((res.positions.size > 0) & (res.positions[idx] == pos))
+        idx = np.searchsorted(positions, np.where(pos >= 0, pos, 0))
+        idx = np.minimum(idx, max(positions.size - 1, 0))
+        ok = (pos < 0) | ((positions.size > 0) & (positions[idx] == pos))
         if not bool(ok.all()):
             missing = np.unique(pos[~ok]).tolist()
             raise KeyError(
                 f"request {rid!r}, layer {layer}: positions {missing} are not resident; call swap_in with the "
                 f"top-k of layer {self.spec.producer_of(layer)} first"
             )
-        rows = np.where(pos >= 0, req.block * self.block_rows + res.rows[idx] if res.rows.size else -1, -1)
-        return as_index(rows, self.device)
+        base = self._req(rid).block * self.block_rows
+        out = np.where(pos >= 0, base + rows[idx] if rows.size else -1, -1)
+        return as_index(out, self.device)
 
     def positions(self, layer: int, rid: RequestId) -> torch.Tensor:
         """The top-k positions `rows(layer, rid)` holds (the producer's top-k for a shared layer)."""
-        return torch.from_numpy(self._req(rid).layers[layer].positions.copy())
+        return torch.from_numpy(self._last_topk(layer, rid)[0])
 
     def read_kv(self, layer: int, rid: RequestId) -> torch.Tensor:
         """Float32 KV [k, kv_lora_rank + rope_dim] of the last top-k of `layer`, read from the hot buffer."""
@@ -514,94 +659,131 @@ class HiSparsePool:
 
     def resident(self, layer: int, rid: RequestId) -> dict[int, int]:
         """{position: LRU slot} of the request's resident rows for `layer` (newest page not included)."""
-        res = self._req(rid).layers[layer]
-        return {int(p): int(s) for s, p in enumerate(res.slot_pos) if p >= 0}
+        g, b = self._group_block(layer, rid)
+        return {int(p): s for s, p in enumerate(self._state[g, b, 0, : self.buffer_size].tolist()) if p >= 0}
 
 
 class HiSparseStep:
     """One model step on a HiSparsePool: PoolAccess's write/read by logical slot, and the attention row source.
 
-    write(KV): host rows at the logical slots, and the newest page's tokens into their request's hot block.
-    write/read(INDEX_K): the device index-K at the logical slots. read(KV): the host rows (prefill tokens, the
-    expanded path). on_topk / read_selected: the hot buffer, for the step's one-token (decode) rows on the
-    absorbed path; a shared layer never swaps in (its producer's on_topk did, for its whole group)."""
+    write(KV): host rows at the logical slots, and the newest page's tokens into their request's hot block (one
+    encode, two row copies). write/read(INDEX_K): the device index-K at the logical slots. read(KV): the host
+    rows (prefill tokens, the expanded path). on_topk / read_selected: the hot buffer, for the step's one-token
+    (decode) rows on the absorbed path; a shared layer never swaps in (its producer's on_topk did, for its whole
+    group). Everything per row is built here once per step, as arrays; per layer there is no loop over rows."""
 
     def __init__(
         self,
         pool: HiSparsePool,
-        rids: list[RequestId],
+        rows: _StepRows,
         extend_lens: torch.Tensor,
         positions: torch.Tensor,
         device: torch.device,
     ) -> None:
         self.pool = pool
-        self.page_size = pool.page_size
-        self.rids = rids
+        self.page_size = page = pool.page_size
+        self.rids = rows.rids
         self.device = device
         ext = extend_lens.to("cpu", torch.int64).numpy()
         pos = positions.to("cpu", torch.int64).numpy()
-        reqs = [pool._req(r) for r in rids]
-        self.tok_row = np.repeat(np.arange(len(rids)), ext)
-        blocks = np.array([r.block for r in reqs], dtype=np.int64)
-        newest = np.array([pool._newest_start(r) for r in reqs], dtype=np.int64)
+        b = ext.size
+        self.tok_row = np.repeat(np.arange(b), ext)
+        newest = np.maximum(rows.lengths - 1, 0) // page * page
         is_new = pos >= newest[self.tok_row]
-        rows = blocks[self.tok_row] * pool.block_rows + pool.buffer_size + pos % pool.page_size
-        self.hot_dst = as_index(rows[is_new], device)
-        self.hot_src = torch.from_numpy(np.flatnonzero(is_new)).to(device)
+        dst = rows.blocks[self.tok_row] * pool.block_rows + pool.buffer_size + pos % page
         self.all_new = bool(is_new.all())
-        self.first = np.cumsum(ext) - ext  # first token of each row
-        self.hot_rows_of = np.flatnonzero(ext == 1)  # batch rows served from the hot buffer
-        self.tok_hot = (ext == 1)[self.tok_row]  # per token
-        hot_j = np.full(len(rids), -1, dtype=np.int64)
+        self.hot_dst = as_index(dst if self.all_new else dst[is_new], pool.device)
+        self.hot_src = torch.from_numpy(np.flatnonzero(is_new)).to(device)
+        decode = ext == 1
+        self.decode_only = bool(decode.all())  # every token is a decode row: token t is decode row t
+        self.hot_rows_of = np.flatnonzero(decode)  # batch rows served from the hot buffer
+        self.tok_hot = decode[self.tok_row]  # per token
+        hot_j = np.full(b, -1, dtype=np.int64)
         hot_j[self.hot_rows_of] = np.arange(self.hot_rows_of.size)
         self.hot_j = hot_j[self.tok_row]  # per token: its row among the decode rows (-1: not one)
+        sel = slice(None) if self.decode_only else self.hot_rows_of
+        first = np.cumsum(ext) - ext  # first token of each row
+        self._first = torch.from_numpy(first[sel]).to(device)  # the decode rows' tokens
+        rids = rows.rids if self.decode_only else [rows.rids[i] for i in self.hot_rows_of]
+        self._swap = pool.swap_rows_of(rids, rows.blocks[sel], rows.lengths[sel], rows.pages[sel])
         self.swapped = False
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (positions, hot rows)
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # producer -> (top-k, hot rows) [D, K]
+        self._checked: dict[int, tuple[object, ...]] = {}  # producer -> the selection its group's reads matched
 
     def codec(self, kind: Kind) -> Any:
         return self.pool.kv_codec if kind is Kind.KV else self.pool.index_codec
 
     def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Slots are the step's logical slots, within the request's pages (prepare checked them)."""
         p = self.pool
         if key.kind is Kind.INDEX_K:
-            buf = p.index_tensor(key.layer)
             assert p.index_codec is not None
-            p.index_codec.write(buf, slots.to(buf.device), values.to(buf.device), self.page_size)
+            words = p._index_words.get(key.layer)
+            if words is None:  # a multi-segment index format (or a layer without index-K: KeyError)
+                buf = p.index_tensor(key.layer)
+                p.index_codec.write(buf, slots.to(buf.device), values.to(buf.device), self.page_size, check=False)
+                return
+            (row,) = p.index_codec.encode(values)
+            words.index_copy_(0, slots.to(words.device), row.to(words.device).view(words.dtype))
             return
-        p.kv_codec.write(p.host_tensor(key.layer), slots.to("cpu"), values.to("cpu"), self.page_size)
+        host = p._words(p._host_words, key.layer, p.host_tensor)
+        (row,) = p.kv_codec.encode(values)  # every KV format is one segment: a token's row of kv_row_bytes
+        row = row.view(host.dtype)
+        host.index_copy_(0, slots.to("cpu"), row.to("cpu"))
         if self.hot_dst.numel():
-            hot = p.hot_tensor(key.layer)
-            vals = values if self.all_new else values.index_select(0, self.hot_src.to(values.device))
-            p.kv_codec.write(hot, self.hot_dst, vals.to(hot.device), 1)
+            hot = p._hot_words[key.layer]
+            hot.index_copy_(
+                0, self.hot_dst, (row if self.all_new else row.index_select(0, self.hot_src)).to(hot.device)
+            )
 
     def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
         p = self.pool
         if key.kind is Kind.INDEX_K:
-            buf = p.index_tensor(key.layer)
             assert p.index_codec is not None
-            return p.index_codec.read(buf, slots.to(buf.device), self.page_size)
-        out = p.kv_codec.read(p.host_tensor(key.layer), slots.to("cpu"), self.page_size)
-        return out.to(self.device, non_blocking=True)
+            words = p._index_words.get(key.layer)
+            if words is None:
+                buf = p.index_tensor(key.layer)
+                return p.index_codec.read(buf, slots.to(buf.device), self.page_size, check=False)
+            return p.index_codec.decode([words.index_select(0, slots.to(words.device)).view(torch.uint8)])
+        return p.read_host(key.layer, slots.to("cpu")).to(self.device, non_blocking=True)
 
     # ---- the attention row source (dsakv.model.attention.RowSource) --------------------------------------------
 
     def on_topk(self, producer: int, topk: torch.Tensor, mla_path: str) -> None:
-        """A producer's top-k [T, index_topk] (ascending, -1 padded): swap in the missing rows of its group for the
-        decode rows, and keep per layer of the group those rows' hot-row table [decode rows, index_topk]."""
+        """A producer's top-k [T, index_topk] (-1 padded): swap in the missing rows of its group for all the decode
+        rows at once (HiSparsePool.swap_rows), and keep the group's hot-row table [decode rows, index_topk]."""
         self.swapped = mla_path == "absorbed" and self.hot_rows_of.size > 0
         if not self.swapped:
             return
         p = self.pool
-        sel = topk.to("cpu")[torch.from_numpy(self.first[self.hot_rows_of])]  # [decode rows, index_topk]
-        rids = [self.rids[b] for b in self.hot_rows_of]
-        p.swap_in(producer, {rid: sel[j] for j, rid in enumerate(rids)})
-        valid = (sel >= 0).numpy()
-        for layer in p.groups[producer]:
-            table = np.zeros(sel.shape, dtype=np.int64)  # padding reads row 0 (masked by attention)
-            for j, rid in enumerate(rids):
-                req = p._reqs[rid]
-                table[j, valid[j]] = req.block * p.block_rows + req.layers[layer].rows
-            self._tables[layer] = (sel.to(self.device), as_index(table, p.device))
+        sel = topk if self.decode_only else topk.index_select(0, self._first.to(topk.device))
+        hot, _ = p.swap_rows(producer, self._swap, sel.to(p.device))
+        self._tables[producer] = (sel.to(self.device), hot)
+
+    def _hot_rows(self, layer: int, sel: torch.Tensor, valid: torch.Tensor, q0: int, j: torch.Tensor | None) -> Any:
+        """The hot rows [E, k] of tokens whose picks are `sel` [E, k] (`valid`: not padding), decode rows `j`
+        (None: q0..q0+E). They must be the top-k the layer's group swapped in, else ValueError; a group's layers
+        read one selection tensor (the step's memoised selection of that top-k, never written in place), so once it
+        matched, the same tensor is not compared again."""
+        e, k = sel.shape
+        producer = self.pool.producer_of[layer]
+        got = self._tables.get(producer)
+        # the same memory (held in `mark`, so no other tensor can take its address in this step) and layout
+        mark = (sel.data_ptr(), sel.shape, sel.stride(), valid.data_ptr(), valid.stride(), q0, sel, valid)
+        seen = self._checked.get(producer)
+        if got is not None and j is None and seen is not None and seen[:6] == mark[:6]:
+            return got[1][q0 : q0 + e, :k]
+        ref = None if got is None else (got[0][q0 : q0 + e, :k] if j is None else got[0][j, :k])
+        if ref is None or not torch.equal(torch.where(valid, sel, -1), ref):
+            raise ValueError(
+                f"layer {layer}: the decode rows select positions its group's swap-in (the top-k of layer "
+                f"{self.pool.spec.producer_of(layer)}) did not make resident"
+            )
+        assert got is not None
+        if j is None:
+            self._checked[producer] = mark
+            return got[1][q0 : q0 + e, :k]
+        return got[1][j.to(got[1].device), :k]
 
     def read_selected(
         self, layer: int, sel: torch.Tensor, valid: torch.Tensor, table: torch.Tensor, tok_seq: torch.Tensor, q0: int
@@ -611,21 +793,16 @@ class HiSparseStep:
         token's picks must be the top-k its layer's group swapped in (its producer's), else ValueError."""
         p = self.pool
         e, k = sel.shape
+        if self.swapped and self.decode_only:  # a decode step: every token reads hot rows
+            return p.read_hot(layer, self._hot_rows(layer, sel, valid, q0, None).reshape(-1)).to(self.device)
         hot = self.tok_hot[q0 : q0 + e] if self.swapped else np.zeros(e, dtype=bool)
         parts: list[tuple[np.ndarray, torch.Tensor]] = []
         if hot.any():
             idx = np.flatnonzero(hot)
             it = torch.from_numpy(idx).to(sel.device)
             j = torch.from_numpy(self.hot_j[q0 + idx]).to(self.device)
-            got = self._tables.get(layer)
-            picks = torch.where(valid, sel, -1)[it]
-            if got is None or not torch.equal(picks, got[0][j, :k]):
-                raise ValueError(
-                    f"layer {layer}: the decode rows select positions its group's swap-in (the top-k of layer "
-                    f"{p.spec.producer_of(layer)}) did not make resident"
-                )
-            rows = got[1][j.to(got[1].device), :k]
-            vals = p.kv_codec.read(p.hot_tensor(layer), rows.reshape(-1), 1)
+            rows = self._hot_rows(layer, sel[it], valid[it], q0, j)
+            vals = p.read_hot(layer, rows.reshape(-1))
             parts.append((idx, vals.to(self.device)))
         if not hot.all():
             idx = np.flatnonzero(~hot)
