@@ -41,6 +41,7 @@ import numpy.typing as npt
 import torch
 
 from dsakv.cache.device_pool import Region
+from dsakv.cache.formats import Codec
 from dsakv.cache.kv_access import codec_for
 from dsakv.cache.page_copy import as_index, put, take
 from dsakv.errors import CapacityError, ConfigError
@@ -143,6 +144,29 @@ class SwapRows:
         self.page_starts = self.pages * p  # first logical slot of each page
 
 
+def _row_dtype(codec: Codec) -> torch.dtype:
+    """The dtype a single-segment codec's byte rows are viewed as: float32 for fp32 (values as stored), else the
+    widest word that divides the row."""
+    if codec.fmt == "fp32":
+        return torch.float32
+    w = codec.bytes_per_token
+    return torch.int64 if w % 8 == 0 else torch.int32 if w % 4 == 0 else torch.uint8
+
+
+def _encode_rows(codec: Codec, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values [N, dim] -> rows [N, w] of `dtype` (see _row_dtype) for a single-segment codec."""
+    if dtype is torch.float32 and codec.fmt == "fp32":
+        return values if values.dtype is torch.float32 else values.float()
+    return codec.encode(values)[0].view(dtype)
+
+
+def _decode_rows(codec: Codec, rows: torch.Tensor) -> torch.Tensor:
+    """Rows gathered from a _row_dtype view -> float32 values [N, dim]."""
+    if rows.dtype is torch.float32 and codec.fmt == "fp32":
+        return rows
+    return codec.decode([rows.view(torch.uint8)])
+
+
 class HiSparsePool:
     """Device index-K + hot KV rows and host KV for a HiSparse decode; see the module docstring."""
 
@@ -210,19 +234,20 @@ class HiSparsePool:
         g, dev = len(self.groups), self.device
         self._state = torch.full((g, max_requests, 2, self.block_rows + 1), -1, dtype=torch.int64, device=dev)
         self._cols = torch.arange(buffer_size, device=dev)
-        # the row tensors copies go through: [rows, kv_row_bytes] as int64 words when rows allow it (all formats)
-        word = torch.int64 if self.kv_row_bytes % 8 == 0 else torch.uint8
-        self._hot_words = {k.layer: t.view(word) for k, t in self._hot.items()}
+        # row views every copy, read and write goes through: [rows, row bytes] as float32 for the fp32 formats
+        # (no encoding), else as the widest words the row bytes allow (fp8 / bf16 formats: int64)
+        self._kv_dtype = _row_dtype(self.kv_codec)
+        self._hot_words = {k.layer: t.view(self._kv_dtype) for k, t in self._hot.items()}
         self._host_words = {
-            k.layer: t.view(logical_pages * self.page_size, self.kv_row_bytes).view(word) for k, t in self._host.items()
+            k.layer: t.view(logical_pages * self.page_size, self.kv_row_bytes).view(self._kv_dtype)
+            for k, t in self._host.items()
         }
-        self._word = word
-        iw = self.index_codec.bytes_per_token if self.index_codec is not None else 0
-        self._index_words: dict[int, torch.Tensor] = {}  # single-segment index formats as word rows by slot
+        self._index_words: dict[int, torch.Tensor] = {}  # single-segment index formats, rows by logical slot
         if self.index_codec is not None and len(self.index_codec.segments) == 1:
-            iword = torch.int64 if iw % 8 == 0 else torch.int32 if iw % 4 == 0 else torch.uint8
+            iw = self.index_codec.bytes_per_token
             self._index_words = {
-                k.layer: t.view(logical_pages * self.page_size, iw).view(iword) for k, t in self._index.items()
+                k.layer: t.view(logical_pages * self.page_size, iw).view(_row_dtype(self.index_codec))
+                for k, t in self._index.items()
             }
         self._step: _StepRows | None = None
 
@@ -365,14 +390,14 @@ class HiSparsePool:
         return int(pos.size)
 
     def prepare(
-        self, entries: Sequence[tuple[RequestId, npt.ArrayLike, int, int]], running: Iterable[RequestId]
+        self, entries: Sequence[tuple[RequestId, Sequence[int], int, int]], running: Iterable[RequestId]
     ) -> None:
         """Before a step: `entries` = (request id, its page ids in token order, chunk start, chunk end) per batch row.
 
         Requests admitted but neither in `running` nor in this step are released (finished, aborted, preempted).
-        A row whose request is not admitted, or whose start / pages differ from what the pool holds (recomputed
-        after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded from the
-        host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
+        A row whose request is not admitted, or whose start / last held page differ from what the pool holds
+        (recomputed after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded
+        from the host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
         self.begin_step()
         live = set(running)
         live.update(e[0] for e in entries)
@@ -384,20 +409,22 @@ class HiSparsePool:
         lengths = np.empty(n, dtype=np.int64)
         page_lists = []
         for i, (rid, page_ids, start, end) in enumerate(entries):
-            pages = np.asarray(page_ids, dtype=np.int64)[: ceil_div(end, self.page_size)]
+            need = ceil_div(end, self.page_size)
             req = self._reqs.get(rid)
-            if req is not None and (
-                req.length != start
-                or req.pages.size > pages.size
-                or not np.array_equal(req.pages, pages[: req.pages.size])
-            ):
-                self.release(rid)
-                req = None
+            if req is not None:
+                held = req.pages.size
+                # the same request, one chunk on: its length and pages are the ones held (else recomputed after
+                # a preemption, on other pages: start again); the held pages compared by their last one
+                if req.length != start or held > need or (held and int(page_ids[held - 1]) != int(req.pages[-1])):
+                    self.release(rid)
+                    req = None
             if req is None:
+                pages = np.asarray(page_ids[:need], dtype=np.int64)
                 self.admit(rid, pages[: ceil_div(start, self.page_size)], start)
                 self.load_newest(rid)
                 req = self._reqs[rid]
-            self.grow(rid, end, pages[req.pages.size :])
+            held = req.pages.size
+            self.grow(rid, end, page_ids[held:need] if need > held else ())
             rids.append(rid)
             blocks[i], lengths[i] = req.block, end
             page_lists.append(req.pages)
@@ -533,7 +560,7 @@ class HiSparsePool:
             self.stats.add_group(self.groups[producer], 0, 0, 0, 0)
             return rows.base + torch.zeros_like(pos), 0
         state = self._state[g].index_select(0, rows.blocks)  # [D, 2, S + P + 1]
-        slot_pos, last_used = state[:, 0], state[:, 1]
+        slot_pos, last_used = state.unbind(1)
         valid = pos >= 0
         lru = valid & (pos < rows.newest)
         if d * k * size <= self.BROADCAST_ELEMS:
@@ -560,11 +587,13 @@ class HiSparsePool:
                 f"request {rid!r}, layer {producer}: the top-k needs {int(need[i])} rows outside the newest page "
                 f"but device_buffer_size is {size}: raise device_buffer_size to at least the top-k"
             )
-        slot = torch.where(valid ^ lru, pos % page + size, torch.where(hit, hit_slot, scratch))
+        off = pos % page
+        hit_or_scratch = torch.where(hit, hit_slot, scratch)
+        slot = torch.where(valid ^ lru, off + size, hit_or_scratch)
         if n:
             # victims: per row the LRU slots by (last used, slot); this top-k's hits, marked with the newest clock,
             # sort last and are never taken (a row's misses <= its free + unhit slots); row j takes nmiss[j]
-            last_used.scatter_(1, torch.where(hit, hit_slot, scratch), clock)
+            last_used.scatter_(1, hit_or_scratch, clock)
             order = last_used[:, :size].sort(dim=1, stable=True).indices
             slot.masked_scatter_(miss, order[self._cols < nmiss[:, None]])  # row-major, as miss.nonzero()
         slot_pos.scatter_(1, slot, pos)  # hits rewrite their own position; padding writes the scratch column
@@ -573,7 +602,7 @@ class HiSparsePool:
         hot = rows.base + torch.where(valid, slot, 0)
         group = self.groups[producer]
         if n:
-            src = (rows.page_starts.gather(1, pos.clamp(min=0) // page) + pos % page)[miss].cpu()
+            src = (rows.page_starts.gather(1, pos.clamp(min=0) // page) + off)[miss].cpu()
             dst = hot[miss]
             for layer in group:
                 self._copy_in(layer, dst, src)
@@ -590,12 +619,12 @@ class HiSparsePool:
     def read_hot(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Float32 KV of absolute hot rows `rows` (device index) of `layer`: one gather of whole rows, decoded."""
         words = self._words(self._hot_words, layer, self.hot_tensor)
-        return self.kv_codec.decode([words.index_select(0, rows).view(torch.uint8)])
+        return _decode_rows(self.kv_codec, words.index_select(0, rows))
 
     def read_host(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Float32 KV of logical token slots `slots` (CPU index) of `layer`, from the host rows."""
         words = self._words(self._host_words, layer, self.host_tensor)
-        return self.kv_codec.decode([words.index_select(0, slots).view(torch.uint8)])
+        return _decode_rows(self.kv_codec, words.index_select(0, slots))
 
     def _copy_in(self, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Hot rows `dst` (device index) of `layer` = its host rows `src` (CPU index): one gather on the host, one
@@ -723,12 +752,11 @@ class HiSparseStep:
                 buf = p.index_tensor(key.layer)
                 p.index_codec.write(buf, slots.to(buf.device), values.to(buf.device), self.page_size, check=False)
                 return
-            (row,) = p.index_codec.encode(values)
-            words.index_copy_(0, slots.to(words.device), row.to(words.device).view(words.dtype))
+            row = _encode_rows(p.index_codec, values, words.dtype)
+            words.index_copy_(0, slots.to(words.device), row.to(words.device))
             return
         host = p._words(p._host_words, key.layer, p.host_tensor)
-        (row,) = p.kv_codec.encode(values)  # every KV format is one segment: a token's row of kv_row_bytes
-        row = row.view(host.dtype)
+        row = _encode_rows(p.kv_codec, values, host.dtype)  # every KV format is one segment: one row per token
         host.index_copy_(0, slots.to("cpu"), row.to("cpu"))
         if self.hot_dst.numel():
             hot = p._hot_words[key.layer]
@@ -744,7 +772,7 @@ class HiSparseStep:
             if words is None:
                 buf = p.index_tensor(key.layer)
                 return p.index_codec.read(buf, slots.to(buf.device), self.page_size, check=False)
-            return p.index_codec.decode([words.index_select(0, slots.to(words.device)).view(torch.uint8)])
+            return _decode_rows(p.index_codec, words.index_select(0, slots.to(words.device)))
         return p.read_host(key.layer, slots.to("cpu")).to(self.device, non_blocking=True)
 
     # ---- the attention row source (dsakv.model.attention.RowSource) --------------------------------------------
