@@ -572,11 +572,13 @@ class HiSparsePool:
             hit = lru & (ordered.gather(1, at) == pos)
             hit_slot = perm.gather(1, at)
         miss = lru ^ hit
-        need, nmiss = lru.sum(1), miss.sum(1)
-        most, over, lookups, n = torch.stack(
-            (need.max(), (pos.amax(1) - rows.lengths).max(), valid.sum(), nmiss.sum())
-        ).tolist()
-        if most > size or over >= 0:
+        nmiss = miss.sum(1)
+        checks = [(pos - rows.lengths[:, None]).amax(), valid.sum(), nmiss.sum()]
+        if k > size:  # only then can a row need more than size slots (a model step's top-k is <= the buffer)
+            checks.append(lru.sum(1).max())
+        over, lookups, n, *most = torch.stack(checks).tolist()
+        if over >= 0 or (most and most[0] > size):
+            need = lru.sum(1)
             i = int(((need > size) | (pos.amax(1) >= rows.lengths)).nonzero()[0, 0])
             rid, length = rows.rids[i], int(rows.lengths[i])
             if int(pos[i].max()) >= length:
