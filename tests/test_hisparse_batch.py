@@ -202,3 +202,33 @@ def test_engine_batch_stats_equal_an_lru_recount(monkeypatch: pytest.MonkeyPatch
     assert decode_steps >= max(new) - 1 and batched >= min(new) - 1  # 4 requests in one swap-in per group
     assert sum(s.rows_in for s in pool.stats.total.values()) == rows_in > 0
     assert sum(s.bytes_in for s in pool.stats.total.values()) == rows_in * pool.kv_row_bytes
+
+
+def test_clock_rebase_keeps_the_lru_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past CLOCK_LIMIT swap-ins a group's int32 clocks shift down; the order of the last CLOCK_WINDOW swap-ins'
+    rows is kept, so the slots equal a pool that never rebased."""
+    layout = KVLayout(load_spec("tiny"), elide=True, kv_format="fp32", index_format="fp32", page_size=P)
+    pools = [HiSparsePool(layout, 16, 4, 1) for _ in range(2)]
+    monkeypatch.setattr(pools[1], "CLOCK_LIMIT", 5)
+    monkeypatch.setattr(pools[1], "CLOCK_WINDOW", 3)
+    rng = np.random.default_rng(3)
+    keep: list[int] = []
+    prev: list[int] = []
+    for call in range(30):  # 2 positions kept (hits), 2 fresh (misses): every slot touched each call
+        fresh = [int(p) for p in rng.permutation(40) if p not in prev][: 4 - len(keep)]
+        topk = torch.tensor(keep + fresh)
+        for pool in pools:
+            if call == 0:
+                pool.admit("a", range(12), length=44)
+            assert pool.swap_in(2, {"a": topk}) == {layer: len(fresh) for layer in GROUPS[2]}
+        assert pools[1].resident(3, "a") == pools[0].resident(3, "a")
+        assert pools[1].positions(3, "a").tolist() == sorted(keep + fresh)
+        prev = keep + fresh
+        keep = [int(p) for p in rng.permutation(prev)[:2]]
+    assert pools[0]._clocks[2] == 30 and pools[1]._clocks[2] <= 5  # noqa: SLF001
+    # the shift itself: -1 (never) stays, rows older than the window tie at 0, the rest keep their order
+    used = pools[1]._state[2, 0, 1]  # noqa: SLF001
+    used[:6] = torch.tensor([-1, 0, 1, 3, 4, 5], dtype=torch.int32)
+    pools[1]._clocks[2] = 5  # noqa: SLF001
+    pools[1]._rebase_clock(2)  # noqa: SLF001
+    assert used[:6].tolist() == [-1, 0, 0, 1, 2, 3] and pools[1]._clocks[2] == 3  # noqa: SLF001

@@ -215,7 +215,6 @@ class HiSparsePool:
         self.index_codec = codec_for(layout, Kind.INDEX_K) if self.index_keys else None
         self._free_blocks = list(range(max_requests))
         self._reqs: dict[RequestId, _Request] = {}
-        self._clock = 0
         self.stats = HiSparseStats()
         # layer groups: producer -> [producer, shared layers reusing its top-k], over this layout's layers
         self.groups: dict[int, tuple[int, ...]] = {}
@@ -226,13 +225,14 @@ class HiSparsePool:
         self._gidx = {p: g for g, p in enumerate(self.groups)}
         # Residency, one table per producer group (every layer of a group is given the same top-k at the same
         # steps, so its layers' hot rows always hold the same positions), by hot block, on the device:
-        #   state [G, blocks, 2, S + P + 1]: [0] the logical position each row of the block holds (-1 empty),
-        #   [1] the clock of the swap-in that last hit or filled it (-1 never). Columns are the block's rows:
-        #   buffer_size LRU slots, page_size newest-page rows, then one scratch column that padding entries of a
-        #   top-k write to (so every swap-in of a block sets its newest clock: its rows with that clock are the
-        #   last top-k).
+        #   state [G, blocks, 2, S + P + 1] int32: [0] the logical position each row of the block holds (-1
+        #   empty), [1] the clock (the group's swap-in count) of the swap-in that last hit or filled it (-1
+        #   never). Columns are the block's rows: buffer_size LRU slots, page_size newest-page rows, then one
+        #   scratch column that padding entries of a top-k write to (so every swap-in of a block sets its newest
+        #   clock: its rows with that clock are the last top-k).
         g, dev = len(self.groups), self.device
-        self._state = torch.full((g, max_requests, 2, self.block_rows + 1), -1, dtype=torch.int64, device=dev)
+        self._state = torch.full((g, max_requests, 2, self.block_rows + 1), -1, dtype=torch.int32, device=dev)
+        self._clocks = [0] * g  # per group: its swap-ins, in order
         self._cols = torch.arange(buffer_size, device=dev)
         # row views every copy, read and write goes through: [rows, row bytes] as float32 for the fp32 formats
         # (no encoding), else as the widest words the row bytes allow (fp8 / bf16 formats: int64)
@@ -535,6 +535,10 @@ class HiSparsePool:
     # Up to this many [D, K, S] elements, hits are found by one broadcast compare; beyond, by a batched
     # searchsorted over each block's sorted slots (fewer ops against O(D K log S) work).
     BROADCAST_ELEMS = 1 << 18
+    # A group's clock is int32: past CLOCK_LIMIT swap-ins its clocks shift down by CLOCK_LIMIT - CLOCK_WINDOW (rows
+    # last used more than CLOCK_WINDOW swap-ins ago then tie as the oldest, lowest slot first).
+    CLOCK_LIMIT = (1 << 31) - 2
+    CLOCK_WINDOW = 1 << 30
 
     def swap_rows(self, producer: int, rows: SwapRows, pos: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The swap-in of one producer group for D requests at once, vectorised (no loop over requests or rows).
@@ -552,8 +556,10 @@ class HiSparsePool:
         if g is None:
             self._check_producer(producer)
         assert g is not None
-        self._clock += 1
-        clock = self._clock
+        if self._clocks[g] >= self.CLOCK_LIMIT:
+            self._rebase_clock(g)
+        self._clocks[g] += 1
+        clock = self._clocks[g]
         size, page, scratch = self.buffer_size, self.page_size, self.block_rows
         d, k = pos.shape
         if not d or not k:
@@ -561,15 +567,16 @@ class HiSparsePool:
             return rows.base + torch.zeros_like(pos), 0
         state = self._state[g].index_select(0, rows.blocks)  # [D, 2, S + P + 1]
         slot_pos, last_used = state.unbind(1)
+        pos32 = pos.to(torch.int32)
         valid = pos >= 0
         lru = valid & (pos < rows.newest)
         if d * k * size <= self.BROADCAST_ELEMS:
-            found, hit_slot = (pos[:, :, None] == slot_pos[:, None, :size]).max(dim=2)
+            found, hit_slot = (pos32[:, :, None] == slot_pos[:, None, :size]).max(dim=2)
             hit = lru & found
         else:
             ordered, perm = slot_pos[:, :size].sort(dim=1)
-            at = torch.searchsorted(ordered, pos.contiguous()).clamp_(max=size - 1)
-            hit = lru & (ordered.gather(1, at) == pos)
+            at = torch.searchsorted(ordered, pos32.contiguous()).clamp_(max=size - 1)
+            hit = lru & (ordered.gather(1, at) == pos32)
             hit_slot = perm.gather(1, at)
         miss = lru ^ hit
         nmiss = miss.sum(1)
@@ -598,7 +605,7 @@ class HiSparsePool:
             last_used.scatter_(1, hit_or_scratch, clock)
             order = last_used[:, :size].sort(dim=1, stable=True).indices
             slot.masked_scatter_(miss, order[self._cols < nmiss[:, None]])  # row-major, as miss.nonzero()
-        slot_pos.scatter_(1, slot, pos)  # hits rewrite their own position; padding writes the scratch column
+        slot_pos.scatter_(1, slot, pos32)  # hits rewrite their own position; padding writes the scratch column
         last_used.scatter_(1, slot, clock)
         self._state[g].index_copy_(0, rows.blocks, state)
         hot = rows.base + torch.where(valid, slot, 0)
@@ -610,6 +617,12 @@ class HiSparsePool:
                 self._copy_in(layer, dst, src)
         self.stats.add_group(group, lookups, lookups - n, n, n * self.kv_row_bytes)
         return hot, n
+
+    def _rebase_clock(self, g: int) -> None:
+        shift = self.CLOCK_LIMIT - self.CLOCK_WINDOW
+        used = self._state[g, :, 1]
+        used.copy_(torch.where(used >= 0, (used - shift).clamp(min=0), -1))
+        self._clocks[g] -= shift
 
     def _words(self, table: dict[int, torch.Tensor], layer: int, get: Any) -> torch.Tensor:
         words = table.get(layer)
