@@ -132,6 +132,8 @@ class SwapRows:
     lengths: torch.Tensor
     pages: torch.Tensor
     newest: torch.Tensor = field(init=False)
+    newest_shift: torch.Tensor = field(init=False)
+    lengths_col: torch.Tensor = field(init=False)
     base: torch.Tensor = field(init=False)
     page_starts: torch.Tensor = field(init=False)
     page_size: int = 1
@@ -140,6 +142,8 @@ class SwapRows:
     def __post_init__(self) -> None:
         p = self.page_size
         self.newest = ((self.lengths - 1).clamp(min=0) // p * p)[:, None]
+        self.newest_shift = self.newest - self.block_rows + p  # newest-page position - this = its block column
+        self.lengths_col = self.lengths[:, None]
         self.base = (self.blocks * self.block_rows)[:, None]
         self.page_starts = self.pages * p  # first logical slot of each page
 
@@ -225,14 +229,19 @@ class HiSparsePool:
         self._gidx = {p: g for g, p in enumerate(self.groups)}
         # Residency, one table per producer group (every layer of a group is given the same top-k at the same
         # steps, so its layers' hot rows always hold the same positions), by hot block, on the device:
-        #   state [G, blocks, 2, S + P + 1] int32: [0] the logical position each row of the block holds (-1
-        #   empty), [1] the clock (the group's swap-in count) of the swap-in that last hit or filled it (-1
+        #   state [G, blocks, 2, S + P + 1] int32: [0] the logical position each row of the block holds (EMPTY
+        #   = -2, empty), [1] the clock (the group's swap-in count) of the swap-in that last hit or filled it (-1
         #   never). Columns are the block's rows: buffer_size LRU slots, page_size newest-page rows, then one
         #   scratch column that padding entries of a top-k write to (so every swap-in of a block sets its newest
         #   clock: its rows with that clock are the last top-k).
         g, dev = len(self.groups), self.device
         self._state = torch.full((g, max_requests, 2, self.block_rows + 1), -1, dtype=torch.int32, device=dev)
+        self._state[:, :, 0] = self.EMPTY
         self._clocks = [0] * g  # per group: its swap-ins, in order
+        # the state of one step's blocks, all groups ([G, D, 2, S + P + 1]), that swap_rows works on in place (one
+        # gather for the step's 5-ish group swap-ins, not one per group); written back by _flush() before anything
+        # else reads or changes the state (the next step's rows, admit, a reader, a clock rebase)
+        self._work: tuple[SwapRows, torch.Tensor] | None = None
         self._cols = torch.arange(buffer_size, device=dev)
         # row views every copy, read and write goes through: [rows, row bytes] as float32 for the fp32 formats
         # (no encoding), else as the widest words the row bytes allow (fp8 / bf16 formats: int64)
@@ -345,7 +354,9 @@ class HiSparsePool:
             )
         block = self._free_blocks.pop(0)
         self._reqs[rid] = _Request(block, np.zeros(0, dtype=np.int64), 0)
+        self._flush()
         self._state[:, block] = -1
+        self._state[:, block, 0] = self.EMPTY
         try:
             self.grow(rid, length, pages)
         except Exception:
@@ -399,6 +410,7 @@ class HiSparsePool:
         (recomputed after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded
         from the host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
         self.begin_step()
+        self._flush()
         live = set(running)
         live.update(e[0] for e in entries)
         for rid in [r for r in self._reqs if r not in live]:
@@ -521,6 +533,7 @@ class HiSparsePool:
             rids, np.array([r.block for r in reqs], dtype=np.int64), np.array([r.length for r in reqs]), pages
         )
         _, n = self.swap_rows(producer, rows, pos)
+        self._flush()
         return {layer: n for layer in self.groups[producer]}
 
     def swap_rows_of(
@@ -532,6 +545,8 @@ class HiSparsePool:
             rids, as_index(blocks, dev), as_index(lengths, dev), as_index(pages, dev), self.page_size, self.block_rows
         )
 
+    # The position an empty row holds: below -1 (a top-k's padding), so that no entry of a top-k matches it.
+    EMPTY = -2
     # Up to this many [D, K, S] elements, hits are found by one broadcast compare; beyond, by a batched
     # searchsorted over each block's sorted slots (fewer ops against O(D K log S) work).
     BROADCAST_ELEMS = 1 << 18
@@ -565,14 +580,20 @@ class HiSparsePool:
         if not d or not k:
             self.stats.add_group(self.groups[producer], 0, 0, 0, 0)
             return rows.base + torch.zeros_like(pos), 0
-        state = self._state[g].index_select(0, rows.blocks)  # [D, 2, S + P + 1]
-        slot_pos, last_used = state.unbind(1)
+        work = self._work
+        if work is None or work[0] is not rows:  # a new step's rows: one working copy of all groups' state
+            self._flush()
+            work = self._work = (rows, self._state.index_select(1, rows.blocks))
+        state = work[1][g]  # [D, 2, S + P + 1], changed in place
+        slot_pos, last_used = state[:, 0], state[:, 1]
         pos32 = pos.to(torch.int32)
         valid = pos >= 0
-        lru = valid & (pos < rows.newest)
+        new = pos >= rows.newest  # in the newest page (hits of its hot rows), never in an LRU slot
+        lru = valid ^ new
         if d * k * size <= self.BROADCAST_ELEMS:
-            found, hit_slot = (pos32[:, :, None] == slot_pos[:, None, :size]).max(dim=2)
-            hit = lru & found
+            # an LRU slot holds a position < the newest page's start (or EMPTY, which no entry equals): a match is
+            # a hit of an LRU entry
+            hit, hit_slot = (pos32[:, :, None] == slot_pos[:, None, :size]).max(dim=2)
         else:
             ordered, perm = slot_pos[:, :size].sort(dim=1)
             at = torch.searchsorted(ordered, pos32.contiguous()).clamp_(max=size - 1)
@@ -580,7 +601,7 @@ class HiSparsePool:
             hit_slot = perm.gather(1, at)
         miss = lru ^ hit
         nmiss = miss.sum(1)
-        checks = [(pos - rows.lengths[:, None]).amax(), valid.sum(), nmiss.sum()]
+        checks = [(pos - rows.lengths_col).amax(), valid.sum(), nmiss.sum()]
         if k > size:  # only then can a row need more than size slots (a model step's top-k is <= the buffer)
             checks.append(lru.sum(1).max())
         over, lookups, n, *most = torch.stack(checks).tolist()
@@ -596,9 +617,8 @@ class HiSparsePool:
                 f"request {rid!r}, layer {producer}: the top-k needs {int(need[i])} rows outside the newest page "
                 f"but device_buffer_size is {size}: raise device_buffer_size to at least the top-k"
             )
-        off = pos % page
         hit_or_scratch = torch.where(hit, hit_slot, scratch)
-        slot = torch.where(valid ^ lru, off + size, hit_or_scratch)
+        slot = torch.where(new, pos - rows.newest_shift, hit_or_scratch)
         if n:
             # victims: per row the LRU slots by (last used, slot); this top-k's hits, marked with the newest clock,
             # sort last and are never taken (a row's misses <= its free + unhit slots); row j takes nmiss[j]
@@ -607,18 +627,27 @@ class HiSparsePool:
             slot.masked_scatter_(miss, order[self._cols < nmiss[:, None]])  # row-major, as miss.nonzero()
         slot_pos.scatter_(1, slot, pos32)  # hits rewrite their own position; padding writes the scratch column
         last_used.scatter_(1, slot, clock)
-        self._state[g].index_copy_(0, rows.blocks, state)
         hot = rows.base + torch.where(valid, slot, 0)
         group = self.groups[producer]
         if n:
-            src = (rows.page_starts.gather(1, pos.clamp(min=0) // page) + off)[miss].cpu()
-            dst = hot[miss]
+            at = miss.view(-1).nonzero().view(-1)  # the misses, row-major
+            src = (rows.page_starts.gather(1, pos.clamp(min=0) // page) + pos % page).view(-1).index_select(0, at)
+            src = src.cpu()
+            dst = hot.view(-1).index_select(0, at)
             for layer in group:
                 self._copy_in(layer, dst, src)
         self.stats.add_group(group, lookups, lookups - n, n, n * self.kv_row_bytes)
         return hot, n
 
+    def _flush(self) -> None:
+        """Write the step's working copy of the state back (see _work)."""
+        if self._work is not None:
+            rows, work = self._work
+            self._work = None
+            self._state.index_copy_(1, rows.blocks, work)
+
     def _rebase_clock(self, g: int) -> None:
+        self._flush()
         shift = self.CLOCK_LIMIT - self.CLOCK_WINDOW
         used = self._state[g, :, 1]
         used.copy_(torch.where(used >= 0, (used - shift).clamp(min=0), -1))
@@ -660,6 +689,7 @@ class HiSparsePool:
         the rows (LRU slots and newest-page rows) its group's last swap-in for the request hit or filled (those
         with the block's newest clock)."""
         g, b = self._group_block(layer, rid)
+        self._flush()
         slot_pos, used = self._state[g, b].cpu().numpy()
         clock = used.max()
         rows = np.flatnonzero(used[: self.block_rows] == clock) if clock >= 0 else np.zeros(0, dtype=np.int64)
@@ -704,6 +734,7 @@ class HiSparsePool:
     def resident(self, layer: int, rid: RequestId) -> dict[int, int]:
         """{position: LRU slot} of the request's resident rows for `layer` (newest page not included)."""
         g, b = self._group_block(layer, rid)
+        self._flush()
         return {int(p): s for s, p in enumerate(self._state[g, b, 0, : self.buffer_size].tolist()) if p >= 0}
 
 
