@@ -15,10 +15,10 @@ against, in the same process, a baseline that copies the same missing rows one r
 Part 3 (decode, a real Engine on a tiny checkpoint, fp32 formats): at one device budget (--decode-budget), for
 plain (elided), HiSparse dense and HiSparse + elision, same process: logical tokens and the concurrent requests
 of --decode-context (+ --decode-tokens) tokens each holds (requests admitted and run, not a formula); decode
-tok/s of that many requests, and of the largest batch all three hold (same batch, by wall and by this
-process's CPU time; "x plain" is plain's median decode-step CPU time over the mode's at that batch, which a
-loaded shared box distorts least); the greedy tokens of the common batch must be identical across the three
-(checked). The load average is printed with the figures.
+tok/s of that many requests, and of the largest batch all three hold (same batch, by wall and by this process's
+CPU time; "x plain" is plain's median decode-step CPU time over the mode's at that batch, the three engines
+stepped in turn, one step each, so that a loaded shared box's swings hit every mode alike); the greedy tokens of
+the common batch must be identical across the three (checked). The load average is printed with the figures.
 """
 
 from __future__ import annotations
@@ -184,6 +184,41 @@ def decode_bench(args: argparse.Namespace) -> dict:
         toks = sum(map(len, out.values())) - timed
         return toks / dt, toks / dc, step_cpu, [out[r] for r in ids]
 
+    def lockstep(engs: dict[str, Engine], n: int) -> dict[str, tuple[float, float, list[float], list[list[int]]]]:
+        """decode() of n requests on every engine at once, one step of each in turn: a swing of a shared box's load
+        hits every mode's steps alike (the CPU seconds of each decode step are what "x plain" compares)."""
+        prompts = [torch.randint(2, 500, (ctx,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(n)]
+        sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)
+        ids = {name: [e.add_request(p, sp) for p in prompts] for name, e in engs.items()}
+        out = {name: {r: [] for r in ids[name]} for name in engs}
+        t0: dict[str, float] = {}
+        wall = dict.fromkeys(engs, 0.0)
+        cpu = dict.fromkeys(engs, 0.0)
+        timed = dict.fromkeys(engs, 0)
+        step_cpu: dict[str, list[float]] = {name: [] for name in engs}
+        while any(e.has_unfinished() for e in engs.values()):
+            for name, e in engs.items():
+                if not e.has_unfinished():
+                    continue
+                w, c = time.perf_counter(), time.process_time()
+                for o in e.step():
+                    out[name][o.request_id].extend(o.new_token_ids)
+                dw, dc = time.perf_counter() - w, time.process_time() - c
+                if name in t0:
+                    step_cpu[name].append(dc)
+                    wall[name] += dw
+                    cpu[name] += dc
+                elif all(out[name][r] for r in ids[name]):  # every request has its first token: decode from here
+                    if e.scheduler.num_running != n:
+                        raise RuntimeError(f"only {e.scheduler.num_running} of {n} requests run at once ({e.stats()})")
+                    t0[name] = w
+                    timed[name] = sum(map(len, out[name].values()))
+        res = {}
+        for name in engs:
+            toks = sum(map(len, out[name].values())) - timed[name]
+            res[name] = (toks / wall[name], toks / cpu[name], step_cpu[name], [out[name][r] for r in ids[name]])
+        return res
+
     engines = {name: engine(opts) for name, opts in modes.items()}
     cap = {name: holds(e) for name, e in engines.items()}
     common = min(cap.values())
@@ -191,9 +226,10 @@ def decode_bench(args: argparse.Namespace) -> dict:
     best: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in engines}
     steps: dict[str, list[float]] = {name: [] for name in engines}
     load0 = os.getloadavg()[0]
-    for rep in range(args.repeat):  # modes interleaved, best of --repeat (the load of a shared box swings)
+    for rep in range(args.repeat):  # modes interleaved step by step, best of --repeat (a shared box's load swings)
+        at_common = lockstep(engines, common)
         for name, eng in engines.items():
-            tps_common, cpu_common, step_cpu, toks = decode(eng, common)
+            tps_common, cpu_common, step_cpu, toks = at_common[name]
             steps[name] += step_cpu
             if rep == 0:
                 same.append(toks)
@@ -270,7 +306,9 @@ def main() -> None:
     p.add_argument("--decode-context", type=int, default=512, help="prompt tokens per request (decode part)")
     p.add_argument("--decode-tokens", type=int, default=24, help="tokens generated per request (decode part)")
     p.add_argument("--decode-buffer", type=int, default=32, help="device_buffer_size of the decode part")
-    p.add_argument("--repeat", type=int, default=1, help="decode part: best of this many runs, modes interleaved")
+    p.add_argument(
+        "--repeat", type=int, default=1, help="decode part: best of this many runs (same batch: modes stepped in turn)"
+    )
     p.add_argument("--part", choices=("both", "capacity", "swap", "decode", "all"), default="both")
     args = p.parse_args()
     if args.threads:

@@ -122,30 +122,21 @@ class _StepRows:
 
 @dataclass
 class SwapRows:
-    """The requests of one swap-in, as int64 tensors on the pool's device (built once per step, used by every
-    producer group): hot blocks [D], token counts [D], logical pages [D, max pages] (-1 padding). Derived: the
-    first position of each newest page [D, 1], the first hot row of each block [D, 1], the first logical slot
-    of each page. `rids` names them for errors."""
+    """The requests of one swap-in, as int64 tensors on the pool's device (built once per step by
+    HiSparsePool.swap_rows_of, in one host -> device copy, and used by every producer group): hot blocks [D], token
+    counts [D] (and as a column [D, 1]), logical pages [D, max pages] (-1 padding); derived: the first position of
+    each newest page [D, 1], that minus the block column of its first row [D, 1], the first hot row of each block
+    [D, 1], the first logical slot of each page [D, max pages]. `rids` names them for errors."""
 
     rids: Sequence[RequestId]
     blocks: torch.Tensor
     lengths: torch.Tensor
+    lengths_col: torch.Tensor
     pages: torch.Tensor
-    newest: torch.Tensor = field(init=False)
-    newest_shift: torch.Tensor = field(init=False)
-    lengths_col: torch.Tensor = field(init=False)
-    base: torch.Tensor = field(init=False)
-    page_starts: torch.Tensor = field(init=False)
-    page_size: int = 1
-    block_rows: int = 1
-
-    def __post_init__(self) -> None:
-        p = self.page_size
-        self.newest = ((self.lengths - 1).clamp(min=0) // p * p)[:, None]
-        self.newest_shift = self.newest - self.block_rows + p  # newest-page position - this = its block column
-        self.lengths_col = self.lengths[:, None]
-        self.base = (self.blocks * self.block_rows)[:, None]
-        self.page_starts = self.pages * p  # first logical slot of each page
+    newest: torch.Tensor
+    newest_shift: torch.Tensor
+    base: torch.Tensor
+    page_starts: torch.Tensor
 
 
 def _row_dtype(codec: Codec) -> torch.dtype:
@@ -539,10 +530,26 @@ class HiSparsePool:
     def swap_rows_of(
         self, rids: Sequence[RequestId], blocks: np.ndarray, lengths: np.ndarray, pages: np.ndarray
     ) -> SwapRows:
-        """SwapRows for requests `rids` (hot blocks, token counts, padded page table), on the pool's device."""
-        dev = self.device
+        """SwapRows for requests `rids` (hot blocks, token counts, padded page table), on the pool's device: the
+        derived columns computed on the host, everything moved in one copy."""
+        p, d = self.page_size, len(rids)
+        blocks = np.asarray(blocks, dtype=np.int64).reshape(d)
+        lengths = np.asarray(lengths, dtype=np.int64).reshape(d)
+        pages = np.asarray(pages, dtype=np.int64)
+        pages = pages.reshape(d, pages.size // d if d else 0)
+        newest = np.maximum(lengths - 1, 0) // p * p
+        packed = np.concatenate(
+            (
+                np.stack((blocks, lengths, newest, newest - self.block_rows + p, blocks * self.block_rows), 1),
+                pages,
+                pages * p,
+            ),
+            axis=1,
+        )
+        t = torch.from_numpy(packed).to(self.device)
+        m = pages.shape[1]
         return SwapRows(
-            rids, as_index(blocks, dev), as_index(lengths, dev), as_index(pages, dev), self.page_size, self.block_rows
+            rids, t[:, 0], t[:, 1], t[:, 1:2], t[:, 5 : 5 + m], t[:, 2:3], t[:, 3:4], t[:, 4:5], t[:, 5 + m :]
         )
 
     # The position an empty row holds: below -1 (a top-k's padding), so that no entry of a top-k matches it.
