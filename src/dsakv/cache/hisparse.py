@@ -775,7 +775,7 @@ class HiSparseStep:
         dst = rows.blocks[self.tok_row] * pool.block_rows + pool.buffer_size + pos % page
         self.all_new = bool(is_new.all())
         self.hot_dst = as_index(dst if self.all_new else dst[is_new], pool.device)
-        self.hot_src = torch.from_numpy(np.flatnonzero(is_new)).to(device)
+        self.hot_src = None if self.all_new else torch.from_numpy(np.flatnonzero(is_new)).to(device)
         decode = ext == 1
         self.decode_only = bool(decode.all())  # every token is a decode row: token t is decode row t
         self.hot_rows_of = np.flatnonzero(decode)  # batch rows served from the hot buffer
@@ -785,12 +785,13 @@ class HiSparseStep:
         self.hot_j = hot_j[self.tok_row]  # per token: its row among the decode rows (-1: not one)
         sel = slice(None) if self.decode_only else self.hot_rows_of
         first = np.cumsum(ext) - ext  # first token of each row
-        self._first = torch.from_numpy(first[sel]).to(device)  # the decode rows' tokens
+        self._first = None if self.decode_only else torch.from_numpy(first[sel]).to(device)  # decode rows' tokens
         rids = rows.rids if self.decode_only else [rows.rids[i] for i in self.hot_rows_of]
         self._swap = pool.swap_rows_of(rids, rows.blocks[sel], rows.lengths[sel], rows.pages[sel])
         self.swapped = False
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # producer -> (top-k, hot rows) [D, K]
-        self._checked: dict[int, tuple[object, ...]] = {}  # producer -> the selection its group's reads matched
+        # producer -> the selection its group's reads matched (and the hot rows it gave)
+        self._checked: dict[int, tuple[Any, ...]] = {}
 
     def codec(self, kind: Kind) -> Any:
         return self.pool.kv_codec if kind is Kind.KV else self.pool.index_codec
@@ -814,7 +815,7 @@ class HiSparseStep:
         if self.hot_dst.numel():
             hot = p._hot_words[key.layer]
             hot.index_copy_(
-                0, self.hot_dst, (row if self.all_new else row.index_select(0, self.hot_src)).to(hot.device)
+                0, self.hot_dst, (row if self.hot_src is None else row.index_select(0, self.hot_src)).to(hot.device)
             )
 
     def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
@@ -837,7 +838,7 @@ class HiSparseStep:
         if not self.swapped:
             return
         p = self.pool
-        sel = topk if self.decode_only else topk.index_select(0, self._first.to(topk.device))
+        sel = topk if self._first is None else topk.index_select(0, self._first.to(topk.device))
         hot, _ = p.swap_rows(producer, self._swap, sel.to(p.device))
         self._tables[producer] = (sel.to(self.device), hot)
 
@@ -853,7 +854,7 @@ class HiSparseStep:
         mark = (sel.data_ptr(), sel.shape, sel.stride(), valid.data_ptr(), valid.stride(), q0, sel, valid)
         seen = self._checked.get(producer)
         if got is not None and j is None and seen is not None and seen[:6] == mark[:6]:
-            return got[1][q0 : q0 + e, :k]
+            return seen[-1]
         ref = None if got is None else (got[0][q0 : q0 + e, :k] if j is None else got[0][j, :k])
         if ref is None or not torch.equal(torch.where(valid, sel, -1), ref):
             raise ValueError(
@@ -862,8 +863,9 @@ class HiSparseStep:
             )
         assert got is not None
         if j is None:
-            self._checked[producer] = mark
-            return got[1][q0 : q0 + e, :k]
+            rows = got[1][q0 : q0 + e, :k]
+            self._checked[producer] = (*mark, rows)
+            return rows
         return got[1][j.to(got[1].device), :k]
 
     def read_selected(
