@@ -214,6 +214,7 @@ def main() -> int:
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="dsakv-bench-disagg-"))
     model = Path(args.model) if args.model else make_tiny(tmp / "tiny")
+    os.environ[SECRET_ENV] = str(launch_secret(tmp / "cluster.secret"))  # every role's and this process's secret
     if args.routing:
         args.requests = args.requests or 160
         return routing_main(args, model)
@@ -231,8 +232,7 @@ def main() -> int:
     dport, pport = free_ports(1), free_ports(len(part) + 1)  # stage k on pport + k, gloo on pport + pp_size
     cfg = EngineConfig(layout=LayoutConfig(page_size=PAGE_SIZE), pool=PoolConfig(num_pages=args.pages))
     common = ["--model", str(model), "--transfer-backend", args.backend, *options.engine_argv(cfg)]
-    env = dict(os.environ)  # as a user's shell would start them
-    env[SECRET_ENV] = str(launch_secret(tmp / "cluster.secret"))  # the roles' and this process's (router) secret
+    env = dict(os.environ)  # as a user's shell would start them (with the secret file set above)
     procs = [Proc("decode", dsakv_cmd("serve", "--role", "decode", "--port", str(dport), *common), env=env, quiet=True)]
     for k in range(len(part)):
         cmd = dsakv_cmd("serve", "--role", "prefill", "--port", str(pport), *common)
