@@ -389,9 +389,39 @@ typedef struct {
     int map;                    /* copy from a mapping of the file (dsakv_map_sum), else preadv (dsakv_read_sum) */
 } pages_job;
 
+/* A batch's pages split into contiguous shares, one a thread: every part struct begins with its share. */
 typedef struct {
+    int64_t lo, hi; /* pages [lo, hi) */
+} share;
+enum { MAX_SHARES = 16 };
+
+/* Runs fn on `threads` shares of pages [0, n) (clamped to 1..MAX_SHARES and n): parts holds MAX_SHARES structs of
+   `size` bytes, each beginning with a share whose lo/hi this sets. Share 0, and any share whose thread did not
+   start, runs on the calling thread. Returns the number of shares. */
+static int run_shares(int64_t n, int threads, void *parts, size_t size, void *(*fn)(void *)) {
+    pthread_t tids[MAX_SHARES];
+    int started[MAX_SHARES];
+    char *base = parts;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_SHARES) threads = MAX_SHARES;
+    if (threads > n) threads = n > 0 ? (int)n : 1;
+    for (int t = 0; t < threads; t++) {
+        share *sh = (share *)(base + (size_t)t * size);
+        sh->lo = n * t / threads;
+        sh->hi = n * (t + 1) / threads;
+    }
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, fn, base + (size_t)t * size) == 0;
+    fn(base);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else fn(base + (size_t)t * size); /* no thread: run its share here */
+    }
+    return threads;
+}
+
+typedef struct {
+    int64_t lo, hi;             /* pages [lo, hi): a share, first */
     const pages_job *job;
-    int64_t lo, hi;             /* pages [lo, hi) */
     int64_t fail, status, aux;  /* first failing page (hi if none), its status and detail (errno, size, bytes) */
     unsigned char head[256];    /* the failing page's header bytes as read (PG_HEADER) */
 } pages_part;
@@ -482,29 +512,16 @@ int64_t dsakv_read_pages(int dirfd, int64_t n, const char *names, int64_t namele
                          int64_t cmp_bytes, int64_t head_bytes, int64_t file_bytes, uint64_t mix,
                          const int64_t *segoff, const int64_t *segs, int advise, int map, int threads,
                          const int64_t *stamp_ns, unsigned char *ok_stamp, int64_t *detail, unsigned char *head) {
-    enum { MAXT = 16 };
     pages_job job = {dirfd, names, namelen, expect, cmp_bytes, head_bytes, file_bytes, mix, segoff, segs, advise,
                      map};
-    pages_part parts[MAXT];
-    pthread_t tids[MAXT];
-    int started[MAXT];
+    pages_part parts[MAX_SHARES];
     if (head_bytes > (int64_t)sizeof(parts[0].head) || cmp_bytes + 8 > head_bytes) return -EINVAL;
-    if (threads < 1) threads = 1;
-    if (threads > MAXT) threads = MAXT;
-    if (threads > n) threads = n > 0 ? (int)n : 1;
-    for (int t = 0; t < threads; t++) {
+    for (int t = 0; t < MAX_SHARES; t++) {
         parts[t].job = &job;
-        parts[t].lo = n * t / threads;
-        parts[t].hi = n * (t + 1) / threads;
         parts[t].status = PG_OK;
         parts[t].aux = 0;
-        started[t] = t > 0 && pthread_create(&tids[t], NULL, read_part, &parts[t]) == 0;
     }
-    read_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else read_part(&parts[t]); /* no thread: run its share here */
-    }
+    threads = run_shares(n, threads, parts, sizeof(parts[0]), read_part);
     int64_t k = n;
     detail[0] = PG_OK;
     detail[1] = 0;
@@ -541,8 +558,9 @@ typedef struct {
 } wpages_job;
 
 typedef struct {
+    int64_t lo, hi;             /* pages [lo, hi): a share, first */
     const wpages_job *job;
-    int64_t lo, hi, fail, err;  /* first page not written (hi if none) and its errno */
+    int64_t fail, err;          /* first page not written (hi if none) and its errno */
 } wpages_part;
 
 /* header + segments to fd from offset 0 in as few pwritev calls as the iovec limit allows (one for a page: the
@@ -703,28 +721,15 @@ int64_t dsakv_write_pages(int dirfd, int64_t n, const char *names, int64_t namel
                           int64_t tmplen, unsigned char *heads, int64_t cmp_bytes, int64_t head_bytes,
                           int64_t payload, uint64_t mix, const int64_t *segoff, const int64_t *segs,
                           int64_t window, int threads, int64_t *err) {
-    enum { MAXT = 16 };
     wpages_job job = {dirfd, names, tmps, namelen, tmplen, heads, cmp_bytes, head_bytes, payload, mix, segoff, segs,
                       window};
-    wpages_part parts[MAXT];
-    pthread_t tids[MAXT];
-    int started[MAXT];
+    wpages_part parts[MAX_SHARES];
     if (cmp_bytes + 8 > head_bytes) return -EINVAL;
-    if (threads < 1) threads = 1;
-    if (threads > MAXT) threads = MAXT;
-    if (threads > n) threads = n > 0 ? (int)n : 1;
-    for (int t = 0; t < threads; t++) {
+    for (int t = 0; t < MAX_SHARES; t++) {
         parts[t].job = &job;
-        parts[t].lo = n * t / threads;
-        parts[t].hi = n * (t + 1) / threads;
         parts[t].err = 0;
-        started[t] = t > 0 && pthread_create(&tids[t], NULL, write_part, &parts[t]) == 0;
     }
-    write_part(&parts[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else write_part(&parts[t]);
-    }
+    threads = run_shares(n, threads, parts, sizeof(parts[0]), write_part);
     int64_t k = n;
     *err = 0;
     for (int t = 0; t < threads; t++) {
