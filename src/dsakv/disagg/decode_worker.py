@@ -106,7 +106,7 @@ class DecodeWorker:
         self.backend.register(self.engine.pool.regions())
         tc = cfg.config.transfer  # destination staging (disagg.staging): slots for fragmented destinations
         self.slots = decode_slots(
-            self.backend, min(tc.staging_size, self.engine.pool.nbytes), tc.staging_slots, self.pipeline is not None
+            self.backend, tc.staging_bytes(self.engine.pool.nbytes), tc.staging_slots, self.pipeline is not None
         )
         self.service = WorkerService(
             DECODE_SERVICE,

@@ -122,7 +122,7 @@ class PrefillStage:
             Hello(self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot),
             rpc_timeout=ctx.t.rpc,
         )
-        size = min(cfg.config.transfer.staging_size, self.role.pool.nbytes)
+        size = cfg.config.transfer.staging_bytes(self.role.pool.nbytes)
         self.staging = StagingBuffer(self.backend, size) if size > 0 else None
         ctx.sender_ = KvSender(
             backend=self.backend,

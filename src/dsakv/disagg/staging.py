@@ -64,16 +64,23 @@ def _view(addr: int, nbytes: int) -> npt.NDArray[np.uint8]:
     return np.frombuffer(memoryview((ctypes.c_uint8 * nbytes).from_address(addr)).cast("B"), dtype=np.uint8)
 
 
+def _registered(backend: TransferBackend, key: str, nbytes: int) -> tuple[npt.NDArray[np.uint8], int]:
+    """A host buffer of `nbytes`, touched up front (np.zeros maps lazily: no page faults inside a transfer or a
+    scatter) and registered with `backend` under `key`; (buffer, address)."""
+    mem = np.zeros(nbytes, dtype=np.uint8)
+    mem.fill(0)
+    addr = int(mem.ctypes.data)
+    backend.register({key: _Region(addr, nbytes)})
+    return mem, addr
+
+
 class StagingBuffer:
     def __init__(self, backend: TransferBackend, nbytes: int) -> None:
         if nbytes <= 0:
             raise ValueError(f"staging buffer of {nbytes} B: give a positive size (or no staging buffer)")
         self.backend = backend
         self.nbytes = int(nbytes)
-        self._mem = np.zeros(self.nbytes, dtype=np.uint8)
-        self._mem.fill(0)  # touched (np.zeros maps lazily): no page faults inside a transfer
-        self.addr = int(self._mem.ctypes.data)
-        backend.register({STAGING_KEY: _Region(self.addr, self.nbytes)})
+        self._mem, self.addr = _registered(backend, STAGING_KEY, self.nbytes)
         self._lock = threading.Lock()
         self._held = False
         self._free_at = 0.0
@@ -123,10 +130,7 @@ class StagingSlots:
         self.backend = backend
         self.slot_bytes = int(slot_bytes)
         self.num_slots = int(num_slots)
-        self._mem = np.zeros(self.slot_bytes * self.num_slots, dtype=np.uint8)
-        self._mem.fill(0)  # touched up front: the engine's writes and the scatter take no page faults
-        self.addr = int(self._mem.ctypes.data)
-        backend.register({SLOTS_KEY: _Region(self.addr, self._mem.size)})
+        self._mem, self.addr = _registered(backend, SLOTS_KEY, self.slot_bytes * self.num_slots)
         self._lock = threading.Lock()
         self._owner: dict[int, str] = {}
         self.used = 0  # slots scattered

@@ -317,6 +317,12 @@ class TransferConfig:
     staging_size: int = 256 << 20  # prefill: staging buffer for fragmented sources; decode: its staging slots' region
     # (bytes, capped at the pool; 0: off)
     staging_slots: int = 4  # decode: destination staging slots the region is split into (0: none)
+
+    def staging_bytes(self, pool_nbytes: int) -> int:
+        """The staging buffer / slot region a role with a pool of `pool_nbytes` allocates: staging_size, capped at
+        the pool (a request's pages never exceed it)."""
+        return min(self.staging_size, pool_nbytes)
+
     debug_transfer_strategy: str = ""  # testing: "blocks" / "staged" overrides the measured rule ("": the rule)
 
 
