@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.disagg.lifecycle import Phase
 from dsakv.disagg.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
@@ -115,6 +116,10 @@ class _Collector(threading.Thread):
         self.join(self.timeout + 5)
         assert self.out is not None, "collector did not finish"
         return self.out
+
+
+def _none_queued(router, rids) -> bool:
+    return all((rec := router.record(rid)) is None or rec.phase is not Phase.QUEUED for rid in rids)
 
 
 def _wait_transferring(addr: str, procs) -> None:
@@ -255,6 +260,9 @@ def test_peer_that_never_answers(world, reference):
         assert r.wait_ready(60)
         rids = _submit(r, _prompts(7), "hung")
         _wait_transferring(procs["P2s0"].addr, cluster.procs)
+        # every request handed to the stage before it stops (one still queued at the router would wait out its
+        # queue deadline instead of failing at the decode: the race that made this test flaky)
+        wait_for(lambda: _none_queued(r, rids), 20, "every hung request dispatched", cluster.procs)
         t_stop = time.monotonic()
         procs["P2s0"].signal(signal.SIGSTOP)
         try:
