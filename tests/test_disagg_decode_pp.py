@@ -30,7 +30,7 @@ from disagg_support import (
 )
 from dsakv.cli.options import engine_argv
 from dsakv.disagg.messages import fetch_health
-from dsakv.disagg.stage_context import split_layers
+from dsakv.disagg.stage_batch import split_layers
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec.layout import KVLayout

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsakv.disagg.stage_context import split_layers
+from dsakv.disagg.stage_batch import split_layers
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.engine.config import Config
 from dsakv.errors import ConfigError

@@ -64,10 +64,10 @@ from dsakv.disagg.messages import (
     fetch_health,
 )
 from dsakv.disagg.page_mirror import PageMirror
-from dsakv.disagg.prefill_leader import PipelineRunner
 from dsakv.disagg.rpc import RpcError
+from dsakv.disagg.stage_batch import decode_batch, encode_batch
 from dsakv.disagg.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
-from dsakv.disagg.stage_context import decode_batch, encode_batch
+from dsakv.disagg.stage_runner import PipelineRunner
 from dsakv.disagg.worker_service import WorkerService
 from dsakv.engine.config import EngineConfig, PoolConfig
 from dsakv.engine.engine import Engine
@@ -157,14 +157,14 @@ class DecodeStageContext:
         raise ConfigError("a decode pipeline stage runs no MTP draft layer")
 
 
-class DecodeStageRunner(PipelineRunner):
+class DecodeStageRunner(PipelineRunner[StepMsg]):
     """Stage 0's StepRunner: the prefill pipeline's runner (this stage's layers, the step for stage 1), then the
     step goes on at once and the last stage's logits come back, so the Engine samples as a colocated one does."""
 
     ctx: DecodeStageContext
 
     def __init__(self, ctx: DecodeStageContext, pool: DevicePool, pipeline: DecodePipeline) -> None:
-        super().__init__(ctx, pool, pipeline.step_msg)
+        super().__init__(ctx, pool, pipeline.step_msg, to_wire)
         self.pipeline = pipeline
         self.broken: str | None = None
 

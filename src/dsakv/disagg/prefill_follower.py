@@ -34,8 +34,9 @@ from dsakv.disagg.lifecycle import Phase, StageJob
 from dsakv.disagg.messages import RELEASED, TICK, Released, StepMsg, StepRow
 from dsakv.disagg.page_mirror import PageMirror
 from dsakv.disagg.rpc import Rpc
+from dsakv.disagg.stage_batch import decode_batch
 from dsakv.disagg.stage_comm import StageLinkError, StageMessage
-from dsakv.disagg.stage_context import StageContext, decode_batch, job_of
+from dsakv.disagg.stage_context import StageContext, job_of
 from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
 from dsakv.engine.request import Request, TokenLogprobs

@@ -18,45 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from dsakv.disagg.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.messages import JobSpec
+from dsakv.disagg.stage_batch import split_layers
 from dsakv.disagg.stage_comm import StageGroup, stage_group
 from dsakv.disagg.timeouts import Timeouts
 from dsakv.disagg.worker_service import Notifier
 from dsakv.engine.config import CacheConfig, Config, EngineConfig, PipelineConfig, prefill_cache_error
 from dsakv.errors import ConfigError
-from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
-from dsakv.plan.capacity import even_partition
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from dsakv.disagg.kv_sender import KvSender
-
-
-def split_layers(num_layers: int, pp_size: int, partition: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
-    """[start, end) of each stage: `partition` (layers per stage) or an even split, earlier stages larger."""
-    if pp_size < 1:
-        raise ConfigError(f"--pp-size {pp_size} must be >= 1")
-    if partition is None:
-        partition = even_partition(num_layers, pp_size)
-    if len(partition) != pp_size:
-        raise ConfigError(f"--pp-partition {list(partition)} has {len(partition)} stages but --pp-size is {pp_size}")
-    if any(n < 1 for n in partition) or sum(partition) != num_layers:
-        raise ConfigError(
-            f"--pp-partition {','.join(map(str, partition))} must give every stage >= 1 layer and sum to the "
-            f"model's {num_layers} layers (sums to {sum(partition)})"
-        )
-    out, start = [], 0
-    for n in partition:
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 @dataclass(frozen=True)
@@ -135,25 +113,6 @@ class PrefillConfig:
     @property
     def worker_name(self) -> str:
         return self.name or f"prefill@{self.pipeline.stage0_host or self.host}:{self.port}"
-
-
-def encode_batch(b: ForwardBatch) -> dict[str, Any]:
-    def arr(t: torch.Tensor) -> list[Any]:
-        a = t.to(torch.int64).contiguous().numpy()
-        return [list(a.shape), a.tobytes()]
-
-    return {
-        k: arr(getattr(b, k))
-        for k in ("input_ids", "positions", "prefix_lens", "extend_lens", "slot_table", "out_slots")
-    }
-
-
-def decode_batch(d: dict[str, Any]) -> ForwardBatch:
-    def t(v: list[Any]) -> torch.Tensor:
-        shape, raw = v
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.int64).reshape(shape).copy())
-
-    return ForwardBatch(**{k: t(v) for k, v in d.items()})
 
 
 def job_spec(job: StageJob, now: float) -> JobSpec:
