@@ -9,7 +9,7 @@ process on 127.0.0.1 and the sender here moves one request's pages, for four pag
   both-frag   both are random permutations
 Each layout goes every way that differs (strategy column):
   blocks       one descriptor per key and joint run
-  staged       the source pages gathered into a registered staging buffer (dsakv.disagg.staging), then one
+  staged       the source pages gathered into a registered staging buffer (dsakv.disagg.transfer.staging), then one
                descriptor per key and destination run; its time includes the gather (gather s column)
   slot         (fragmented destination) into the receiver's staging slot (TransferPlan.into_slot: one
                descriptor per key and source run), then the receiver scatters the slot into its pages; its
@@ -44,13 +44,17 @@ import numpy as np
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from dsakv.disagg import PairTable, TransferPlan, check_pair, deadline_in, make_backend  # noqa: E402
-from dsakv.disagg.backends import LOOPBACK_UCX_ENV  # noqa: E402
-from dsakv.disagg.compat import KeyPair  # noqa: E402
-from dsakv.disagg.manifest import BackendMeta, Manifest  # noqa: E402
-from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
-from dsakv.disagg.staging import StagingBuffer  # noqa: E402
-from dsakv.disagg.transfer_plan import (  # noqa: E402
+from dsakv.disagg.transfer import (
+    PairTable,  # noqa: E402
+    TransferPlan,  # noqa: E402
+    check_pair,  # noqa: E402
+    deadline_in,  # noqa: E402
+    make_backend,  # noqa: E402
+)
+from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV  # noqa: E402
+from dsakv.disagg.transfer.compat import KeyPair  # noqa: E402
+from dsakv.disagg.transfer.manifest import BackendMeta, Manifest  # noqa: E402
+from dsakv.disagg.transfer.plan import (  # noqa: E402
     DESCRIPTOR_COST_S,
     GATHER_BYTES_PER_S,
     SCATTER_BYTES_PER_S,
@@ -58,7 +62,9 @@ from dsakv.disagg.transfer_plan import (  # noqa: E402
     choose_destination,
     dst_runs,
 )
+from dsakv.disagg.transfer.staging import StagingBuffer  # noqa: E402
 from dsakv.spec import KVLayout, load_spec  # noqa: E402
+from dsakv.testing.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
 from dsakv.util import ceil_div
 
 FULL_TOKENS = 32768

@@ -21,7 +21,7 @@ else:
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from dsakv.disagg import auth as _auth  # noqa: E402
+from dsakv.disagg.protocol import auth as _auth  # noqa: E402
 
 if _auth.SECRET_ENV not in os.environ:
     os.environ[_auth.SECRET_ENV] = str(Path(tempfile.mkdtemp(prefix="dsakv-test-")) / "cluster.secret")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from dsakv.cli.options import engine_argv
-from dsakv.disagg.messages import fetch_health
-from dsakv.disagg.router import RouterBackend, RouterConfig
-from dsakv.disagg.rpc import RpcClient, RpcError
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.disagg.protocol.rpc import RpcClient, RpcError
+from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.config import (
     Config,
     EngineConfig,

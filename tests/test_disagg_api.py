@@ -24,10 +24,10 @@ import torch
 
 from disagg_support import PAGE_SIZE, Cluster, assert_clean, role_config, wait_for
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.backends import make_backend
-from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import Abort, Hello, Prealloc, StageDone, WireLogprobs, fetch_health
+from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.protocol.messages import Abort, Hello, Prealloc, StageDone, WireLogprobs, fetch_health
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.request import SamplingParams, TokenLogprobs
 from dsakv.serve.app import create_app
 from dsakv.serve.tokenizer import load_tokenizer

@@ -17,12 +17,10 @@ import torch
 
 from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests, wait_for
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg import auth
-from dsakv.disagg.auth import ClusterAuth, Keyring
-from dsakv.disagg.backends import make_backend
-from dsakv.disagg.errors import Forbidden, GrantRefused, MessageError
-from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import (
+from dsakv.disagg.protocol import auth
+from dsakv.disagg.protocol.auth import ClusterAuth, Keyring
+from dsakv.disagg.protocol.errors import Forbidden, GrantRefused, MessageError
+from dsakv.disagg.protocol.messages import (
     ABORT,
     EVENTS,
     HANDSHAKE,
@@ -43,7 +41,9 @@ from dsakv.disagg.messages import (
     Submit,
     fetch_health,
 )
-from dsakv.disagg.rpc import RpcClient, pack, recv_frame, recv_msg, send_frame
+from dsakv.disagg.protocol.rpc import RpcClient, pack, recv_frame, recv_msg, send_frame
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from engine_support import tiny_model, tiny_path

@@ -29,10 +29,10 @@ from disagg_support import (
     worker_config,
 )
 from dsakv.cli.options import engine_argv
-from dsakv.disagg.messages import fetch_health
-from dsakv.disagg.stage_batch import split_layers
+from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
+from dsakv.pipeline.batch import split_layers
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.util import ceil_div

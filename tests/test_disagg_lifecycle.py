@@ -16,13 +16,21 @@ import pytest
 
 from disagg_support import role_config
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg import grants
-from dsakv.disagg.backends import make_backend
-from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.errors import Unavailable
-from dsakv.disagg.lifecycle import DECODE, PREFILL_STAGE, ROUTER, IllegalTransition, Ledger, Machine, Phase, Tracked
-from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import (
+from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
+from dsakv.disagg.protocol import grants
+from dsakv.disagg.protocol.errors import Unavailable
+from dsakv.disagg.protocol.lifecycle import (
+    DECODE,
+    PREFILL_STAGE,
+    ROUTER,
+    IllegalTransition,
+    Ledger,
+    Machine,
+    Phase,
+    Tracked,
+)
+from dsakv.disagg.protocol.messages import (
     ABORT,
     CACHE_EVENTS,
     CONNECT,
@@ -50,10 +58,11 @@ from dsakv.disagg.messages import (
     Submit,
     Submitted,
 )
-from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
-from dsakv.disagg.router import RouterBackend, RouterConfig
-from dsakv.disagg.rpc import RpcClient
-from dsakv.disagg.worker_service import WorkerService
+from dsakv.disagg.protocol.rpc import RpcClient
+from dsakv.disagg.protocol.worker_service import WorkerService
+from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError, NoFreePages
 from engine_support import tiny_model

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from disagg_support import Cluster, Proc, assert_clean, free_ports, wait_for
-from dsakv.disagg.backends.bind_shim import ENV_HOST, shim_path
+from dsakv.disagg.transfer.backends.bind_shim import ENV_HOST, shim_path
 from engine_support import tiny_path
 from listen_support import is_loopback, listening_sockets
 

@@ -18,10 +18,10 @@ import torch
 from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
-from dsakv.disagg.bootstrap import StageRegistry
-from dsakv.disagg.errors import IncompatiblePeer
-from dsakv.disagg.manifest import BackendMeta, Manifest, RegionInfo
-from dsakv.disagg.messages import Hello, fetch_health
+from dsakv.disagg.protocol.errors import IncompatiblePeer
+from dsakv.disagg.protocol.messages import Hello, fetch_health
+from dsakv.disagg.transfer.bootstrap import StageRegistry
+from dsakv.disagg.transfer.manifest import BackendMeta, Manifest, RegionInfo
 from dsakv.engine.engine import Engine
 from dsakv.engine.model_runner import build_batch
 from dsakv.engine.mtp_fit import fit_mtp, fit_prompts

@@ -12,13 +12,13 @@ import torch
 
 from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
-from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.messages import fetch_health
-from dsakv.disagg.page_mirror import PageMirror
-from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage
-from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
+from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.util import ceil_div
 from engine_support import tiny_model
 

@@ -1,4 +1,4 @@
-"""The router's pick rule (disagg/routing.py, PeerTable.pick), in-process with exact choices: decode by load,
+"""The router's pick rule (disagg/protocol/routing.py, PeerTable.pick), in-process with exact choices: decode by load,
 prefill by prefix affinity with the load fallback under the gain threshold / over the imbalance bound, the LRU
 affinity table bounded by the prefill's pages and forgotten on a prefill restart, and the /health table row."""
 
@@ -11,11 +11,9 @@ import pytest
 
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.radix import RadixCache
-from dsakv.disagg.messages import CACHE_EVENTS, CONNECT, HEALTH, CacheEvents, Connected, Health
-from dsakv.disagg.prefix_events import PrefixEvents
-from dsakv.disagg.router import RouterConfig
-from dsakv.disagg.router_peers import PeerTable
-from dsakv.disagg.routing import (
+from dsakv.disagg.prefill.prefix_events import PrefixEvents
+from dsakv.disagg.protocol.messages import CACHE_EVENTS, CONNECT, HEALTH, CacheEvents, Connected, Health
+from dsakv.disagg.protocol.routing import (
     AffinityRule,
     CacheDelta,
     CacheEventLog,
@@ -27,7 +25,9 @@ from dsakv.disagg.routing import (
     pick_prefill,
     unpack,
 )
-from dsakv.disagg.timeouts import Timeouts
+from dsakv.disagg.protocol.timeouts import Timeouts
+from dsakv.disagg.router.backend import RouterConfig
+from dsakv.disagg.router.peers import PeerTable
 from dsakv.errors import ConfigError
 
 PS = 16
@@ -273,8 +273,8 @@ def test_a_worker_busy_in_a_step_stays_up_then_goes_down():
     import os
     import time
 
-    from dsakv.disagg.messages import DECODE_FOLLOWER_SERVICE
-    from dsakv.disagg.worker_service import WorkerService
+    from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE
+    from dsakv.disagg.protocol.worker_service import WorkerService
 
     busy, release = threading.Event(), threading.Event()
     h0 = replace(_health("decode", "d", used=0), pid=os.getpid())

@@ -11,10 +11,11 @@ import torch
 
 from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
-from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.errors import IncompatiblePeer
-from dsakv.disagg.events import EventLog
-from dsakv.disagg.messages import (
+from dsakv.disagg.decode.events import EventLog
+from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage, split_layers
+from dsakv.disagg.protocol.errors import IncompatiblePeer
+from dsakv.disagg.protocol.messages import (
     CONNECT,
     EVENTS,
     HEALTH,
@@ -25,14 +26,13 @@ from dsakv.disagg.messages import (
     HealthQuery,
     fetch_health,
 )
-from dsakv.disagg.page_mirror import PageMirror
-from dsakv.disagg.prefill_worker import PrefillConfig, PrefillStage, split_layers
-from dsakv.disagg.router import RouterBackend, RouterConfig
-from dsakv.disagg.rpc import RpcClient, RpcError
-from dsakv.disagg.wire import params_from_dict, params_to_dict
+from dsakv.disagg.protocol.rpc import RpcClient, RpcError
+from dsakv.disagg.protocol.wire import params_from_dict, params_to_dict
+from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
+from dsakv.pipeline.page_mirror import PageMirror
 from engine_support import tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -1,10 +1,13 @@
 """The import graph of src/dsakv: no cycle between modules, and no import against the layer order
 
-    util, errors < spec < plan < cache < model < engine < disagg < serve < testing < cli (and __main__)
+    util, errors < spec < plan < config < cache < model < engine < pipeline
+        < disagg.protocol < disagg.transfer < {disagg.prefill | disagg.decode} < disagg.router
+        < serve < testing < cli (and __main__)
 
-(a module may import its own layer and the layers below it). Every `import` counts, at module level, inside
-functions and under TYPE_CHECKING alike: a lazy import hides a dependency from the interpreter, not from the
-design. Read with ast; nothing is imported.
+(a module may import its own layer and the layers below it; config/ slots in when it exists). Inside disagg:
+prefill and decode never import each other (they share one rank), and the router imports neither disagg.transfer
+nor pipeline. Every `import` counts, at module level, inside functions and under TYPE_CHECKING alike: a lazy
+import hides a dependency from the interpreter, not from the design. Read with ast; nothing is imported.
 """
 
 from __future__ import annotations
@@ -12,9 +15,29 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-LAYERS = ("util", "spec", "plan", "cache", "model", "engine", "disagg", "serve", "testing", "cli")
-RANK = {name: i for i, name in enumerate(LAYERS)} | {"errors": 0, "__main__": len(LAYERS)}
+SRC = next(p / "src" for p in Path(__file__).resolve().parents if (p / "src" / "dsakv").is_dir())
+# one entry per rank; layers in one tuple share a rank and may not import each other
+ORDER: tuple[tuple[str, ...], ...] = (
+    ("util",),
+    ("spec",),
+    ("plan",),
+    ("config",),
+    ("cache",),
+    ("model",),
+    ("engine",),
+    ("pipeline",),
+    ("disagg.protocol",),
+    ("disagg.transfer",),
+    ("disagg.prefill", "disagg.decode"),
+    ("disagg.router",),
+    ("serve",),
+    ("testing",),
+    ("cli",),
+)
+LAYERS = tuple(name for rank in ORDER for name in rank)
+RANK = {name: i for i, rank in enumerate(ORDER) for name in rank} | {"errors": 0, "__main__": len(ORDER)}
+# (importer layer, imported layer) pairs refused even though the order allows them
+FORBIDDEN = {("disagg.router", "disagg.transfer"), ("disagg.router", "pipeline")}
 
 
 def module_name(path: Path) -> str:
@@ -29,9 +52,20 @@ def modules() -> dict[str, Path]:
 
 
 def layer(mod: str) -> str:
-    """The layer of dsakv.X.Y... is X (dsakv itself, the version string, sits at the bottom)."""
+    """The layer of dsakv.X.Y... is X, of dsakv.disagg.S.Y... is disagg.S (dsakv itself, the version string, sits
+    at the bottom; dsakv.disagg itself, a docstring, at disagg.protocol's rank)."""
     parts = mod.split(".")
-    return parts[1] if len(parts) > 1 else "errors"
+    if len(parts) == 1:
+        return "errors"
+    if parts[1] == "disagg":
+        return f"disagg.{parts[2]}" if len(parts) > 2 else "disagg.protocol"
+    return parts[1]
+
+
+def refused(src: str, dst: str) -> bool:
+    """Whether layer `src` may not import layer `dst`: a higher rank, a sibling of the same rank, or FORBIDDEN."""
+    siblings = RANK[dst] == RANK[src] and dst != src and {src, dst} <= set(LAYERS)
+    return RANK[dst] > RANK[src] or siblings or (src, dst) in FORBIDDEN
 
 
 def imports_of(mod: str, path: Path, known: set[str]) -> set[tuple[str, int]]:
@@ -72,10 +106,10 @@ def graph() -> tuple[dict[str, set[str]], list[str]]:
                 continue
             edges[mod].add(target)
             src_layer, dst_layer = layer(mod), layer(target)
-            if RANK[dst_layer] > RANK[src_layer]:
+            if refused(src_layer, dst_layer):
                 violations.append(
                     f"{path.relative_to(SRC)}:{line}: {mod} ({src_layer}) imports {target} ({dst_layer}), "
-                    f"a higher layer (order: {' < '.join(LAYERS)})"
+                    f"against the order {' < '.join('|'.join(r) for r in ORDER)} (refused too: {sorted(FORBIDDEN)})"
                 )
     return edges, violations
 
@@ -131,6 +165,18 @@ def test_no_import_cycle_between_modules():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_the_rules_refuse_siblings_and_the_router_edges():
+    """The order as data: decode and prefill are siblings (neither imports the other), the router sits above both
+    yet may not import transfer or pipeline, and config slots in between plan and cache."""
+    assert refused("disagg.decode", "disagg.prefill") and refused("disagg.prefill", "disagg.decode")
+    assert not refused("disagg.decode", "disagg.transfer") and not refused("disagg.prefill", "pipeline")
+    assert refused("disagg.router", "disagg.transfer") and refused("disagg.router", "pipeline")
+    assert not refused("disagg.router", "disagg.protocol") and not refused("disagg.router", "engine")
+    assert refused("pipeline", "disagg.protocol") and not refused("disagg.protocol", "pipeline")
+    assert refused("plan", "config") and not refused("cache", "config") and not refused("config", "plan")
+    assert layer("dsakv.disagg.decode.stage") == "disagg.decode" and layer("dsakv.pipeline.runner") == "pipeline"
+
+
 def test_the_checker_sees_lazy_relative_and_from_imports(tmp_path):
     """The walk finds function-level, `from pkg import submodule` and relative imports (so the tests above can
     fail), and the cycle finder reports a two-module cycle."""
@@ -158,7 +204,7 @@ def test_cli_backend_choices_are_the_registry():
     """cli/options.py spells the --transfer-backend choices without importing the transfer layer (so
     `dsakv --help` stays light); they must be the registry's names."""
     from dsakv.cli.options import BACKEND_CHOICES
-    from dsakv.disagg.backends import backend_names
+    from dsakv.disagg.transfer.backends import backend_names
 
     assert set(BACKEND_CHOICES) == set(backend_names()) == {"local", "mooncake", "nixl"}
 

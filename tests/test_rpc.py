@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from dsakv.disagg.codec import from_wire, to_wire
-from dsakv.disagg.errors import IncompatiblePeer, MessageError
-from dsakv.disagg.messages import (
+from dsakv.disagg.protocol.codec import from_wire, to_wire
+from dsakv.disagg.protocol.errors import IncompatiblePeer, MessageError
+from dsakv.disagg.protocol.messages import (
     DECODE_SERVICE,
     PREFILL_FOLLOWER_SERVICE,
     PREFILL_LEADER_SERVICE,
@@ -22,7 +22,7 @@ from dsakv.disagg.messages import (
     StepRow,
     Submit,
 )
-from dsakv.disagg.rpc import (
+from dsakv.disagg.protocol.rpc import (
     PeerUnavailable,
     Rpc,
     RpcClient,

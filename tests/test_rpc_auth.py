@@ -1,4 +1,4 @@
-"""Authenticated control-plane frames (disagg/auth.py, disagg/rpc.py), page grants (disagg/grants.py), message
+"""Authenticated control-plane frames (protocol/auth.py, protocol/rpc.py), page grants (protocol/grants.py), message
 bounds (codec) and the one-shot retry after a peer restart, on in-process servers: a call without the secret, with
 another deployment's secret, replayed on the same or another connection, or from a role the RPC does not allow is
 refused before its body is parsed, counted, and the server keeps serving; random and bit-flipped authenticated
@@ -16,12 +16,12 @@ import msgpack
 import pytest
 
 from dsakv.cli.main import main as cli_main
-from dsakv.disagg import auth, grants
-from dsakv.disagg.auth import ClusterAuth, Keyring, Session
-from dsakv.disagg.codec import from_wire
-from dsakv.disagg.errors import Forbidden, GrantRefused, MessageError
-from dsakv.disagg.messages import STAGE_DONE, EventsQuery, Prealloc, StageDone, StageDoneReply, Submit
-from dsakv.disagg.rpc import (
+from dsakv.disagg.protocol import auth, grants
+from dsakv.disagg.protocol.auth import ClusterAuth, Keyring, Session
+from dsakv.disagg.protocol.codec import from_wire
+from dsakv.disagg.protocol.errors import Forbidden, GrantRefused, MessageError
+from dsakv.disagg.protocol.messages import STAGE_DONE, EventsQuery, Prealloc, StageDone, StageDoneReply, Submit
+from dsakv.disagg.protocol.rpc import (
     PeerUnavailable,
     Rpc,
     RpcClient,
@@ -35,7 +35,7 @@ from dsakv.disagg.rpc import (
     recv_msg,
     send_frame,
 )
-from dsakv.disagg.worker_service import Notifier
+from dsakv.disagg.protocol.worker_service import Notifier
 from dsakv.util.procs import free_ports
 
 KEYS = Keyring(b"s" * 32)
@@ -216,7 +216,7 @@ def test_one_shot_call_retried_after_peer_restart():
 
 
 def test_stage_done_and_kv_failed_are_retried_one_shots():
-    from dsakv.disagg.messages import KV_FAILED, RELEASED
+    from dsakv.disagg.protocol.messages import KV_FAILED, RELEASED
 
     assert STAGE_DONE.retry and RELEASED.retry and KV_FAILED.retry
 

@@ -1,4 +1,4 @@
-"""RPC server limits (disagg/rpc.py): a frame announced over the cap is refused unread, an announced frame that does
+"""RPC server limits (protocol/rpc.py): a frame announced over the cap is refused unread, an announced frame that does
 not arrive in time frees its thread, connections over the cap are closed at once, random frames never stop the
 server, and normal calls keep working after each."""
 
@@ -12,7 +12,7 @@ import time
 import msgpack
 import pytest
 
-from dsakv.disagg.rpc import RpcClient, RpcServer, recv_msg
+from dsakv.disagg.protocol.rpc import RpcClient, RpcServer, recv_msg
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from dsakv.disagg import BackendMeta, IncompatiblePeer, Manifest, RegionInfo, check_pair, pair
+from dsakv.disagg.transfer import BackendMeta, IncompatiblePeer, Manifest, RegionInfo, check_pair, pair
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec
 
 KV, IK = Kind.KV, Kind.INDEX_K

@@ -24,22 +24,22 @@ import torch
 
 from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, role_config, run_requests
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg import grants
-from dsakv.disagg.backends import LOOPBACK_UCX_ENV, make_backend
-from dsakv.disagg.backends.base import deadline_in
-from dsakv.disagg.compat import check_pair
-from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.errors import Forbidden
-from dsakv.disagg.lifecycle import Phase
-from dsakv.disagg.manifest import BackendMeta, Manifest, SlotRegion
-from dsakv.disagg.messages import Abort, Hello, Prealloc, StageDone, fetch_health
-from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums
-from dsakv.disagg.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
-from dsakv.disagg.transfer_plan import Blocks, Strategy, TransferPlan, choose_destination
+from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.disagg.protocol import grants
+from dsakv.disagg.protocol.errors import Forbidden
+from dsakv.disagg.protocol.lifecycle import Phase
+from dsakv.disagg.protocol.messages import Abort, Hello, Prealloc, StageDone, fetch_health
+from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV, make_backend
+from dsakv.disagg.transfer.backends.base import deadline_in
+from dsakv.disagg.transfer.compat import check_pair
+from dsakv.disagg.transfer.manifest import BackendMeta, Manifest, SlotRegion
+from dsakv.disagg.transfer.plan import Blocks, Strategy, TransferPlan, choose_destination
+from dsakv.disagg.transfer.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
 from dsakv.engine.config import TransferConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec import KVLayout, load_spec
+from dsakv.testing.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums
 from engine_support import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]

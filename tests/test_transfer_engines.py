@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dsakv.cache.device_pool import DevicePool, Region  # noqa: E402
-from dsakv.disagg import (  # noqa: E402
+from dsakv.disagg.transfer import (  # noqa: E402
     Manifest,
     RegistrationError,
     TransferError,
@@ -29,11 +29,11 @@ from dsakv.disagg import (  # noqa: E402
     deadline_in,
     make_backend,
 )
-from dsakv.disagg.backends import LOOPBACK_UCX_ENV  # noqa: E402
-from dsakv.disagg.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
-from dsakv.disagg.staging import STAGING_KEY, StagingBuffer  # noqa: E402
-from dsakv.disagg.transfer_plan import Strategy  # noqa: E402
+from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV  # noqa: E402
+from dsakv.disagg.transfer.plan import Strategy  # noqa: E402
+from dsakv.disagg.transfer.staging import STAGING_KEY, StagingBuffer  # noqa: E402
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec  # noqa: E402
+from dsakv.testing.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums  # noqa: E402
 
 KV, IK = Kind.KV, Kind.INDEX_K
 ENGINES = ["mooncake", "nixl"]
@@ -241,8 +241,8 @@ def test_kv_sender_applies_the_rule(decode, glm) -> None:
     fragmented page by page is staged on both engines (one block per key, the buffer held until the transfer
     ends), one in runs of 2 pages on mooncake only (25 us a descriptor vs nixl's 9 us), one in runs of 4 on
     neither; every variant lands exactly."""
-    from dsakv.disagg.kv_sender import KvSender
-    from dsakv.disagg.timeouts import Timeouts
+    from dsakv.disagg.prefill.kv_sender import KvSender
+    from dsakv.disagg.protocol.timeouts import Timeouts
 
     engine, peer = decode
     pool, be, mine = sender(engine, KVLayout(glm, 20, 40), 16, seed=17)

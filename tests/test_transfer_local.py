@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dsakv.cache.device_pool import DevicePool, Region  # noqa: E402
-from dsakv.disagg import (  # noqa: E402
+from dsakv.disagg.transfer import (  # noqa: E402
     BackendMeta,
     Blocks,
     Manifest,
@@ -28,10 +28,10 @@ from dsakv.disagg import (  # noqa: E402
     deadline_in,
     make_backend,
 )
-from dsakv.disagg.backends import LocalBackend  # noqa: E402
-from dsakv.disagg.peer_process import fill_random, page_checksums  # noqa: E402
+from dsakv.disagg.transfer.backends import LocalBackend  # noqa: E402
 from dsakv.errors import ConfigError  # noqa: E402
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec  # noqa: E402
+from dsakv.testing.peer_process import fill_random, page_checksums  # noqa: E402
 
 KV, IK = Kind.KV, Kind.INDEX_K
 
@@ -159,7 +159,7 @@ def test_closed_peer_fails_and_backend_mismatch_is_refused(tiny) -> None:
 
 
 def test_mooncake_batch_limit_follows_both_env_vars(monkeypatch) -> None:
-    from dsakv.disagg.backends import mooncake_batch_limit
+    from dsakv.disagg.transfer.backends import mooncake_batch_limit
 
     monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", raising=False)
     monkeypatch.delenv("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", raising=False)

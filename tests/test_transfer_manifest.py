@@ -11,7 +11,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from dsakv.disagg import BackendMeta, Manifest, ManifestError, RegionInfo
+from dsakv.disagg.transfer import BackendMeta, Manifest, ManifestError, RegionInfo
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec
 
 KV, IK = Kind.KV, Kind.INDEX_K

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsakv.disagg import BackendMeta, Blocks, Manifest, RegionInfo, TransferError, TransferPlan, check_pair
-from dsakv.disagg.transfer_plan import PairTable, Strategy, choose_strategy, contiguous_runs
+from dsakv.disagg.transfer import BackendMeta, Blocks, Manifest, RegionInfo, TransferError, TransferPlan, check_pair
+from dsakv.disagg.transfer.plan import PairTable, Strategy, choose_strategy, contiguous_runs
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec
 
 KV, IK = Kind.KV, Kind.INDEX_K

@@ -22,7 +22,7 @@
 Python pays ~1 us per buffer and run (ctypes.memmove, memoryview, numpy view): 99 buffers x 16 pages is ~2-3 ms
 on a 53 MiB copy that memcpy does in ~8 ms. These loops do the same work once per call. The library is built
 into ~/.cache/dsakv (or the temp dir) as page_native-<source hash>.so by an atomic rename, as
-disagg/backends/bind_shim.py builds its shim. Without a compiler, if the build fails, or with
+disagg/transfer/backends/bind_shim.py builds its shim. Without a compiler, if the build fails, or with
 DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python loops (same bytes, same
 files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
 """

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from dsakv.disagg.auth import write_secret
+from dsakv.disagg.protocol.auth import write_secret
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

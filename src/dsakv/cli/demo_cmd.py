@@ -36,7 +36,7 @@ from dsakv.util import ceil_div
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports, port_free
 
 if TYPE_CHECKING:
-    from dsakv.disagg.messages import Health
+    from dsakv.disagg.protocol.messages import Health
 
 DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
@@ -167,7 +167,7 @@ def _print_capacity(args: argparse.Namespace, spec: Any) -> None:
 
 
 def _stage_health(addr: str) -> Health:
-    from dsakv.disagg.messages import fetch_health
+    from dsakv.disagg.protocol.messages import fetch_health
 
     return fetch_health(addr, timeout=10)
 
@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative_num_steps:  # both workers (the handshake refuses a mismatch); the reference runs without
         decode_cfg = replace(decode_cfg, speculative_num_steps=args.speculative_num_steps)
         prefill_cfg = replace(prefill_cfg, speculative_num_steps=args.speculative_num_steps)
-    from dsakv.disagg.auth import launch_secret
+    from dsakv.disagg.protocol.auth import launch_secret
 
     secret = launch_secret(log_dir / "cluster.secret")  # every role gets it; the demo's own health calls use it
     common = ["--threads", "1", "--transfer-backend", args.transfer_backend]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsakv.cli import options
-from dsakv.disagg.auth import SECRET_ENV
+from dsakv.disagg.protocol.auth import SECRET_ENV
 from dsakv.engine.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
 from dsakv.errors import ConfigError
 from dsakv.util.procs import Proc, dsakv_cmd, stop_all
@@ -117,7 +117,7 @@ def _backend_options(host: str, transfer: TransferConfig) -> dict[str, Any]:
             opts["engine_timeout_s"] = transfer.mooncake_timeout
         return opts
     if transfer.backend == "nixl":
-        from dsakv.disagg.backends.nixl import LOOPBACK_UCX_ENV
+        from dsakv.disagg.transfer.backends.nixl import LOOPBACK_UCX_ENV
 
         return {"env": LOOPBACK_UCX_ENV} if host in ("127.0.0.1", "localhost") else {}
     return {}
@@ -177,9 +177,9 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     pipe = cfg.pipeline
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
-    from dsakv.disagg.decode_config import DecodePipelineConfig
-    from dsakv.disagg.decode_stage import DecodeStageWorker
-    from dsakv.disagg.decode_worker import DecodeConfig, DecodeWorker
+    from dsakv.disagg.decode.config import DecodePipelineConfig
+    from dsakv.disagg.decode.stage import DecodeStageWorker
+    from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 
     model_dir = options.model_dir_of(args)
     _threads(args)
@@ -262,7 +262,7 @@ def prefill_cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any:
     """This stage's PrefillConfig: the tree, plus the process's address, name and --decode peers."""
-    from dsakv.disagg.prefill_worker import PrefillConfig
+    from dsakv.disagg.prefill.worker import PrefillConfig
 
     return PrefillConfig(
         model=model_dir,
@@ -279,7 +279,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any
 def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
         return _launch_stages(args, cfg.pipeline.pp_size)
-    from dsakv.disagg.prefill_worker import PrefillStage
+    from dsakv.disagg.prefill.worker import PrefillStage
 
     model_dir = options.model_dir_of(args)
     _threads(args)
@@ -291,7 +291,7 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
 
 def run_router(args: argparse.Namespace, cfg: Config) -> int:
     from dsakv.cli.http_options import http_limits
-    from dsakv.disagg.router import RouterBackend, RouterConfig
+    from dsakv.disagg.router.backend import RouterBackend, RouterConfig
     from dsakv.serve.app import create_app
     from dsakv.serve.server import run_http
     from dsakv.serve.tokenizer import load_tokenizer
@@ -326,7 +326,7 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
 def use_cluster_secret(args: argparse.Namespace) -> None:
     """Load the deployment's secret (--cluster-secret-file, else $DSAKV_CLUSTER_SECRET_FILE) and sign / check
     every control-plane call of this process with it as `args.role`; ConfigError if there is none or it is bad."""
-    from dsakv.disagg import auth
+    from dsakv.disagg.protocol import auth
 
     path = getattr(args, "cluster_secret_file", None) or os.environ.get(SECRET_ENV)
     if not path:

@@ -34,7 +34,7 @@ from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS
 
-# --transfer-backend choices (the registry in dsakv.disagg.backends holds the same names; importing it here would
+# --transfer-backend choices (the registry in dsakv.disagg.transfer.backends holds the same names; importing it would
 # pull the transfer engines into `dsakv --help`; tests/test_layering.py checks the two agree)
 BACKEND_CHOICES = ("mooncake", "nixl", "local")
 
@@ -240,7 +240,7 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
         metavar="SIZE",
         help="prefill: a registered staging buffer (capped at the stage's pool) that a request with a fragmented "
         "source is gathered into and sent from in one block per destination run, when the measured rule "
-        "(dsakv.disagg.transfer_plan.choose_strategy) says the saved descriptors cost more than the copy; "
+        "(dsakv.disagg.transfer.plan.choose_strategy) says the saved descriptors cost more than the copy; "
         "decode: the registered region (capped at its pool) split into --transfer-staging-slots slots that a "
         "request with fragmented destination pages is written into and then scattered from "
         "(transfer_plan.choose_destination); 0 turns it off (default 256MiB)",

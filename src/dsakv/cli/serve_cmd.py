@@ -124,11 +124,11 @@ def validate(args: argparse.Namespace) -> None:
 
 def bind_data_plane(args: argparse.Namespace) -> None:
     """Mooncake (KV transfer of decode/prefill, or the L3 store client) binds every interface: re-exec this process
-    once under dsakv's bind shim so it listens on --host only (disagg/backends/bind_shim.py)."""
+    once under dsakv's bind shim so it listens on --host only (disagg/transfer/backends/bind_shim.py)."""
     transfer = args.role in ("decode", "prefill") and getattr(args, "transfer_backend", None) == "mooncake"
     store = args.role != "router" and getattr(args, "hicache_storage", None) == "mooncake"
     if transfer or store:
-        from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
+        from dsakv.disagg.transfer.backends.bind_shim import ensure_bound_to_host
 
         ensure_bound_to_host(args.host, "mooncake (KV transfer)" if transfer else "mooncake store client (L3)")
 

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     size = parse_size(args.size, "--size")
     if size < MIN_STORE_BYTES:
         raise ConfigError(f"--size {args.size}: Mooncake mounts at least 16MiB of store memory: give --size 16MiB+")
-    from dsakv.disagg.backends.bind_shim import ensure_bound_to_host
+    from dsakv.disagg.transfer.backends.bind_shim import ensure_bound_to_host
 
     ensure_bound_to_host(args.host, "the mooncake store (master metadata + store memory)")  # it binds every interface
     master = MasterProcess(args.port, args.host, args.master_log)

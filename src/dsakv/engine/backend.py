@@ -10,7 +10,7 @@ The HTTP app never touches an Engine or a router directly; it drives a `Generati
     backend.stop()
 
 Implementations: `EngineBackend` (dsakv.serve.engine_backend, colocated: one Engine driven by a background
-thread) and `RouterBackend` (dsakv.disagg.router: prefill + decode workers behind a router).
+thread) and `RouterBackend` (dsakv.disagg.router.backend: prefill + decode workers behind a router).
 Imports only the standard library and dsakv.engine.request (SamplingParams, no torch); must not import
 dsakv.model, dsakv.disagg, dsakv.serve or dsakv.cli (it sits in engine so disagg can implement it).
 """

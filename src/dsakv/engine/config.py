@@ -310,7 +310,7 @@ class EngineConfig:
 class TransferConfig:
     """KV transfer and control plane of the disaggregated roles."""
 
-    backend: str = "mooncake"  # dsakv.disagg.backends registry name
+    backend: str = "mooncake"  # dsakv.disagg.transfer.backends registry name
     mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
     rpc_timeout: float = 5.0  # bound on every control-plane call
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it

@@ -1,0 +1,57 @@
+"""Liveness of the prefill stages a decode worker waits for: which stage each request still waits on, and one
+ping's verdict on a stage (None: it answers; 'dead': nothing listens; 'not answering': it does not reply).
+
+    waits = stage_waits(inbound.values())     {stage rpc address: [(request, stage), ...]} of every missing report
+    verdict, boot = ping_stage(addr, timeout) the decode fails the requests waiting on a stage whose verdict is not
+                                              None, or that answers with another boot id (it restarted)
+
+Imports dsakv.disagg.{lifecycle, messages, rpc}; no torch.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+
+from dsakv.disagg.protocol.lifecycle import InboundKv
+from dsakv.disagg.protocol.messages import PING, Ping
+from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
+
+
+def refused(addr: str, timeout: float = 0.5) -> bool:
+    """True if nothing listens at addr (the process is gone); False if it accepts or does not answer."""
+    host, port = split_addr(addr)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
+def ping_stage(addr: str, timeout: float) -> tuple[str | None, str | None]:
+    """(None, its boot id) if the stage answers a PING within `timeout`; ('dead', None) if nothing listens;
+    ('not answering', None) if it does not reply; (None, None) if it answers with an error (it is alive)."""
+    if refused(addr, timeout / 2):
+        return "dead", None
+    c = RpcClient(addr, timeout=timeout, connect_timeout=timeout / 2)
+    try:
+        return None, c.request(PING, Ping(), timeout=timeout).boot
+    except PeerUnavailable:
+        return ("dead" if refused(addr, timeout / 2) else "not answering"), None
+    except RpcError:
+        return None, None
+    finally:
+        c.close()
+
+
+def stage_waits(inbound: Iterable[InboundKv]) -> dict[str, list[tuple[InboundKv, int]]]:
+    """The stages (by RPC address) that requests still wait for, each with its (request, stage) pairs; a stage
+    already known dead is not asked again."""
+    waits: dict[str, list[tuple[InboundKv, int]]] = {}
+    for inb in inbound:
+        for k in inb.missing():
+            if k not in inb.dead:
+                waits.setdefault(inb.stage_rpc[k], []).append((inb, k))
+    return waits

@@ -1,0 +1,562 @@
+"""Decode pipeline stages: `dsakv serve --role decode --pp-size N --pp-partition a,b,...`, one process per stage.
+
+    stage k holds the layers of its range only: KV for each, INDEX_K for its producers (its own pool, manifest and
+    transfer engine); every stage pool has the same page count, and stage 0's Engine decides every page id.
+
+    prefill stage i ── HANDSHAKE ──► decode stage 0 ◄── HelloReply(its manifest, boot, every stage's manifest)
+    prefill stage i ── KV of the keys it shares with decode stage j (pair by key over the common layers) ──► stage j
+    prefill stage i ── STAGE_DONE(parts = {j: bytes landed on stage j}) ──► decode stage 0
+    stage 0 starts a request only when every (prefill stage, decode stage) pair it expects has landed; any pair
+    failing fails only that request, and its pages are freed on every stage (stage 0's books; the others
+    mirror them).
+
+A decode step is the prefill's pipeline run for decode (stage_comm, PipelineRunner): stage 0's Engine schedules,
+its DecodeStageRunner runs layers [0, a) and sends StepMsg (rows, ForwardBatch, page holds and drops) + hidden +
+the last producer's top-k to stage 1 ... stage N-1 computes the logits and sends them back to stage 0, where the
+Engine samples (the same sampling, stop rules and seeded streams as a colocated engine). A stage with no producer
+reuses the carried top-k in its shared layers, as a prefill stage does. Idle, stage 0 sends a tick every
+Timeouts.tick (holds and drops of the books too), so a later stage's receive never times out.
+
+A send/receive that fails or times out breaks the pipeline: stage 0 fails every request it holds (inbound and
+running; pages freed once no prefill stage can still write them), and the stages re-form a new epoch; stage 0's
+boot becomes "<process boot>.<formation>", so routers and prefill stages see a new decode and handshake again
+(a restarted stage has a new manifest).
+
+The parts: DecodePipeline (stage 0's side, inside DecodeWorker: group, runner, books' holds/drops, handshake with
+every stage's manifest, per-pair bytes) and DecodeStageWorker (stage k > 0: a process of its own).
+Imports torch, dsakv.{spec, cache, model, engine} and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.disagg.decode.config import DecodeConfig, DecodePipelineConfig
+from dsakv.disagg.protocol.codec import from_wire, to_wire
+from dsakv.disagg.protocol.errors import Unavailable
+from dsakv.disagg.protocol.messages import (
+    DECODE_FOLLOWER_SERVICE,
+    STEP,
+    TICK,
+    DecodeStageRef,
+    Health,
+    Hello,
+    HelloReply,
+    PingReply,
+    StageDone,
+    StageInfo,
+    StepMsg,
+    StepRow,
+    fetch_health,
+)
+from dsakv.disagg.protocol.rpc import RpcError
+from dsakv.disagg.protocol.worker_service import WorkerService
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.bootstrap import StageRegistry
+from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.engine.config import EngineConfig, PoolConfig
+from dsakv.engine.engine import Engine
+from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from dsakv.errors import ConfigError
+from dsakv.model.dsa_model import DSAModel, StageCarry
+from dsakv.pipeline.batch import decode_batch, encode_batch
+from dsakv.pipeline.page_mirror import PageMirror
+from dsakv.pipeline.runner import PipelineRunner
+from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+
+
+class DecodeWorker(Protocol):
+    """What the pipeline reads of the decode worker that owns it (decode_worker.DecodeWorker; a Protocol, so
+    this module does not import that one)."""
+
+    boot: str
+    engine: Engine
+    grant_key: bytes
+    manifest: Manifest
+    name: str
+    registry: StageRegistry
+    service: WorkerService
+
+    @property
+    def address(self) -> str: ...
+
+    def integrity(self) -> str: ...
+
+    def on_pipeline_break(self, why: str) -> None: ...
+
+
+log = logging.getLogger(__name__)
+
+
+def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, list[KVLayout], int]:
+    """The engine tree, every stage's layout and the one page count all stage pools share (the minimum over the
+    stages' planner figures with --kv-budget)."""
+    assert cfg.pipeline is not None
+    ec = cfg.config.engine
+    if ec.speculative_num_steps:
+        raise ConfigError("--speculative-num-steps with a decode pipeline (--pp-size > 1) is not supported yet")
+    if ec.hisparse.enabled:
+        raise ConfigError("--hisparse with a decode pipeline (--pp-size > 1) is not supported yet: use --pp-size 1")
+    layouts = [ec.layout.layout(spec, a, b) for a, b in cfg.pipeline.ranges(spec.num_layers)]
+    return ec, layouts, ec.pool.pages(layouts)
+
+
+def _load(cfg: DecodeConfig, model: tuple[Any, Any] | None) -> tuple[ModelSpec, DSAModel]:
+    if model is not None:
+        return model
+    from dsakv.model.loader import load_model
+
+    dtype = cfg.config.engine.dtype
+    return load_model(Path(cfg.model), dtype=getattr(torch, dtype))
+
+
+def _group(cfg: DecodeConfig, model: DSAModel, spec: ModelSpec) -> StageGroup:
+    p = cfg.pipeline
+    assert p is not None
+    if cfg.port == 0:
+        raise ConfigError("a decode pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
+    return stage_group(
+        p.pp_rank,
+        p.pp_size,
+        host=cfg.host,
+        port=cfg.port,
+        stage0_host=p.stage0_host,
+        dist_port=p.dist_port,
+        timeout_s=p.stage_timeout,
+        hidden_dtype=model.dtype,
+        hidden_size=spec.hidden_size,
+    )
+
+
+@dataclass
+class DecodeStageContext:
+    """What PipelineRunner reads of a stage (the decode pipeline's stage 0: never the last stage)."""
+
+    model: DSAModel
+    page_size: int
+    size: int
+    group: StageGroup
+    stage_timeout: float
+    last: bool = False
+    draft: None = None  # MTP on a pipelined decode is refused (stage_pool_shape)
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes:
+        raise ConfigError("a decode pipeline stage runs no MTP draft layer")
+
+
+class DecodeStageRunner(PipelineRunner[StepMsg]):
+    """Stage 0's StepRunner: the prefill pipeline's runner (this stage's layers, the step for stage 1), then the
+    step goes on at once and the last stage's logits come back, so the Engine samples as a colocated one does."""
+
+    ctx: DecodeStageContext
+
+    def __init__(self, ctx: DecodeStageContext, pool: DevicePool, pipeline: DecodePipeline) -> None:
+        super().__init__(ctx, pool, pipeline.step_msg, to_wire)
+        self.pipeline = pipeline
+        self.broken: str | None = None
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        super().run(chunks)
+        assert self.outbox is not None
+        msg, _ = self.outbox
+        self.outbox = None
+        g, last = self.ctx.group, self.ctx.size - 1
+        try:
+            g.send_next(msg)
+            self.pipeline.sent()
+            back = g.recv_from(last, self.ctx.stage_timeout, dtype=torch.float32)
+            if back.step != self.step or back.hidden is None or back.hidden.shape[0] != len(chunks):
+                why = (
+                    f"stage 0: step {self.step} got logits of step {back.step} for "
+                    f"{None if back.hidden is None else back.hidden.shape[0]} rows from stage {last}, not "
+                    f"{len(chunks)}"
+                )
+                g.break_(why)
+                raise StageLinkError(why)
+        except StageLinkError as e:
+            self.broken = str(e)
+            raise
+        return back.hidden.to(self.ctx.model.device)
+
+
+class DecodePipeline:
+    """Stage 0's side of a decode pipeline, owned by the DecodeWorker (see the module docstring)."""
+
+    def __init__(self, cfg: DecodeConfig, spec: ModelSpec, model: DSAModel, layouts: list[KVLayout]) -> None:
+        assert cfg.pipeline is not None
+        self.cfg = cfg.pipeline
+        self.size = cfg.pipeline.pp_size
+        self.spec = spec
+        self.layouts = layouts
+        self.group = _group(cfg, model, spec)
+        self.ctx = DecodeStageContext(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
+        self.tick_s = min(1.0, self.cfg.stage_timeout / 4)
+        self.health_timeout = min(1.0, cfg.config.transfer.rpc_timeout)
+        self.runner: DecodeStageRunner | None = None
+        self.down_reason: str | None = "pipeline not formed yet"
+        self.generation = 0
+        self.refs: list[DecodeStageRef] = []
+        self.manifests: list[tuple[int, Manifest]] = []
+        self.pair_bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._hold: dict[str, list[int]] = {}
+        self._drop: list[str] = []
+        self._last_send = 0.0
+
+    @classmethod
+    def build(cls, cfg: DecodeConfig, model: tuple[Any, Any] | None) -> tuple[DecodePipeline, Engine]:
+        """Stage 0's pipeline and its Engine over layers [0, a) with the pipeline's runner injected."""
+        spec, mdl = _load(cfg, model)
+        mdl.eval()
+        ec, layouts, pages = stage_pool_shape(cfg, spec)
+        pipe = cls(cfg, spec, mdl, layouts)
+        tree = dataclasses.replace(ec, pool=PoolConfig(num_pages=pages))  # every stage: the one shared page count
+        engine = Engine((spec, mdl), tree, model_dir=cfg.model, layout=layouts[0], runner=pipe._make_runner)
+        engine.on_schedule = pipe.on_schedule
+        return pipe, engine
+
+    def _make_runner(self, pool: DevicePool) -> DecodeStageRunner:
+        self.runner = DecodeStageRunner(self.ctx, pool, self)
+        return self.runner
+
+    # ---- the books later stages mirror (any thread; never under the worker's lock order) ------------------
+
+    def held(self, rid: str, pages: Sequence[int]) -> None:
+        with self._lock:
+            self._hold[rid] = [int(p) for p in pages]
+
+    def dropped(self, rid: str) -> None:
+        with self._lock:
+            self._hold.pop(rid, None)
+            self._drop.append(rid)
+
+    def on_schedule(self, sched: SchedulerOutput) -> None:
+        for r in sched.preempted:
+            self.dropped(r.request_id)
+
+    def _take(self) -> tuple[dict[str, list[int]], list[str]]:
+        with self._lock:
+            hold, drop, self._hold, self._drop = self._hold, self._drop, {}, []
+        return hold, drop
+
+    def step_msg(self, chunks: Sequence[ScheduledChunk], batch: Any) -> StepMsg:
+        seqs = [StepRow(c.request.request_id, c.start, c.num_tokens, list(c.request.page_ids), False) for c in chunks]
+        hold, drop = self._take()
+        return StepMsg(STEP, seqs=seqs, batch=encode_batch(batch), drop=drop, hold=hold)
+
+    def sent(self) -> None:
+        self._last_send = time.monotonic()
+
+    # ---- the step loop's hooks (the decode step thread) ----------------------------------------------------
+
+    def ready(self, worker: DecodeWorker) -> bool:
+        """Form the group if it is not (bounded); True when steps may run."""
+        if self.group.formed:
+            return True
+        info = {"rpc": worker.address, "pid": os.getpid(), "boot": worker.service.boot}
+        if not self.group.form(info):
+            return False
+        manifests = [(0, worker.manifest)]
+        refs = [DecodeStageRef(0, worker.address, worker.manifest.to_bytes(), worker.service.boot)]
+        for r in range(1, self.size):
+            i = self.group.peer_info[r]
+            raw = i.get("manifest")
+            if not isinstance(raw, bytes):
+                self.group.break_(f"decode stage {r} published no manifest")
+                return False
+            manifests.append((r, Manifest.from_bytes(raw)))
+            refs.append(DecodeStageRef(r, str(i["rpc"]), raw, str(i.get("boot", ""))))
+        with self._lock:
+            self._hold, self._drop = {}, []
+        self.generation += 1
+        self.manifests, self.refs = manifests, refs
+        worker.boot = f"{worker.service.boot}.{self.generation}"
+        self.down_reason = None
+        self._last_send = 0.0
+        log.info(
+            "decode %s: pipeline of %d stages formed (epoch %s, boot %s): %s",
+            worker.name,
+            self.size,
+            self.group.epoch,
+            worker.boot,
+            ", ".join(
+                f"stage {j} layers {m.describe_layers()} at {r.rpc}" for (j, m), r in zip(manifests, refs, strict=True)
+            ),
+        )
+        return True
+
+    def after_step(self, worker: DecodeWorker, outs: Sequence[Any]) -> None:
+        """Drops of finished requests, an idle tick when due; a broken pipeline fails what stage 0 holds."""
+        for o in outs:
+            if o.finished:
+                self.dropped(o.request_id)
+        runner = self.runner
+        assert runner is not None
+        ran, runner.ran = runner.ran, False
+        why, runner.broken = runner.broken, None
+        if why is None and not ran:
+            with self._lock:
+                pending = bool(self._hold or self._drop)
+            if pending or time.monotonic() - self._last_send >= self.tick_s:
+                hold, drop = self._take()
+                try:
+                    self.group.send_next(StageMessage(runner.step, to_wire(StepMsg(TICK, drop=drop, hold=hold))))
+                    self.sent()
+                except StageLinkError as e:
+                    why = str(e)
+        if why is not None:
+            self.down_reason = why
+            with self._lock:
+                self._hold, self._drop = {}, []
+            worker.on_pipeline_break(f"decode {worker.name}: pipeline broke ({why})")
+
+    # ---- RPC hooks --------------------------------------------------------------------------------------------
+
+    def check_up(self) -> None:
+        if self.down_reason is not None or not self.group.formed:
+            raise Unavailable(f"decode pipeline is not serving: {self.down_reason or 'not formed'}")
+
+    def handshake(self, worker: DecodeWorker, hello: Hello) -> HelloReply:
+        """Check the prefill stage against every decode stage it shares layers with; reply with all manifests."""
+        self.check_up()
+        worker.registry.accept(hello, self.manifests)
+        return HelloReply(
+            manifest=worker.manifest.to_bytes(),
+            boot=worker.boot,
+            name=worker.name,
+            stages=self.refs,
+            grant_key=worker.grant_key,
+        )
+
+    def check_parts(self, worker: DecodeWorker, p: StageDone) -> str | None:
+        """Record the bytes of each (prefill stage, decode stage) pair; an error if an ok report does not cover
+        exactly the decode stages that prefill stage shares layers with."""
+        entry = worker.registry.entry(p.prefill, p.stage)
+        with self._lock:
+            for j, n in p.parts.items():
+                key = f"{p.prefill}:{p.stage}->{j}"
+                self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+        if not p.ok or entry is None:
+            return None
+        if sorted(p.parts) != sorted(entry.decode_stages):
+            return (
+                f"prefill {p.prefill} stage {p.stage} reported its KV on decode stage(s) {sorted(p.parts)}, but it "
+                f"shares layers with decode stage(s) {sorted(entry.decode_stages)}"
+            )
+        return None
+
+    def stage_rows(self, worker: DecodeWorker) -> list[StageInfo]:
+        """Every stage as it reports itself: stage 0 from its engine, stage k from its own HEALTH (bounded)."""
+        if not self.group.formed:
+            return []
+        st = worker.engine.stats()
+        rows = []
+        for (r, i), lay in zip(sorted(self.group.peer_info.items()), self.layouts, strict=True):
+            row = StageInfo(stage=r, rpc=str(i.get("rpc")), pid=i.get("pid"), boot=i.get("boot"), layers=_span(lay))
+            if r == 0:
+                h_ok, used, integrity, err = True, st.pages_used, worker.integrity(), None
+            else:
+                try:
+                    h = fetch_health(row.rpc, timeout=self.health_timeout)
+                    h_ok, used, integrity, err = h.ok, h.pages_used, h.integrity, h.down
+                except RpcError as e:
+                    h_ok, used, integrity, err = False, None, None, str(e)
+            rows.append(
+                replace(
+                    row,
+                    ok=h_ok,
+                    pages_total=st.pages_total,
+                    pages_used=used,
+                    bytes_per_token=lay.bytes_per_token,
+                    integrity=integrity,
+                    error=err,
+                )
+            )
+        return rows
+
+    def health_fields(self, worker: DecodeWorker) -> dict[str, Any]:
+        a, b = self.layouts[0].layer_start, self.layouts[0].end
+        with self._lock:
+            pairs = dict(self.pair_bytes)
+        return {
+            "stage": 0,
+            "num_stages": self.size,
+            "epoch": self.group.epoch,
+            "down": self.down_reason,
+            "layers": [a, b - 1],
+            "pipeline": self.stage_rows(worker),
+            "kv_bytes_pairs": pairs,
+        }
+
+
+def _span(layout: KVLayout) -> list[int]:
+    return [layout.layer_start, layout.end - 1]
+
+
+class DecodeStageWorker:
+    """Decode stage k > 0: its layers' pool (registered with its transfer engine: prefill stages write it), a
+    mirror of stage 0's books, and the loop that runs its layers of every decode step."""
+
+    def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
+        assert cfg.pipeline is not None and cfg.pipeline.pp_rank > 0
+        self.cfg = cfg
+        self.rank, self.size = cfg.pipeline.pp_rank, cfg.pipeline.pp_size
+        self.spec, self.model = _load(cfg, model)
+        self.model.eval()
+        _, layouts, self.num_pages = stage_pool_shape(cfg, self.spec)
+        self.layout = layouts[self.rank]
+        self.last = self.rank == self.size - 1
+        self.pool = DevicePool(self.layout, self.num_pages, device=self.model.device)
+        self.name = cfg.name or f"decode@{cfg.host}:{cfg.port}"
+        self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+        self.backend.register(self.pool.regions())
+        self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
+        self.group = _group(cfg, self.model, self.spec)
+        self.stage_timeout = cfg.pipeline.stage_timeout
+        self.down_reason: str | None = "pipeline not formed yet"
+        self.counters = dict.fromkeys(("steps", "ticks", "breaks", "pages_peak"), 0)
+        self.service = WorkerService(
+            DECODE_FOLLOWER_SERVICE,
+            {},
+            cfg.host,
+            cfg.port + self.rank,
+            f"decode{self.rank}",
+            health=self.health,
+            integrity=self.integrity,
+            ping=lambda: PingReply(pid=os.getpid(), boot=self.boot, stage=self.rank, epoch=self.group.epoch),
+        )
+        self.boot = self.service.boot
+        log.info(
+            "decode %s stage %d/%d: layers %s (producers %s), %d pages x %d tokens, %d B/token, backend %s, rpc %s",
+            self.name,
+            self.rank,
+            self.size,
+            self.layout.describe_range(),
+            list(self.layout.producers) or "none: its shared layers reuse the carried top-k",
+            self.num_pages,
+            self.layout.page_size,
+            self.layout.bytes_per_token,
+            cfg.config.transfer.backend,
+            self.address,
+        )
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    def start(self) -> DecodeStageWorker:
+        self.service.start([(self._loop, f"decode-stage{self.rank}")])
+        return self
+
+    def request_stop(self) -> None:
+        self.service.request_stop()
+
+    def stop(self) -> None:
+        self.service.request_stop()
+        self.service.stop(join_timeout=self.stage_timeout + 2)
+        self.group.close()
+        self.backend.close()
+
+    def serve_forever(self) -> None:
+        self.service.serve_forever()
+
+    def _loop(self) -> None:
+        info = {"rpc": self.address, "pid": os.getpid(), "boot": self.boot, "manifest": self.manifest.to_bytes()}
+        stopping = self.service.stopping
+        while not stopping.is_set():
+            try:
+                if not self.group.formed:
+                    if self.group.form(info):
+                        self.down_reason = None
+                        log.info("decode %s stage %d: serving (epoch %s)", self.name, self.rank, self.group.epoch)
+                    continue
+                self.iteration()
+            except StageLinkError as e:
+                self._on_break(str(e))
+            except Exception as e:
+                log.exception("decode %s stage %d: step failed", self.name, self.rank)
+                why = f"decode stage {self.rank} step failed: {type(e).__name__}: {e}"
+                self.group.break_(why)
+                self._on_break(why)
+
+    def iteration(self) -> None:
+        msg = self.group.recv_prev(timeout=self.stage_timeout)
+        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {self.rank - 1}")
+        for rid in meta.drop:
+            self.mirror.release(rid)
+        for rid, pages in meta.hold.items():
+            self.mirror.hold(rid, pages)
+        for row in meta.seqs:
+            self.mirror.hold(row.rid, row.pages)
+        self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
+        if meta.kind == TICK:
+            self.counters["ticks"] += 1
+            if not self.last:
+                self.group.send_next(msg)
+            return
+        if meta.batch is None or msg.hidden is None:
+            raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without its batch or hidden states")
+        with torch.no_grad():
+            carry = self.model.stage_forward(
+                decode_batch(meta.batch), self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk)
+            )
+        if self.last:
+            assert carry.logits is not None
+            self.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
+        else:
+            self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
+        self.counters["steps"] += 1
+
+    def _on_break(self, why: str) -> None:
+        """The pipeline broke: stage 0 fails what it held; this stage forgets its mirror and re-forms."""
+        self.down_reason = why
+        self.counters["breaks"] += 1
+        for rid in self.mirror.owners:
+            self.mirror.release(rid)
+        log.warning("decode %s stage %d: pipeline broke (%s)", self.name, self.rank, why)
+
+    def integrity(self) -> str:
+        return self.mirror.integrity()
+
+    def health(self) -> Health:
+        used = self.mirror.num_used
+        return Health(
+            ok=self.group.formed and self.down_reason is None and not self.service.stopping.is_set(),
+            role="decode",
+            name=self.name,
+            pid=os.getpid(),
+            boot=self.boot,
+            elide=self.layout.elide,
+            backend=self.cfg.config.transfer.backend,
+            page_size=self.layout.page_size,
+            pages_total=self.num_pages,
+            pages_used=used,
+            pages_free=self.num_pages - used,
+            capacity_tokens=self.num_pages * self.layout.page_size,
+            bytes_per_token=self.layout.bytes_per_token,
+            integrity=self.integrity(),
+            counters=dict(self.counters),
+            stage=self.rank,
+            num_stages=self.size,
+            epoch=self.group.epoch,
+            down=self.down_reason,
+            layers=_span(self.layout),
+            running=len(self.mirror.owners),
+        )
+
+
+__all__ = ["DecodePipeline", "DecodePipelineConfig", "DecodeStageRunner", "DecodeStageWorker", "stage_pool_shape"]

@@ -1,0 +1,1 @@
+"""The prefill role: PrefillStage (worker), its pipeline leader / followers, the KV sender and prefix events."""

@@ -1,0 +1,245 @@
+"""PipelineFollower: stage k > 0 of a prefill worker -- mirror stage 0's books, replay its host copies, run
+this stage's layers, pass the step on, send the KV.
+
+    recv (StepMsg + hidden + top-k from stage k-1) ─► drop what stage 0 dropped ─► replay host-tier copies
+        ─► book the prefix cache's page set (PageMirror) ─► book new jobs and each row's pages
+        ─► this stage's layers ─► send to stage k+1 (not on the last stage)
+        ─► last stage: prompt logprobs of the step's chunks (params.prompt_logprobs); the first token of every
+           finished prompt (the request's seeded stream, penalties and bias; with its logprobs)
+           (with MTP: the draft layer's KV for the step's tokens, engine.speculative.draft_prefill, and the draft
+           hidden of every finished prompt)
+        ─► every finished prompt: KvSender (this stage's layers -> the decode's pages)
+    a tick: the same books, forwarded (no compute)
+    transfer reported ─► mirror release, RELEASED to stage 0
+
+Imports torch, dsakv.{cache, engine, model} and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
+from dsakv.disagg.prefill.host_replay import replay
+from dsakv.disagg.prefill.kv_sender import Transfer
+from dsakv.disagg.prefill.stage_context import StageContext, job_of
+from dsakv.disagg.protocol.codec import from_wire
+from dsakv.disagg.protocol.lifecycle import Phase, StageJob
+from dsakv.disagg.protocol.messages import RELEASED, TICK, Released, StepMsg, StepRow
+from dsakv.disagg.protocol.rpc import Rpc
+from dsakv.engine.engine import read_eos_token_ids
+from dsakv.engine.model_runner import logits_at
+from dsakv.engine.request import Request, TokenLogprobs
+from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
+from dsakv.engine.speculative import draft_prefill
+from dsakv.model.dsa_model import StageCarry
+from dsakv.pipeline.batch import decode_batch
+from dsakv.pipeline.page_mirror import PageMirror
+from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+from dsakv.util import ceil_div
+
+
+class PipelineFollower:
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.lock = threading.RLock()
+        self.pool = DevicePool(ctx.layout, ctx.num_pages, device=ctx.model.device)
+        self.mirror = PageMirror(ctx.num_pages, name=f"{ctx.name} stage {ctx.rank} pool")
+        self.host_pool: HostPool | None = None
+        cache = ctx.cache
+        if cache.host_tier:  # the same page count as stage 0's host tier, sized on stage 0's layers
+            cache.hicache()  # validates
+            _, host_pages = host_pages_for(ctx.layouts[0], ctx.num_pages, cache.hicache_ratio, cache.hicache_size)
+            self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
+            self.host_pool.check_compatible(self.pool)
+        self.replayed = {"offload_pages": 0, "load_pages": 0}
+        model_dir = ctx.cfg.model
+        self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(model_dir)) if model_dir else ()  # min_tokens masks them
+
+    def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
+        return {}
+
+    def iteration(self) -> None:
+        ctx = self.ctx
+        msg = ctx.group.recv_prev(timeout=ctx.t.stage)
+        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {ctx.rank - 1}")
+        with self.lock:
+            self._book(meta)
+        if meta.kind == TICK:
+            if not ctx.last:
+                ctx.group.send_next(msg)
+            return
+        if meta.batch is None or msg.hidden is None:
+            raise StageLinkError(f"stage {ctx.rank}: step {msg.step} arrived without its batch or hidden states")
+        batch = decode_batch(meta.batch)
+        with torch.no_grad():
+            carry = ctx.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
+        if not ctx.last:
+            ctx.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
+        firsts: dict[str, tuple[int, TokenLogprobs | None]] = {}
+        if ctx.last:
+            self._prompt_logprobs(carry, meta.seqs)
+            firsts = self._sample(carry, meta.seqs)
+        drafts = self._draft(batch, carry, meta.seqs, firsts) if ctx.draft is not None else {}
+        with self.lock:
+            ctx.counters["steps"] += 1
+            for row in meta.seqs:
+                job = ctx.jobs.get(row.rid)
+                if row.last and job is not None:
+                    ctx.jobs.move(job, Phase.TRANSFERRING)
+                    src = row.pages[: ceil_div(job.prompt_len, ctx.page_size)]
+                    tok, lps = firsts.get(row.rid, (None, None))
+                    plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
+                    ctx.sender.queue(Transfer(job, src, tok, lps, plps, draft_hidden=drafts.get(row.rid)))
+
+    def _draft(
+        self, batch: Any, carry: StageCarry, seqs: list[StepRow], firsts: dict[str, tuple[int, TokenLogprobs | None]]
+    ) -> dict[str, bytes]:
+        """Last stage with MTP: the draft layer's KV for the step's tokens (entry i: hidden i + token i+1; after a
+        chunk, the next prompt token stage 0 sent, or the first token); the draft hidden of each finished prompt."""
+        after = []
+        for row in seqs:
+            if row.last:  # a dropped request (no job, no first token) still needs some token: its KV is not sent
+                nxt: int | None = firsts[row.rid][0] if row.rid in firsts else 0
+            else:
+                nxt = row.next_token
+            if nxt is None:
+                raise StageLinkError(f"stage {self.ctx.rank}: {row.rid}'s chunk came without the token after it")
+            after.append(nxt)
+        assert self.ctx.draft is not None
+        out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, carry.hidden, after)
+        return {row.rid: self.ctx.draft_hidden(out[i]) for i, row in enumerate(seqs) if row.rid in firsts}
+
+    def _book(self, meta: StepMsg) -> None:
+        ctx = self.ctx
+        for rid in meta.drop:
+            job = ctx.jobs.get(rid)
+            if job is not None and not job.transferring:
+                ctx.jobs.move(job, Phase.DONE)
+                self.mirror.release(rid)
+        if meta.host_ops is not None:
+            if self.host_pool is None:
+                raise StageLinkError(
+                    f"stage {ctx.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
+                    "every stage with the same --hicache-* options"
+                )
+            off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
+            self.replayed["offload_pages"] += off
+            self.replayed["load_pages"] += loaded
+        if meta.cache is not None:
+            self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
+        now = ctx.jobs.now()
+        for spec in meta.jobs.values():
+            job = job_of(spec)
+            ctx.jobs.pop(job.rid)  # a request preempted on stage 0 comes back as new
+            ctx.jobs.add(job)
+            job.deadline = now + spec.left
+        for row in meta.seqs:
+            self.mirror.hold(row.rid, row.pages)
+
+    def _prompt_logprobs(self, carry: StageCarry, seqs: list[StepRow]) -> None:
+        """Last stage: the prompt logprobs of this step's chunks (params.prompt_logprobs), from the hidden states of
+        the same forward; position t gives prompt token t + 1 (stage 0 skips the prefix cache for these)."""
+        want: list[tuple[StageJob, StepRow, list[int]]] = []
+        with self.lock:
+            for row in seqs:
+                job = self.ctx.jobs.get(row.rid)
+                if job is None or job.params.prompt_logprobs is None:
+                    continue
+                end = row.start + row.num_tokens
+                pos = list(range(max(row.start, len(job.prompt_logprobs)), min(end, job.prompt_len - 1)))
+                if pos and (job.prompt_ids is None or pos[0] != len(job.prompt_logprobs)):
+                    raise StageLinkError(
+                        f"stage {self.ctx.rank}: prompt logprobs of {row.rid} from position {pos[0]} but it has "
+                        f"{len(job.prompt_logprobs)} (or no prompt ids from stage 0)"
+                    )
+                if pos:
+                    want.append((job, row, pos))
+        if not want:
+            return
+        spans = [(r.start, r.start + r.num_tokens) for r in seqs]
+        index = {id(r): i for i, r in enumerate(seqs)}
+        positions: list[list[int]] = [[] for _ in seqs]
+        for _, row, pos in want:
+            positions[index[id(row)]] = pos
+        logits = logits_at(self.ctx.model, carry.hidden, spans, positions)
+        for job, row, pos in want:
+            assert job.prompt_ids is not None
+            k = int(job.params.prompt_logprobs or 0)
+            job.prompt_logprobs.extend(prompt_token_logprobs(logits[index[id(row)]], job.prompt_ids, pos, k))
+
+    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Last stage: the first generated token (and its logprobs) of every sequence whose prompt completed this
+        step: token 0 of the request's seeded stream, drawn from the logits after its penalties, bias, min_tokens
+        and temperature (the decode worker draws tokens 1.. from the same seed and params)."""
+        assert carry.logits is not None
+        rows, reqs = [], []
+        with self.lock:
+            for i, row in enumerate(seqs):
+                job = self.ctx.jobs.get(row.rid)
+                if row.last and job is not None:
+                    rows.append(i)
+                    prompt = tuple(job.prompt_ids) if job.prompt_ids else (0,)
+                    reqs.append(
+                        Request(
+                            request_id=row.rid,
+                            prompt_ids=prompt,
+                            params=job.params,
+                            sampling_seed=job.seed,
+                            eos_token_ids=self.eos_token_ids,
+                        )
+                    )
+        if not rows:
+            return {}
+        toks, lps = sample_with_logprobs(carry.logits[rows], reqs)
+        return {req.request_id: (int(t), lp) for req, t, lp in zip(reqs, toks, lps, strict=True)}
+
+    def on_transferred(self, job: StageJob, ok: bool) -> None:
+        ctx = self.ctx
+        with self.lock:
+            if job.rid in ctx.jobs:
+                ctx.jobs.move(job, Phase.DONE)
+            self.mirror.release(job.rid)
+            stage0 = ctx.group.peer_info.get(0, {}).get("rpc")
+        if stage0:
+            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank))
+        ctx.wake.set()
+
+    def on_break(self, why: str) -> None:
+        """The pipeline broke: what this stage has not started transferring fails (decode is told)."""
+        ctx = self.ctx
+        with self.lock:
+            self.mirror.set_cached(())
+            for job in ctx.jobs.values():
+                if not job.transferring:
+                    self.mirror.release(job.rid)
+                    ctx.fail(job, why)
+
+    # ---- views -----------------------------------------------------------------------------------------
+
+    def integrity(self) -> str:
+        return self.mirror.integrity()
+
+    def pages_used(self) -> int:
+        return self.mirror.num_used
+
+    def cached_pages(self) -> list[int]:
+        return self.mirror.cached
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        return None
+
+    def idle(self) -> bool:
+        with self.lock:
+            return not self.ctx.jobs
+
+    def health_fields(self) -> dict[str, Any]:
+        with self.lock:
+            return {"host_replayed": dict(self.replayed)}

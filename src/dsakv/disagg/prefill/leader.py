@@ -1,0 +1,403 @@
+"""PipelineLeader: stage 0 of a prefill worker -- an `engine.Engine` over its own layers that drives the pipeline.
+
+    SUBMIT ─► engine.add_request(prompt, params with max_new_tokens=1, keep_pages=True)   (+ a StageJob)
+    loop: control (RELEASED / ABORT from other threads, KV deadlines) ─► engine.step():
+          scheduler (chunked prefill, prefix cache, preemption) ─► PipelineRunner.run(chunks):
+              ForwardBatch ─► this stage's layers ─► StepMsg (rows, new jobs, drops, cache set, host copies)
+              + hidden + top-k; logits only if stage 0 is also the last stage (then, with MTP, the draft
+              layer's KV for the step's tokens and the draft's hidden state of every finished prompt)
+          ─► once Engine.step returned (its lock released): the step to stage 1 (StageGroup, gloo)
+          ─► outputs: a request whose prompt finished goes TRANSFERRING (KvSender; first token if last stage);
+             a failed step's requests are dropped (decode told)
+    idle: a tick (drops, cache set, host copies) every Timeouts.tick so later stages' receives never time out
+    every stage's release (its transfer reported) ─► once all N released, engine.release(rid) frees the pages
+
+The Engine is the one scheduler/allocator/prefix cache (HiCache) of the worker: later stages mirror its books
+(PageMirror) and replay its host-tier copies (a HiCache observer, host_replay.HostCopyLog). The leader's
+lock is the engine's lock. Imports torch, dsakv.{engine, model} and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hicache import HiCache
+from dsakv.disagg.prefill.host_replay import HostCopyLog
+from dsakv.disagg.prefill.kv_sender import Transfer
+from dsakv.disagg.prefill.prefix_events import PrefixEvents
+from dsakv.disagg.prefill.stage_context import StageContext, job_spec
+from dsakv.disagg.protocol import grants
+from dsakv.disagg.protocol.codec import to_wire
+from dsakv.disagg.protocol.errors import GrantRefused, Unavailable
+from dsakv.disagg.protocol.lifecycle import Phase, StageJob
+from dsakv.disagg.protocol.messages import (
+    ABORT,
+    CACHE_EVENTS,
+    RELEASED,
+    STEP,
+    SUBMIT,
+    TICK,
+    Abort,
+    CacheEvents,
+    CacheEventsQuery,
+    Released,
+    StageInfo,
+    StepMsg,
+    StepRow,
+    Submit,
+    Submitted,
+)
+from dsakv.disagg.protocol.rpc import Rpc
+from dsakv.disagg.protocol.wire import page_list
+from dsakv.engine.config import PoolConfig
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import FinishReason, RequestOutput
+from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from dsakv.errors import CapacityError, ConfigError
+from dsakv.pipeline.batch import encode_batch
+from dsakv.pipeline.runner import PipelineRunner
+from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+from dsakv.util import ceil_div
+
+log = logging.getLogger(__name__)
+
+
+class PipelineLeader:
+    def __init__(self, ctx: StageContext) -> None:
+        cfg = ctx.cfg
+        self.ctx = ctx
+        # the tree's engine branch, over this stage's layers, with the page count every stage shares; its cache
+        # branch may hold a storage tier with pp_size 1 only (PrefillConfig refuses more). The prefill does not
+        # speculate (with MTP the last stage only computes the draft layer's KV: ctx.draft, draft_prefill)
+        self.engine = Engine(
+            (ctx.spec, ctx.model),
+            replace(cfg.engine, pool=PoolConfig(num_pages=ctx.num_pages), speculative_num_steps=0),
+            model_dir=cfg.model,  # loaded once by the stage; the checkpoint still names the weights fingerprint
+            layout=ctx.layout,
+            runner=self._runner,
+        )
+        self.engine.on_schedule = self._on_schedule
+        self.pool = self.engine.pool
+        self.lock = self.engine.lock
+        self.cache = self.engine.prefix_cache if isinstance(self.engine.prefix_cache, HiCache) else None
+        self.copy_log: HostCopyLog | None = None
+        if self.cache is not None and self.cache.host is not None and ctx.size > 1:
+            self.copy_log = HostCopyLog()
+            self.cache.add_observer(self.copy_log)
+        self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
+        self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, arg): abort / released
+        self._drops: list[str] = []
+        self._last_send = 0.0
+        self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
+        self.boot = ""  # the worker's boot id (PrefillStage sets it once its service exists)
+        self.spent = grants.SpentGrants()  # page grants submitted already (each is good for one submit)
+
+    def _runner(self, pool: DevicePool) -> PipelineRunner[StepMsg]:
+        self.runner = PipelineRunner(self.ctx, pool, self._step_msg, to_wire)
+        return self.runner
+
+    # ---- RPC (other threads) ------------------------------------------------------------------------
+
+    def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
+        return {SUBMIT: self.submit, ABORT: self.abort, RELEASED: self.released, CACHE_EVENTS: self.cache_events}
+
+    def cache_events(self, q: CacheEventsQuery) -> CacheEvents:
+        """The prefix cache's pages stored / removed after the router's cursor (prefix_events.py)."""
+        with self.lock:
+            cap = self.ctx.num_pages
+            if self.cache is not None and self.cache.host_alloc is not None:
+                cap += self.cache.host_alloc.num_pages
+            radix = self.cache.radix if self.cache is not None else None
+            return self.prefix_events.query(radix, q.since, cap, self.boot, self.ctx.group.epoch)
+
+    def submit(self, p: Submit) -> Submitted:
+        ctx = self.ctx
+        rid, prompt, ps = p.rid, p.prompt_ids, ctx.page_size
+        self._check_grant(p)  # GrantRefused: nothing queued, nothing written
+        with self.lock:
+            if ctx.stop.is_set() or not ctx.group.formed or ctx.down_reason is not None:
+                raise Unavailable(f"prefill {ctx.name} is unavailable: {ctx.down_reason or 'stopping'}")
+            if rid in ctx.jobs:
+                raise ConfigError(f"request id {rid!r} is already in use on prefill {ctx.name}")
+            if len(p.dst_pages) < ceil_div(len(prompt), ps):
+                raise CapacityError(
+                    f"request {rid}: {len(p.dst_pages)} decode pages for a {len(prompt)}-token prompt, need "
+                    f"{ceil_div(len(prompt), ps)} of {ps} tokens"
+                )
+            # one token: the first, sampled where the last stage is (here only when this is the last stage), with
+            # the request's penalties and bias (min_tokens >= 1 masks eos / stop ids for it as on decode); one
+            # choice (decode forks the others)
+            ps_ = p.params
+            last_needs_prompt = ctx.size > 1 and (ps_.prompt_logprobs is not None or ps_.penalised)
+            one = replace(ps_, max_new_tokens=1, min_tokens=min(ps_.min_tokens, 1), n=1, seed=p.seed)
+            self.engine.add_request(prompt, one, rid, keep_pages=True)  # ConfigError / CapacityError: nothing kept
+            job = StageJob(
+                rid=rid,
+                prompt_len=len(prompt),
+                decode=p.decode,
+                decode_boot=p.decode_boot,
+                dst_pages=p.dst_pages,
+                params=p.params,
+                seed=p.seed,
+                prompt_ids=list(prompt) if last_needs_prompt else None,
+                grant=p.grant,
+            )
+            ctx.jobs.add(job)
+            job.deadline = ctx.jobs.now() + p.kv_timeout
+            ctx.counters["submitted"] += 1
+        ctx.wake.set()
+        return Submitted(accepted=True, epoch=ctx.group.epoch)
+
+    def _check_grant(self, p: Submit) -> None:
+        """The submit's page grant: signed by decode p.decode (boot p.decode_boot) for this request, this prefill
+        and exactly p.dst_pages, unexpired and not used before (grants.py)."""
+        ctx = self.ctx
+        try:
+            link = ctx.sender.links.get(p.decode, p.decode_boot, timeout=ctx.t.rpc)
+            g = grants.verify(
+                link.grant_key, p.grant, rid=p.rid, boot=p.decode_boot, pages=p.dst_pages, prefill=ctx.name
+            )
+            if len(g.pages) != len(p.dst_pages):
+                raise GrantRefused(f"request {p.rid}: {len(p.dst_pages)} pages given, {len(g.pages)} granted")
+            self.spent.spend(g)
+        except GrantRefused as e:
+            ctx.counters["grants_refused"] = ctx.counters.get("grants_refused", 0) + 1
+            log.warning("prefill %s: submit of %s refused: %s", ctx.name, p.rid, e)
+            raise
+
+    def abort(self, p: Abort) -> bool:
+        with self.lock:
+            self._control.append(("abort", p.rid, p.why or "aborted by the router"))
+        self.ctx.wake.set()
+        return True
+
+    def released(self, p: Released) -> bool:
+        with self.lock:
+            self._control.append(("released", p.rid, str(p.stage)))
+        self.ctx.wake.set()
+        return True
+
+    def on_transferred(self, job: StageJob, ok: bool) -> None:
+        """KvSender: this stage's transfer of `job` reported (ok or not): one of N releases."""
+        with self.lock:
+            self._control.append(("released", job.rid, "0"))
+        self.ctx.wake.set()
+
+    # ---- the loop ------------------------------------------------------------------------------------
+
+    def iteration(self) -> None:
+        ctx = self.ctx
+        self._apply_control()
+        tick = None
+        with self.lock:
+            self.runner.ran, self.runner.outbox = False, None
+            outs = self.engine.step()
+            self._settle(outs)
+            ran, out = self.runner.ran, self.runner.outbox
+            if ran:
+                ctx.counters["steps"] += 1
+            elif ctx.size > 1 and (self._drops or time.monotonic() - self._last_send >= ctx.t.tick):
+                tick = self._with_cache(StepMsg(TICK, drop=self._take_drops()))
+        if out is not None:
+            self._send_step(*out)
+        if tick is not None:
+            self._send(StageMessage(self.runner.step, to_wire(tick)))
+        if not ran:
+            ctx.wake.wait(ctx.t.tick / 4 if ctx.size > 1 else 0.05)
+            ctx.wake.clear()
+
+    def _apply_control(self) -> None:
+        ctx = self.ctx
+        with self.lock:
+            while self._control:
+                op, rid, arg = self._control.popleft()
+                job = ctx.jobs.get(rid)
+                if job is None:
+                    continue
+                if op == "released" and job.transferring:
+                    job.pending.discard(int(arg))
+                    if not job.pending:
+                        self._free(job)
+                elif op == "abort" and not job.transferring:
+                    self._drop(job, f"prefill {ctx.name}: {arg}")
+            now = ctx.jobs.now()
+            for job in ctx.jobs.expired():
+                if not job.transferring:
+                    self._drop(
+                        job,
+                        f"prefill {ctx.name}: request {job.rid} was not prefilled before its KV deadline "
+                        f"({job.prompt_len} prompt tokens; queue or pipeline too slow)",
+                    )
+                elif now >= job.deadline + self._release_hold():  # every held page has a deadline: a lost
+                    log.warning(  # release cannot keep them, and no transfer can still read them by then
+                        "prefill %s: %s: stage(s) %s did not release its pages by the KV deadline + %.1fs: freed",
+                        ctx.name, job.rid, sorted(job.pending), self._release_hold(),
+                    )  # fmt: skip
+                    self._free(job)
+
+    def _release_hold(self) -> float:
+        """How long past a job's KV deadline its pages wait for the stages' releases: every transfer has ended by
+        then (its deadline, plus the backend's quarantine for one that timed out), plus an RPC's time to say so."""
+        return self.ctx.sender.backend.quarantine_s + self.ctx.t.rpc
+
+    def _drop(self, job: StageJob, why: str) -> None:
+        """A request still computing leaves: the engine frees its pages, later stages drop it, decode is told."""
+        self.engine.abort(job.rid)
+        self._drops.append(job.rid)
+        self.ctx.fail(job, why)
+
+    def _free(self, job: StageJob) -> None:
+        """Every stage is done with the request's pages."""
+        self.ctx.jobs.move(job, Phase.DONE)
+        self.engine.release(job.rid)
+
+    def _on_schedule(self, sched: SchedulerOutput) -> None:
+        self._drops += [r.request_id for r in sched.preempted]  # later stages drop their books of these
+
+    def _send_step(self, msg: StageMessage, meta: StepMsg) -> None:
+        """Send a step on; if the pipeline broke, the requests whose prompt completed in it never reach the later
+        stages: their decode is told now (what still computes fails in on_break)."""
+        try:
+            self._send(msg)
+        except StageLinkError as e:
+            why = f"prefill {self.ctx.name}: the pipeline broke during its step ({e})"
+            with self.lock:
+                for row in meta.seqs:
+                    job = self.ctx.jobs.get(row.rid)
+                    if row.last and job is not None and job.transferring:
+                        self.ctx.sender.fail(job, why)
+            raise
+
+    def _settle(self, outs: list[RequestOutput]) -> None:
+        ctx = self.ctx
+        for o in outs:
+            job = ctx.jobs.get(o.request_id)
+            if job is None or job.transferring or not o.finished or o.finish_reason is FinishReason.ABORT:
+                continue
+            if o.finish_reason is FinishReason.ERROR:
+                ctx.fail(job, f"prefill {ctx.name}: {o.error or 'prefill step failed'}")
+                continue
+            ctx.jobs.move(job, Phase.TRANSFERRING)
+            job.pending = set(range(ctx.size))
+            src = page_list(self.engine.pages_of(job.rid))[: ceil_div(job.prompt_len, ctx.page_size)]
+            if ctx.last and o.new_token_ids:  # the first token, its logprobs and the prompt's travel with the KV
+                lps = o.new_logprobs[0] if o.new_logprobs else None
+                drafted = self.runner.draft_out.pop(job.rid, None)
+                ctx.sender.queue(
+                    Transfer(job, src, o.new_token_ids[0], lps, o.prompt_logprobs, o.num_cached_tokens, drafted)
+                )
+            else:
+                ctx.sender.queue(Transfer(job, src, None, cached_tokens=o.num_cached_tokens))
+
+    def _take_drops(self) -> list[str]:
+        drops, self._drops = self._drops, []
+        return drops
+
+    def _step_msg(self, chunks: Sequence[ScheduledChunk], batch: Any) -> StepMsg:
+        """Called by the runner (engine lock held): what stage 1 needs to run this step."""
+        seqs, new_jobs = [], {}
+        now = self.ctx.jobs.now()
+        for c in chunks:
+            rid = c.request.request_id
+            last = c.end == c.request.num_prompt_tokens
+            after = None if last else c.request.token_ids(c.end, c.end + 1)[0]  # the last stage's draft entry
+            seqs.append(StepRow(rid, c.start, c.num_tokens, list(c.request.page_ids), last, after))
+            job = self.ctx.jobs.get(rid)
+            if job is not None and c.start == c.request.num_cached_tokens:  # its first chunk since admission
+                new_jobs[rid] = job_spec(job, now)
+        return self._with_cache(
+            StepMsg(STEP, seqs=seqs, jobs=new_jobs, batch=encode_batch(batch), drop=self._take_drops())
+        )
+
+    def _with_cache(self, msg: StepMsg) -> StepMsg:
+        """`msg` with the host-tier copies to replay and, when the prefix cache's page set changed since the
+        last message (always in the first message of an epoch), the set (packed int32 page ids)."""
+        if self.cache is None:
+            return msg
+        host_ops = self.copy_log.drain() or None if self.copy_log is not None else None
+        now = tuple(self.cached_pages())
+        cache = None
+        if now != self._cache_sent:
+            self._cache_sent = now
+            cache = np.asarray(now, dtype=np.int32).tobytes()
+        return replace(msg, host_ops=host_ops, cache=cache)
+
+    def _send(self, msg: StageMessage) -> None:
+        self.ctx.group.send_next(msg)
+        self._last_send = time.monotonic()
+
+    def on_break(self, why: str) -> None:
+        """The pipeline broke: fail what is still computing (every stage that computed its part still transfers
+        and reports it); free every page at once (nothing is scheduled before the group re-forms, and every
+        stage drains its transfers before it joins a new epoch); a restarted stage lost its KV, so the prefix
+        cache is cleared and the next epoch starts with the full set."""
+        ctx = self.ctx
+        with self.lock:
+            for job in ctx.jobs.values():
+                if not job.transferring:
+                    self.engine.abort(job.rid)
+                    ctx.fail(job, why)
+                else:
+                    self._free(job)
+            self._drops.clear()
+            if self.cache is not None:
+                self.cache.clear()
+            self._cache_sent = None
+            if self.copy_log is not None:
+                self.copy_log.drain()
+
+    # ---- views -----------------------------------------------------------------------------------------
+
+    def integrity(self) -> str:
+        with self.lock:
+            try:
+                self.engine.check_integrity()
+            except AssertionError as e:
+                return str(e)
+            held = self.engine.allocator.held_by
+            missing = [j.rid for j in self.ctx.jobs.in_phase(Phase.TRANSFERRING) if not held(j.rid).size]
+            return f"requests {missing[:4]} await releases but hold no pages" if missing else "ok"
+
+    def pages_used(self) -> int:
+        with self.lock:
+            return self.engine.allocator.num_used
+
+    def cached_pages(self) -> list[int]:
+        """Sorted page ids the prefix cache holds."""
+        with self.lock:
+            if self.cache is None:
+                return []
+            ids = [n.device for n in self.cache.radix.nodes() if n.device is not None]
+            return sorted(int(p) for p in np.concatenate(ids)) if ids else []
+
+    def prefix_cache_stats(self) -> dict[str, Any] | None:
+        return self.engine.cache_stats()
+
+    def idle(self) -> bool:
+        """Nothing queued, computing, transferring or awaiting a release."""
+        with self.lock:
+            return not self.ctx.jobs and not self.engine.has_unfinished() and not self.engine.scheduler.kept
+
+    def health_fields(self) -> dict[str, Any]:
+        ctx, sch = self.ctx, self.engine.scheduler
+        with self.lock:
+            return {
+                "stages": [
+                    StageInfo(stage=r, rpc=str(i["rpc"]), pid=i.get("pid"), boot=i.get("boot"))
+                    for r, i in sorted(ctx.group.peer_info.items())
+                ]
+                if ctx.group.formed
+                else [],
+                "waiting": sch.num_waiting,
+                "running": sch.num_running,
+                "awaiting_release": len(ctx.jobs.in_phase(Phase.TRANSFERRING)),
+                "prefix_cache": self.prefix_cache_stats(),
+            }

@@ -1,0 +1,260 @@
+"""What every stage of a prefill worker shares: its config, its layer range, the pipeline group, the books
+it keeps for its requests, and how a step's batch travels (encode_batch / decode_batch).
+
+    cfg = PrefillConfig(model, config=Config(engine=..., pipeline=PipelineConfig(pp_size=2, pp_rank=k)), port=9200)
+    ctx = StageContext.build(cfg, spec, model)          layer ranges, layouts, page count, StageGroup, notifier
+    role = make_role(ctx)                               prefill_worker: PipelineLeader (k = 0) or PipelineFollower
+
+Imports torch, dsakv.{spec, plan, model}, engine.config (the tree) and dsakv.disagg; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dsakv.disagg.protocol.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
+from dsakv.disagg.protocol.messages import JobSpec
+from dsakv.disagg.protocol.timeouts import Timeouts
+from dsakv.disagg.protocol.worker_service import Notifier
+from dsakv.engine.config import CacheConfig, Config, EngineConfig, PipelineConfig, prefill_cache_error
+from dsakv.errors import ConfigError
+from dsakv.model.dsa_model import DSAModel
+from dsakv.model.mtp import MTPDraft
+from dsakv.pipeline.batch import split_layers
+from dsakv.pipeline.stage_comm import StageGroup, stage_group
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from dsakv.disagg.prefill.kv_sender import KvSender
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One stage of a prefill worker: the configuration tree and where this process runs. Stage k listens for
+    control RPC on port + k. From the tree: `engine` (layout, pool, scheduler, cache: the prefix cache and host
+    tier, with pp_size 1 also the storage tier; no disk tier), `transfer` (backend, rpc timeout, debug delay),
+    `pipeline` (pp_size, pp_rank, partition, rendezvous, stage timeout)."""
+
+    model: str
+    config: Config = field(default_factory=Config)
+    host: str = "127.0.0.1"
+    port: int = 0  # base port (stage k: port + k); 0 = any free port (pp_size 1 only)
+    name: str | None = None  # worker name; default prefill@<stage0 host>:<port>
+    decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
+    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
+
+    def __post_init__(self) -> None:
+        pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout
+        if not 0 <= self.pp_rank < pipe.pp_size:
+            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
+        if self.port == 0 and pipe.pp_size > 1:
+            raise ConfigError("a pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
+        if pipe.stage_timeout <= 0 or rpc <= 0:
+            raise ConfigError(f"--stage-timeout {pipe.stage_timeout} and --rpc-timeout {rpc} must be > 0 seconds")
+        num_pages = self.engine.pool.num_pages
+        if num_pages is not None and num_pages < 1:
+            raise ConfigError(f"--num-pages {num_pages} must be >= 1")
+        refusal = prefill_cache_error(self.engine.cache, pipe.pp_size)
+        if refusal is not None:
+            raise ConfigError(refusal)
+
+    @property
+    def engine(self) -> EngineConfig:
+        return self.config.engine
+
+    @property
+    def draft_layers(self) -> int:
+        """Draft (MTP) layers on the last stage: 1 when the decode speculates (it reuses one layer K times); the
+        last stage computes the draft layer's KV / INDEX_K for the prompt and sends it with its other keys."""
+        return self.engine.draft_layers
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        return self.config.pipeline
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pipeline.pp_rank or 0
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline.pp_size
+
+    def ranges(self, spec: ModelSpec) -> list[tuple[int, int]]:
+        """[start, end) of every stage's layers."""
+        return split_layers(spec.num_layers, self.pp_size, self.pipeline.partition)
+
+    def layouts(self, spec: ModelSpec) -> list[KVLayout]:
+        """Every stage's KVLayout: its layer range, and on the last stage with MTP the draft layer's keys."""
+        ranges = self.ranges(spec)
+        drafts = [0] * (len(ranges) - 1) + [self.draft_layers]
+        return [self.engine.layout.layout(spec, a, b, draft_layers=d) for (a, b), d in zip(ranges, drafts, strict=True)]
+
+    def num_pages(self, spec: ModelSpec) -> int:
+        """Pages of every stage's pool (the same on all: stage 0 decides page ids); with a KV budget, the planner's
+        figure for the stage that holds the most per token."""
+        return self.engine.pool.pages(self.layouts(spec))
+
+    @functools.cached_property
+    def timeouts(self) -> Timeouts:
+        rpc = self.config.transfer.rpc_timeout
+        return Timeouts(rpc=rpc, connect=min(2.0, rpc), stage=self.pipeline.stage_timeout)
+
+    @property
+    def worker_name(self) -> str:
+        return self.name or f"prefill@{self.pipeline.stage0_host or self.host}:{self.port}"
+
+
+def job_spec(job: StageJob, now: float) -> JobSpec:
+    """The wire form of a stage's job (the deadline as seconds left from `now`)."""
+    return JobSpec(
+        rid=job.rid,
+        prompt_len=job.prompt_len,
+        decode=job.decode,
+        decode_boot=job.decode_boot,
+        dst_pages=job.dst_pages,
+        left=max(0.0, job.deadline - now),
+        params=job.params,
+        seed=job.seed,
+        prompt_ids=job.prompt_ids,
+        grant=job.grant,
+    )
+
+
+def job_of(d: JobSpec) -> StageJob:
+    return StageJob(
+        rid=d.rid,
+        prompt_len=d.prompt_len,
+        decode=d.decode,
+        decode_boot=d.decode_boot,
+        dst_pages=list(d.dst_pages),
+        params=d.params,
+        seed=d.seed,
+        prompt_ids=list(d.prompt_ids) if d.prompt_ids is not None else None,
+        grant=d.grant,
+    )
+
+
+@dataclass
+class StageContext:
+    """One stage's shared parts. `sender` is attached once the pool is registered with the backend."""
+
+    cfg: PrefillConfig
+    spec: ModelSpec
+    model: DSAModel
+    ranges: list[tuple[int, int]]
+    layouts: list[KVLayout]  # every stage's (stage 0's sizes the host tier of all)
+    num_pages: int
+    group: StageGroup
+    notifier: Notifier
+    jobs: Ledger[StageJob]
+    counters: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("submitted", "transferred", "transfer_failed", "dropped", "steps"), 0)
+    )
+    wake: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)
+    down_reason: str | None = None
+    sender_: KvSender | None = None
+    draft: MTPDraft | None = None  # the last stage with MTP: the draft layer (its keys are in `layout`)
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes:
+        """The wire form of one draft hidden state [H] (StageDone.draft_hidden): float32 bytes."""
+        return bytes(hidden.detach().float().cpu().contiguous().numpy().tobytes())
+
+    @classmethod
+    def build(
+        cls,
+        cfg: PrefillConfig,
+        spec: ModelSpec,
+        model: DSAModel,
+        clock: Callable[[], float] = time.monotonic,
+        draft: MTPDraft | None = None,
+    ) -> StageContext:
+        """`draft`: the MTP layer for the last stage with the tree's speculative_num_steps (default: load_draft)."""
+        ranges, layouts = cfg.ranges(spec), cfg.layouts(spec)
+        drafts = layouts[cfg.pp_rank].draft_layers
+        if drafts and draft is None:
+            from dsakv.model.loader import load_draft
+
+            draft = load_draft(Path(cfg.model), dtype=model.dtype)
+        if draft is not None:
+            draft.to(model.device)
+        pipe, t = cfg.pipeline, cfg.timeouts
+        group = stage_group(
+            cfg.pp_rank,
+            cfg.pp_size,
+            host=cfg.host,
+            port=cfg.port,
+            stage0_host=pipe.stage0_host,
+            dist_port=pipe.dist_port,
+            timeout_s=t.stage,
+            hidden_dtype=model.dtype,
+            hidden_size=spec.hidden_size,
+        )
+        return cls(
+            cfg=cfg,
+            spec=spec,
+            model=model,
+            ranges=ranges,
+            layouts=layouts,
+            num_pages=cfg.engine.pool.pages(layouts),
+            group=group,
+            notifier=Notifier(t.rpc, t.connect),
+            jobs=Ledger(PREFILL_STAGE, clock),
+            down_reason="pipeline not formed yet" if cfg.pp_size > 1 else None,
+            draft=draft if drafts else None,
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.cfg.pp_rank
+
+    @property
+    def size(self) -> int:
+        return self.cfg.pp_size
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.size - 1
+
+    @property
+    def name(self) -> str:
+        return self.cfg.worker_name
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.layouts[self.rank]
+
+    @property
+    def cache(self) -> CacheConfig:
+        return self.cfg.engine.cache
+
+    @property
+    def page_size(self) -> int:
+        return self.cfg.engine.layout.page_size
+
+    @property
+    def t(self) -> Timeouts:
+        return self.cfg.timeouts
+
+    @property
+    def sender(self) -> KvSender:
+        assert self.sender_ is not None, "the KV sender is attached when the stage is built"
+        return self.sender_
+
+    def fail(self, job: StageJob, why: str) -> None:
+        """Drop `job` from this stage's books and tell its decode (the one failure path of every stage)."""
+        if job.rid in self.jobs:
+            self.jobs.move(job, Phase.DONE, why)
+        self.counters["dropped"] += 1
+        self.sender.fail(job, why)

@@ -1,0 +1,329 @@
+"""Bootstrap handshake between a prefill stage (sender) and a decode worker (receiver), over the control RPC.
+
+    stage k ── rpc HANDSHAKE Hello(prefill, stage, num_stages, rpc, manifest) ──► decode
+            ◄── HelloReply(manifest (decode's), boot, name) ─────────────────────
+    both sides run compat.check_draft (MTP: the last stage holds exactly the decode's draft layers, earlier
+    stages none) and compat.check_pair(stage manifest, decode manifest): buffers pair by BufferKey, a key held
+    by one side only is skipped only if it is the INDEX_K of a shared layer; anything else is refused with
+    IncompatiblePeer naming layer, kind and both sizes (the stage's connect fails loudly).
+    stage k then connects its TransferBackend to the decode's (backend meta in the manifest) and keeps a
+    DecodeLink (peer + PairTable) per decode address, keyed by the decode's boot id: a restarted decode
+    (new boot id) is handshaken again on the next request.
+
+The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their boot id,
+RPC address, layer range, what was skipped), so it can check a request's prefill is complete, ping the stages a
+request still waits for, and accept a stage's reports only from the process (boot id) that registered. A hello
+is checked before it is registered (stage < num_stages, an RPC host:port, the manifest's layers where stage 0 /
+the last stage must start / end), and one that would change a registration whose process still answers its
+ping with its boot id is refused: a registration is replaced only when its stage restarted (new boot) or is
+gone. The reply carries the decode's page-grant key (grants.py).
+
+Imports disagg.{rpc, messages, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dsakv.disagg.protocol.errors import Forbidden, IncompatiblePeer, MessageError
+from dsakv.disagg.protocol.messages import HANDSHAKE, PING, Hello, LinkSummary, Ping
+from dsakv.disagg.protocol.rpc import RpcClient, RpcError, split_addr
+from dsakv.disagg.transfer.backends.base import Peer, TransferBackend
+from dsakv.disagg.transfer.compat import Pairing, check_draft, check_pair
+from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.disagg.transfer.plan import PairTable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LinkPart:
+    """One decode stage this prefill stage shares layers with: its keys paired, its engine connected."""
+
+    stage: int
+    manifest: Manifest
+    pairing: Pairing
+    table: PairTable
+    peer: Peer
+
+
+@dataclass(frozen=True)
+class DecodeLink:
+    """A handshaken decode worker, as one prefill stage sees it: one part per decode stage holding some of this
+    stage's layers (a single-stage decode: one part, stage 0)."""
+
+    addr: str
+    boot: str
+    manifest: Manifest
+    parts: tuple[LinkPart, ...]
+    grant_key: bytes = b""  # verifies the decode's page grants (HelloReply.grant_key)
+
+    @property
+    def pairing(self) -> Pairing:
+        return self.parts[0].pairing
+
+    @property
+    def table(self) -> PairTable:
+        return self.parts[0].table
+
+    @property
+    def peer(self) -> Peer:
+        return self.parts[0].peer
+
+    def summary(self) -> LinkSummary:
+        return LinkSummary(
+            addr=self.addr,
+            boot=self.boot,
+            pairs=sum(len(p.pairing.pairs) for p in self.parts),
+            skipped=[str(s.key) for p in self.parts for s in p.pairing.skipped],
+            bytes_per_page=sum(p.pairing.bytes_per_page for p in self.parts),
+            decode_stages=[p.stage for p in self.parts],
+        )
+
+
+class DecodeLinks:
+    """Prefill stage side: handshake with decode workers on demand and cache the result per address."""
+
+    def __init__(
+        self,
+        backend: TransferBackend,
+        manifest: Manifest,
+        hello: Hello,
+        rpc_timeout: float = 5.0,
+    ) -> None:
+        self.backend = backend
+        self.manifest = manifest
+        self.hello = hello
+        self.rpc_timeout = rpc_timeout
+        self._links: dict[str, DecodeLink] = {}
+        self._lock = threading.Lock()
+        self._addr_locks: dict[str, threading.Lock] = {}
+
+    def cached(self, addr: str) -> DecodeLink | None:
+        with self._lock:
+            return self._links.get(addr)
+
+    def links(self) -> list[DecodeLink]:
+        with self._lock:
+            return list(self._links.values())
+
+    def forget(self, addr: str) -> None:
+        with self._lock:
+            self._links.pop(addr, None)
+
+    def get(self, addr: str, boot: str | None = None, timeout: float | None = None) -> DecodeLink:
+        """The link to decode `addr`; handshake first if there is none or the decode restarted (boot differs)."""
+        link = self.cached(addr)
+        if link is not None and (boot is None or link.boot == boot):
+            return link
+        with self._lock:
+            lock = self._addr_locks.setdefault(addr, threading.Lock())
+        with lock:
+            link = self.cached(addr)
+            if link is not None and (boot is None or link.boot == boot):
+                return link
+            link = self._handshake(addr, self.rpc_timeout if timeout is None else timeout)
+            with self._lock:
+                self._links[addr] = link
+            return link
+
+    def _handshake(self, addr: str, timeout: float) -> DecodeLink:
+        t0 = time.monotonic()
+        client = RpcClient(addr, timeout=timeout)
+        try:  # a refusal is re-raised as IncompatiblePeer / ManifestError (rpc.ERROR_KINDS)
+            reply = client.request(HANDSHAKE, self.hello, timeout=timeout)
+        finally:
+            client.close()
+        theirs = Manifest.from_bytes(reply.manifest)
+        check_draft(self.manifest, theirs, self.hello.stage, self.hello.num_stages)
+        stages = [(r.stage, Manifest.from_bytes(r.manifest)) for r in reply.stages] or [(0, theirs)]
+        parts = []
+        for j, m in stages:  # pair by key over the layers this stage shares with each decode stage
+            if not any(m.holds_layer(layer) for layer in self.manifest.layers):
+                continue
+            pairing = check_pair(self.manifest, m)
+            parts.append(LinkPart(j, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m)))
+        if not parts:
+            raise IncompatiblePeer(
+                f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "
+                f"holds any of its layers (stages hold {', '.join(m.describe_layers() for _, m in stages)})"
+            )
+        link = DecodeLink(addr, reply.boot, theirs, tuple(parts), reply.grant_key)
+        log.info(
+            "%s -> decode %s (boot %s): handshake ok in %.3fs, decode stage(s) %s, %d buffers paired, "
+            "%d one-sided index-K skipped",
+            self.manifest.worker,
+            addr,
+            link.boot,
+            time.monotonic() - t0,
+            [p.stage for p in parts],
+            sum(len(p.pairing.pairs) for p in parts),
+            sum(len(p.pairing.skipped) for p in parts),
+        )
+        return link
+
+
+@dataclass
+class StageEntry:
+    """One handshaken prefill stage, as the decode worker sees it."""
+
+    prefill: str
+    stage: int
+    num_stages: int
+    rpc: str
+    layer_start: int
+    layer_end: int
+    elide: bool
+    skipped: list[str]
+    decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages it shares layers with
+    boot: str = ""
+    at: float = field(default_factory=time.monotonic)
+
+
+class StageRegistry:
+    """Decode side: the prefill stages that handshook, by (prefill name, stage)."""
+
+    def __init__(self, manifest: Manifest, ping_timeout: float = 1.0) -> None:
+        self.manifest = manifest
+        self.ping_timeout = ping_timeout
+        self._stages: dict[tuple[str, int], StageEntry] = {}
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def _check_hello(self, hello: Hello, theirs: Manifest) -> None:
+        where = f"handshake from prefill {hello.prefill!r} stage {hello.stage}"
+        if not hello.boot:
+            raise MessageError(f"{where}: no boot id")
+        if not 0 <= hello.stage < hello.num_stages:
+            raise MessageError(f"{where}: stage {hello.stage} is not within its {hello.num_stages}-stage pipeline")
+        try:
+            _host, port = split_addr(hello.rpc)
+        except ValueError as e:
+            raise MessageError(f"{where}: rpc {e}") from None
+        if not 0 < port < 65536:
+            raise MessageError(f"{where}: rpc port {port} is not within 1-65535")
+        if not 0 <= theirs.layer_start < theirs.layer_end <= self.manifest.num_main_layers:
+            raise MessageError(f"{where}: layers {theirs.layer_start}-{theirs.layer_end - 1} are not a layer range")
+        if (hello.stage == 0) != (theirs.layer_start == 0):
+            raise MessageError(f"{where}: its manifest starts at layer {theirs.layer_start}")
+        last = hello.stage == hello.num_stages - 1
+        if last != (theirs.layer_end == self.manifest.num_main_layers):
+            raise MessageError(
+                f"{where}: its manifest ends at layer {theirs.layer_end - 1}, but it is "
+                f"{'the last' if last else 'not the last'} of {hello.num_stages} stages"
+            )
+
+    def _answers_as(self, e: StageEntry) -> bool:
+        """True if the registered stage's process still answers at its address with its boot id."""
+        c = RpcClient(e.rpc, timeout=self.ping_timeout, connect_timeout=self.ping_timeout)
+        try:
+            return c.request(PING, Ping(), timeout=self.ping_timeout).boot == e.boot
+        except RpcError:
+            return False
+        finally:
+            c.close()
+
+    def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, Pairing]:
+        """Check a stage's hello against this worker's manifest, or (a pipelined decode) against every decode
+        stage in `stages` that holds some of its layers (entry.decode_stages names them); raise IncompatiblePeer
+        (or ManifestError / MessageError) naming what differs, Forbidden if it would replace a live registration.
+        Nothing is registered unless it passes. Returns the entry and the pairing with the first such stage."""
+        theirs = Manifest.from_bytes(hello.manifest)
+        self._check_hello(hello, theirs)
+        check_draft(theirs, self.manifest, hello.stage, hello.num_stages)
+        ours = (
+            [(j, m) for j, m in stages if any(m.holds_layer(x) for x in theirs.layers)]
+            if stages
+            else [(0, self.manifest)]
+        )
+        if not ours:
+            raise IncompatiblePeer(
+                f"prefill {hello.prefill} stage {hello.stage} holds layers {theirs.describe_layers()}: no stage of "
+                f"this decode pipeline holds any of them ({', '.join(m.describe_layers() for _, m in stages)})"
+            )
+        pairings = [check_pair(theirs, m) for _, m in ours]
+        with self._lock:
+            old = self._stages.get((hello.prefill, hello.stage))
+        if old is not None and old.boot != hello.boot and self._answers_as(old):
+            self.refused += 1
+            raise Forbidden(
+                f"prefill {hello.prefill!r} stage {hello.stage} is registered by a live process (boot {old.boot} at "
+                f"{old.rpc}); a handshake from boot {hello.boot} at {hello.rpc} cannot replace it: give the second "
+                "prefill worker its own --worker-name"
+            )
+        if old is not None and old.boot == hello.boot and (old.num_stages, old.rpc) != (hello.num_stages, hello.rpc):
+            self.refused += 1
+            raise Forbidden(
+                f"prefill {hello.prefill!r} stage {hello.stage} (boot {old.boot}) registered as stage of "
+                f"{old.num_stages} at {old.rpc}; the same process cannot re-register as {hello.num_stages} at "
+                f"{hello.rpc}"
+            )
+        entry = StageEntry(
+            prefill=hello.prefill,
+            stage=hello.stage,
+            num_stages=hello.num_stages,
+            rpc=hello.rpc,
+            layer_start=theirs.layer_start,
+            layer_end=theirs.layer_end,
+            elide=theirs.elide,
+            skipped=[str(s.key) for p in pairings for s in p.skipped],
+            decode_stages=[j for j, _ in ours],
+            boot=hello.boot,
+        )
+        with self._lock:
+            self._stages[(entry.prefill, entry.stage)] = entry
+        log.info(
+            "decode: prefill %s stage %d/%d (layers %d-%d, elide %s, rpc %s) handshook; skipped %s",
+            entry.prefill,
+            entry.stage,
+            entry.num_stages,
+            entry.layer_start,
+            entry.layer_end - 1,
+            entry.elide,
+            entry.rpc,
+            entry.skipped or "nothing",
+        )
+        return entry, pairings[0]
+
+    def stages_of(self, prefill: str, num_stages: int) -> list[StageEntry]:
+        """Every stage of `prefill`, checked to cover all main layers once; raise IncompatiblePeer otherwise."""
+        with self._lock:
+            found = [self._stages.get((prefill, k)) for k in range(num_stages)]
+        missing = [k for k, e in enumerate(found) if e is None]
+        if missing:
+            raise IncompatiblePeer(
+                f"prefill {prefill}: stage(s) {missing} of {num_stages} have not handshaken with this decode worker: "
+                "connect the prefill worker to this decode first (the router does it when it pairs them)"
+            )
+        entries = [e for e in found if e is not None]
+        want = 0
+        for e in entries:
+            if e.layer_start != want or e.num_stages != num_stages:
+                raise IncompatiblePeer(
+                    f"prefill {prefill}: stage {e.stage} holds layers {e.layer_start}-{e.layer_end - 1} of a "
+                    f"{e.num_stages}-stage pipeline, expected layers from {want} of a {num_stages}-stage pipeline"
+                )
+            want = e.layer_end
+        if want != self.manifest.num_main_layers:
+            raise IncompatiblePeer(
+                f"prefill {prefill}: its stages cover layers 0-{want - 1}, not all {self.manifest.num_main_layers}"
+            )
+        return entries
+
+    def entry(self, prefill: str, stage: int) -> StageEntry | None:
+        with self._lock:
+            return self._stages.get((prefill, stage))
+
+    def boot_of(self, prefill: str, stage: int) -> str | None:
+        """The boot id registered now for a stage (a restarted stage re-registers under its new one)."""
+        with self._lock:
+            e = self._stages.get((prefill, stage))
+        return e.boot if e is not None else None
+
+    def entries(self) -> list[StageEntry]:
+        with self._lock:
+            return list(self._stages.values())

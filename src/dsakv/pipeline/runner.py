@@ -1,0 +1,101 @@
+"""The Engine's StepRunner on a pipeline's stage 0 (a prefill pipeline's leader, a decode pipeline's stage 0): runs
+this stage's layers and leaves the step message for stage 1 in `outbox`. The step message's type is the role's
+(`step_msg` builds it, `encode` puts it on the wire).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.engine.model_runner import build_batch, logits_at
+from dsakv.engine.sampling import sample
+from dsakv.engine.scheduler import ScheduledChunk
+from dsakv.engine.speculative import draft_prefill
+from dsakv.model.dsa_model import DSAModel
+from dsakv.model.mtp import MTPDraft
+from dsakv.pipeline.stage_comm import StageMessage
+
+M = TypeVar("M")
+
+
+class RunnerContext(Protocol):
+    """What a PipelineRunner reads of its stage (a prefill StageContext, or a decode pipeline's stage 0)."""
+
+    @property
+    def model(self) -> DSAModel: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def last(self) -> bool: ...
+
+    @property
+    def draft(self) -> MTPDraft | None: ...
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes: ...
+
+
+class PipelineRunner(Generic[M]):
+    """The Engine's StepRunner on stage 0: runs this stage's layers and leaves the step for stage 1 in `outbox`
+    (the leader sends it once Engine.step returned: the gloo send waits for stage 1, and the engine's lock is
+    not held meanwhile, so submissions and health are answered while the pipeline is busy)."""
+
+    def __init__(
+        self,
+        ctx: RunnerContext,
+        pool: DevicePool,
+        step_msg: Callable[[Sequence[ScheduledChunk], Any], M],
+        encode: Callable[[M], dict[str, Any]],
+    ) -> None:
+        self.ctx = ctx
+        self.pool = pool
+        self.step_msg = step_msg
+        self.encode = encode
+        self.step = 0
+        self.ran = False
+        self.outbox: tuple[StageMessage, M] | None = None
+        self.draft_out: dict[str, bytes] = {}  # MTP (pp_size 1): this step's draft hidden per finished prompt
+        if ctx.last:  # the Engine computes prompt logprobs where the last layer is (here only when pp_size is 1)
+            self.run_with_prompt_logits = self._run_with_prompt_logits
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        return self._forward(chunks)[0]
+
+    def _run_with_prompt_logits(
+        self, chunks: Sequence[ScheduledChunk], positions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        logits, hidden = self._forward(chunks)
+        return logits, logits_at(self.ctx.model, hidden, [(c.start, c.end) for c in chunks], positions)
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        self.ran = True
+        self.step += 1
+        self.draft_out = {}
+        batch = build_batch(chunks, self.ctx.page_size)
+        meta = self.step_msg(chunks, batch) if self.ctx.size > 1 else None
+        with torch.no_grad():
+            carry = self.ctx.model.stage_forward(batch, self.pool)
+        if meta is not None:
+            self.outbox = (StageMessage(self.step, self.encode(meta), carry.hidden, carry.topk), meta)
+        if self.ctx.draft is not None and carry.logits is not None:
+            self._draft(chunks, batch, carry.hidden, carry.logits)
+        return (carry.logits if self.ctx.last else None), carry.hidden
+
+    def _draft(self, chunks: Sequence[ScheduledChunk], batch: Any, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """MTP on a single-stage prefill: the draft layer's KV for the step's tokens; a finished prompt's token
+        after it is the first token, drawn here as the Engine draws it next (the request's seeded stream)."""
+        assert self.ctx.draft is not None
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        firsts = dict(zip(rows, sample(logits[rows], [chunks[i].request for i in rows]), strict=True)) if rows else {}
+        after = [firsts[i] if i in firsts else c.request.token_ids(c.end, c.end + 1)[0] for i, c in enumerate(chunks)]
+        out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, hidden, after)
+        for i in rows:
+            self.draft_out[chunks[i].request.request_id] = self.ctx.draft_hidden(out[i])

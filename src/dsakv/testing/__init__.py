@@ -1,0 +1,2 @@
+"""Test harnesses shipped with the package (peer processes, tiny checkpoints, cluster launchers): imported by
+tests/ and bench/, never by the serving code."""
