@@ -1,4 +1,4 @@
-"""The router's pick rule (disagg/protocol/routing.py, PeerTable.pick), in-process with exact choices: decode by load,
+"""The router's pick rule (disagg/router/routing.py, PeerTable.pick), in-process with exact choices: decode by load,
 prefill by prefix affinity with the load fallback under the gain threshold / over the imbalance bound, the LRU
 affinity table bounded by the prefill's pages and forgotten on a prefill restart, and the /health table row."""
 
@@ -13,7 +13,10 @@ from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.radix import RadixCache
 from dsakv.disagg.prefill.prefix_events import PrefixEvents
 from dsakv.disagg.protocol.messages import CACHE_EVENTS, CONNECT, HEALTH, CacheEvents, Connected, Health
-from dsakv.disagg.protocol.routing import (
+from dsakv.disagg.protocol.timeouts import Timeouts
+from dsakv.disagg.router.backend import RouterConfig
+from dsakv.disagg.router.peers import PeerTable
+from dsakv.disagg.router.routing import (
     AffinityRule,
     CacheDelta,
     CacheEventLog,
@@ -25,9 +28,6 @@ from dsakv.disagg.protocol.routing import (
     pick_prefill,
     unpack,
 )
-from dsakv.disagg.protocol.timeouts import Timeouts
-from dsakv.disagg.router.backend import RouterConfig
-from dsakv.disagg.router.peers import PeerTable
 from dsakv.errors import ConfigError
 
 PS = 16

@@ -5,10 +5,10 @@
 
 The set is read from the RadixCache itself when the router asks (under the engine lock, in the RPC thread, so the
 step loop pays nothing): every whole page of every node on the device or the host tier, named like the router
-names a prompt's pages (routing.page_hashes: blake2b chained from the root, int64 tokens). Each node's hashes are
+names a prompt's pages (page_hashes.page_hashes: blake2b chained from the root, int64 tokens). Each node's hashes are
 memoised by (node id, key length, parent's last hash), so a walk hashes only pages that are new since the last
-one. What changed since the last walk goes to a bounded CacheEventLog (routing.py), from which each caller gets
-the net change after its cursor. Imports dsakv.disagg.{routing, messages} only; duck-typed over the radix tree
+one. What changed since the last walk goes to a bounded CacheEventLog (page_hashes.py), from which each caller gets the
+net change after its cursor. Imports dsakv.disagg.protocol.{page_hashes, messages} only; duck-typed over the radix tree
 (dsakv.cache.radix), so no numpy or torch import here.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsakv.disagg.protocol.messages import CacheEvents
-from dsakv.disagg.protocol.routing import CacheEventLog, chain_hash, pack, root_hash
+from dsakv.disagg.protocol.page_hashes import CacheEventLog, chain_hash, pack, root_hash
 
 
 class PrefixEvents:

@@ -265,7 +265,7 @@ class CacheEventsQuery:
 
 @dataclass(frozen=True)
 class CacheEvents:
-    """The prefix cache's whole pages stored / removed after the cursor, as chained page hashes (routing.py),
+    """The prefix cache's whole pages stored / removed after the cursor, as chained page hashes (page_hashes.py),
     each 16 bytes, concatenated; reset: `stored` is the whole set (the cursor was unknown or too old)."""
 
     boot: str

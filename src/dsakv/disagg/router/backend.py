@@ -13,7 +13,7 @@ Per request (one dispatcher thread):
   1. pick a pair: a healthy decode and a healthy prefill that have handshaken (the health thread asks
      prefill.connect(decode) for every pair, again whenever a decode restarts or a prefill re-forms);
      the least loaded decode, then the prefill paired with it that caches most of the prompt, or the least
-     loaded one when that saves under a page (rules: disagg/protocol/routing.py).
+     loaded one when that saves under a page (rules: disagg/router/routing.py).
   2. decode PREALLOC Prealloc(rid#n, prompt, params, prefill, stages, kv_timeout) -> Preallocated(pages)
      (NoFreePages: the request waits in the router's queue, up to queue_timeout);
   3. prefill SUBMIT Submit(rid#n, prompt, decode, pages, kv_timeout); a refused submit (prefill down) aborts the
@@ -39,13 +39,13 @@ from typing import Any
 
 from dsakv.disagg.protocol.lifecycle import Phase, RouterRequest
 from dsakv.disagg.protocol.messages import ABORT, Abort
-from dsakv.disagg.protocol.routing import AffinityRule
 from dsakv.disagg.protocol.rpc import RpcClient
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.dispatch import Dispatcher
 from dsakv.disagg.router.events import EventPoller
 from dsakv.disagg.router.peers import PeerState, PeerTable
 from dsakv.disagg.router.requests import RequestBook
+from dsakv.disagg.router.routing import AffinityRule
 from dsakv.disagg.router.stage_views import decode_stage_metrics
 from dsakv.engine.backend import FEATURES, TokenEvent
 from dsakv.engine.request import SamplingParams
@@ -248,7 +248,7 @@ class RouterBackend:
                 "queued": len(self.book.queue),
                 "routing": {
                     "decode": "fewest in flight, then most free pages, then fewest running + waiting",
-                    "prefill": "prefix affinity, else fewest in flight (disagg/protocol/routing.py)",
+                    "prefill": "prefix affinity, else fewest in flight (disagg/router/routing.py)",
                     "affinity_min_gain_pages": self.peers.rule.min_gain_pages,
                     "affinity_max_imbalance": self.peers.rule.max_imbalance,
                 },

@@ -6,7 +6,7 @@ handshake, and the best-effort side RPCs (aborts) to them.
                                  mirror in self.affinity follows the prefill's own cache); CONNECT every healthy
                                  pair not yet paired for this (prefill boot/epoch, decode boot); a peer that does
                                  not answer is marked down
-    peers.pick(prompt)           a Choice: the least loaded decode (disagg/protocol/routing.py), then the prefill paired
+    peers.pick(prompt)           a Choice: the least loaded decode (disagg/router/routing.py), then the prefill paired
                                  with it that caches most of the prompt (prefix affinity) or else the least
                                  loaded; None if no usable pair
     peers.sent(choice)           after a SUBMIT: count the pick
@@ -38,7 +38,9 @@ from dsakv.disagg.protocol.messages import (
     HealthQuery,
     Ping,
 )
-from dsakv.disagg.protocol.routing import (
+from dsakv.disagg.protocol.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
+from dsakv.disagg.protocol.timeouts import Timeouts
+from dsakv.disagg.router.routing import (
     AffinityRule,
     CacheDelta,
     Load,
@@ -48,8 +50,6 @@ from dsakv.disagg.protocol.routing import (
     pick_prefill,
     unpack,
 )
-from dsakv.disagg.protocol.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.stage_views import stage_rows
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class PeerTable:
 
     def pick(self, prompt: Sequence[int] = ()) -> Choice | None:
         """The decode by load, then among the prefills paired with it the one by prefix affinity / load
-        (rules in disagg/protocol/routing.py); None if no pair is usable now."""
+        (rules in disagg/router/routing.py); None if no pair is usable now."""
         pairs = self.pickable()
         if not pairs:
             return None
