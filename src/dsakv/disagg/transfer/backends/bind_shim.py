@@ -1,4 +1,4 @@
-"""Make a transfer engine that binds every interface listen on --host only (a preloaded bind() shim).
+"""Make a transfer engine that binds every interface listen on --host only (a preloaded bind() shim, bind_shim.c).
 
 Mooncake Transfer Engine (0.3.x, and upstream as of 2026) binds its P2P handshake listener to INADDR_ANY and its
 TCP data listener to in6addr_any (dual stack) whatever hostname `initialize()` is given; MC_TCP_BIND_ADDRESS only
@@ -38,46 +38,7 @@ ENV_HOST = "DSAKV_BIND_HOST"
 ENV_DONE = "DSAKV_BIND_REEXEC"
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 
-SHIM_SOURCE = r"""
-#define _GNU_SOURCE
-#include <arpa/inet.h>
-#include <dlfcn.h>
-#include <netinet/in.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-
-typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
-
-int bind(int fd, const struct sockaddr *addr, socklen_t len) {
-    static bind_fn real_bind = 0;
-    if (!real_bind) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
-    const char *host = getenv("DSAKV_BIND_HOST");
-    if (!host || !*host || !addr) return real_bind(fd, addr, len);
-    if (addr->sa_family == AF_INET && len >= (socklen_t)sizeof(struct sockaddr_in)) {
-        struct sockaddr_in a;
-        memcpy(&a, addr, sizeof a);
-        if (a.sin_addr.s_addr == htonl(INADDR_ANY) && inet_pton(AF_INET, host, &a.sin_addr) == 1)
-            return real_bind(fd, (const struct sockaddr *)&a, sizeof a);
-    } else if (addr->sa_family == AF_INET6 && len >= (socklen_t)sizeof(struct sockaddr_in6)) {
-        struct sockaddr_in6 a;
-        struct in_addr v4;
-        memcpy(&a, addr, sizeof a);
-        if (IN6_IS_ADDR_UNSPECIFIED(&a.sin6_addr)) {
-            if (inet_pton(AF_INET, host, &v4) == 1) {
-                memset(&a.sin6_addr, 0, sizeof a.sin6_addr);
-                a.sin6_addr.s6_addr[10] = 0xff;
-                a.sin6_addr.s6_addr[11] = 0xff;
-                memcpy(&a.sin6_addr.s6_addr[12], &v4, 4);
-                return real_bind(fd, (const struct sockaddr *)&a, sizeof a);
-            }
-            if (inet_pton(AF_INET6, host, &a.sin6_addr) == 1)
-                return real_bind(fd, (const struct sockaddr *)&a, sizeof a);
-        }
-    }
-    return real_bind(fd, addr, len);
-}
-"""
+SHIM_SOURCE_PATH = Path(__file__).with_name("bind_shim.c")  # the C, read and compiled from disk
 
 
 def _cache_dir() -> Path:
@@ -87,7 +48,8 @@ def _cache_dir() -> Path:
 
 def shim_path() -> Path | None:
     """The compiled shim (built now if needed), or None when no C compiler is available or the build fails."""
-    tag = hashlib.sha256(SHIM_SOURCE.encode()).hexdigest()[:12]
+    source = SHIM_SOURCE_PATH.read_text()
+    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"dsakv-{os.getuid()}"):
         out = root / f"bind_shim-{tag}.so"
         if out.is_file():
@@ -98,11 +60,9 @@ def shim_path() -> Path | None:
         try:
             root.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=root) as tmp:
-                src = Path(tmp) / "bind_shim.c"
-                src.write_text(SHIM_SOURCE)
                 obj = Path(tmp) / "bind_shim.so"
                 r = subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(src), "-ldl"],
+                    [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(SHIM_SOURCE_PATH), "-ldl"],
                     capture_output=True,
                     text=True,
                     timeout=60,
@@ -176,4 +136,4 @@ def ensure_bound_to_host(host: str, what: str = "the transfer engine") -> bool:
     return True  # pragma: no cover - execve does not return
 
 
-__all__ = ["SHIM_SOURCE", "ensure_bound_to_host", "shim_active", "shim_path"]
+__all__ = ["SHIM_SOURCE_PATH", "ensure_bound_to_host", "shim_active", "shim_path"]
