@@ -17,7 +17,7 @@ import pytest
 from dsakv.cli import disagg_roles, serve_cmd
 from dsakv.cli.main import main
 from dsakv.serve import server
-from engine_support import tiny_path
+from dsakv.testing.engines import tiny_path
 
 T = "{tiny}"
 

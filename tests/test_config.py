@@ -21,7 +21,7 @@ from dsakv.engine.config import (
 from dsakv.engine.engine import Engine
 from dsakv.errors import ConfigError
 from dsakv.spec.presets import load_spec
-from engine_support import tiny_model
+from dsakv.testing.engines import tiny_model
 
 
 def _serve(*argv: str) -> Config:

@@ -22,7 +22,6 @@ import openai
 import pytest
 import torch
 
-from disagg_support import PAGE_SIZE, Cluster, assert_clean, role_config, wait_for
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.protocol.messages import Abort, Hello, Prealloc, StageDone, WireLogprobs, fetch_health
@@ -31,8 +30,9 @@ from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.request import SamplingParams, TokenLogprobs
 from dsakv.serve.app import create_app
 from dsakv.serve.tokenizer import load_tokenizer
-from engine_support import _hf, tiny_model, tiny_path
-from serve_support import MODEL, LiveServer, make_engine
+from dsakv.testing.cluster import PAGE_SIZE, Cluster, assert_clean, role_config, wait_for
+from dsakv.testing.engines import _hf, tiny_model, tiny_path
+from dsakv.testing.servers import MODEL, LiveServer, make_engine
 from test_serve_api import sse_events
 
 pytestmark = [pytest.mark.timeout(300)]

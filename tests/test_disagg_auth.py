@@ -15,7 +15,6 @@ import msgpack
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests, wait_for
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.protocol import auth
 from dsakv.disagg.protocol.auth import ClusterAuth, Keyring
@@ -46,7 +45,8 @@ from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from engine_support import tiny_model, tiny_path
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, run_requests, wait_for
+from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from disagg_support import (
+from dsakv.cli.options import engine_argv
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from dsakv.pipeline.batch import split_layers
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+from dsakv.testing.cluster import (
     NUM_PAGES,
     PAGE_SIZE,
     Cluster,
@@ -28,15 +35,8 @@ from disagg_support import (
     wait_for,
     worker_config,
 )
-from dsakv.cli.options import engine_argv
-from dsakv.disagg.protocol.messages import fetch_health
-from dsakv.engine.engine import Engine
-from dsakv.engine.request import SamplingParams
-from dsakv.pipeline.batch import split_layers
-from dsakv.spec.layout import KVLayout
-from dsakv.spec.model import ModelSpec
+from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.util import ceil_div
-from engine_support import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(420)]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from engine_support import tiny_model, tiny_path
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests
+from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg_support import role_config
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
@@ -65,7 +64,8 @@ from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError, NoFreePages
-from engine_support import tiny_model
+from dsakv.testing.cluster import role_config
+from dsakv.testing.engines import tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -15,10 +15,10 @@ import textwrap
 import httpx
 import pytest
 
-from disagg_support import Cluster, Proc, assert_clean, free_ports, wait_for
 from dsakv.disagg.transfer.backends.bind_shim import ENV_HOST, shim_path
-from engine_support import tiny_path
-from listen_support import is_loopback, listening_sockets
+from dsakv.testing.cluster import Cluster, Proc, assert_clean, free_ports, wait_for
+from dsakv.testing.engines import tiny_path
+from dsakv.testing.listen import is_loopback, listening_sockets
 
 pytestmark = pytest.mark.skipif(shim_path() is None, reason="no C compiler for the bind shim")
 

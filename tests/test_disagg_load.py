@@ -14,10 +14,10 @@ import time
 import httpx
 import pytest
 
-from disagg_support import PAGE_SIZE, Cluster, Proc, assert_clean, free_ports, wait_for
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from engine_support import tiny_model, tiny_path
+from dsakv.testing.cluster import PAGE_SIZE, Cluster, Proc, assert_clean, free_ports, wait_for
+from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -15,7 +15,6 @@ import copy
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
 from dsakv.disagg.protocol.errors import IncompatiblePeer
@@ -33,6 +32,7 @@ from dsakv.model.tiny import make_tiny
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(400)]

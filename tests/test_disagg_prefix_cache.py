@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
@@ -19,8 +18,9 @@ from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.pipeline.page_mirror import PageMirror
+from dsakv.testing.cluster import free_ports, role_config
+from dsakv.testing.engines import tiny_model
 from dsakv.util import ceil_div
-from engine_support import tiny_model
 
 pytestmark = [pytest.mark.timeout(180)]
 

@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from disagg_support import free_ports, role_config
 from dsakv.cache.allocator import IntegrityError
 from dsakv.disagg.decode.events import EventLog
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
@@ -33,7 +32,8 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.pipeline.page_mirror import PageMirror
-from engine_support import tiny_model
+from dsakv.testing.cluster import free_ports, role_config
+from dsakv.testing.engines import tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -22,13 +22,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
 from dsakv.disagg.protocol.lifecycle import Phase
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.disagg.protocol.page_hashes import page_hashes
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from engine_support import tiny_model, tiny_path
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
 

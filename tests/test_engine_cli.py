@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from dsakv.cli.main import main
-from engine_support import engine, greedy_params, hf_greedy, prompts_for, tiny_path
+from dsakv.testing.engines import engine, greedy_params, hf_greedy, prompts_for, tiny_path
 
 
 def test_generate_prints_greedy_ids(capsys: pytest.CaptureFixture[str]) -> None:

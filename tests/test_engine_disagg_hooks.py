@@ -12,8 +12,8 @@ from dsakv.engine.engine import Engine, NoFreePages
 from dsakv.engine.request import FinishReason, SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.spec.layout import Kind
+from dsakv.testing.engines import engine, greedy_params, hf_greedy, prompts_for
 from dsakv.util import ceil_div
-from engine_support import engine, greedy_params, hf_greedy, prompts_for
 
 
 def copy_pages(src: Engine, src_pages: np.ndarray, dst: Engine, dst_pages: np.ndarray) -> list[str]:

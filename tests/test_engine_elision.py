@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from dsakv.spec.layout import BufferKey, Kind
-from engine_support import drive, engine, greedy_params, prompts_for
+from dsakv.testing.engines import drive, engine, greedy_params, prompts_for
 
 SHARED = (3, 4, 5, 7, 8, 9, 11)
 PRODUCERS = (0, 1, 2, 6, 10)

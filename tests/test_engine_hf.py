@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_support import ARCHS, INDEX_TOPK, drive, engine, greedy_params, hf_greedy, prompts_for
+from dsakv.testing.engines import ARCHS, INDEX_TOPK, drive, engine, greedy_params, hf_greedy, prompts_for
 
 pytest.importorskip("transformers")
 

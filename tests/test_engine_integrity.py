@@ -8,7 +8,7 @@ import pytest
 from dsakv.engine.engine import GenerationError
 from dsakv.engine.request import FinishReason, RequestStatus
 from dsakv.errors import CapacityError, ConfigError
-from engine_support import drive, engine, greedy_params, hf_greedy, prompts_for
+from dsakv.testing.engines import drive, engine, greedy_params, hf_greedy, prompts_for
 
 
 def test_every_way_out_keeps_the_books() -> None:

@@ -11,7 +11,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.sampling import process_logits, sample_with_logprobs
 from dsakv.errors import ConfigError
-from engine_support import _hf, tiny_model
+from dsakv.testing.engines import _hf, tiny_model
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2 whole pages of 16 and a partial one
 

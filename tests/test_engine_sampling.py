@@ -8,7 +8,7 @@ import torch
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.sampling import filter_logits, sample
 from dsakv.errors import ConfigError
-from engine_support import drive, engine, greedy_params, hf_greedy, prompts_for
+from dsakv.testing.engines import drive, engine, greedy_params, hf_greedy, prompts_for
 
 NEG = float("-inf")
 

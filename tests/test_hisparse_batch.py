@@ -11,7 +11,7 @@ import torch
 
 from dsakv.cache.hisparse import HiSparsePool, HiSparseStep
 from dsakv.spec import KVLayout, load_spec
-from engine_support import INDEX_TOPK, drive, engine, greedy_params, prompts_for
+from dsakv.testing.engines import INDEX_TOPK, drive, engine, greedy_params, prompts_for
 
 P = 4  # page size
 S = 6  # device_buffer_size

@@ -19,8 +19,8 @@ from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.plan.hisparse import hisparse_figures
 from dsakv.spec.layout import Kind
-from engine_support import INDEX_TOPK, drive, engine, greedy_params, prompts_for, tiny_model
-from serve_support import live_server, scrape
+from dsakv.testing.engines import INDEX_TOPK, drive, engine, greedy_params, prompts_for, tiny_model
+from dsakv.testing.servers import live_server, scrape
 
 # tiny GLM checkpoint: producers 0, 1, 2, 6, 10; each shared layer reuses the last producer before it
 GROUPS = {0: (0,), 1: (1,), 2: (2, 3, 4, 5), 6: (6, 7, 8, 9), 10: (10, 11)}

@@ -10,8 +10,8 @@ from dsakv.cache.kv_access import PoolAccess, read_tokens, write_tokens
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.spec.layout import BufferKey, Kind, index_bytes_per_token, kv_bytes_per_token
-from engine_support import tiny_model
-from model_support import greedy, prompts_for
+from dsakv.testing.engines import tiny_model
+from dsakv.testing.models import greedy, prompts_for
 
 PRODUCERS = (0, 1, 2, 6, 10)
 SHARED = (3, 4, 5, 7, 8, 9, 11)

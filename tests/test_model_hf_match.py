@@ -7,7 +7,7 @@ import torch
 
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
-from model_support import greedy, prompts_for
+from dsakv.testing.models import greedy, prompts_for
 
 transformers = pytest.importorskip("transformers")
 

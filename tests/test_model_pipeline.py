@@ -8,8 +8,8 @@ import torch
 from dsakv.cache.device_pool import DevicePool
 from dsakv.model.batch import ForwardBatch
 from dsakv.spec.layout import BufferKey, Kind
-from engine_support import tiny_model
-from model_support import greedy, greedy_pp, prompts_for
+from dsakv.testing.engines import tiny_model
+from dsakv.testing.models import greedy, greedy_pp, prompts_for
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from dsakv.model.loader import load_model
 from dsakv.model.rope import Rope, apply_half_split, apply_interleaved, rope_inv_freq
 from dsakv.model.tiny import make_tiny
-from model_support import greedy, prompts_for
+from dsakv.testing.models import greedy, prompts_for
 
 transformers = pytest.importorskip("transformers")
 glm = pytest.importorskip("transformers.models.glm_moe_dsa.modeling_glm_moe_dsa")

@@ -12,7 +12,7 @@ import pytest
 
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import ByteTokenizer
-from serve_support import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, wait_idle
 
 PROMPTS = [[5, 6, 7, 8], [300, 12, 99], list(range(20, 70)), [2, 3] * 20]
 STEPS = 10

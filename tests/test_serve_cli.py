@@ -15,9 +15,9 @@ from dsakv.engine.request import SamplingParams
 from dsakv.plan.capacity import max_total_num_tokens
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.testing.engines import tiny_path
+from dsakv.testing.servers import make_engine
 from dsakv.util.procs import die_with_parent, free_ports
-from engine_support import tiny_path
-from serve_support import make_engine
 
 
 def test_parser_stays_light():

@@ -13,7 +13,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.engine_backend import EngineBackend
-from serve_support import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, wait_idle
 
 CAP = NUM_PAGES * PAGE_SIZE  # 1024 tokens; the longest prompt is CAP - 1
 OK = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}

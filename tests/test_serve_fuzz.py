@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dsakv.serve.limits import HttpLimits
-from serve_support import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
 
 SEED = 20261201
 MAX_CASES = 300

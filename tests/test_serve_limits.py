@@ -14,7 +14,7 @@ import pytest
 
 from dsakv.errors import ConfigError
 from dsakv.serve.limits import HttpLimits, find_lone_surrogate, json_depth_exceeds
-from serve_support import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
 
 LIMITS = HttpLimits(
     max_request_bytes=64 * 1024,

@@ -12,8 +12,8 @@ import torch
 
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import load_tokenizer
-from engine_support import _hf, tiny_path
-from serve_support import MODEL, live_server, make_engine
+from dsakv.testing.engines import _hf, tiny_path
+from dsakv.testing.servers import MODEL, live_server, make_engine
 from test_serve_api import sse_events
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The key-value cache holds"

@@ -19,10 +19,10 @@ from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+from dsakv.testing.engines import tiny_path
+from dsakv.testing.servers import make_engine
 from dsakv.util import ceil_div
 from dsakv.util.procs import die_with_parent, free_ports
-from engine_support import tiny_path
-from serve_support import make_engine
 
 TOK = load_tokenizer(tiny_path("glm_moe_dsa"), 512)  # make-tiny's byte-level BPE
 

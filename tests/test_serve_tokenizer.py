@@ -12,8 +12,8 @@ import transformers
 
 from dsakv.model.tiny import ROLE_TOKENS, tiny_tokenizer, write_tiny_tokenizer
 from dsakv.serve.tokenizer import BYTE_OFFSET, HFTokenizer, load_tokenizer
-from engine_support import tiny_path
-from serve_support import live_server, make_engine
+from dsakv.testing.engines import tiny_path
+from dsakv.testing.servers import live_server, make_engine
 
 TEXTS = ["Hello, world!", "héllo 日本語 \x00\x01 \n\t  two  spaces ", "The quick brown fox", "🦊" * 3, " "]
 

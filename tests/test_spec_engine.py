@@ -183,7 +183,7 @@ def test_speculation_needs_an_mtp_layer(tmp_path):
 def test_http_api_and_metrics_with_speculation(fitted):
     import httpx
 
-    from serve_support import live_server, scrape
+    from dsakv.testing.servers import live_server, scrape
 
     prompts = _prompts()[:3]
     want = _reference(fitted, prompts)

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, call, free_ports, role_config, run_requests
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.protocol import grants
@@ -39,8 +38,18 @@ from dsakv.engine.config import TransferConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec import KVLayout, load_spec
+from dsakv.testing.cluster import (
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    assert_clean,
+    call,
+    free_ports,
+    role_config,
+    run_requests,
+)
+from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.testing.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums
-from engine_support import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
 

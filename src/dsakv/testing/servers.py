@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import uvicorn
@@ -18,7 +19,7 @@ from dsakv.serve.app import create_app
 from dsakv.serve.engine_backend import EngineBackend
 from dsakv.serve.limits import uvicorn_settings
 from dsakv.serve.tokenizer import ByteTokenizer
-from engine_support import tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
+from dsakv.testing.engines import tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
 
 MODEL = "tiny"
 PAGE_SIZE = 16
@@ -36,7 +37,7 @@ class LiveServer:
     """uvicorn serving `app` on a 127.0.0.1 socket bound to a free port, in a background thread, under the app's
     HTTP limits (the protocol `dsakv serve` runs)."""
 
-    def __init__(self, app: object) -> None:
+    def __init__(self, app: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))

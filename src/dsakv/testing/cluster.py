@@ -3,11 +3,12 @@
 Processes and ports come from dsakv.util.procs (Proc, free_ports: the launcher the demo and benches use too).
 Every process runs in its own session (process group), logs to a file, and is killed with its group by
 `Cluster.close()` (a fixture finalizer), so nothing outlives a test even when it fails. Worker options are the
-configuration tree rendered to argv (dsakv.cli.options.engine_argv).
+configuration tree rendered to argv (dsakv.engine.argv.engine_argv).
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -15,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsakv.cli.options import engine_argv
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.disagg.protocol.rpc import RpcClient, RpcError
 from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.engine.argv import engine_argv
 from dsakv.engine.config import (
     Config,
     EngineConfig,
@@ -147,7 +148,7 @@ class Cluster:
 
     def wait_healthy(self, procs: Sequence[Proc], timeout: float = 120.0) -> None:
         for p in procs:
-            wait_for(lambda p=p: call(p.addr, "health", timeout=2.0).get("ok"), timeout, f"{p.name} healthy", procs)
+            wait_for(functools.partial(_healthy, p.addr), timeout, f"{p.name} healthy", procs)
 
     def close(self) -> None:
         for r in self.routers:
@@ -189,7 +190,15 @@ def pages_and_integrity(addr: str) -> tuple[int, str]:
     return h.pages_used, h.integrity
 
 
+def _healthy(addr: str) -> Any:
+    return call(addr, "health", timeout=2.0).get("ok")
+
+
+def _clean(addr: str) -> bool:
+    return pages_and_integrity(addr) == (0, "ok")
+
+
 def assert_clean(addrs: Sequence[str], timeout: float = 20.0, procs: Sequence[Proc] = ()) -> None:
     """Every worker at addrs holds no page and its books balance (waits for in-flight work to settle)."""
     for a in addrs:
-        wait_for(lambda a=a: pages_and_integrity(a) == (0, "ok"), timeout, f"{a}: no page held, integrity ok", procs)
+        wait_for(functools.partial(_clean, a), timeout, f"{a}: no page held, integrity ok", procs)
