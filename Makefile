@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint plan clean
+.PHONY: install demo test test-fast lint plan clean
 
 $(STAMP): pyproject.toml
 	@ldconfig -p | grep -q libibverbs.so.1 || (echo "installing Debian libibverbs1 (Mooncake needs it)"; \
@@ -32,6 +32,10 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+# the unit and in-process tiers only (no test that starts a process); `make test` (CI) runs every tier
+test-fast: lint
+	$(BIN)/python -m pytest -q tests/unit tests/inproc
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,3 +27,21 @@ if _auth.SECRET_ENV not in os.environ:
     os.environ[_auth.SECRET_ENV] = str(Path(tempfile.mkdtemp(prefix="dsakv-test-")) / "cluster.secret")
     _auth.write_secret(Path(os.environ[_auth.SECRET_ENV]))
 _auth.use(_auth.ClusterAuth(_auth.Keyring(_auth.load_secret(os.environ[_auth.SECRET_ENV])), "router", require=False))
+
+
+# ---- tiers: tests/unit/<layer>/ (one layer, no process, no server), tests/inproc/ (several layers in this process:
+# an Engine, in-process servers and roles), tests/cluster/ (starts processes). The marker follows the directory, so
+# `-m "not cluster"` and `make test-fast` (unit + inproc) select by tier; pyproject registers them (--strict-markers).
+TIERS = ("unit", "inproc", "cluster")
+
+
+def pytest_collection_modifyitems(items):
+    import pytest
+
+    here = Path(__file__).resolve().parent
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(here)
+        tier = rel.parts[0] if len(rel.parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{rel}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))

@@ -36,7 +36,7 @@ from dsakv.plan.units import parse_size
 from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS
 
 # --transfer-backend choices (the registry in dsakv.disagg.transfer.backends holds the same names; importing it would
-# pull the transfer engines into `dsakv --help`; tests/test_layering.py checks the two agree)
+# pull the transfer engines into `dsakv --help`; tests/unit/test_layering.py checks the two agree)
 BACKEND_CHOICES = ("mooncake", "nixl", "local")
 
 

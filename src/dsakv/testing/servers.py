@@ -3,6 +3,7 @@ Engine on the tiny checkpoint, and helpers to read /metrics and /health."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -103,3 +104,14 @@ def wait_idle(url: str, timeout: float = 10.0) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout} s: {h}")
         time.sleep(0.02)
+
+
+def sse_events(url: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Raw SSE: every `data:` payload; asserts the stream ends with [DONE] and nothing follows."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]

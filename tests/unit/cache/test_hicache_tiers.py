@@ -6,7 +6,6 @@ so a reloaded page can be compared bit for bit with what a request would have wr
 
 from __future__ import annotations
 
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -19,67 +18,9 @@ from dsakv.cache.hicache import HiCache, HiCacheConfig, PrefixMatch
 from dsakv.cache.page_copy import gather_rows
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.presets import load_spec
-from dsakv.util import ceil_div
-
-PS = 4
-LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
-
-
-def _expected_rows(tokens: np.ndarray) -> torch.Tensor:
-    n = len(tokens) // PS
-    rows = torch.empty((n, LAYOUT.bytes_per_page), dtype=torch.uint8)
-    for i in range(n):
-        g = torch.Generator().manual_seed(zlib.crc32(np.asarray(tokens[: (i + 1) * PS], dtype=np.int64).tobytes()))
-        rows[i] = torch.randint(0, 256, (LAYOUT.bytes_per_page,), dtype=torch.uint8, generator=g)
-    return rows
-
-
-class Harness:
-    """Plays the scheduler: match, take pages, 'compute' (write the expected bytes), insert, release."""
-
-    def __init__(self, device_pages: int = 8, **cfg: object) -> None:
-        self.dev = DevicePool(LAYOUT, device_pages)
-        self.alloc = PageAllocator(device_pages, "device")
-        self.cache = HiCache(self.dev, self.alloc, HiCacheConfig(**cfg))  # type: ignore[arg-type]
-        self._n = 0
-
-    def run(self, tokens: list[int] | np.ndarray) -> PrefixMatch:
-        """One request over `tokens` (its KV covers all of them); returns its match (already released)."""
-        toks = np.asarray(tokens, dtype=np.int64)
-        self._n += 1
-        rid = f"req{self._n}"
-        m = self.cache.match_prefix(toks[:-1])
-        self.alloc.incref(m.page_ids)
-        self.alloc.hold(rid, m.page_ids)
-        if m.num_tokens:
-            assert torch.equal(gather_rows(self.dev, m.page_ids), _expected_rows(toks[: m.num_tokens]))
-        need = ceil_div(len(toks), PS) - m.page_ids.size
-        if self.alloc.num_free < need:
-            self.cache.evict(need - self.alloc.num_free)
-        if self.alloc.num_free < need:  # not admitted (other requests hold the pages): give everything back
-            self.cache.release(m)
-            self.alloc.release(rid)
-            self.cache.check_integrity()
-            return m
-        self.cache.admit(m)
-        own = self.alloc.alloc(need)
-        self.alloc.hold(rid, own)
-        pages = np.concatenate([m.page_ids, own])
-        from dsakv.cache.page_copy import scatter_rows
-
-        full = len(toks) // PS
-        new = np.arange(m.page_ids.size, full)
-        scatter_rows(self.dev, pages[new], _expected_rows(toks)[new])
-        self.cache.insert(toks, pages)
-        self.cache.release(m)
-        self.alloc.release(rid)
-        self.cache.check_integrity()
-        return m
-
-
-def _toks(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return (prefix or []) + rng.integers(2, 500, n).tolist()
+from dsakv.testing.hicache import LAYOUT, PS, Harness
+from dsakv.testing.hicache import expected_rows as _expected_rows
+from dsakv.testing.hicache import toks as _toks
 
 
 def test_device_only_prefix_cache_hits_and_evicts() -> None:

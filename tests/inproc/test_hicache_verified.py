@@ -23,7 +23,10 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
-from test_hicache_disk_cap import FILE, PS, _cache, _run, _toks  # noqa: E402
+from dsakv.testing.hicache import FILE, PS  # noqa: E402
+from dsakv.testing.hicache import disk_cache as _cache  # noqa: E402
+from dsakv.testing.hicache import run_request as _run  # noqa: E402
+from dsakv.testing.hicache import toks as _toks  # noqa: E402
 
 os.environ.setdefault("DSAKV_CACHE_DIR", tempfile.mkdtemp(prefix="dsakv-fp-"))
 SP = SamplingParams(max_new_tokens=4)

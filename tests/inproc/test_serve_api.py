@@ -4,7 +4,6 @@ greedy token ids equal Engine.generate on the same prompts, streaming and not, c
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 import openai
@@ -12,7 +11,7 @@ import pytest
 
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import ByteTokenizer
-from dsakv.testing.servers import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, scrape, sse_events, wait_idle
 
 PROMPTS = [[5, 6, 7, 8], [300, 12, 99], list(range(20, 70)), [2, 3] * 20]
 STEPS = 10
@@ -39,17 +38,6 @@ def reference():
 def client(server):
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60) as c:
         yield c
-
-
-def sse_events(url: str, path: str, body: dict) -> list[dict]:
-    """Raw SSE: every `data:` payload; asserts the stream ends with [DONE] and nothing follows."""
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [ln for ln in r.iter_lines() if ln]
-    assert all(ln.startswith("data: ") for ln in lines), lines
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(ln[6:]) for ln in lines[:-1]]
 
 
 def test_completion_ids_equal_engine_generate(client, reference):

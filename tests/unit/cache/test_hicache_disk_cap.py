@@ -7,75 +7,28 @@ compared with what a request would have written."""
 from __future__ import annotations
 
 import argparse
-import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
-from dsakv.cache.allocator import PageAllocator
-from dsakv.cache.device_pool import DevicePool
-from dsakv.cache.disk_tier import DiskTier
-from dsakv.cache.hicache import HiCache, HiCacheConfig, PrefixMatch
-from dsakv.cache.page_copy import gather_rows, scatter_rows
+from dsakv.cache.hicache import HiCacheConfig
 from dsakv.cli.options import add_cache_arguments, cache_config
 from dsakv.errors import ConfigError
-from dsakv.spec.layout import KVLayout
-from dsakv.spec.presets import load_spec
-from dsakv.util import ceil_div
-
-PS = 4
-LAYOUT = KVLayout(load_spec("tiny"), page_size=PS)
-FILE = 104 + LAYOUT.bytes_per_page  # header + one page row
-
-
-def _rows(tokens: np.ndarray) -> torch.Tensor:
-    n = len(tokens) // PS
-    rows = torch.empty((n, LAYOUT.bytes_per_page), dtype=torch.uint8)
-    for i in range(n):
-        g = torch.Generator().manual_seed(zlib.crc32(np.asarray(tokens[: (i + 1) * PS], dtype=np.int64).tobytes()))
-        rows[i] = torch.randint(0, 256, (LAYOUT.bytes_per_page,), dtype=torch.uint8, generator=g)
-    return rows
-
-
-def _cache(tmp: Path, cap: int | None, device_pages: int = 8) -> HiCache:
-    return HiCache(
-        DevicePool(LAYOUT, device_pages),
-        PageAllocator(device_pages, "device"),
-        HiCacheConfig(disk_dir=str(tmp), disk_size=cap),
-    )
-
-
-def _run(c: HiCache, tokens: list[int]) -> PrefixMatch:
-    """One admitted request over `tokens` (playing the scheduler); hit bytes checked; returns its match."""
-    toks = np.asarray(tokens, dtype=np.int64)
-    m = c.match_prefix(toks[:-1])
-    c.admit(m)
-    if m.num_tokens:
-        assert torch.equal(gather_rows(c.device, m.page_ids), _rows(toks[: m.num_tokens]))
-    c.allocator.incref(m.page_ids)
-    c.allocator.hold("r", m.page_ids)
-    need = ceil_div(len(toks), PS) - m.page_ids.size
-    if c.allocator.num_free < need:
-        c.evict(need - c.allocator.num_free)
-    own = c.allocator.alloc(need, owner="r")
-    pages = np.concatenate([m.page_ids, own])
-    new = np.arange(m.page_ids.size, len(toks) // PS)
-    scatter_rows(c.device, pages[new], _rows(toks)[new])
-    c.insert(toks, pages)
-    c.release(m)
-    c.allocator.release("r")
-    c.check_integrity()
-    return m
-
-
-def _files(d: DiskTier) -> set[str]:
-    return {p.stem for p in d.dir.glob("*/*.page")}
-
-
-def _toks(seed: int, n: int) -> list[int]:
-    return np.random.default_rng(seed).integers(2, 500, n).tolist()
+from dsakv.testing.hicache import (
+    FILE,
+)
+from dsakv.testing.hicache import (
+    disk_cache as _cache,
+)
+from dsakv.testing.hicache import (
+    files_of as _files,
+)
+from dsakv.testing.hicache import (
+    run_request as _run,
+)
+from dsakv.testing.hicache import (
+    toks as _toks,
+)
 
 
 def test_cap_evicts_lru_pages_exactly_and_restart_keeps_the_order(tmp_path: Path) -> None:

@@ -32,8 +32,7 @@ from dsakv.serve.app import create_app
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.testing.cluster import PAGE_SIZE, Cluster, assert_clean, role_config, wait_for
 from dsakv.testing.engines import _hf, tiny_model, tiny_path
-from dsakv.testing.servers import MODEL, LiveServer, make_engine
-from test_serve_api import sse_events
+from dsakv.testing.servers import MODEL, LiveServer, make_engine, sse_events
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -32,8 +32,10 @@ from dsakv.errors import ConfigError  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402
 from dsakv.spec.layout import Kind, KVLayout  # noqa: E402
 from dsakv.spec.presets import load_spec  # noqa: E402
+from dsakv.testing.hicache import LAYOUT, PS, Harness  # noqa: E402
+from dsakv.testing.hicache import expected_rows as _expected_rows  # noqa: E402
+from dsakv.testing.hicache import toks as _toks  # noqa: E402
 from dsakv.util.procs import die_with_parent  # noqa: E402
-from test_hicache_tiers import LAYOUT, PS, Harness, _expected_rows, _toks  # noqa: E402
 
 os.environ.setdefault("DSAKV_CACHE_DIR", tempfile.mkdtemp(prefix="dsakv-fp-"))
 SP = SamplingParams(max_new_tokens=3)

@@ -13,8 +13,7 @@ import torch
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.testing.engines import _hf, tiny_path
-from dsakv.testing.servers import MODEL, live_server, make_engine
-from test_serve_api import sse_events
+from dsakv.testing.servers import MODEL, live_server, make_engine, sse_events
 
 PROMPT = "The quick brown fox jumps over the lazy dog. The key-value cache holds"
 TOL = 1e-4

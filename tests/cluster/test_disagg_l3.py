@@ -14,12 +14,13 @@ import torch
 
 pytest.importorskip("mooncake.store")
 
+from test_hicache_storage import store_master  # noqa: E402
+
 from dsakv.disagg.protocol.messages import fetch_health  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for  # noqa: E402
 from dsakv.testing.engines import tiny_model, tiny_path  # noqa: E402
-from test_hicache_storage import store_master  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 
