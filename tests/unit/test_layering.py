@@ -207,27 +207,3 @@ def test_cli_backend_choices_are_the_registry():
     from dsakv.disagg.transfer.backends import backend_names
 
     assert set(BACKEND_CHOICES) == set(backend_names()) == {"local", "mooncake", "nixl"}
-
-
-def test_subcommands_load_lazily():
-    """`dsakv --help` imports no subcommand module; `dsakv plan` only plan's (and never torch)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, contextlib, io; from dsakv.cli import main as m\n"
-        "out = io.StringIO()\n"
-        "with contextlib.redirect_stdout(out):\n"
-        "    try: m.main(['--help'])\n"
-        "    except SystemExit: pass\n"
-        "assert 'serve' in out.getvalue() and 'make-tiny' in out.getvalue(), out.getvalue()\n"
-        "cmds = sorted(n for n in sys.modules if n.startswith('dsakv.cli.') and n.endswith('_cmd'))\n"
-        "assert cmds == [], cmds\n"
-        "with contextlib.redirect_stdout(out):\n"
-        "    assert m.main(['plan', 'glm-5.2', '--kv-budget', '1GiB']) == 0\n"
-        "cmds = sorted(n for n in sys.modules if n.startswith('dsakv.cli.') and n.endswith('_cmd'))\n"
-        "assert cmds == ['dsakv.cli.plan_cmd'], cmds\n"
-        "heavy = [n for n in ('torch', 'dsakv.engine.engine', 'dsakv.serve.app') if n in sys.modules]\n"
-        "assert not heavy, heavy\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
