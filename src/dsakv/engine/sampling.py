@@ -14,18 +14,62 @@ Output token i of a sampled request is drawn with a torch.Generator seeded from
 batch, after a preemption (recomputing draws nothing), and when the request moves
 from a prefill worker (token 0) to a decode worker (tokens 1..). Greedy rows take
 the argmax, as transformers' generate(do_sample=False) does (first index on ties).
+
+No accepted value makes a distribution non-finite (sample_batch):
+- +inf logits (raw, or a repetition_penalty near 0 dividing them) are clamped to the float32 maximum;
+  a temperature below float32's smallest normal is taken as that (same argmax; the distribution is a point
+  mass either way), and a row that would overflow is divided after subtracting its maximum (same softmax);
+- top_p always keeps the most likely token (top_p 1e-300 is a point mass, not an empty set);
+- a row where every token is masked (stop_token_ids + eos covering the vocabulary under min_tokens; the edge
+  refuses that with validate_sampling) falls back to greedy on the raw logits;
+- a row of NaN logits, or any exception in one row, fails that row alone (`errors[b]`), never the batch.
+Logprobs are finite: a token of probability 0 reports LOGPROB_FLOOR (JSON has no -inf).
 Imports torch and dsakv.engine.request; must not import model, disagg, serve or cli.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from dsakv.engine.request import FinishReason, Request, SamplingParams, TokenLogprobs
+from dsakv.errors import ConfigError, DsakvError
 
 MASK64 = (1 << 64) - 1
+LOGPROB_FLOOR = -9999.0  # the logprob reported for a token of probability 0 (as vLLM's API does)
+_F32 = torch.finfo(torch.float32)
+
+
+class SamplingError(DsakvError):
+    """One request's row could not be sampled (its own error; sample_batch reports it per row)."""
+
+
+class SampleBatch(NamedTuple):
+    """sample_batch's answer, per row: the token (0 where the row failed), its logprobs (None unless asked or
+    where it failed) and the row's error (None if it was sampled)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    errors: list[str | None]
+
+
+def validate_sampling(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int] = ()) -> None:
+    """Refuse (ConfigError) sampling values that fit SamplingParams but leave this model nothing to draw: under
+    min_tokens, stop_token_ids (+ eos unless ignore_eos) banning every token of the vocabulary. The one rule for
+    every entry (the engine calls it on add_request / prealloc; an HTTP edge may call it first)."""
+    if not params.min_tokens:
+        return
+    banned = {t for t in params.stop_token_ids if 0 <= t < vocab_size}
+    eos = [] if params.ignore_eos else [t for t in eos_token_ids if 0 <= t < vocab_size]
+    banned.update(eos)
+    if len(banned) >= vocab_size:
+        raise ConfigError(
+            f"stop_token_ids ({len(params.stop_token_ids)} ids{' + eos' if eos else ''}) cover all {vocab_size} "
+            f"tokens of the vocabulary while min_tokens = {params.min_tokens}: no token could be generated before "
+            "min_tokens; drop some stop_token_ids or set min_tokens to 0"
+        )
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -43,10 +87,31 @@ def _generator(req: Request, device: torch.device) -> torch.Generator:
     return req.generator
 
 
+def _tempered(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """x [B, V] (no NaN, no +inf) / temps [B, 1] (> 0, clamped to float32's smallest normal); a row that would
+    overflow is divided after subtracting its maximum (the same softmax, and it cannot overflow: every value
+    is <= 0)."""
+    temps = temps.clamp(min=_F32.tiny)
+    y = x / temps
+    over = (torch.isinf(y) & torch.isfinite(x)).any(dim=-1)
+    if bool(over.any()):
+        top = x.amax(dim=-1, keepdim=True)
+        shifted = torch.where(x == top, 0.0, (x - top) / temps)  # x == top: 0 even where top is -inf
+        y = torch.where(over[:, None], shifted, y)
+    return y
+
+
 def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool = False) -> torch.Tensor:
     """One row of logits -> temperature-scaled logits (already scaled if `scaled`) with top-k / top-p rejects
-    set to -inf."""
-    x = logits.float() if scaled else logits.float() / params.temperature
+    set to -inf (the most likely token always stays). Finite for any accepted temperature; NaN logits raise
+    SamplingError."""
+    x = logits.float()
+    if bool(torch.isnan(x).any()):
+        raise SamplingError(f"the model's logits hold NaN at {int(torch.isnan(x).sum())} of {x.numel()} tokens")
+    x = x.clamp(max=_F32.max)
+    if not scaled and params.temperature != 1.0:
+        temp = torch.tensor([[max(params.temperature, _F32.tiny)]], dtype=torch.float32, device=x.device)
+        x = _tempered(x[None], temp)[0]
     if params.top_k is not None and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -54,7 +119,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool 
         sorted_x, order = torch.sort(x, descending=True)
         probs = torch.softmax(sorted_x, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each one
-        drop_sorted = before >= params.top_p  # the top token always stays (before == 0)
+        drop_sorted = before >= params.top_p
+        drop_sorted[0] = False  # the top token always stays (top_p below float32's smallest value included)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
@@ -62,16 +128,45 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool 
 
 def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """Raw logits [B, vocab] -> float32 processed logits (module docstring); rows of requests without penalties
-    or bias are logits / temperature (greedy rows: unchanged)."""
+    or bias are logits / temperature (greedy rows: unchanged). Never NaN nor +inf (see _process)."""
+    return _process(logits, reqs)[0]
+
+
+def _process(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[torch.Tensor, list[bool], list[str | None]]:
+    """process_logits, and per row whether it fell back to greedy on its raw logits (every token masked) and
+    its error (NaN logits, or no finite logit at all; the row's values are then 0)."""
     x = logits.float()
+    nan = torch.isnan(x)
+    errors: list[str | None] = [None] * len(reqs)
+    if bool(nan.any()):
+        counts = nan.sum(dim=-1).tolist()
+        for b, n in enumerate(counts):
+            if n:
+                errors[b] = f"the model's logits for this request hold NaN at {n} of {x.shape[-1]} tokens"
+        x = torch.where(nan.any(dim=-1, keepdim=True), 0.0, x)
+    raw = x = x.clamp(max=_F32.max)
     rows = [b for b, r in enumerate(reqs) if r.params.penalised]
     if rows:
         x = x.clone()
         _penalise(x, rows, reqs)
     temps = [r.params.temperature if not r.params.greedy else 1.0 for r in reqs]
     if any(t != 1.0 for t in temps):
-        x = x / torch.tensor(temps, dtype=torch.float32, device=x.device)[:, None]
-    return x
+        x = _tempered(x, torch.tensor(temps, dtype=torch.float32, device=x.device)[:, None])
+    fallback = [False] * len(reqs)
+    empty = ~torch.isfinite(x).any(dim=-1)
+    if bool(empty.any()):
+        x = x.clone() if x is raw else x
+        raw_empty = (~torch.isfinite(raw).any(dim=-1)).tolist()
+        for b in empty.nonzero()[:, 0].tolist():
+            if errors[b] is not None:
+                continue
+            if raw_empty[b]:
+                errors[b] = "the model's logits for this request are -inf at every token: nothing to sample"
+                x[b] = 0.0
+            else:  # every token masked (min_tokens bans): greedy on the raw logits
+                fallback[b] = True
+                x[b] = raw[b]
+    return x, fallback, errors
 
 
 def _penalise(x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
@@ -93,8 +188,8 @@ def _penalise(x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None
         sub -= col([p.presence_penalty for p in ps]) * (counts > 0).float()
     if any(p.repetition_penalty != 1.0 for p in ps):
         seen = _counts([list(reqs[b].prompt_ids) + reqs[b].output_ids for b in rows], vocab, dev) > 0
-        rp = col([p.repetition_penalty for p in ps]).expand_as(sub)
-        sub.copy_(torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub))
+        rp = col([p.repetition_penalty for p in ps]).clamp(min=_F32.tiny).expand_as(sub)  # 1e-300 is 0 in fp32
+        sub.copy_(torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub).clamp(max=_F32.max))
     for i, b in enumerate(rows):
         r = reqs[b]
         if r.num_output_tokens < r.params.min_tokens:
@@ -119,7 +214,9 @@ def _counts(seqs: list[list[int]], vocab: int, dev: torch.device) -> torch.Tenso
 
 
 def top_logprobs(logprobs: torch.Tensor, ids: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
-    """Rows of log-probabilities [R, vocab], the token of each row and how many alternatives -> TokenLogprobs."""
+    """Rows of log-probabilities [R, vocab], the token of each row and how many alternatives -> TokenLogprobs
+    (NaN or -inf reported as LOGPROB_FLOOR: every value is a finite float)."""
+    logprobs = torch.nan_to_num(logprobs.float(), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR, posinf=0.0)
     kmax = max(ks, default=0)
     chosen = logprobs.gather(1, torch.tensor(list(ids), dtype=torch.int64, device=logprobs.device)[:, None])
     chosen_l = chosen[:, 0].tolist()
@@ -137,32 +234,61 @@ def prompt_token_logprobs(
     logits: torch.Tensor, prompt_ids: Sequence[int], positions: Sequence[int], k: int
 ) -> list[TokenLogprobs]:
     """Prompt logprobs from the prefill pass: the logits [len(positions), vocab] at prompt positions t give prompt
-    token t + 1's log_softmax (raw logits: no penalty, no temperature) and its k best alternatives."""
+    token t + 1's log_softmax (raw logits: no penalty, no temperature) and its k best alternatives. NaN logits
+    raise SamplingError (the request's own error); +inf is clamped to the float32 maximum."""
     ids = [prompt_ids[t + 1] for t in positions]
-    return top_logprobs(torch.log_softmax(logits.float(), dim=-1), ids, [k] * len(ids))
+    x = logits.float()
+    if bool(torch.isnan(x).any()):
+        raise SamplingError(f"the model's prompt logits hold NaN at {int(torch.isnan(x).sum())} values")
+    return top_logprobs(torch.log_softmax(x.clamp(max=_F32.max), dim=-1), ids, [k] * len(ids))
 
 
-def sample_with_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request, and its TokenLogprobs for the
-    requests whose params ask for logprobs (None for the others)."""
+def sample_batch(logits: torch.Tensor, reqs: Sequence[Request]) -> SampleBatch:
+    """logits [B, vocab] (row b belongs to reqs[b]) -> per row a token, its TokenLogprobs (when the params ask)
+    and an error: a row that cannot be sampled fails alone (its token 0, its error set), the others are exactly
+    what they are without it (rows are independent; a failure of the batched pass is retried row by row)."""
     if logits.dim() != 2 or logits.shape[0] != len(reqs):
         raise ValueError(f"sample: logits of shape {tuple(logits.shape)} for {len(reqs)} requests")
-    x = process_logits(logits, reqs)
+    try:
+        return _sample_rows(logits, reqs)
+    except Exception as e:
+        if len(reqs) == 1:
+            return SampleBatch([0], [None], [f"sampling failed: {type(e).__name__}: {e}"])
+    parts = [sample_batch(logits[b : b + 1], [r]) for b, r in enumerate(reqs)]
+    return SampleBatch([p.tokens[0] for p in parts], [p.logprobs[0] for p in parts], [p.errors[0] for p in parts])
+
+
+def _sample_rows(logits: torch.Tensor, reqs: Sequence[Request]) -> SampleBatch:
+    x, fallback, errors = _process(logits, reqs)
     out = x.argmax(dim=-1).tolist()
     for b, req in enumerate(reqs):
-        if req.params.greedy:
+        if req.params.greedy or fallback[b] or errors[b] is not None:
             continue
-        probs = torch.softmax(filter_logits(x[b], req.params, scaled=True), dim=-1)
-        out[b] = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)).item())
-    tokens = [int(t) for t in out]
+        try:
+            probs = torch.softmax(filter_logits(x[b], req.params, scaled=True), dim=-1)
+            out[b] = int(torch.multinomial(probs, 1, generator=_generator(req, logits.device)).item())
+        except Exception as e:  # this row alone
+            errors[b] = f"sampling failed: {type(e).__name__}: {e}"
+    tokens = [0 if errors[b] is not None else int(t) for b, t in enumerate(out)]
     lps: list[TokenLogprobs | None] = [None] * len(reqs)
-    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None]
+    want = [b for b, r in enumerate(reqs) if r.params.logprobs is not None and errors[b] is None]
     if want:
         lp = torch.log_softmax(x[want], dim=-1)
         got = top_logprobs(lp, [tokens[b] for b in want], [int(reqs[b].params.logprobs or 0) for b in want])
         for b, g in zip(want, got, strict=True):
             lps[b] = g
-    return tokens, lps
+    return SampleBatch(tokens, lps, errors)
+
+
+def sample_with_logprobs(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits [B, vocab] (row b belongs to reqs[b]) -> one token id per request, and its TokenLogprobs for the
+    requests whose params ask for logprobs (None for the others). Raises SamplingError naming the first row
+    that failed (sample_batch reports failures per row instead)."""
+    got = sample_batch(logits, reqs)
+    for req, err in zip(reqs, got.errors, strict=True):
+        if err is not None:
+            raise SamplingError(f"request {req.request_id}: {err}")
+    return got.tokens, got.logprobs
 
 
 def sample(logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
