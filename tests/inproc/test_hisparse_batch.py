@@ -152,10 +152,10 @@ def test_engine_batch_stats_equal_an_lru_recount(monkeypatch: pytest.MonkeyPatch
     stats: list[dict[int, int]] = []
     orig_topk, orig_access, orig_prepare = HiSparseStep.on_topk, HiSparsePool.step_access, HiSparsePool.prepare
 
-    def prepare(self: HiSparsePool, entries, running) -> None:  # type: ignore[no-untyped-def]
+    def prepare(self: HiSparsePool, entries, running):  # type: ignore[no-untyped-def]
         if steps:
             stats.append(self.stats.step_rows())  # the step before this one
-        orig_prepare(self, entries, running)
+        return orig_prepare(self, entries, running)
 
     def access(self: HiSparsePool, extend_lens, positions, device=None):  # type: ignore[no-untyped-def]
         steps.append((positions.numpy().copy(), []))

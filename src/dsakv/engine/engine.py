@@ -43,7 +43,7 @@ from dsakv.cache.hisparse import HiSparsePool
 from dsakv.engine.config import EngineConfig
 from dsakv.engine.model_runner import HiSparseRunner, ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprobs
-from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
+from dsakv.engine.sampling import prompt_token_logprobs, sample_batch, validate_sampling
 from dsakv.engine.scheduler import (
     DEFAULT_MAX_RUNNING,
     NoFreePages,
@@ -286,6 +286,16 @@ class Engine:
         bad = [t for t in prompt_ids if isinstance(t, int) and not 0 <= t < vocab]
         if bad:
             raise ConfigError(f"request {rid}: prompt token id(s) {bad[:8]} are outside the vocabulary 0..{vocab - 1}")
+        try:
+            validate_sampling(params, vocab, self.eos_token_ids)
+        except ConfigError as e:
+            raise ConfigError(f"request {rid}: {e}") from None
+        if self.hisparse is not None and params.n > self.scheduler.max_running_requests:
+            raise ConfigError(
+                f"request {rid}: n = {params.n} sequences need a HiSparse hot buffer each, but this engine runs at "
+                f"most {self.scheduler.max_running_requests} requests (one hot buffer each): lower n to at most "
+                f"{self.scheduler.max_running_requests}, or give HiSparse more device memory"
+            )
         return Request(
             request_id=rid,
             prompt_ids=tuple(prompt_ids),
@@ -435,29 +445,16 @@ class Engine:
             if self.speculator is not None:
                 return self._spec_step(sched, outputs)
             chunks = sched.chunks
+            errors: dict[int, str] = {}  # chunk index -> its request's own error: that request fails alone
             try:
-                positions = [self._prompt_logprob_positions(c) for c in chunks]
-                with_prompt = getattr(self.runner, "run_with_prompt_logits", None)  # ModelRunner (all layers)
-                if any(positions) and with_prompt is not None:
-                    logits, extra = with_prompt(chunks, positions)
-                    self._add_prompt_logprobs(chunks, positions, extra)
-                else:
-                    logits = self.runner.run(chunks)
-                rows = [i for i, c in enumerate(chunks) if c.samples]
-                next_tokens: list[int | None] = [None] * len(chunks)
-                if rows and logits is None:  # a later pipeline stage samples: placeholder tokens here
-                    for i in rows:
-                        next_tokens[i] = 0
-                elif rows:
-                    assert logits is not None
-                    picked = logits if len(rows) == len(chunks) else logits[rows]  # decode: every row samples
-                    toks, lps = sample_with_logprobs(picked, [chunks[i].request for i in rows])
-                    for i, t, lp in zip(rows, toks, lps, strict=True):
-                        next_tokens[i] = t
-                        if lp is not None:
-                            chunks[i].request.output_logprobs.append(lp)
+                next_tokens = self._run_rows(chunks, errors)
             except Exception as e:  # the step failed: its requests finish with the error, pages come back
+                sched = self._fail_rows(sched, outputs, errors)
                 return self._fail_step(sched, outputs, e, "model")
+            if errors:
+                next_tokens = [t for i, t in enumerate(next_tokens) if i not in errors]
+                sched = self._fail_rows(sched, outputs, errors)
+                chunks = sched.chunks
             for c in chunks:
                 if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
                     self._decode_tokens += 1
@@ -469,6 +466,57 @@ class Engine:
             if self.check_every_step:
                 self.check_integrity()
             return outputs
+
+    def _run_rows(self, chunks: Sequence[ScheduledChunk], errors: dict[int, str]) -> list[int | None]:
+        """The step's forward and sampling; a row whose admission (HiSparse), prompt logprobs, logits or sampling
+        fails gets errors[i] (the others go on without it). The token of each chunk (None: it did not sample)."""
+        prepare = getattr(self.runner, "prepare_rows", None)  # HiSparse: rows the pool cannot take fail alone
+        if prepare is not None:
+            errors.update(prepare(chunks))
+        idx = [i for i in range(len(chunks)) if i not in errors]
+        run = [chunks[i] for i in idx]
+        next_tokens: list[int | None] = [None] * len(chunks)
+        if not run:
+            return next_tokens
+        positions = [self._prompt_logprob_positions(c) for c in run]
+        with_prompt = getattr(self.runner, "run_with_prompt_logits", None)  # ModelRunner (all layers)
+        if any(positions) and with_prompt is not None:
+            logits, extra = with_prompt(run, positions)
+            for j, err in self._add_prompt_logprobs(run, positions, extra).items():
+                errors[idx[j]] = err
+        else:
+            logits = self.runner.run(run)
+        rows = [j for j, c in enumerate(run) if c.samples and idx[j] not in errors]
+        if rows and logits is None:  # a later pipeline stage samples: placeholder tokens here
+            for j in rows:
+                next_tokens[idx[j]] = 0
+        elif rows:
+            assert logits is not None
+            picked = logits if len(rows) == len(run) else logits[rows]  # decode: every row samples
+            got = sample_batch(picked, [run[j].request for j in rows])
+            for j, t, lp, bad in zip(rows, got.tokens, got.logprobs, got.errors, strict=True):
+                if bad is not None:
+                    errors[idx[j]] = bad
+                    continue
+                next_tokens[idx[j]] = t
+                if lp is not None:
+                    run[j].request.output_logprobs.append(lp)
+        return next_tokens
+
+    def _fail_rows(
+        self, sched: SchedulerOutput, outputs: list[RequestOutput], errors: dict[int, str]
+    ) -> SchedulerOutput:
+        """Fail the requests of the rows in `errors` alone (pages freed); the step without them."""
+        if not errors:
+            return sched
+        for i, err in sorted(errors.items()):
+            log.warning("request %s failed alone in its step: %s", sched.chunks[i].request.request_id, err)
+        rest, failed = self.scheduler.fail_rows(sched, errors)
+        if self.speculator is not None:
+            for r in failed:
+                self.speculator.forget(r.request_id)
+        outputs.extend(RequestOutput.of(r, 0) for r in failed)
+        return rest
 
     def _fail_step(self, sched: Any, outputs: list[RequestOutput], e: Exception, what: str) -> list[RequestOutput]:
         """A step raised: its requests finish with the error and their pages (and draft state) come back."""
@@ -489,6 +537,11 @@ class Engine:
             produced = self.speculator.run(chunks)
         except Exception as e:  # the step failed: its requests finish with the error, pages come back
             return self._fail_step(sched, outputs, e, "speculative")
+        errors = dict(self.speculator.errors)
+        if errors:
+            produced = [t for i, t in enumerate(produced) if i not in errors]
+            sched = self._fail_rows(sched, outputs, errors)
+            chunks = sched.chunks
         for c in chunks:
             if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
                 self._decode_tokens += 1 + c.num_draft
@@ -523,8 +576,13 @@ class Engine:
         return list(range(max(c.start, len(req.prompt_logprobs)), min(c.end, req.num_prompt_tokens - 1)))
 
     @staticmethod
-    def _add_prompt_logprobs(chunks: Sequence[Any], positions: list[list[int]], extra: list[torch.Tensor]) -> None:
-        for c, pos, lg in zip(chunks, positions, extra, strict=True):
+    def _add_prompt_logprobs(
+        chunks: Sequence[Any], positions: list[list[int]], extra: list[torch.Tensor]
+    ) -> dict[int, str]:
+        """Prompt logprobs of each chunk; a chunk whose logits cannot give them (NaN) is returned by index with its
+        error (that request fails alone)."""
+        errors: dict[int, str] = {}
+        for j, (c, pos, lg) in enumerate(zip(chunks, positions, extra, strict=True)):
             if not pos:
                 continue
             req = c.request
@@ -533,7 +591,11 @@ class Engine:
                     f"{req.request_id}: prompt logprobs from position {pos[0]}, has {len(req.prompt_logprobs)}"
                 )
             k = int(req.params.prompt_logprobs or 0)
-            req.prompt_logprobs.extend(prompt_token_logprobs(lg, req.prompt_ids, pos, k))
+            try:
+                req.prompt_logprobs.extend(prompt_token_logprobs(lg, req.prompt_ids, pos, k))
+            except Exception as e:
+                errors[j] = f"prompt logprobs failed: {type(e).__name__}: {e}"
+        return errors
 
     def generate(
         self,

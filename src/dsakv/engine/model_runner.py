@@ -22,6 +22,7 @@ import torch
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hisparse import HiSparsePool
 from dsakv.engine.scheduler import ScheduledChunk
+from dsakv.errors import CapacityError
 from dsakv.model.batch import ForwardBatch
 from dsakv.util import ceil_div
 
@@ -133,17 +134,33 @@ def logits_at(
 
 class HiSparseRunner(ModelRunner):
     """ModelRunner on a HiSparsePool: before each step the pool admits / grows the step's requests and releases
-    those no longer `running` (finished, aborted, preempted); slots are the pool's logical slots."""
+    those no longer `running` (finished, aborted, preempted); slots are the pool's logical slots.
+
+    The engine calls prepare_rows(chunks) first: a row the pool cannot take (no free hot buffer) is returned with
+    its error and that request fails alone; run() then takes the other rows, already prepared."""
 
     def __init__(self, model: StepModel, pool: HiSparsePool, running: Callable[[], Iterable[str]]) -> None:
         self.model = model
         self.pool = pool  # type: ignore[assignment]
         self.hisparse = pool
         self.running = running
+        self._prepared: list[str] | None = None  # the request ids of the rows prepare_rows kept, until run()
+
+    def prepare_rows(self, chunks: Sequence[ScheduledChunk]) -> dict[int, str]:
+        """Admit / grow the step's rows in the pool; the rows that cannot be (by index) with their error."""
+        entries = [(c.request.request_id, c.request.page_ids, c.start, c.end) for c in chunks]
+        failed = self.hisparse.prepare(entries, self.running()) or {}
+        self._prepared = [c.request.request_id for i, c in enumerate(chunks) if i not in failed]
+        return {i: f"HiSparse admission failed: {type(e).__name__}: {e}" for i, e in failed.items()}
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
-        entries = [(c.request.request_id, c.request.page_ids, c.start, c.end) for c in chunks]
-        self.hisparse.prepare(entries, self.running())
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared == [c.request.request_id for c in chunks]:
+            return
+        failed = self.prepare_rows(chunks)
+        self._prepared = None
+        if failed:
+            raise CapacityError(next(iter(failed.values())))
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
         self._prepare(chunks)

@@ -367,8 +367,18 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def _slots_taken(self) -> int:
+        """Running sequences, counting the sequences 1.. of running n > 1 requests that join them at their fork."""
+        return len(self.running) + sum(len(r.forks) for r in self.running)
+
+    def _fits_running(self, req: Request) -> bool:
+        """req (and its n - 1 other sequences) may join the running set: within max_running_requests, or alone
+        (an n above the cap runs by itself; an engine with a hard cap, HiSparse, refuses such an n on add)."""
+        taken = self._slots_taken()
+        return taken + 1 + len(req.forks) <= self.max_running_requests or taken == 0
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.ready and budget > 0 and len(self.running) < self.max_running_requests:
+        while self.ready and budget > 0 and self._fits_running(self.ready[0]):
             req = self.ready[0]
             if self._grow(req, 1, partial=False) == 0:
                 break
@@ -380,7 +390,7 @@ class Scheduler:
                 drafts = self._grow_drafts(req, min(self.draft_lookahead(req), budget - 1))
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1, drafts))
             budget -= 1 + drafts
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+        while self.waiting and budget > 0 and self._fits_running(self.waiting[0]):
             req = self.waiting[0]
             cached_pages: IntArray = np.zeros(0, dtype=np.int64)
             cached = 0
@@ -598,6 +608,19 @@ class Scheduler:
                 self._finish(req, FinishReason.ERROR, error)
                 failed.append(req)
         return failed
+
+    def fail_rows(self, out: SchedulerOutput, errors: dict[int, str]) -> tuple[SchedulerOutput, list[Request]]:
+        """One row's failure (its logits, penalties, sampling, logprobs, admission) fails that request alone:
+        chunk i of `out` with errors[i] finishes with reason 'error' and frees its pages (none go to the prefix
+        cache); returns `out` without those chunks (the rest of the step goes on) and the failed requests."""
+        failed = []
+        for i, error in sorted(errors.items()):
+            req = out.chunks[i].request
+            if req.status is RequestStatus.RUNNING:
+                self._finish(req, FinishReason.ERROR, error)
+                failed.append(req)
+        kept = [c for i, c in enumerate(out.chunks) if i not in errors]
+        return SchedulerOutput(kept, out.preempted), failed
 
     # ---- integrity --------------------------------------------------------------------------------
 

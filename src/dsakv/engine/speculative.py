@@ -42,7 +42,7 @@ import torch
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
 from dsakv.engine.request import Request
-from dsakv.engine.sampling import filter_logits, sample, token_seed
+from dsakv.engine.sampling import SamplingError, filter_logits, sample, token_seed
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
@@ -142,11 +142,18 @@ def _gen(seed: int, salt: int, index: int, device: torch.device) -> torch.Genera
 
 
 def _draw(logits: torch.Tensor, req: Request, index: int) -> tuple[int, torch.Tensor | None]:
-    """A draft token for output index `index`: argmax (greedy), or a draw from the filtered draft distribution."""
+    """A draft token for output index `index`: argmax (greedy), or a draw from the filtered draft distribution.
+    A draft is only a proposal: where the draft's logits give no distribution (NaN), it proposes their argmax
+    with a point-mass q (rejection sampling stays exact for any q), never failing the request."""
     if req.params.greedy:
-        return int(logits.argmax()), None
-    q = torch.softmax(filter_logits(logits, req.params), dim=-1)
-    tok = int(torch.multinomial(q, 1, generator=_gen(req.sampling_seed, DRAFT_SALT, index, q.device)).item())
+        return int(torch.nan_to_num(logits.float(), nan=float("-inf")).argmax()), None
+    try:
+        q = torch.softmax(filter_logits(logits, req.params), dim=-1)
+        tok = int(torch.multinomial(q, 1, generator=_gen(req.sampling_seed, DRAFT_SALT, index, q.device)).item())
+    except (SamplingError, RuntimeError):
+        tok = int(torch.nan_to_num(logits.float(), nan=float("-inf")).argmax())
+        q = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        q[tok] = 1.0
     return tok, q
 
 
@@ -159,6 +166,8 @@ def accept_tokens(req: Request, drafts: list[int], qs: list[torch.Tensor | None]
     """
     k = len(drafts)
     base = req.num_output_tokens
+    if bool(torch.isnan(logits).any()):
+        raise SamplingError(f"the target's logits hold NaN at {int(torch.isnan(logits).sum())} values")
     if req.params.greedy:
         target = logits.argmax(dim=-1).tolist()
         out: list[int] = []
@@ -250,6 +259,7 @@ class Speculator:
         self.max_seq_len = max_seq_len
         self.poison_rejected = poison_rejected
         self.states: dict[str, DraftState] = {}
+        self.errors: dict[int, str] = {}  # the last run()'s failed rows (chunk index -> error): they failed alone
         self.stats = SpecStats()
         self._access = PoolAccess(pool)
 
@@ -294,28 +304,33 @@ class Speculator:
             carry = self.target.stage_forward(batch, self.pool)
             hidden = self.target.model.norm(carry.hidden)
         produced: list[list[int]] = []
+        self.errors = {}
         t0 = 0
-        for c, r, d, q in zip(chunks, rows, drafts, qs, strict=True):
+        for i, (c, r, d, q) in enumerate(zip(chunks, rows, drafts, qs, strict=True)):
             t1 = t0 + len(r.ids)
+            toks: list[int] = []
             if c.samples:
                 with torch.inference_mode():
                     logits = self.target.lm_head(hidden[t1 - len(d) - 1 : t1]).float()
-                if d:
-                    toks = accept_tokens(c.request, d, q, logits)
+                try:  # one row's logits, penalties or draws fail that request alone (Engine fails it)
+                    toks = accept_tokens(c.request, d, q, logits) if d else sample(logits[-1:], [c.request])
+                except Exception as e:
+                    self.errors[i] = f"{type(e).__name__}: {e}"
+                if d and toks:
                     self.stats.verify_steps += 1
                     self.stats.draft_tokens += len(d)
                     self.stats.accepted_tokens += len(toks) - 1
                     self.stats.emitted_tokens += len(toks)
-                else:
-                    toks = sample(logits[-1:], [c.request])
-                produced.append(toks)
-            else:
-                produced.append([])
+            produced.append(toks)
             r.t0 = t0
             t0 = t1
-        self._extend(chunks, rows, hidden, produced)
+        ok = [i for i in range(len(chunks)) if i not in self.errors]
+        if ok:
+            self._extend([chunks[i] for i in ok], [rows[i] for i in ok], hidden, [produced[i] for i in ok])
         if self.poison_rejected:
-            self._poison(chunks, produced)
+            self._poison([chunks[i] for i in ok], [produced[i] for i in ok])
+        for i in self.errors:
+            self.forget(chunks[i].request.request_id)
         return produced
 
     def _chain(

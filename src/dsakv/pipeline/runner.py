@@ -12,7 +12,7 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.model_runner import build_batch, logits_at
-from dsakv.engine.sampling import sample
+from dsakv.engine.sampling import sample_batch
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.engine.speculative import draft_prefill
 from dsakv.model.dsa_model import DSAModel
@@ -94,7 +94,9 @@ class PipelineRunner(Generic[M]):
         after it is the first token, drawn here as the Engine draws it next (the request's seeded stream)."""
         assert self.ctx.draft is not None
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        firsts = dict(zip(rows, sample(logits[rows], [chunks[i].request for i in rows]), strict=True)) if rows else {}
+        # a row that cannot be sampled drafts after token 0 (the Engine fails that request alone right after)
+        toks = sample_batch(logits[rows], [chunks[i].request for i in rows]).tokens if rows else []
+        firsts = dict(zip(rows, toks, strict=True))
         after = [firsts[i] if i in firsts else c.request.token_ids(c.end, c.end + 1)[0] for i, c in enumerate(chunks)]
         out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, hidden, after)
         for i in rows:

@@ -393,48 +393,62 @@ class HiSparsePool:
 
     def prepare(
         self, entries: Sequence[tuple[RequestId, Sequence[int], int, int]], running: Iterable[RequestId]
-    ) -> None:
+    ) -> dict[int, Exception]:
         """Before a step: `entries` = (request id, its page ids in token order, chunk start, chunk end) per batch row.
 
         Requests admitted but neither in `running` nor in this step are released (finished, aborted, preempted).
         A row whose request is not admitted, or whose start / last held page differ from what the pool holds
         (recomputed after a preemption), is (re)admitted with its first `start` tokens and its newest page loaded
-        from the host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows."""
+        from the host; then every row grows to `end` tokens. Starts a step of stats; step_access() takes these rows.
+
+        A row that cannot be admitted or grown (no free hot buffer: CapacityError; pages outside the pool) is
+        released and left out of the step: the failures are returned by row index, the step is the other rows."""
         self.begin_step()
         self._flush()
         live = set(running)
         live.update(e[0] for e in entries)
         for rid in [r for r in self._reqs if r not in live]:
             self.release(rid)
-        n = len(entries)
         rids: list[RequestId] = []
-        blocks = np.empty(n, dtype=np.int64)
-        lengths = np.empty(n, dtype=np.int64)
+        blocks: list[int] = []
+        lengths: list[int] = []
         page_lists = []
+        failed: dict[int, Exception] = {}
         for i, (rid, page_ids, start, end) in enumerate(entries):
-            need = ceil_div(end, self.page_size)
-            req = self._reqs.get(rid)
-            if req is not None:
-                held = req.pages.size
-                # the same request, one chunk on: its length and pages are the ones held (else recomputed after
-                # a preemption, on other pages: start again); the held pages compared by their last one
-                if req.length != start or held > need or (held and int(page_ids[held - 1]) != int(req.pages[-1])):
-                    self.release(rid)
-                    req = None
-            if req is None:
-                pages = np.asarray(page_ids[:need], dtype=np.int64)
-                self.admit(rid, pages[: ceil_div(start, self.page_size)], start)
-                self.load_newest(rid)
-                req = self._reqs[rid]
-            held = req.pages.size
-            self.grow(rid, end, page_ids[held:need] if need > held else ())
+            try:
+                req = self._prepare_row(rid, page_ids, start, end)
+            except (CapacityError, IndexError, ValueError) as e:
+                self.release(rid)
+                failed[i] = e
+                continue
             rids.append(rid)
-            blocks[i], lengths[i] = req.block, end
+            blocks.append(req.block)
+            lengths.append(end)
             page_lists.append(req.pages)
-        table = np.full((n, max((p.size for p in page_lists), default=0)), -1, dtype=np.int64)
+        table = np.full((len(rids), max((p.size for p in page_lists), default=0)), -1, dtype=np.int64)
         for i, p in enumerate(page_lists):
             table[i, : p.size] = p
-        self._step = _StepRows(rids, blocks, lengths, table)
+        self._step = _StepRows(rids, np.asarray(blocks, dtype=np.int64), np.asarray(lengths, dtype=np.int64), table)
+        return failed
+
+    def _prepare_row(self, rid: RequestId, page_ids: Sequence[int], start: int, end: int) -> _Request:
+        need = ceil_div(end, self.page_size)
+        req = self._reqs.get(rid)
+        if req is not None:
+            held = req.pages.size
+            # the same request, one chunk on: its length and pages are the ones held (else recomputed after
+            # a preemption, on other pages: start again); the held pages compared by their last one
+            if req.length != start or held > need or (held and int(page_ids[held - 1]) != int(req.pages[-1])):
+                self.release(rid)
+                req = None
+        if req is None:
+            pages = np.asarray(page_ids[:need], dtype=np.int64)
+            self.admit(rid, pages[: ceil_div(start, self.page_size)], start)
+            self.load_newest(rid)
+            req = self._reqs[rid]
+        held = req.pages.size
+        self.grow(rid, end, page_ids[held:need] if need > held else ())
+        return req
 
     def step_access(
         self, extend_lens: torch.Tensor, positions: torch.Tensor, device: torch.device | None = None

@@ -17,6 +17,7 @@ Imports torch, dsakv.{cache, engine, model} and dsakv.disagg; never serve or cli
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,13 +38,15 @@ from dsakv.disagg.protocol.rpc import Rpc
 from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
 from dsakv.engine.request import Request, TokenLogprobs
-from dsakv.engine.sampling import prompt_token_logprobs, sample_with_logprobs
+from dsakv.engine.sampling import prompt_token_logprobs, sample_batch
 from dsakv.engine.speculative import draft_prefill
 from dsakv.model.dsa_model import StageCarry
 from dsakv.pipeline.batch import decode_batch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
 from dsakv.util import ceil_div
+
+log = logging.getLogger(__name__)
 
 
 class PipelineFollower:
@@ -60,6 +63,7 @@ class PipelineFollower:
             self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)
         self.replayed = {"offload_pages": 0, "load_pages": 0}
+        self._row_errors: dict[str, str] = {}  # request id -> its own error, failed at its last chunk
         model_dir = ctx.cfg.model
         self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(model_dir)) if model_dir else ()  # min_tokens masks them
 
@@ -92,12 +96,27 @@ class PipelineFollower:
             ctx.counters["steps"] += 1
             for row in meta.seqs:
                 job = ctx.jobs.get(row.rid)
-                if row.last and job is not None:
+                why = self._row_errors.pop(row.rid, None) if row.last else None
+                if why is not None and job is not None:
+                    self._fail_row(job, why)
+                elif row.last and job is not None:
                     ctx.jobs.move(job, Phase.TRANSFERRING)
                     src = row.pages[: ceil_div(job.prompt_len, ctx.page_size)]
                     tok, lps = firsts.get(row.rid, (None, None))
                     plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
                     ctx.sender.queue(Transfer(job, src, tok, lps, plps, draft_hidden=drafts.get(row.rid)))
+
+    def _fail_row(self, job: StageJob, why: str) -> None:
+        """One request's row failed on this stage (its prompt logprobs, its first token): that request alone fails
+        (decode is told) and this stage's part of it is done (stage 0 frees its pages once its own transfer
+        reported); the pipeline goes on. Called at the request's last chunk, when stage 0 is transferring it."""
+        ctx = self.ctx
+        log.warning("prefill %s stage %d: request %s failed alone: %s", ctx.name, ctx.rank, job.rid, why)
+        self.mirror.release(job.rid)
+        ctx.fail(job, f"prefill {ctx.name} stage {ctx.rank}: {why}")
+        stage0 = ctx.group.peer_info.get(0, {}).get("rpc")
+        if stage0:
+            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank))
 
     def _draft(
         self, batch: Any, carry: StageCarry, seqs: list[StepRow], firsts: dict[str, tuple[int, TokenLogprobs | None]]
@@ -120,6 +139,7 @@ class PipelineFollower:
     def _book(self, meta: StepMsg) -> None:
         ctx = self.ctx
         for rid in meta.drop:
+            self._row_errors.pop(rid, None)
             job = ctx.jobs.get(rid)
             if job is not None and not job.transferring:
                 ctx.jobs.move(job, Phase.DONE)
@@ -173,7 +193,10 @@ class PipelineFollower:
         for job, row, pos in want:
             assert job.prompt_ids is not None
             k = int(job.params.prompt_logprobs or 0)
-            job.prompt_logprobs.extend(prompt_token_logprobs(logits[index[id(row)]], job.prompt_ids, pos, k))
+            try:
+                job.prompt_logprobs.extend(prompt_token_logprobs(logits[index[id(row)]], job.prompt_ids, pos, k))
+            except Exception as e:  # this request alone fails, at its last chunk (_fail_row)
+                self._row_errors.setdefault(job.rid, f"prompt logprobs failed: {type(e).__name__}: {e}")
 
     def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Last stage: the first generated token (and its logprobs) of every sequence whose prompt completed this
@@ -198,8 +221,14 @@ class PipelineFollower:
                     )
         if not rows:
             return {}
-        toks, lps = sample_with_logprobs(carry.logits[rows], reqs)
-        return {req.request_id: (int(t), lp) for req, t, lp in zip(reqs, toks, lps, strict=True)}
+        got = sample_batch(carry.logits[rows], reqs)
+        firsts = {}
+        for req, t, lp, err in zip(reqs, got.tokens, got.logprobs, got.errors, strict=True):
+            if err is not None:  # its own error: that request fails alone (iteration -> _fail_row)
+                self._row_errors.setdefault(req.request_id, f"first token: {err}")
+            elif req.request_id not in self._row_errors:
+                firsts[req.request_id] = (int(t), lp)
+        return firsts
 
     def on_transferred(self, job: StageJob, ok: bool) -> None:
         ctx = self.ctx
@@ -217,6 +246,7 @@ class PipelineFollower:
         ctx = self.ctx
         with self.lock:
             self.mirror.set_cached(())
+            self._row_errors.clear()
             for job in ctx.jobs.values():
                 if not job.transferring:
                     self.mirror.release(job.rid)
