@@ -71,3 +71,22 @@ def test_generate_text_prompt_with_a_tokenizer(tmp_path, capsys: pytest.CaptureF
         want = want[: want.index(1) + 1]
     assert row["output_ids"] == want
     assert row["text"] == " ".join(f"w{t}" if t > 2 else ["<bos>", "<eos>", "[UNK]"][t] for t in want)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [["--temperature", "1e-40"], ["--temperature", "1e-300"], ["--temperature", "1", "--top-p", "1e-300"]],
+)
+def test_generate_extreme_sampling_values_give_the_greedy_ids(
+    sampling: list[str], capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A temperature that underflows fp32 or a top_p below its smallest value is a point mass on the argmax:
+    the greedy ids, exit 0, and no traceback logged (it was a failed step and a traceback)."""
+    (p0,) = prompts_for([7], seed=9)
+    argv = ["generate", "--model", str(tiny_path("glm_moe_dsa")), "--prompt-ids", ",".join(map(str, p0))]
+    argv += ["--max-new-tokens", "6", "--ignore-eos", "--seed", "3", "--threads", "1", "--json", *sampling]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["output_ids"] for r in rows] == [hf_greedy("glm_moe_dsa", tuple(p0), 6)]
+    assert "error" not in rows[0]
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
