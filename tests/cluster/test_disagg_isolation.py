@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, wait_for
-from dsakv.disagg.messages import fetch_health
+from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
-from engine_support import prompts_for, tiny_model, tiny_path
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, wait_for
+from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(400)]
 
