@@ -6,10 +6,12 @@ after every step)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.loader import load_draft, load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.testing.engines import prompts_for, tiny_model
+from dsakv.testing.servers import MODEL, live_server, make_engine
 
 NEW = 6
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -210,3 +213,48 @@ def test_plain_model_runner_is_unchanged_by_the_wrapper() -> None:
     eng2 = _engine("plain")
     eng2.runner = _NaNRows(eng2.runner, "nobody", after=0)
     assert eng2.generate([PROMPTS[0]], GREEDY)[0] == ref
+
+
+def test_http_each_poison_with_four_concurrent_normal_requests() -> None:
+    """Over the colocated OpenAI API (a live server): each poison gets 200 with finite logprobs (it was a 500
+    "Out of range float values", or every co-batched request failed) or a 400 naming the values; the 4 normal
+    requests sent with it return exactly their solo tokens; no page is held afterwards."""
+
+    def body(prompt: Sequence[int], **kw: Any) -> dict[str, Any]:
+        return {"model": MODEL, "prompt": list(prompt), "max_tokens": NEW, "ignore_eos": True, **kw}
+
+    normal = [
+        body(PROMPTS[i], temperature=0) if i < 3 else body(PROMPTS[i], temperature=0.9, seed=11) for i in range(4)
+    ]
+    poisons = {
+        "temperature_1e-40": body(PROMPTS[4], temperature=1e-40, logprobs=5),
+        "top_p_1e-300": body(PROMPTS[4], temperature=1.0, top_p=1e-300, seed=1, logprobs=5),
+        "repetition_penalty_1e-300": body(PROMPTS[4], temperature=0.8, repetition_penalty=1e-300, seed=1, logprobs=5),
+    }
+    eng = make_engine()
+    vocab = eng.spec.vocab_size
+    cover = body(PROMPTS[4], temperature=1.0, min_tokens=3, stop_token_ids=list(range(vocab)))
+    with live_server(eng) as (srv, _), httpx.Client(base_url=srv.url, timeout=120) as c:
+
+        def post(b: dict[str, Any]) -> httpx.Response:
+            return c.post("/v1/completions", json=b)
+
+        solo = [post(b).json()["choices"][0]["token_ids"] for b in normal]
+        greedy = post(body(PROMPTS[4], temperature=0)).json()["choices"][0]["token_ids"]
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            for name, poison in [*poisons.items(), ("cover", cover)]:
+                futs = [pool.submit(post, b) for b in [poison, *normal]]
+                r, *rest = [f.result() for f in futs]
+                assert [x.json()["choices"][0]["token_ids"] for x in rest] == solo, name
+                if name == "cover":
+                    assert r.status_code == 400 and "cover all" in r.json()["error"]["message"], r.text
+                    continue
+                assert r.status_code == 200, (name, r.text)
+                (choice,) = r.json()["choices"]
+                assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == NEW, name
+                lps = choice["logprobs"]
+                assert all(math.isfinite(v) for v in lps["token_logprobs"]), (name, lps)
+                assert all(math.isfinite(v) for top in lps["top_logprobs"] for v in top.values()), (name, lps)
+                if name != "repetition_penalty_1e-300":
+                    assert choice["token_ids"] == greedy, name
+        assert eng.stats().pages_free == eng.allocator.num_pages

@@ -104,9 +104,9 @@ def _tempered(x: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool = False) -> torch.Tensor:
     """One row of logits -> temperature-scaled logits (already scaled if `scaled`) with top-k / top-p rejects
     set to -inf (the most likely token always stays). Finite for any accepted temperature; NaN logits raise
-    SamplingError."""
+    SamplingError (`scaled` logits are process_logits' rows: checked there, once per batch)."""
     x = logits.float()
-    if bool(torch.isnan(x).any()):
+    if not scaled and bool(torch.isnan(x).any()):
         raise SamplingError(f"the model's logits hold NaN at {int(torch.isnan(x).sum())} of {x.numel()} tokens")
     x = x.clamp(max=_F32.max)
     if not scaled and params.temperature != 1.0:
