@@ -333,10 +333,14 @@ def l3(args: argparse.Namespace) -> None:
     layout = options.layout_config(args).layout(spec)
     n = args.l3_pages
     nbytes = n * layout.bytes_per_page
+    from dsakv.util.secret import write_secret
+
     master = MasterProcess().start()
     holder = StoreHolder(master.address, max(4 * nbytes, 64 << 20))
-    try:
-        cfg = StorageConfig(backend="mooncake", master=master.address, timeout=30.0)
+    secret_dir = tempfile.TemporaryDirectory()
+    try:  # the deployment's secret keys the pages' MACs
+        secret = write_secret(Path(secret_dir.name) / "cluster.secret")
+        cfg = StorageConfig(backend="mooncake", master=master.address, timeout=30.0, secret_file=str(secret))
         # a device pool of 1 page: the bandwidth part moves host <-> store only
         hc = HiCache(
             DevicePool(layout, 1),
@@ -379,13 +383,14 @@ def l3(args: argparse.Namespace) -> None:
         print(f"  {'raw batch_get_into':<24} load {nbytes / t_raw / 1e9:7.2f} GB/s")
         print(
             f"  {'dsakv L3 load':<24} load {nbytes / t_dsakv / 1e9:7.2f} GB/s ({t_raw / t_dsakv:5.2f}x raw; "
-            "existence query + records + checksums included)"
+            "existence query + records + checksums + MACs included)"
         )
         hc.close()
         _l3_ttft(args, cfg)
     finally:
         holder.close()
         master.stop()
+        secret_dir.cleanup()
 
 
 def _l3_ttft(args: argparse.Namespace, cfg: object) -> None:

@@ -24,8 +24,9 @@ in the same order, the same reason strings and counters, the same files. A read 
 read-only mapping of the file straight into the host segments with its word sum added in the same pass
 (DSAKV_DISK_READ=preadv: preadv windows instead); a file truncated under the mapping is refused ("the file shrank
 while it was read"), not a crash; the MACs are then checked here over the segments (hashlib's HMAC, the GIL
-released), as a write computes them before the native call. DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS
-spread a batch over threads, its MACs too (default 1); DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of
+released, over base.MAC_THREADS threads), as a write computes them before the native call.
+DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch's copies over threads (default 1);
+DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of
 the next page file during a read (off by default: it measured slower, warm and cold).
 Imports numpy and dsakv.spec/cache.
 """
@@ -281,7 +282,7 @@ class FileStore(StorageBackend):
             tag = uuid.uuid4().hex[:8]
             names = b"".join(f"{hashes[i][:2]}/{hashes[i]}.page\0".encode() for i in todo)
             tmps = b"".join(f"{hashes[i][:2]}/.{hashes[i]}.{tag}.tmp\0".encode() for i in todo)
-            macs = self.page_macs([hashes[i] for i in todo], [pages[i] for i in todo], WRITE_THREADS)
+            macs = self.page_macs([hashes[i] for i in todo], [pages[i] for i in todo])
             heads = bytearray(b"".join(self.meta(hashes[i], 0, m) for i, m in zip(todo, macs, strict=True)))
             counts = [len(pages[i]) for i in todo]
             segoff = np.zeros(n + 1, dtype=np.int64)
@@ -394,7 +395,7 @@ class FileStore(StorageBackend):
                 if not ok_stamp[i]:
                     self._forget(h)
         tags = [bytes(heads[i, META_MAC_AT:]) for i in range(k)]
-        good = self.first_forged(hashes[:k], pages[:k], tags, READ_THREADS)
+        good = self.first_forged(hashes[:k], pages[:k], tags)
         if good < k:  # a page whose word sum held but its MAC did not: swapped words, forged
             self._junk(self.path(hashes[good]), "MAC mismatch")
             return good, "MAC mismatch"
