@@ -26,8 +26,8 @@ read-only mapping of the file straight into the host segments with its word sum 
 while it was read"), not a crash; the MACs are then checked here over the segments (hashlib's HMAC, the GIL
 released, over base.MAC_THREADS threads), as a write computes them before the native call.
 DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch's copies over threads (default 1);
-DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of
-the next page file during a read (off by default: it measured slower, warm and cold).
+DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by default: it
+measured slower, warm and cold).
 Imports numpy and dsakv.spec/cache.
 """
 
@@ -93,7 +93,7 @@ class FileStore(StorageBackend):
         assert config.dir is not None
         self.dir = Path(config.dir) / self.layout_id
         self.file_bytes = META.size + self.page_bytes  # one page file on disk
-        max_bytes = config.max_bytes  # (the key: tier_key, from the base class)
+        max_bytes = config.max_bytes
         if max_bytes is not None and max_bytes < self.file_bytes:
             raise ConfigError(
                 f"disk tier size cap {max_bytes} B cannot hold one page file of {self.file_bytes} B "
@@ -255,10 +255,10 @@ class FileStore(StorageBackend):
 
     def _put_native(self, ext: ctypes.CDLL, hashes: list[str], pages: list[Segments], keep: set[str]) -> int | None:
         """put's writes in one C call (native.py's write_pages, the GIL released): the same pages as the Python
-        loop (the cap's evictions decided first, page by page, as it does), each a temporary file written
-        (the MACs first, here; in C the word sum, then record + payload in one pwritev; WRITE_WINDOW > 0:
-        windows) and renamed into place. Pages
-        written, or None (no directory: the Python path)."""
+        loop (the cap's evictions decided first, page by page, as it does), their MACs computed here into the
+        records, then in C each a temporary file written (the word sum, then record + payload in one pwritev;
+        WRITE_WINDOW > 0: windows) and renamed into place. Pages written, or None (no directory: the Python
+        path)."""
         todo: list[int] = []
         seen: set[str] = set()
         for i, h in enumerate(hashes):
