@@ -114,3 +114,32 @@ def _at(addr: int, n: int) -> np.ndarray:
     import ctypes
 
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+
+
+def test_threaded_macs_work_in_a_forked_child() -> None:
+    """The MAC threads are the process's own: a child forked after the parent used them (their threads do not
+    survive a fork) gets a pool of its own and the same MACs, instead of waiting on dead threads."""
+    key = os.urandom(32)
+    _, segs = _pages(4)
+    hashes = [f"{i:064x}" for i in range(4)]
+    want = PageMac(key).macs("0123456789abcdef", hashes, segs, 2)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once, whatever happens
+        try:
+            ok = PageMac(key).macs("0123456789abcdef", hashes, segs, 2) == want
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        import select
+
+        ready, _, _ = select.select([r], [], [], 120)
+        got = os.read(r, 1) if ready else b""
+    finally:
+        os.close(r)
+        if not got:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert got == b"1"

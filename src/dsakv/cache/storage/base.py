@@ -69,7 +69,7 @@ MAC_DOMAIN = b"dsakv-page-mac-v3\0"
 KEY_FILE = ".dsakv-page-key"  # the disk tier's key, in its directory
 # threads that hash one batch's pages (hashlib releases the GIL while it hashes; ~1.5-2 GB/s each with SHA-NI)
 MAC_THREADS = max(1, int(os.environ.get("DSAKV_PAGE_MAC_THREADS", "0")) or min(4, os.cpu_count() or 1))
-_mac_pool: ThreadPoolExecutor | None = None  # shared by every tier of the process
+_mac_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool) shared by every tier of the process
 _mac_lock = threading.Lock()
 
 
@@ -225,9 +225,9 @@ class PageMac:
         if threads <= 1 or len(pages) <= 1:
             return [self.mac(layout_id, h, segs) for h, segs in zip(hashes, pages, strict=True)]
         with _mac_lock:
-            if _mac_pool is None:
-                _mac_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="dsakv-page-mac")
-            pool = _mac_pool
+            if _mac_pool is None or _mac_pool[0] != os.getpid():  # a forked child gets its own (threads do not fork)
+                _mac_pool = (os.getpid(), ThreadPoolExecutor(max_workers=16, thread_name_prefix="dsakv-page-mac"))
+            pool = _mac_pool[1]
         per = -(-len(pages) // min(threads, 16))  # contiguous shares, one a thread
         shares = [(hashes[i : i + per], pages[i : i + per]) for i in range(0, len(pages), per)]
         out: list[bytes] = []
