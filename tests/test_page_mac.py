@@ -143,3 +143,21 @@ def test_threaded_macs_work_in_a_forked_child() -> None:
             os.kill(pid, 9)
         os.waitpid(pid, 0)
     assert got == b"1"
+
+
+def test_old_format_page_files_are_deleted_at_start_up_unread(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A page file of the previous format (DSAKVPG2: a 104 B record, no MAC) named like one of this layout's
+    pages: start-up deletes it as "old format" (never indexed, never read); the page is then a miss."""
+    import logging
+
+    a = _store(tmp_path)
+    h = a.page_hashes(np.arange(4) + 2)[0]
+    p = a.path(h)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"DSAKVPG2" + a.layout_id.encode() + h.encode() + bytes(16) + bytes(LAYOUT.bytes_per_page))
+    with caplog.at_level(logging.WARNING, logger="dsakv.cache.storage.file"):
+        b = _store(tmp_path)
+    assert not p.exists() and b.junk_deleted == 1 and not b.contains(h)
+    assert "of an old format (DSAKVPG2)" in caplog.text
+    _, out = _pages(1)
+    assert b.get([h], out).reason == "missing"

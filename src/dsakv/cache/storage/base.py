@@ -67,8 +67,20 @@ MAC_BYTES = 32
 OLD_FORMATS = {b"DSAKVPG1": 96, b"DSAKVPG2": 104}  # older records (magic: record bytes): refused, never read
 MAC_DOMAIN = b"dsakv-page-mac-v3\0"
 KEY_FILE = ".dsakv-page-key"  # the disk tier's key, in its directory
-# threads that hash one batch's pages (hashlib releases the GIL while it hashes; ~1.5-2 GB/s each with SHA-NI)
-MAC_THREADS = max(1, int(os.environ.get("DSAKV_PAGE_MAC_THREADS", "0")) or min(4, os.cpu_count() or 1))
+
+
+def _mac_threads() -> int:
+    """Threads that hash one batch's pages (hashlib releases the GIL while it hashes; ~1.5-2 GB/s each with
+    SHA-NI): $DSAKV_PAGE_MAC_THREADS, default min(4, cores)."""
+    raw = os.environ.get("DSAKV_PAGE_MAC_THREADS", "").strip()
+    if not raw:
+        return min(4, os.cpu_count() or 1)
+    if not raw.isdigit() or not 1 <= int(raw) <= 16:
+        raise ConfigError(f"DSAKV_PAGE_MAC_THREADS={raw!r} must be a whole number of threads in 1..16 (or unset)")
+    return int(raw)
+
+
+MAC_THREADS = _mac_threads()
 _mac_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool) shared by every tier of the process
 _mac_lock = threading.Lock()
 
