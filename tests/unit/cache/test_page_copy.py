@@ -185,14 +185,17 @@ def test_native_map_sum_one_pass_copy_exact(tmp_path):
 # ---- the disk tier's batch read (FileStore.get): the native one-call path against the Python one ----------
 
 
-@pytest.fixture(params=["native-mmap", "native-preadv", "native-2-threads", "python"])
+@pytest.fixture(params=["native-mmap", "native-preadv", "native-2-threads", "native-one-call", "python"])
 def disk_path(request, monkeypatch):
+    """native-one-call: one C call per batch, then its MACs; the other native paths: chunks, each chunk's MACs on
+    a MAC thread while the next is read (whatever this machine's core count)."""
     from dsakv.cache.storage import file as file_mod
 
     if request.param == "python":
         monkeypatch.setattr(native, "_LIB", False)
     elif native.lib() is None:
         pytest.skip("no C compiler: the native path is not built")
+    monkeypatch.setattr(file_mod, "MAC_THREADS", 1 if request.param == "native-one-call" else 2)
     monkeypatch.setattr(file_mod, "READ_MAP", request.param != "native-preadv")
     monkeypatch.setattr(file_mod, "READ_THREADS", 2 if request.param == "native-2-threads" else 1)
     return request.param

@@ -211,6 +211,16 @@ def old_format(size_or_magic: int | bytes, payload_bytes: int) -> str:
     return ""
 
 
+def mac_pool() -> ThreadPoolExecutor:
+    """The process's MAC threads (16 at most; a forked child makes its own: threads do not survive a fork). A
+    task on it must not wait on another task on it."""
+    global _mac_pool
+    with _mac_lock:
+        if _mac_pool is None or _mac_pool[0] != os.getpid():
+            _mac_pool = (os.getpid(), ThreadPoolExecutor(max_workers=16, thread_name_prefix="dsakv-page-mac"))
+        return _mac_pool[1]
+
+
 class PageMac:
     """The keyed MAC of stored pages: HMAC-SHA256(key, MAC_DOMAIN | layout_id | h | u64 payload bytes | payload),
     the payload being the page's segments laid end to end (the same bytes whatever the host layout). OpenSSL's
@@ -232,14 +242,10 @@ class PageMac:
         return m.digest()
 
     def macs(self, layout_id: str, hashes: list[str], pages: list[Segments], threads: int = 0) -> list[bytes]:
-        global _mac_pool
         threads = threads or MAC_THREADS
         if threads <= 1 or len(pages) <= 1:
             return [self.mac(layout_id, h, segs) for h, segs in zip(hashes, pages, strict=True)]
-        with _mac_lock:
-            if _mac_pool is None or _mac_pool[0] != os.getpid():  # a forked child gets its own (threads do not fork)
-                _mac_pool = (os.getpid(), ThreadPoolExecutor(max_workers=16, thread_name_prefix="dsakv-page-mac"))
-            pool = _mac_pool[1]
+        pool = mac_pool()
         per = -(-len(pages) // min(threads, 16))  # contiguous shares, one a thread
         shares = [(hashes[i : i + per], pages[i : i + per]) for i in range(0, len(pages), per)]
         out: list[bytes] = []

@@ -40,6 +40,7 @@ import stat
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from itertools import chain
 from pathlib import Path
 
@@ -48,6 +49,7 @@ import numpy as np
 from dsakv.cache import native
 from dsakv.cache.storage.base import (
     CHECKSUM_MIX,
+    MAC_THREADS,
     META,
     META_ID_BYTES,
     META_MAC_AT,
@@ -60,6 +62,7 @@ from dsakv.cache.storage.base import (
     StorageError,
     directory_key,
     finish_checksum,
+    mac_pool,
     mview,
     old_format,
     page_checksum,
@@ -81,6 +84,7 @@ WRITE_WINDOW = int(os.environ.get("DSAKV_DISK_WRITE_WINDOW", "0"))
 READ_MAP = os.environ.get("DSAKV_DISK_READ", "mmap") != "preadv"  # copy from a mapping (one pass) or preadv
 # posix_fadvise(WILLNEED) of the next page file while one is read: off, it measured slower warm and cold
 READ_ADVISE = os.environ.get("DSAKV_DISK_READ_ADVISE", "0") == "1"
+READ_CHUNKS = 8  # with MAC threads, a batch read in this many C calls, each chunk's MACs checked during the next
 
 
 @STORAGE_BACKENDS.register("file")
@@ -356,16 +360,27 @@ class FileStore(StorageBackend):
         """The whole batch in one C call (native.py's read_pages, the GIL released): per page open, the same checks
         as _read_one (regular file, size, header, word sum) on the payload copied into the segments (from a
         mapping, or preadv), and the LRU stamp of the pages read; then the MAC of each page read, here, over its
-        segments (the records come back from C). (pages read and verified, why the next one was not) or None (no
-        directory: the Python path)."""
+        segments (the records come back from C). With MAC threads the batch goes in READ_CHUNKS calls instead,
+        each chunk's MACs checked on a MAC thread while C reads the next (the first failure wins, as in one
+        call). (pages read and verified, why the next one was not) or None (no directory: the Python path)."""
         n = len(hashes)
         try:
             dirfd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError:
             return None
+        # with MAC threads, the batch in chunks: chunk i's MACs are checked on them while C reads chunk i + 1
+        chunk = n if MAC_THREADS <= 1 else max(1, -(-n // READ_CHUNKS))
+        checks: list[Future[int] | int] = []  # per chunk: its first forged page (index in the batch), or n if none
+        k = 0
+
+        def first_forged(lo: int, hi: int, tags: list[bytes], threads: int = 0) -> int:
+            f = lo + self.first_forged(hashes[lo:hi], pages[lo:hi], tags, threads)
+            return f if f < hi else n
+
         try:
             names = b"".join(f"{h[:2]}/{h}.page\0".encode() for h in hashes)
             expect = b"".join(self.meta(h, 0)[:META_ID_BYTES] for h in hashes)
+            name_len, id_len = len(names) // n, META_ID_BYTES
             counts = [len(segs) for segs in pages]
             segoff = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=segoff[1:])
@@ -375,17 +390,35 @@ class FileStore(StorageBackend):
             ok_stamp = np.zeros(n, dtype=np.uint8)
             detail = np.zeros(2, dtype=np.int64)
             heads = np.zeros((n, META.size), dtype=np.uint8)
-            k = int(
-                ext.dsakv_read_pages(
-                    dirfd, n, names, len(names) // n, expect, META_ID_BYTES, META.size, self.file_bytes, CHECKSUM_MIX,
-                    segoff.ctypes.data, flat.ctypes.data, int(READ_ADVISE), int(READ_MAP), READ_THREADS,
-                    stamps.ctypes.data, ok_stamp.ctypes.data, detail.ctypes.data, heads.ctypes.data,
-                )
-            )  # fmt: skip
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                off = np.ascontiguousarray(segoff[lo : hi + 1] - segoff[lo])
+                got = int(
+                    ext.dsakv_read_pages(
+                        dirfd, hi - lo, names[lo * name_len : hi * name_len], name_len,
+                        expect[lo * id_len : hi * id_len], META_ID_BYTES, META.size, self.file_bytes, CHECKSUM_MIX,
+                        off.ctypes.data, flat[2 * int(segoff[lo]) :].ctypes.data, int(READ_ADVISE), int(READ_MAP),
+                        READ_THREADS, stamps[lo:hi].ctypes.data, ok_stamp[lo:hi].ctypes.data, detail.ctypes.data,
+                        heads[lo:hi].ctypes.data,
+                    )
+                )  # fmt: skip
+                if got < 0:
+                    raise StorageError(f"disk tier: native batch read failed: {os.strerror(-got)}")
+                k = lo + got
+                if got:
+                    tags = [bytes(heads[i, META_MAC_AT:]) for i in range(lo, k)]
+                    if chunk == n:
+                        checks.append(first_forged(lo, k, tags))
+                    else:  # one thread a chunk (a task on the pool must not wait on the pool), MAC_THREADS at once
+                        busy = [c for c in checks if isinstance(c, Future) and not c.done()]
+                        if len(busy) >= MAC_THREADS:
+                            busy[0].result()
+                        checks.append(mac_pool().submit(first_forged, lo, k, tags, 1))
+                if got < hi - lo or any(isinstance(c, Future) and c.done() and c.result() < n for c in checks):
+                    break
         finally:
             os.close(dirfd)
-        if k < 0:
-            raise StorageError(f"disk tier: native batch read failed: {os.strerror(-k)}")
+            forged = [c if isinstance(c, int) else c.result() for c in checks]  # every MAC task done, even on error
         if k:
             self._last_ns = max(self._last_ns, now + n - 1)
         for i in range(k - 1, -1, -1):  # the LRU order touch() gives: the chain's first page most recent
@@ -394,9 +427,8 @@ class FileStore(StorageBackend):
                 self._lru.move_to_end(h)
                 if not ok_stamp[i]:
                     self._forget(h)
-        tags = [bytes(heads[i, META_MAC_AT:]) for i in range(k)]
-        good = self.first_forged(hashes[:k], pages[:k], tags)
-        if good < k:  # a page whose word sum held but its MAC did not: swapped words, forged
+        good = min([k, *forged])  # the first page whose word sum held but its MAC did not (k: none)
+        if good < k:
             self._junk(self.path(hashes[good]), "MAC mismatch")
             return good, "MAC mismatch"
         if k == n:
