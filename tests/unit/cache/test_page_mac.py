@@ -73,7 +73,7 @@ def test_disk_key_file_is_made_once_mode_600_and_checked(tmp_path: Path) -> None
 def test_page_file_under_another_key_is_refused(tmp_path: Path) -> None:
     """Page files copied from another directory (its own key) into this one, byte for byte: each is refused as
     "MAC mismatch", counted corrupt and deleted; this directory's own pages read back exactly."""
-    _, segs = _pages(3)
+    src_host, segs = _pages(3)  # (the hosts keep the pages alive)
     src, dst = _store(tmp_path / "a"), _store(tmp_path / "b")
     hashes = src.page_hashes(np.arange(12) % 5 + 2)
     assert src.put(hashes, segs) == 3
@@ -82,7 +82,7 @@ def test_page_file_under_another_key_is_refused(tmp_path: Path) -> None:
         dst.path(h).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src.path(h), dst.path(h))
     dst2 = _store(tmp_path / "b")  # indexes the copied files at start-up (they look like pages)
-    _, out = _pages(3, seed=9)
+    dst_host, out = _pages(3, seed=9)
     res = dst2.get(hashes, out)
     assert (res.n, res.reason, res.corrupt, dst2.corrupt_pages) == (0, "MAC mismatch", 1, 1)
     assert not dst2.path(hashes[0]).exists() and dst2.path(hashes[1]).exists()
@@ -91,7 +91,7 @@ def test_page_file_under_another_key_is_refused(tmp_path: Path) -> None:
 
 def test_batch_macs_on_threads_equal_the_reference_hmac(tmp_path: Path) -> None:
     key = os.urandom(32)
-    _, segs = _pages(7)
+    host, segs = _pages(7)
     m = PageMac(key)
     lid = "0123456789abcdef"
     hashes = [f"{i:064x}" for i in range(7)]
@@ -116,35 +116,6 @@ def _at(addr: int, n: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
 
 
-def test_threaded_macs_work_in_a_forked_child() -> None:
-    """The MAC threads are the process's own: a child forked after the parent used them (their threads do not
-    survive a fork) gets a pool of its own and the same MACs, instead of waiting on dead threads."""
-    key = os.urandom(32)
-    _, segs = _pages(4)
-    hashes = [f"{i:064x}" for i in range(4)]
-    want = PageMac(key).macs("0123456789abcdef", hashes, segs, 2)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report and leave at once, whatever happens
-        try:
-            ok = PageMac(key).macs("0123456789abcdef", hashes, segs, 2) == want
-            os.write(w, b"1" if ok else b"0")
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        import select
-
-        ready, _, _ = select.select([r], [], [], 120)
-        got = os.read(r, 1) if ready else b""
-    finally:
-        os.close(r)
-        if not got:
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    assert got == b"1"
-
-
 def test_old_format_page_files_are_deleted_at_start_up_unread(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A page file of the previous format (DSAKVPG2: a 104 B record, no MAC) named like one of this layout's
     pages: start-up deletes it as "old format" (never indexed, never read); the page is then a miss."""
@@ -159,5 +130,5 @@ def test_old_format_page_files_are_deleted_at_start_up_unread(tmp_path: Path, ca
         b = _store(tmp_path)
     assert not p.exists() and b.junk_deleted == 1 and not b.contains(h)
     assert "of an old format (DSAKVPG2)" in caplog.text
-    _, out = _pages(1)
+    host, out = _pages(1)
     assert b.get([h], out).reason == "missing"
