@@ -10,8 +10,9 @@ scattered pages of a HostPool (each layout) and loaded back, and the same number
 plain contiguous tensor copy, in the same process, interleaved round by round (best of --repeat): GB/s of each
 and the ratio to the plain copy. Then the disk tier (the `file` backend) on the same scattered host pages:
 FileStore.get against one plain read of one file of the same bytes (page cache warm; with --disk-cold also
-dropped before every read, on both sides alike) and FileStore.put against one plain write of one new file of the
-same bytes, wall-time and CPU-time ratios (see disk_reads).
+dropped before every read, on both sides alike; and the pages' MACs alone, what get spends on them) and
+FileStore.put against one plain write of one new file of the same bytes, wall-time and CPU-time ratios (see
+disk_reads).
 
 Part 2 (workload): the tiny checkpoint (made in a temp dir unless --ckpt is given) serves `--sessions`
 conversations of `--turns` turns each, round robin; every turn's prompt is the session's whole history plus
@@ -181,6 +182,12 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
                 assert wstore.put(hashes, pages) == n
 
             reads[name], writes[name], writes_store[name] = get, put, wstore
+            if hasattr(store, "page_macs"):  # the page MACs alone (HMAC-SHA256 of the same bytes), as get checks them
+
+                def macs(store=store, pages=pages) -> None:
+                    assert len(store.page_macs(hashes, pages)) == n
+
+                reads[f"{name} MAC only"] = macs
         modes = ["warm"] + (["cold"] if args.disk_cold else [])
         wall: dict[tuple[str, str], float] = {}
         cpu: dict[tuple[str, str], float] = {}
@@ -195,6 +202,8 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
         for _ in range(args.repeat):
             for mode in modes:
                 for k, fn in reads.items():
+                    if mode == "cold" and k.endswith("MAC only"):
+                        continue
                     if mode == "cold":
                         _drop_cache(files[k])
                     timed((mode, k), fn)
@@ -221,12 +230,14 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
         )
         tag = f"read_{mode}" if mode != "write" else "write"
         out[f"plain_{tag}_gbps"] = nbytes / t_plain / 1e9
-        for name in sorted(hosts):
+        names = sorted(hosts) + sorted(k for k in reads if k.endswith("MAC only") and mode == "warm")
+        for name in names:
             t, c = wall[mode, name], cpu[mode, name]
             cpu_x = "" if mode == "cold" else f", CPU time {c_plain / c:4.2f}x"  # cold: the wait is I/O, not CPU
+            label, what = (name, "HMAC-SHA256 of the host pages") if "MAC" in name else (name + " disk tier", "")
             print(
-                f"  {name + ' disk tier':<24} {op}   {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain{cpu_x}; "
-                f"{n} page files, header + checksum; {mode})"
+                f"  {label:<24} {op}   {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain{cpu_x}; "
+                f"{what or f'{n} page files, record + checks'}; {mode})"
             )
             out[f"{name}_{tag}_x_plain"] = t_plain / t
             if mode != "cold":
@@ -333,10 +344,14 @@ def l3(args: argparse.Namespace) -> None:
     layout = options.layout_config(args).layout(spec)
     n = args.l3_pages
     nbytes = n * layout.bytes_per_page
+    from dsakv.util.secret import write_secret
+
     master = MasterProcess().start()
     holder = StoreHolder(master.address, max(4 * nbytes, 64 << 20))
-    try:
-        cfg = StorageConfig(backend="mooncake", master=master.address, timeout=30.0)
+    secret_dir = tempfile.TemporaryDirectory()
+    try:  # the deployment's secret keys the pages' MACs
+        secret = write_secret(Path(secret_dir.name) / "cluster.secret")
+        cfg = StorageConfig(backend="mooncake", master=master.address, timeout=30.0, secret_file=str(secret))
         # a device pool of 1 page: the bandwidth part moves host <-> store only
         hc = HiCache(
             DevicePool(layout, 1),
@@ -379,13 +394,14 @@ def l3(args: argparse.Namespace) -> None:
         print(f"  {'raw batch_get_into':<24} load {nbytes / t_raw / 1e9:7.2f} GB/s")
         print(
             f"  {'dsakv L3 load':<24} load {nbytes / t_dsakv / 1e9:7.2f} GB/s ({t_raw / t_dsakv:5.2f}x raw; "
-            "existence query + records + checksums included)"
+            "existence query + records + checksums + MACs included)"
         )
         hc.close()
         _l3_ttft(args, cfg)
     finally:
         holder.close()
         master.stop()
+        secret_dir.cleanup()
 
 
 def _l3_ttft(args: argparse.Namespace, cfg: object) -> None:

@@ -24,7 +24,7 @@ pytest.importorskip("mooncake.store")
 
 from dsakv.cache.hicache import HiCache, HiCacheConfig  # noqa: E402
 from dsakv.cache.storage import StorageConfig  # noqa: E402
-from dsakv.cache.storage.base import META, META_MAGIC, chain_hashes  # noqa: E402
+from dsakv.cache.storage.base import META, META_MAGIC, chain_hashes, finish_checksum  # noqa: E402
 from dsakv.cache.storage.master import MasterProcess, free_port  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
@@ -143,7 +143,7 @@ def test_foreign_layout_forged_and_corrupt_objects_are_refused(store: str) -> No
     raw.remove(keys[3], True)
     assert raw.put(keys[3], b"\0" * (LAYOUT.bytes_per_page + 8)) == 0
     raw.remove(keys[2] + ".meta", True)
-    forged = META.pack(META_MAGIC, b"0123456789abcdef", hashes[2].encode(), LAYOUT.bytes_per_page, 0)
+    forged = META.pack(META_MAGIC, b"0123456789abcdef", hashes[2].encode(), LAYOUT.bytes_per_page, 0, bytes(32))
     assert raw.put(keys[2] + ".meta", forged) == 0
     good = bytearray(raw.get(keys[1]))
     good[100] ^= 0x10
@@ -161,6 +161,96 @@ def test_foreign_layout_forged_and_corrupt_objects_are_refused(store: str) -> No
     assert (m.disk_pages, h3.cache.stats.storage_refused_pages) == (2, 1)
     for c in (h.cache, h2.cache, h3.cache):
         c.check_integrity()
+        c.close()
+
+
+def _resum(payload: bytes) -> int:
+    """The plain word sum (page_checksum) of a payload, recomputed as a forger would."""
+    w = np.frombuffer(payload + bytes(-len(payload) % 8), dtype=np.uint64)
+    return finish_checksum(int(w.sum(dtype=np.uint64)), len(payload))
+
+
+def _forge(raw: Any, key: str, payload: bytes, mac: bytes | None = None) -> None:
+    """Objects written under a real page's key by a client without the secret: `payload`, and a record of the
+    genuine identity with the plain checksum recomputed for it (and the genuine record's MAC, or `mac`)."""
+    magic, lid, hh, nbytes, _, genuine = META.unpack(bytes(raw.get(key + ".meta")))
+    raw.remove(key, True)
+    raw.remove(key + ".meta", True)
+    assert raw.put(key, payload) == 0
+    assert raw.put(key + ".meta", META.pack(magic, lid, hh, nbytes, _resum(payload), mac or genuine)) == 0
+
+
+def _swapped(payload: bytes) -> bytes:
+    """Two different u64 words of `payload` exchanged: the same word sum, other bytes."""
+    w = np.frombuffer(payload, dtype=np.uint64, count=len(payload) // 8).copy()
+    j = next(j for j in range(1, w.size) if w[j] != w[0])
+    w[0], w[j] = w[j], w[0]
+    out = w.tobytes() + payload[8 * w.size :]
+    assert out != payload and _resum(out) == _resum(payload)
+    return out
+
+
+def test_forged_objects_with_a_recomputed_checksum_are_refused(store: str) -> None:
+    """A client of the master without the secret rewrites real pages' objects: page 1 with two words swapped,
+    page 2 with a wholly other payload, each with its record's plain checksum recomputed (page 1 keeps the
+    genuine MAC, page 2 a made-up one). Both are refused ("MAC mismatch"), counted as corrupt, dropped from the
+    store, never loaded (the loaded rows are checked byte for byte), and the recomputed pages are written back."""
+    a = _toks(21, 17)  # 4 pages
+    h = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    h.run(a)
+    st = h.cache.storage
+    assert st is not None
+    keys = [st.key(x) for x in st.page_hashes(a)]  # type: ignore[attr-defined]
+    raw = _raw(h)
+    genuine = [bytes(raw.get(k)) for k in keys]
+    _forge(raw, keys[1], _swapped(genuine[1]))
+    _forge(raw, keys[2], bytes(len(genuine[2])), mac=b"\x5a" * 32)
+    for stage, (loaded, forged_at) in enumerate([(1, 1), (2, 2)]):
+        h2 = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+        m = h2.run(a)  # the rows loaded are the genuine ones (checked in run); the forged page stops the load
+        s = h2.cache.stats
+        assert (m.disk_pages, s.disk_hit_tokens, s.storage_corrupt_pages, s.storage_refused_pages) == (
+            loaded,
+            4 * loaded,
+            1,
+            0,
+        ), stage
+        assert bytes(raw.get(keys[forged_at])) == genuine[forged_at]  # dropped, then written back by the compute
+        h2.cache.check_integrity()
+        h2.cache.close()
+    h3 = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    assert h3.run(a).disk_pages == 4 and h3.cache.stats.storage_corrupt_pages == 0
+    for c in (h.cache, h3.cache):
+        c.close()
+
+
+def test_pages_are_keyed_by_the_deployment_secret(store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another deployment's secret on the same master names other objects (its key id): it reads none of this
+    one's pages and drops none; no secret at all is refused with the flag that gives one."""
+    from dsakv.util.secret import SECRET_ENV, write_secret
+
+    a = _toks(22, 13)  # 3 pages
+    h = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    h.run(a)
+    other = write_secret(tmp_path / "other.secret")
+    h2 = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store, secret_file=str(other)))
+    assert h2.cache.storage is not None and h.cache.storage is not None
+    assert h2.cache.storage.key(h2.cache.storage.page_hashes(a)[0]) != h.cache.storage.key(  # type: ignore[attr-defined]
+        h.cache.storage.page_hashes(a)[0]
+    )
+    m = h2.run(a)
+    assert (m.disk_pages, h2.cache.stats.storage_corrupt_pages, h2.cache.stats.disk_write_pages) == (0, 0, 3)
+    h3 = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    assert h3.run(a).disk_pages == 3 and h3.cache.stats.storage_corrupt_pages == 0
+    monkeypatch.delenv(SECRET_ENV)
+    with pytest.raises(ConfigError, match="--hicache-storage-secret-file PATH"):
+        Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
+    loose = tmp_path / "loose.secret"
+    write_secret(loose)
+    loose.chmod(0o644)
+    with pytest.raises(ConfigError, match=f"chmod 600 {loose}"):
+        Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store, secret_file=str(loose)))
+    for c in (h.cache, h2.cache, h3.cache):
         c.close()
 
 
@@ -223,6 +313,29 @@ def test_engine_l3_hits_identical_across_instances_and_restart(tiny_dir: Path, s
     s = b.cache_stats()
     assert s is not None and (s["disk_hit_tokens"], s["device_hit_tokens"]) == (96, 0)
     b.prefix_cache.close()  # type: ignore[union-attr]
+
+
+def test_engine_forged_l3_objects_never_change_a_token(tiny_dir: Path, store: str) -> None:
+    """Page 1 of each prompt rewritten in the store with two words swapped and the plain checksum recomputed:
+    a restarted engine refuses both (counted), and its tokens, and the next restart's (every page a hit again),
+    are exactly the no-tier run's."""
+    rng = np.random.default_rng(23)
+    prompts = [rng.integers(2, 500, 49).tolist() for _ in range(2)]
+    base = [_engine(tiny_dir).generate([p], SP)[0] for p in prompts]
+    kw = {"hicache_ratio": 2.0, "hicache_storage": _cfg(store)}
+    a = _engine(tiny_dir, **kw)
+    assert [a.generate([p], SP)[0] for p in prompts] == base
+    st: Any = a.prefix_cache.storage  # type: ignore[union-attr]
+    for p in prompts:
+        key = st.key(st.page_hashes(p)[1])
+        _forge(st._store, key, _swapped(bytes(st._store.get(key))))
+    a.prefix_cache.close()  # type: ignore[union-attr]
+    for corrupt, hits in [(2, 2 * 4), (0, 96)]:  # page 0 of each, then (rewritten genuine) all 12 of each
+        b = _engine(tiny_dir, **kw)
+        assert [b.generate([p], SP)[0] for p in prompts] == base
+        s = b.cache_stats()
+        assert s is not None and (s["storage_corrupt_pages"], s["disk_hit_tokens"]) == (corrupt, hits)
+        b.prefix_cache.close()  # type: ignore[union-attr]
 
 
 def test_master_killed_mid_load_then_back(tiny_dir: Path, tmp_path: Path) -> None:

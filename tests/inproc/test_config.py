@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dsakv.cache.storage import StorageConfig
 from dsakv.cli import options
 from dsakv.cli.disagg_roles import prefill_config
 from dsakv.cli.main import build_parser
@@ -64,6 +65,15 @@ def test_engine_argv_reads_back_into_the_same_tree():
     assert _serve(*argv).engine == cfg
     budget = EngineConfig(pool=PoolConfig(kv_budget=3 << 20), cache=CacheConfig(disk_dir="/tmp/d", disk_size=5))
     assert _serve(*options.engine_argv(budget)).engine == budget
+    # the shared tier's secret file (keys its page MACs) travels as a path; --cluster-secret-file is its default
+    st = StorageConfig(backend="mooncake", master="127.0.0.1:50051", secret_file="/tmp/deploy.secret")
+    l3 = EngineConfig(cache=CacheConfig(hicache_ratio=2.0, storage=st))
+    argv = options.engine_argv(l3)
+    assert argv[argv.index("--hicache-storage-secret-file") + 1] == "/tmp/deploy.secret"
+    assert _serve(*argv).engine == l3
+    argv[argv.index("--hicache-storage-secret-file") : argv.index("--hicache-storage-secret-file") + 2] = []
+    assert _serve(*argv).engine.cache.storage.secret_file is None  # type: ignore[union-attr]
+    assert _serve(*argv, "--cluster-secret-file", "/tmp/c.secret").engine.cache.storage.secret_file == "/tmp/c.secret"  # type: ignore[union-attr]
 
 
 def test_flat_engine_options_are_the_same_tree():

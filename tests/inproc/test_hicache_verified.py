@@ -46,8 +46,30 @@ def _pages(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*.page") if p.is_file())
 
 
-@pytest.mark.parametrize("damage", ["flip", "nan"])
+def _same_sum_damage(b: bytearray, how: str, i: int) -> None:
+    """Damage a position-blind word sum cannot see: two payload words swapped, or bit 0 set in one word and
+    cleared in another (two compensating flips)."""
+    nw = (len(b) - META.size) // 8
+    w = np.frombuffer(bytes(b), dtype=np.uint64, count=nw, offset=META.size).copy()
+    before = int(w.sum(dtype=np.uint64))
+    if how == "swap":
+        j, k = 3 + i, nw // 2 + i
+        k = next(x for x in range(k, nw) if w[x] != w[j])
+        w[j], w[k] = w[k], w[j]
+    else:
+        j = next(x for x in range(3 + i, nw) if w[x] & 1 == 0)
+        k = next(x for x in range(nw // 2, nw) if w[x] & 1 == 1)
+        w[j] ^= np.uint64(1)
+        w[k] ^= np.uint64(1)
+    assert int(w.sum(dtype=np.uint64)) == before
+    b[META.size : META.size + 8 * nw] = w.tobytes()
+
+
+@pytest.mark.parametrize("damage", ["flip", "nan", "swap", "compensating"])
 def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, damage: str) -> None:
+    """Damaged page 1 of each of 3 chains: any damage (a flip, a NaN, and what a word sum cannot see: swapped
+    words, compensating flips) is refused and counted; tokens are exactly the no-tier run's, before, after and
+    across restarts."""
     prompts = _prompts()
     base = [Engine(tiny_dir, page_size=PS, max_tokens=80).generate([p], SP)[0] for p in prompts]
     first = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path)
@@ -59,8 +81,10 @@ def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, d
         b = bytearray(p.read_bytes())
         if damage == "flip":
             b[META.size + 17 + i] ^= 0x01
-        else:  # an fp32 NaN over the first KV value (the header stays valid)
+        elif damage == "nan":  # an fp32 NaN over the first KV value (the header stays valid)
             b[META.size : META.size + 4] = np.array([np.nan], dtype=np.float32).tobytes()
+        else:
+            _same_sum_damage(b, damage, i)
         p.write_bytes(bytes(b))
     second = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path, check_every_step=True)
     assert [second.generate([p], SP)[0] for p in prompts] == base
@@ -69,10 +93,11 @@ def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, d
     assert s is not None and (s["storage_corrupt_pages"], s["disk_hit_tokens"], s["disk_read_pages"]) == (3, 12, 3)
     assert second.prefix_cache.disk.corrupt_pages == 3  # type: ignore[union-attr]
     assert all(p.exists() for p in bad)  # deleted, then written back by the recompute
-    third = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path)
-    assert [third.generate([p], SP)[0] for p in prompts] == base
-    s = third.cache_stats()
-    assert s is not None and (s["storage_corrupt_pages"], s["disk_hit_tokens"]) == (0, 3 * 32)
+    for _ in range(2):  # restarted twice: every page (the rewritten ones too) loads, the same tokens
+        third = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path)
+        assert [third.generate([p], SP)[0] for p in prompts] == base
+        s = third.cache_stats()
+        assert s is not None and (s["storage_corrupt_pages"], s["disk_hit_tokens"]) == (0, 3 * 32)
 
 
 @pytest.mark.timeout(60)
@@ -166,7 +191,10 @@ def test_fingerprint_covers_every_byte_and_is_cached_by_file_identity(tiny_dir: 
         fingerprint.tensors_digest = real  # type: ignore[assignment]
 
 
-def test_mid_tensor_weight_change_invalidates_stored_pages(tiny_dir: Path, tmp_path: Path) -> None:
+def test_same_size_same_mtime_rewrite_invalidates_stored_pages(tiny_dir: Path, tmp_path: Path) -> None:
+    """One value mid-tensor rewritten in place, the file's size and mtime (os.utime) restored: a new weights
+    fingerprint (inode, size, mtime and ctime name a file's content; ctime moved), so the old weights' pages are
+    never read and the tokens are the new weights' exactly."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -182,7 +210,15 @@ def test_mid_tensor_weight_change_invalidates_stored_pages(tiny_dir: Path, tmp_p
     w = tensors[key].clone()
     w.view(-1)[w.numel() // 2] += 0.5
     tensors[key] = w
-    save_file(tensors, f, metadata={"format": "pt"})
+    before = f.stat()
+    data = tmp_path / "rewritten.safetensors"
+    save_file(tensors, data, metadata={"format": "pt"})
+    with open(f, "r+b") as out:  # in place: the same inode, the same size
+        out.write(data.read_bytes())
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = f.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert f.read_bytes() == data.read_bytes()
     new_base = [Engine(ckpt, page_size=PS, max_tokens=80).generate([p], SP)[0] for p in prompts]
     second = Engine(ckpt, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path / "disk")
     assert [second.generate([p], SP)[0] for p in prompts] == new_base

@@ -6,9 +6,13 @@ not a sample), so the same weights give the same fingerprint however they were l
 loaded in another dtype (other KV) give another.
 
 Computed once per checkpoint: with the model's directory, the value is cached by the identity of its
-*.safetensors files (resolved path, size, mtime_ns each) and the dtype, in-process and in
-$DSAKV_CACHE_DIR/fingerprints.json (default ~/.cache/dsakv), so a restarted server does not re-hash; a
-rewritten file has a new identity and is hashed again. Imports torch lazily; must not import model or engine.
+*.safetensors files and the dtype, in-process and in $DSAKV_CACHE_DIR/fingerprints.json (default ~/.cache/dsakv),
+so a restarted server does not re-hash. The identity is everything that changes when a file's content can have:
+resolved path, device, inode, size, mtime_ns and ctime_ns of each file (ctime moves on every write and on every
+utime, so a rewrite that restores size and mtime is still a new identity; mtime alone is never trusted). The
+loader records the identity it read (`LOADED_IDENTITY` on the model, taken before and checked after the read):
+a checkpoint changed since, or while, it was loaded is hashed from memory and not cached. Imports torch lazily;
+must not import model or engine.
 """
 
 from __future__ import annotations
@@ -56,12 +60,16 @@ def _save_disk_cache(key: str, value: str) -> None:
         log.debug("cannot write %s: %s", p, e)
 
 
+LOADED_IDENTITY = "dsakv_checkpoint_identity"  # the model attribute the loader sets (file_identity as read)
+
+
 def file_identity(model_dir: str | Path) -> str:
-    """(resolved path, size, mtime_ns) of each *.safetensors file of a checkpoint, as one string ('' if none)."""
+    """(resolved path, device, inode, size, mtime_ns, ctime_ns) of each *.safetensors file of a checkpoint, as
+    one string ('' if none)."""
     parts = []
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         st = f.stat()
-        parts.append(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}")
+        parts.append(f"{f.resolve()}|{st.st_dev}:{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}")
     return ";".join(parts)
 
 
@@ -79,8 +87,13 @@ def tensors_digest(model: Any) -> str:
 
 
 def weights_fingerprint(model: Any, model_dir: str | Path | None = None) -> str:
-    """16 hex chars naming `model`'s weights; cached by checkpoint file identity when `model_dir` is given."""
+    """16 hex chars naming `model`'s weights; cached by checkpoint file identity when `model_dir` is given (and,
+    for a model the loader read, the files are still the ones it read)."""
     ident = file_identity(model_dir) if model_dir is not None else ""
+    loaded = getattr(model, LOADED_IDENTITY, None)
+    if ident and loaded is not None and loaded != ident:
+        log.info("checkpoint %s changed since it was loaded: weights fingerprint hashed, not cached", model_dir)
+        ident = ""
     key = ""
     if ident:
         params = list(model.parameters()) if hasattr(model, "parameters") else []
@@ -96,6 +109,8 @@ def weights_fingerprint(model: Any, model_dir: str | Path | None = None) -> str:
     t0 = time.perf_counter()
     value = tensors_digest(model)[:16]
     log.info("weights fingerprint %s (every tensor hashed in %.2f s)", value, time.perf_counter() - t0)
+    if key and model_dir is not None and file_identity(model_dir) != ident:  # rewritten while hashed
+        key = ""
     if key:
         with _lock:
             _memo[key] = value

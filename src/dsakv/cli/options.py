@@ -131,6 +131,13 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     hc.add_argument("--mooncake-protocol", default="tcp", help="Mooncake transport: tcp (default) or rdma")
     hc.add_argument("--mooncake-device-names", default="", help="RDMA devices for --mooncake-protocol rdma")
     hc.add_argument(
+        "--hicache-storage-secret-file",
+        default=None,
+        metavar="PATH",
+        help="the deployment's secret that keys the shared tier's page MACs (a forged object is refused); "
+        "default: --cluster-secret-file, else $DSAKV_CLUSTER_SECRET_FILE. Every server sharing the store needs it",
+    )
+    hc.add_argument(
         "--hicache-storage-timeout",
         type=float,
         default=2.0,
@@ -351,6 +358,7 @@ def storage_config(args: argparse.Namespace) -> StorageConfig | None:
         device_names=args.mooncake_device_names,
         local_hostname=host if host and host not in ("0.0.0.0", "::", "localhost") else "127.0.0.1",
         timeout=args.hicache_storage_timeout,
+        secret_file=getattr(args, "hicache_storage_secret_file", None) or getattr(args, "cluster_secret_file", None),
     )
 
 

@@ -2,7 +2,8 @@
 
 Starts `mooncake_master` (RPC on --port, its HTTP metadata server on port + 1, metrics on port + 2, all on
 --host) and mounts --size of this process's memory into the store, so pages written by any server outlive it.
-Servers join with `--hicache-storage mooncake --mooncake-master HOST:PORT`. No torch.
+Servers join with `--hicache-storage mooncake --mooncake-master HOST:PORT` and the deployment's secret, which keys
+the pages' MACs (`--hicache-storage-secret-file PATH`, or $DSAKV_CLUSTER_SECRET_FILE). No torch.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = (
         "example:\n"
+        "  dsakv cluster-secret /tmp/cluster.secret\n"
         "  dsakv store-master --port 50051 --size 8GiB &\n"
         "  dsakv serve --model /tmp/tiny --hicache-ratio 2 --hicache-storage mooncake --mooncake-master "
-        "127.0.0.1:50051\n"
+        "127.0.0.1:50051 --hicache-storage-secret-file /tmp/cluster.secret\n"
     )
     p.add_argument("--host", default="127.0.0.1", help="address every listener binds to (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="master RPC port; metadata on port+1, metrics on port+2")

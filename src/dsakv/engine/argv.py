@@ -48,6 +48,7 @@ def engine_argv(cfg: EngineConfig, defaults: EngineConfig = EngineConfig()) -> l
         out += _opt("--mooncake-metadata", st.metadata) + ["--mooncake-segment-size", f"{st.segment_bytes}B"]
         out += ["--mooncake-protocol", st.protocol, "--hicache-storage-timeout", str(st.timeout)]
         out += _opt("--mooncake-device-names", st.device_names or None)
+        out += _opt("--hicache-storage-secret-file", st.secret_file)
     if cfg.dtype != defaults.dtype:
         out += ["--dtype", cfg.dtype]
     if cfg.speculative_num_steps != defaults.speculative_num_steps:

@@ -7,7 +7,7 @@ block-FP8 weights with `weight_scale_inv` (128 x 128 blocks) are dequantised; MT
 layers (index >= num_hidden_layers) are skipped by load_model and read by load_draft; a missing
 lm_head with tied embeddings reuses embed_tokens. Router weights, e_score_correction_bias and
 indexer.weights_proj stay float32 (transformers keeps them in fp32 too).
-Imports torch, safetensors, dsakv.spec and dsakv.model.
+Imports torch, safetensors, dsakv.spec, dsakv.cache.fingerprint and dsakv.model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dsakv.cache.fingerprint import LOADED_IDENTITY, file_identity
 from dsakv.errors import ConfigError
 from dsakv.model.config import DSAConfig
 from dsakv.model.dsa_model import DSAModel
@@ -152,7 +153,9 @@ def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple
     cfg = load_config(root)
     files = _safetensors_files(root)
     log.info("loading %s: %d safetensors file(s), dtype %s", root, len(files), dtype)
+    ident = file_identity(root)  # the files as read (a rewrite meanwhile: no trusted identity)
     model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name)
+    setattr(model, LOADED_IDENTITY, ident if file_identity(root) == ident else "")
     log.info(
         "loaded %s: %s, %d layers (%d producers), %.1fM parameters",
         root.name,

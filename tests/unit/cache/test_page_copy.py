@@ -185,14 +185,17 @@ def test_native_map_sum_one_pass_copy_exact(tmp_path):
 # ---- the disk tier's batch read (FileStore.get): the native one-call path against the Python one ----------
 
 
-@pytest.fixture(params=["native-mmap", "native-preadv", "native-2-threads", "python"])
+@pytest.fixture(params=["native-mmap", "native-preadv", "native-2-threads", "native-one-call", "python"])
 def disk_path(request, monkeypatch):
+    """native-one-call: one C call per batch, then its MACs; the other native paths: chunks, each chunk's MACs on
+    a MAC thread while the next is read (whatever this machine's core count)."""
     from dsakv.cache.storage import file as file_mod
 
     if request.param == "python":
         monkeypatch.setattr(native, "_LIB", False)
     elif native.lib() is None:
         pytest.skip("no C compiler: the native path is not built")
+    monkeypatch.setattr(file_mod, "MAC_THREADS", 1 if request.param == "native-one-call" else 2)
     monkeypatch.setattr(file_mod, "READ_MAP", request.param != "native-preadv")
     monkeypatch.setattr(file_mod, "READ_THREADS", 2 if request.param == "native-2-threads" else 1)
     return request.param
@@ -258,17 +261,41 @@ def _damage(store, h, how, good: bytes) -> str:
         return f"size {size - 1} B, not {size}"
     if how == "foreign":  # a genuine-looking record of another layout, its payload intact
         p.write_bytes(
-            META.pack(META_MAGIC, b"0123456789abcdef", h.encode(), DISK_LAYOUT.bytes_per_page, 0) + good[104:]
+            META.pack(META_MAGIC, b"0123456789abcdef", h.encode(), DISK_LAYOUT.bytes_per_page, 0, bytes(32))
+            + good[META.size :]
         )
         return f"identity 0123456789abcdef/{h[:12]} is not this page's"
     if how == "old-magic":
-        p.write_bytes(b"DSAKVPG1" + good[8:])
-        return "bad magic b'DSAKVPG1'"
+        p.write_bytes(b"DSAKVPG2" + good[8:])
+        return "old format (DSAKVPG2)"
+    if how == "old-format":  # a whole page file of the previous format (a 104 B record): never opened for its data
+        p.write_bytes(b"DSAKVPG2" + good[8:96] + good[96:104] + good[META.size :])
+        return "old format (DSAKVPG2)"
+    if how == "bad-magic":
+        p.write_bytes(b"NOTAPAGE" + good[8:])
+        return "bad magic b'NOTAPAGE'"
     if how == "flip":
         b = bytearray(good)
         b[META.size + 1234] ^= 0x20
         p.write_bytes(bytes(b))
         return "checksum mismatch"
+    if how in ("swap", "compensating"):  # damage a position-blind word sum cannot see: the MAC does
+        b = bytearray(good)
+        nw = (len(good) - META.size) // 8
+        w = np.frombuffer(good, dtype=np.uint64, count=nw, offset=META.size).copy()  # the payload's words
+        if how == "swap":  # two payload words exchanged: the same sum
+            i, j = 10, 200
+            assert w[i] != w[j]
+            w[i], w[j] = w[j], w[i]
+        else:  # bit 0 set in one word (+1) and cleared in another (-1): two bit flips, the same sum
+            k = next(k for k in range(10, nw) if w[k] & 1 == 0)
+            m = next(m for m in range(10, nw) if w[m] & 1 == 1)
+            w[k] ^= np.uint64(1)
+            w[m] ^= np.uint64(1)
+        b[META.size : META.size + 8 * nw] = w.tobytes()
+        assert _word_sum(bytes(b[META.size :])) == _word_sum(good[META.size :]) and bytes(b) != good
+        p.write_bytes(bytes(b))
+        return "MAC mismatch"
     if how == "fifo":
         p.unlink()
         os.mkfifo(p)
@@ -285,7 +312,19 @@ def _damage(store, h, how, good: bytes) -> str:
     return "cannot open: Too many levels of symbolic links"
 
 
-@pytest.mark.parametrize("how", ["missing", "truncated", "foreign", "old-magic", "flip", "fifo", "dir", "symlink"])
+def _word_sum(payload: bytes) -> int:
+    """The format's word sum (page_checksum) of a payload, from first principles: wrapping u64 sum ^ size mix."""
+    from dsakv.cache.storage.base import CHECKSUM_MIX
+
+    pad = payload + bytes(-len(payload) % 8)
+    total = int(np.frombuffer(pad, dtype=np.uint64).sum(dtype=np.uint64))
+    return (total ^ (len(payload) * CHECKSUM_MIX)) & (2**64 - 1)
+
+
+DAMAGES = ["missing", "truncated", "foreign", "old-magic", "old-format", "bad-magic", "flip", "swap", "compensating"]
+
+
+@pytest.mark.parametrize("how", [*DAMAGES, "fifo", "dir", "symlink"])
 def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
     """Page 2 of a 5-page chain damaged: pages 0-1 load with exact bytes, the read stops there with the same
     reason and counts on every path (native mmap / preadv / threads, Python), the bad file is deleted (a
@@ -298,10 +337,10 @@ def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
     why = _damage(store, hashes[2], how, bad.read_bytes())
     res = store.get(hashes, _segs(dst, DST_IDS))
     assert (res.n, res.reason) == (2, why)
-    corrupt = how == "flip"
+    corrupt = how in ("flip", "swap", "compensating")
     assert (res.corrupt, res.refused, res.missing) == (
         int(corrupt),
-        int(how not in ("flip", "missing")),
+        int(not corrupt and how != "missing"),
         int(how == "missing"),
     )
     assert store.corrupt_pages == int(corrupt)
@@ -332,9 +371,13 @@ def write_path(request, monkeypatch):
 
 def test_disk_tier_writes_the_same_file_bytes_on_every_path(write_path, monkeypatch, tmp_path):
     """put (native batch write, its threads, or the Python loop) writes byte-identical page files: header (magic,
-    layout id, hash, payload size, page_checksum) + the page's buffers in layout order; read back on the Python
-    path, each page's bytes are exact."""
-    from dsakv.cache.storage.base import META, META_MAGIC, page_checksum
+    layout id, hash, payload size, page_checksum, MAC) + the page's buffers in layout order, the MAC exactly
+    HMAC-SHA256(the directory's key file, domain | layout id | hash | u64 size | payload); read back on the
+    Python path, each page's bytes are exact."""
+    import hmac
+    import struct
+
+    from dsakv.cache.storage.base import KEY_FILE, MAC_DOMAIN, META, META_MAGIC, page_checksum
 
     src = _host("layer_first")
     store = _disk_store(tmp_path)
@@ -344,9 +387,13 @@ def test_disk_tier_writes_the_same_file_bytes_on_every_path(write_path, monkeypa
     assert sorted(p.name for p in store.dir.rglob("*") if p.is_file()) == sorted(f"{h}.page" for h in hashes)
     for h, i, sg in zip(hashes, SRC_IDS, segs, strict=True):
         payload = b"".join(src.view(b.key)[i].numpy().tobytes() for b in DISK_LAYOUT.buffers)
+        key = bytes.fromhex((tmp_path / KEY_FILE).read_text().strip())
+        ident = store.layout_id.encode() + h.encode() + struct.pack("<Q", len(payload))
+        mac = hmac.new(key, MAC_DOMAIN + ident + payload, "sha256").digest()
         head = META.pack(
-            META_MAGIC, store.layout_id.encode(), h.encode(), DISK_LAYOUT.bytes_per_page, page_checksum(sg)
+            META_MAGIC, store.layout_id.encode(), h.encode(), DISK_LAYOUT.bytes_per_page, page_checksum(sg), mac
         )
+        assert page_checksum(sg) == _word_sum(payload)
         assert store.path(h).read_bytes() == head + payload, h
     monkeypatch.setattr(native, "_LIB", False)
     dst = _host("page_first", fill=0)

@@ -193,7 +193,7 @@ class HiCacheStats:
     storage_failures: int = 0  # store calls that failed (a dead master, an I/O error): computed instead
     storage_timeouts: int = 0  # store calls abandoned at the deadline: computed instead
     storage_skipped: int = 0  # store calls not made while the store was failing or a call was still stuck
-    storage_corrupt_pages: int = 0  # pages whose checksum failed on read (dropped)
+    storage_corrupt_pages: int = 0  # pages whose checksum or MAC failed on read (dropped)
     storage_refused_pages: int = 0  # objects of another identity or size (never loaded)
     storage_missing_pages: int = 0  # pages gone between the existence query and the read
     storage_unstaged_pages: int = 0  # pages not written: no host copy to put from (zero-copy backends)

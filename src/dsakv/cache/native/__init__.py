@@ -7,8 +7,9 @@
     read_pages(...)              FileStore.get: a whole batch of page files in one call, the GIL released: per
                                  file openat (non-blocking, no symlinks), fstat (regular, exact size), the record
                                  compared with the expected one, the payload copied into the host segments and
-                                 checksummed (map_sum or read_sum), the LRU stamp (utimensat); stops at the first
-                                 page that fails and says why (status, errno/size/bytes, the record as read)
+                                 word-summed (map_sum or read_sum), the LRU stamp (utimensat); stops at the first
+                                 page that fails and says why (status, errno/size/bytes); every record as read
+                                 comes back (the caller checks each page's MAC in the segments)
     map_sum(fd, offset, segs)    copy from a read-only shared mapping of the page cache, the checksum words
                                  added in the same pass, streaming stores (the destination is not read first); a
                                  SIGBUS (the file truncated under the mapping) reads as -EFAULT

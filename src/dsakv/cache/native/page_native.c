@@ -344,6 +344,7 @@ typedef struct {
     const int64_t *segs;
     int advise;                 /* posix_fadvise(WILLNEED) each page file as it is opened (one ahead) */
     int map;                    /* copy from a mapping of the file (dsakv_map_sum), else preadv (dsakv_read_sum) */
+    unsigned char *heads;       /* page i's header bytes as read go to heads + i * head_bytes */
 } pages_job;
 
 /* A batch's pages split into contiguous shares, one a thread: every part struct begins with its share. */
@@ -380,7 +381,6 @@ typedef struct {
     int64_t lo, hi;             /* pages [lo, hi): a share, first */
     const pages_job *job;
     int64_t fail, status, aux;  /* first failing page (hi if none), its status and detail (errno, size, bytes) */
-    unsigned char head[256];    /* the failing page's header bytes as read (PG_HEADER) */
 } pages_part;
 
 static int open_page(const pages_job *j, int64_t i, int *err) {
@@ -421,17 +421,18 @@ static void *read_part(void *arg) {
             aux = (int64_t)st.st_size;
         } else {
             ssize_t h;
-            do h = pread(fd, pp->head, (size_t)j->head_bytes, 0);
+            unsigned char *hd = j->heads + i * j->head_bytes;
+            do h = pread(fd, hd, (size_t)j->head_bytes, 0);
             while (h < 0 && errno == EINTR);
             if (h < 0) {
                 status = PG_IOERR;
                 aux = errno;
-            } else if (h != j->head_bytes || memcmp(pp->head, j->expect + i * j->cmp_bytes, (size_t)j->cmp_bytes)) {
+            } else if (h != j->head_bytes || memcmp(hd, j->expect + i * j->cmp_bytes, (size_t)j->cmp_bytes)) {
                 status = PG_HEADER;
                 aux = h;
             } else {
                 uint64_t want, sum = 0;
-                memcpy(&want, pp->head + j->cmp_bytes, 8);
+                memcpy(&want, hd + j->cmp_bytes, 8);
                 const int64_t *sg = j->segs + 2 * j->segoff[i];
                 int64_t nsg = j->segoff[i + 1] - j->segoff[i];
                 int64_t got = j->map ? dsakv_map_sum(fd, j->head_bytes, nsg, sg, &sum)
@@ -462,17 +463,18 @@ static void *read_part(void *arg) {
 }
 
 /* Reads pages [0, n) (see pages_job) with `threads` threads, each a contiguous share of the pages. Returns k: the
-   pages before the first failing one, all read and verified; when k < n, detail = (status, aux) of page k and
-   head its header bytes (head_bytes). Then stamps pages [0, k) whose stamp_ns is not 0 (utimensat, no symlink
+   pages before the first failing one, all read and verified; when k < n, detail = (status, aux) of page k.
+   heads: n * head_bytes bytes, page i's header as read at heads + i * head_bytes (pages [0, k], as far as read).
+   Then stamps pages [0, k) whose stamp_ns is not 0 (utimensat, no symlink
    follow: the LRU order), ok_stamp[i] = 0 where that failed. */
 int64_t dsakv_read_pages(int dirfd, int64_t n, const char *names, int64_t namelen, const unsigned char *expect,
                          int64_t cmp_bytes, int64_t head_bytes, int64_t file_bytes, uint64_t mix,
                          const int64_t *segoff, const int64_t *segs, int advise, int map, int threads,
-                         const int64_t *stamp_ns, unsigned char *ok_stamp, int64_t *detail, unsigned char *head) {
+                         const int64_t *stamp_ns, unsigned char *ok_stamp, int64_t *detail, unsigned char *heads) {
     pages_job job = {dirfd, names, namelen, expect, cmp_bytes, head_bytes, file_bytes, mix, segoff, segs, advise,
-                     map};
+                     map, heads};
     pages_part parts[MAX_SHARES];
-    if (head_bytes > (int64_t)sizeof(parts[0].head) || cmp_bytes + 8 > head_bytes) return -EINVAL;
+    if (cmp_bytes + 8 > head_bytes) return -EINVAL;
     for (int t = 0; t < MAX_SHARES; t++) {
         parts[t].job = &job;
         parts[t].status = PG_OK;
@@ -487,7 +489,6 @@ int64_t dsakv_read_pages(int dirfd, int64_t n, const char *names, int64_t namele
             k = parts[t].fail;
             detail[0] = parts[t].status;
             detail[1] = parts[t].aux;
-            memcpy(head, parts[t].head, (size_t)head_bytes);
             break;
         }
     }

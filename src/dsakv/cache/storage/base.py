@@ -14,22 +14,36 @@ Memory: a backend reads and writes pages in place, from/to host memory given as 
 per buffer in layout order (`Segments`), e.g. a HostPool's pages, registered once with `register()`; nothing
 is staged through Python bytes.
 
-Integrity: every stored page carries a 64-bit checksum of its payload (`page_checksum`) and its identity
-(layout_id, hash, payload size); a read that fails any of them is dropped and counted, never loaded.
+Integrity: every stored page carries a record (`META`, format "DSAKVPG3"): its identity (layout_id, hash,
+payload size), a 64-bit word sum of the payload (`page_checksum`: a cheap pass that catches random damage, fused
+into the native copy; not a MAC) and a keyed MAC, HMAC-SHA256 under the tier's key over the identity and the
+payload (`PageMac`): a swapped word, compensating flips, or an object forged with a recomputed word sum all fail
+it. A read that fails any check is dropped and counted, never loaded; a record of an older format is refused as
+"old format", never read. Keys (`tier_key`): the shared tier (mooncake) derives its key from the deployment's
+secret (--hicache-storage-secret-file, else --cluster-secret-file / $DSAKV_CLUSTER_SECRET_FILE); the local disk
+tier keeps a random key in its directory (`.dsakv-page-key`, created mode 600, readable by the servers' user
+only), so every server sharing the directory shares it, and a page file written by anyone else is refused.
 
 A page is stored only when every object it needs is present (`count_present` checks them all), so a partially
 written page is never a hit. Failures (a dead master, an I/O error) raise StorageError; the caller computes
-instead. Imports numpy, dsakv.spec and dsakv.cache.native only; must not import torch, model or engine.
+instead. Imports numpy, dsakv.spec, dsakv.util and dsakv.cache.native only; must not import torch, model or
+engine.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import hmac
 import json
+import os
+import stat
 import struct
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -39,11 +53,36 @@ from dsakv.cache import native
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.util import Registry
+from dsakv.util.secret import SECRET_ENV, load_secret
 
 Segments = list[tuple[int, int]]  # one page: (address, bytes) per buffer, layout order
 
-META = struct.Struct("<8s16s64sQQ")  # magic, layout_id, page hash, payload bytes, checksum
-META_MAGIC = b"DSAKVPG2"
+# magic, layout_id, page hash, payload bytes | word sum (page_checksum) | MAC (PageMac): 136 B
+META = struct.Struct("<8s16s64sQQ32s")
+META_MAGIC = b"DSAKVPG3"
+META_ID_BYTES = 96  # the identity prefix (magic .. payload bytes): known before a read, compared as bytes
+META_SUM_AT = 96  # the word sum's offset (what the native read and write loops check and fill in)
+META_MAC_AT = 104  # the MAC's offset
+MAC_BYTES = 32
+OLD_FORMATS = {b"DSAKVPG1": 96, b"DSAKVPG2": 104}  # older records (magic: record bytes): refused, never read
+MAC_DOMAIN = b"dsakv-page-mac-v3\0"
+KEY_FILE = ".dsakv-page-key"  # the disk tier's key, in its directory
+
+
+def _mac_threads() -> int:
+    """Threads that hash one batch's pages (hashlib releases the GIL while it hashes; ~1.5-2 GB/s each with
+    SHA-NI): $DSAKV_PAGE_MAC_THREADS, default min(4, cores)."""
+    raw = os.environ.get("DSAKV_PAGE_MAC_THREADS", "").strip()
+    if not raw:
+        return min(4, os.cpu_count() or 1)
+    if not raw.isdigit() or not 1 <= int(raw) <= 16:
+        raise ConfigError(f"DSAKV_PAGE_MAC_THREADS={raw!r} must be a whole number of threads in 1..16 (or unset)")
+    return int(raw)
+
+
+MAC_THREADS = _mac_threads()
+_mac_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool) shared by every tier of the process
+_mac_lock = threading.Lock()
 
 
 class StorageError(RuntimeError):
@@ -65,6 +104,7 @@ class StorageConfig:
     device_names: str = ""  # mooncake: RDMA devices
     local_hostname: str = "127.0.0.1"  # mooncake: the address this client's transfer engine listens on
     timeout: float = 2.0  # seconds one store operation may take before the request computes instead
+    secret_file: str | None = None  # mooncake: the secret keying page MACs (None: $DSAKV_CLUSTER_SECRET_FILE)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -163,12 +203,124 @@ def page_checksum(segs: Segments) -> int:
     return (total ^ (nbytes * _MIX)) & 0xFFFFFFFFFFFFFFFF
 
 
+def old_format(size_or_magic: int | bytes, payload_bytes: int) -> str:
+    """The refusal "old format (MAGIC)" when a record's magic, or a page file's size, is an older format's, else ""."""
+    for magic, rec in OLD_FORMATS.items():
+        if size_or_magic == magic or size_or_magic == rec + payload_bytes:
+            return f"old format ({magic.decode()})"
+    return ""
+
+
+def mac_pool() -> ThreadPoolExecutor:
+    """The process's MAC threads (16 at most; a forked child makes its own: threads do not survive a fork). A
+    task on it must not wait on another task on it."""
+    global _mac_pool
+    with _mac_lock:
+        if _mac_pool is None or _mac_pool[0] != os.getpid():
+            _mac_pool = (os.getpid(), ThreadPoolExecutor(max_workers=16, thread_name_prefix="dsakv-page-mac"))
+        return _mac_pool[1]
+
+
+class PageMac:
+    """The keyed MAC of stored pages: HMAC-SHA256(key, MAC_DOMAIN | layout_id | h | u64 payload bytes | payload),
+    the payload being the page's segments laid end to end (the same bytes whatever the host layout). OpenSSL's
+    HMAC (hashlib) with the GIL released while it hashes, so `macs` spreads a batch over `threads` threads
+    (default MAC_THREADS, $DSAKV_PAGE_MAC_THREADS)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < 16:
+            raise ValueError(f"a page MAC key needs at least 16 bytes, got {len(key)}")
+        self._base = hmac.new(key, MAC_DOMAIN, "sha256")
+        self.key_id = hmac.new(key, b"dsakv-page-key-id-v1", "sha256").hexdigest()[:8]  # names the key, not it
+
+    def mac(self, layout_id: str, h: str, segs: Segments) -> bytes:
+        m = self._base.copy()
+        m.update(layout_id.encode() + h.encode() + struct.pack("<Q", sum(n for _, n in segs)))
+        for a, n in segs:
+            if n:
+                m.update(mview(a, n))
+        return m.digest()
+
+    def macs(self, layout_id: str, hashes: list[str], pages: list[Segments], threads: int = 0) -> list[bytes]:
+        threads = threads or MAC_THREADS
+        if threads <= 1 or len(pages) <= 1:
+            return [self.mac(layout_id, h, segs) for h, segs in zip(hashes, pages, strict=True)]
+        pool = mac_pool()
+        per = -(-len(pages) // min(threads, 16))  # contiguous shares, one a thread
+        shares = [(hashes[i : i + per], pages[i : i + per]) for i in range(0, len(pages), per)]
+        out: list[bytes] = []
+        for part in pool.map(lambda hp: [self.mac(layout_id, h, sg) for h, sg in zip(*hp, strict=True)], shares):
+            out += part
+        return out
+
+
+def secret_key(config: StorageConfig, tier: str) -> bytes:
+    """A shared tier's MAC key: HMAC(the deployment's secret, "dsakv-storage-v1:" + tier). The secret file is
+    config.secret_file, else $DSAKV_CLUSTER_SECRET_FILE; ConfigError if there is none or it is bad."""
+    path = config.secret_file or os.environ.get(SECRET_ENV)
+    flag = f"--hicache-storage {tier}"
+    if not path:
+        raise ConfigError(
+            f"{flag} keys its pages with the deployment's secret (a page forged by another store client is then "
+            f"refused): create one with `dsakv cluster-secret PATH` and pass --hicache-storage-secret-file PATH "
+            f"(or --cluster-secret-file PATH, or set {SECRET_ENV}=PATH) to every server sharing the store"
+        )
+    try:
+        secret = load_secret(path)
+    except ValueError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+    return hmac.new(secret, f"dsakv-storage-v1:{tier}".encode(), "sha256").digest()
+
+
+def directory_key(root: str | os.PathLike[str]) -> bytes:
+    """The disk tier's MAC key: 32 random bytes in `root`/KEY_FILE (64 hex digits), created mode 600 on first use
+    (written whole, then linked into place: a concurrent server reads the same key); ConfigError naming the file
+    and the fix when it is not a regular file of the owner's only, or not a key."""
+    p = Path(root) / KEY_FILE
+    if not os.path.lexists(p):
+        tmp = p.with_name(f"{KEY_FILE}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(os.urandom(32).hex() + "\n")
+            try:
+                os.link(tmp, p)  # never replaces a key another server made meanwhile
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    fix = f"delete it (the pages already in {root} are then refused and rewritten)"
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ConfigError(f"disk tier key {p}: cannot open it ({e.strerror}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"disk tier key {p} is not a regular file; {fix}")
+        if st.st_mode & 0o077:
+            raise ConfigError(
+                f"disk tier key {p} is readable or writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): "
+                f"chmod 600 {p}"
+            )
+        raw = os.read(fd, 256).strip()
+    finally:
+        os.close(fd)
+    try:
+        key = bytes.fromhex(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(f"disk tier key {p} is not a key (64 hex digits); {fix}")
+    return key
+
+
 @dataclass
 class ReadResult:
     """A batch read: pages[:n] are intact; if n < asked, `reason` says why the next one was not loaded."""
 
     n: int
-    corrupt: int = 0  # a page that failed its checksum (dropped)
+    corrupt: int = 0  # a page that failed its checksum or MAC (dropped)
     refused: int = 0  # an object of another identity or size (never loaded)
     missing: int = 0  # gone between the existence query and the read
     reason: str = ""
@@ -196,26 +348,47 @@ class StorageBackend:
         self.page_bytes = layout.bytes_per_page
         self.evicted_pages = 0
         self.evicted_bytes = 0
+        self.mac = PageMac(self.tier_key())
 
     def page_hashes(self, tokens: npt.ArrayLike, num_pages: int | None = None) -> list[str]:
         return chain_hashes(self.layout_id, tokens, self.layout.page_size, num_pages)
 
-    def meta(self, h: str, checksum: int) -> bytes:
-        return META.pack(META_MAGIC, self.layout_id.encode(), h.encode(), self.page_bytes, checksum)
+    def tier_key(self) -> bytes:
+        """The key of this tier's page MACs (secret_key for a shared tier, directory_key for a local one)."""
+        raise NotImplementedError
 
-    def check_meta(self, h: str, raw: bytes | npt.NDArray[np.uint8]) -> tuple[str, int]:
-        """("", checksum) if `raw` is this layout's record for page `h`, else (why, 0)."""
+    def meta(self, h: str, checksum: int, mac: bytes = bytes(MAC_BYTES)) -> bytes:
+        return META.pack(META_MAGIC, self.layout_id.encode(), h.encode(), self.page_bytes, checksum, mac)
+
+    def check_meta(self, h: str, raw: bytes | npt.NDArray[np.uint8]) -> tuple[str, int, bytes]:
+        """("", word sum, MAC) if `raw` is this layout's record for page `h`, else (why, 0, b"")."""
         b = bytes(raw)
+        if len(b) >= 8 and b[:8] in OLD_FORMATS:
+            return old_format(b[:8], self.page_bytes), 0, b""
         if len(b) != META.size:
-            return f"record of {len(b)} B, not {META.size}", 0
-        magic, lid, hh, nbytes, checksum = META.unpack(b)
+            return f"record of {len(b)} B, not {META.size}", 0, b""
+        magic, lid, hh, nbytes, checksum, mac = META.unpack(b)
         if magic != META_MAGIC:
-            return f"bad magic {magic!r}", 0
+            return f"bad magic {magic!r}", 0, b""
         if lid != self.layout_id.encode() or hh != h.encode():
-            return f"identity {lid.decode(errors='replace')}/{hh[:12].decode(errors='replace')} is not this page's", 0
+            why = f"identity {lid.decode(errors='replace')}/{hh[:12].decode(errors='replace')} is not this page's"
+            return why, 0, b""
         if nbytes != self.page_bytes:
-            return f"payload of {nbytes} B, this layout's pages are {self.page_bytes} B", 0
-        return "", int(checksum)
+            return f"payload of {nbytes} B, this layout's pages are {self.page_bytes} B", 0, b""
+        return "", int(checksum), mac
+
+    def page_macs(self, hashes: list[str], pages: list[Segments], threads: int = 0) -> list[bytes]:
+        """The MAC of each page (its segments) under this tier's key."""
+        return self.mac.macs(self.layout_id, hashes, pages, threads)
+
+    def first_forged(self, hashes: list[str], pages: list[Segments], tags: list[bytes], threads: int = 0) -> int:
+        """The index of the first page whose MAC is not `tags`' (len(hashes) if none): pages read into their
+        segments are verified there, the bytes that will be used."""
+        got = self.page_macs(hashes, pages, threads)
+        for i, (a, b) in enumerate(zip(got, tags, strict=True)):
+            if not hmac.compare_digest(a, bytes(b)):
+                return i
+        return len(hashes)
 
     def register(self, ptr: int, nbytes: int) -> None:
         """Host memory that page segments will live in (zero-copy backends register it with their engine)."""

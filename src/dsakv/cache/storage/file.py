@@ -1,12 +1,16 @@
 """`file` storage backend: one file per page on local disk (the disk tier), surviving a restart.
 
+    <dir>/.dsakv-page-key                 the tier's MAC key (64 hex digits, mode 600; made on first use)
     <dir>/<layout_id>/<h[:2]>/<h>.page
-    | magic "DSAKVPG2" | layout_id (16 B) | h (64 B) | payload bytes (u64) | checksum (u64) | page payload |
+    | magic "DSAKVPG3" | layout_id (16 B) | h (64 B) | payload bytes (u64) | word sum (u64) | MAC (32 B) | payload |
 
-The payload is the page's buffers in layout order (page_copy's page row). Writes go to a temporary file renamed
-into place, so a crash never leaves a torn page. A read opens the file non-blocking, refuses anything that is not
-a regular file of exactly `file_bytes`, checks the header (identity, size) and the payload checksum; a page that
-fails is deleted and counted (corrupt_pages / junk_deleted), and reads as a miss.
+The payload is the page's buffers in layout order (page_copy's page row); the MAC is base.PageMac's under the
+directory's key (HMAC-SHA256 over the identity and the payload). Writes go to a temporary file renamed into
+place, so a crash never leaves a torn page. A read opens the file non-blocking, refuses anything that is not a
+regular file of exactly `file_bytes`, checks the header (identity, size), the payload's word sum and then its MAC
+over the bytes as loaded into the host segments; a page that fails is deleted and counted (corrupt_pages /
+junk_deleted), and reads as a miss. Files of an older format (another size) are refused as "old format", never
+read, and deleted at start-up.
 
 Size cap (max_bytes, None = unbounded): the page files of this layout directory never total more than max_bytes;
 a write evicts the least recently used files first. A use (write or read) touches a file's mtime, the earlier
@@ -17,11 +21,13 @@ like pages); a directory named like a page is skipped and never counted.
 With a C compiler a batch read (get) and a batch write (put) are one native call each (cache/native.py
 read_pages / write_pages, the GIL released), doing what the Python loops below do, page for page: the same checks
 in the same order, the same reason strings and counters, the same files. A read copies each payload from a
-read-only mapping of the file straight into the host segments with its checksum summed in the same pass
+read-only mapping of the file straight into the host segments with its word sum added in the same pass
 (DSAKV_DISK_READ=preadv: preadv windows instead); a file truncated under the mapping is refused ("the file shrank
-while it was read"), not a crash. DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch over threads
-(default 1); DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by
-default: it measured slower, warm and cold).
+while it was read"), not a crash; the MACs are then checked here over the segments (hashlib's HMAC, the GIL
+released, over base.MAC_THREADS threads), as a write computes them before the native call.
+DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch's copies over threads (default 1);
+DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by default: it
+measured slower, warm and cold).
 Imports numpy and dsakv.spec/cache.
 """
 
@@ -34,6 +40,7 @@ import stat
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future
 from itertools import chain
 from pathlib import Path
 
@@ -42,15 +49,22 @@ import numpy as np
 from dsakv.cache import native
 from dsakv.cache.storage.base import (
     CHECKSUM_MIX,
+    MAC_THREADS,
     META,
+    META_ID_BYTES,
+    META_MAC_AT,
+    META_SUM_AT,
     STORAGE_BACKENDS,
     ReadResult,
     Segments,
     StorageBackend,
     StorageConfig,
     StorageError,
+    directory_key,
     finish_checksum,
+    mac_pool,
     mview,
+    old_format,
     page_checksum,
 )
 from dsakv.errors import ConfigError
@@ -70,6 +84,7 @@ WRITE_WINDOW = int(os.environ.get("DSAKV_DISK_WRITE_WINDOW", "0"))
 READ_MAP = os.environ.get("DSAKV_DISK_READ", "mmap") != "preadv"  # copy from a mapping (one pass) or preadv
 # posix_fadvise(WILLNEED) of the next page file while one is read: off, it measured slower warm and cold
 READ_ADVISE = os.environ.get("DSAKV_DISK_READ_ADVISE", "0") == "1"
+READ_CHUNKS = 8  # with MAC threads, a batch read in this many C calls, each chunk's MACs checked during the next
 
 
 @STORAGE_BACKENDS.register("file")
@@ -98,6 +113,15 @@ class FileStore(StorageBackend):
         self._used = 0
         self._rebuild_index()
 
+    def tier_key(self) -> bytes:
+        """The directory's key file (base.directory_key): every server sharing the directory shares the key."""
+        assert self.config.dir is not None
+        root = Path(self.config.dir)
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"disk tier directory {root} is not a directory: give a directory (--hicache-disk-dir)")
+        root.mkdir(parents=True, exist_ok=True)
+        return directory_key(root)
+
     # ---- index ---------------------------------------------------------------------
 
     def _unlink(self, p: Path) -> bool:
@@ -123,7 +147,9 @@ class FileStore(StorageBackend):
                 log.warning("disk tier: %s is a directory, not a page file: skipped", p)
                 continue
             if not stat.S_ISREG(st.st_mode) or st.st_size != self.file_bytes or len(p.stem) != 64:
-                log.warning("disk tier: %s is not a page file of this layout (%d B): deleted", p, st.st_size)
+                old = old_format(st.st_size, self.page_bytes) if stat.S_ISREG(st.st_mode) else ""
+                what = f"of an {old}" if old else "not a page file of this layout"
+                log.warning("disk tier: %s is %s (%d B): deleted", p, what, st.st_size)
                 if self._unlink(p):
                     self.junk_deleted += 1
                 continue
@@ -233,9 +259,10 @@ class FileStore(StorageBackend):
 
     def _put_native(self, ext: ctypes.CDLL, hashes: list[str], pages: list[Segments], keep: set[str]) -> int | None:
         """put's writes in one C call (native.py's write_pages, the GIL released): the same pages as the Python
-        loop (the cap's evictions decided first, page by page, as it does), each a temporary file written
-        (checksum, then record + payload in one pwritev; WRITE_WINDOW > 0: windows) and renamed into place. Pages
-        written, or None (no directory: the Python path)."""
+        loop (the cap's evictions decided first, page by page, as it does), their MACs computed here into the
+        records, then in C each a temporary file written (the word sum, then record + payload in one pwritev;
+        WRITE_WINDOW > 0: windows) and renamed into place. Pages written, or None (no directory: the Python
+        path)."""
         todo: list[int] = []
         seen: set[str] = set()
         for i, h in enumerate(hashes):
@@ -259,7 +286,8 @@ class FileStore(StorageBackend):
             tag = uuid.uuid4().hex[:8]
             names = b"".join(f"{hashes[i][:2]}/{hashes[i]}.page\0".encode() for i in todo)
             tmps = b"".join(f"{hashes[i][:2]}/.{hashes[i]}.{tag}.tmp\0".encode() for i in todo)
-            heads = bytearray(b"".join(self.meta(hashes[i], 0) for i in todo))
+            macs = self.page_macs([hashes[i] for i in todo], [pages[i] for i in todo])
+            heads = bytearray(b"".join(self.meta(hashes[i], 0, m) for i, m in zip(todo, macs, strict=True)))
             counts = [len(pages[i]) for i in todo]
             segoff = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=segoff[1:])
@@ -270,7 +298,7 @@ class FileStore(StorageBackend):
             hb = (ctypes.c_char * len(heads)).from_buffer(heads)
             k = int(
                 ext.dsakv_write_pages(
-                    dirfd, n, names, len(names) // n, tmps, len(tmps) // n, hb, META.size - 8, META.size,
+                    dirfd, n, names, len(names) // n, tmps, len(tmps) // n, hb, META_SUM_AT, META.size,
                     self.page_bytes, CHECKSUM_MIX, segoff.ctypes.data, flat.ctypes.data, WRITE_WINDOW, WRITE_THREADS,
                     ctypes.byref(err),
                 )
@@ -289,7 +317,7 @@ class FileStore(StorageBackend):
 
     def _write_one(self, fd: int, h: str, segs: Segments, tmp: Path) -> None:
         """Page h's file (header + payload) to the new file fd."""
-        bufs: list[bytes | memoryview] = [self.meta(h, page_checksum(segs))]
+        bufs: list[bytes | memoryview] = [self.meta(h, page_checksum(segs), self.page_macs([h], [segs])[0])]
         bufs += [mview(a, n) for a, n in segs]
         want = sum(len(b) for b in bufs)
         if os.writev(fd, bufs) != want:
@@ -320,7 +348,7 @@ class FileStore(StorageBackend):
         """Count page `h`, which read as `why` (its file already deleted unless missing), in `res`."""
         self._forget(h)
         res.reason = why
-        if why.startswith("checksum"):
+        if why.startswith(("checksum", "MAC")):
             res.corrupt = 1
             self.corrupt_pages += 1
         elif why != "missing":
@@ -330,17 +358,29 @@ class FileStore(StorageBackend):
 
     def _get_native(self, ext: ctypes.CDLL, hashes: list[str], pages: list[Segments]) -> tuple[int, str] | None:
         """The whole batch in one C call (native.py's read_pages, the GIL released): per page open, the same checks
-        as _read_one (regular file, size, header, checksum) on the payload copied into the segments (from a
-        mapping, or preadv), and the LRU stamp of the pages read. (pages read and verified, why the next one was
-        not) or None (no directory: the Python path)."""
+        as _read_one (regular file, size, header, word sum) on the payload copied into the segments (from a
+        mapping, or preadv), and the LRU stamp of the pages read; then the MAC of each page read, here, over its
+        segments (the records come back from C). With MAC threads the batch goes in READ_CHUNKS calls instead,
+        each chunk's MACs checked on a MAC thread while C reads the next (the first failure wins, as in one
+        call). (pages read and verified, why the next one was not) or None (no directory: the Python path)."""
         n = len(hashes)
         try:
             dirfd = os.open(self.dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except OSError:
             return None
+        # with MAC threads, the batch in chunks: chunk i's MACs are checked on them while C reads chunk i + 1
+        chunk = n if MAC_THREADS <= 1 else max(1, -(-n // READ_CHUNKS))
+        checks: list[Future[int] | int] = []  # per chunk: its first forged page (index in the batch), or n if none
+        k = 0
+
+        def first_forged(lo: int, hi: int, tags: list[bytes], threads: int = 0) -> int:
+            f = lo + self.first_forged(hashes[lo:hi], pages[lo:hi], tags, threads)
+            return f if f < hi else n
+
         try:
             names = b"".join(f"{h[:2]}/{h}.page\0".encode() for h in hashes)
-            expect = b"".join(self.meta(h, 0)[: META.size - 8] for h in hashes)
+            expect = b"".join(self.meta(h, 0)[:META_ID_BYTES] for h in hashes)
+            name_len, id_len = len(names) // n, META_ID_BYTES
             counts = [len(segs) for segs in pages]
             segoff = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=segoff[1:])
@@ -349,18 +389,36 @@ class FileStore(StorageBackend):
             stamps = np.array([now + n - 1 - i if h in self._lru else 0 for i, h in enumerate(hashes)], np.int64)
             ok_stamp = np.zeros(n, dtype=np.uint8)
             detail = np.zeros(2, dtype=np.int64)
-            head = np.zeros(META.size, dtype=np.uint8)
-            k = int(
-                ext.dsakv_read_pages(
-                    dirfd, n, names, len(names) // n, expect, META.size - 8, META.size, self.file_bytes, CHECKSUM_MIX,
-                    segoff.ctypes.data, flat.ctypes.data, int(READ_ADVISE), int(READ_MAP), READ_THREADS,
-                    stamps.ctypes.data, ok_stamp.ctypes.data, detail.ctypes.data, head.ctypes.data,
-                )
-            )  # fmt: skip
+            heads = np.zeros((n, META.size), dtype=np.uint8)
+            for lo in range(0, n, chunk):
+                hi = min(n, lo + chunk)
+                off = np.ascontiguousarray(segoff[lo : hi + 1] - segoff[lo])
+                got = int(
+                    ext.dsakv_read_pages(
+                        dirfd, hi - lo, names[lo * name_len : hi * name_len], name_len,
+                        expect[lo * id_len : hi * id_len], META_ID_BYTES, META.size, self.file_bytes, CHECKSUM_MIX,
+                        off.ctypes.data, flat[2 * int(segoff[lo]) :].ctypes.data, int(READ_ADVISE), int(READ_MAP),
+                        READ_THREADS, stamps[lo:hi].ctypes.data, ok_stamp[lo:hi].ctypes.data, detail.ctypes.data,
+                        heads[lo:hi].ctypes.data,
+                    )
+                )  # fmt: skip
+                if got < 0:
+                    raise StorageError(f"disk tier: native batch read failed: {os.strerror(-got)}")
+                k = lo + got
+                if got:
+                    tags = [bytes(heads[i, META_MAC_AT:]) for i in range(lo, k)]
+                    if chunk == n:
+                        checks.append(first_forged(lo, k, tags))
+                    else:  # one thread a chunk (a task on the pool must not wait on the pool), MAC_THREADS at once
+                        busy = [c for c in checks if isinstance(c, Future) and not c.done()]
+                        if len(busy) >= MAC_THREADS:
+                            busy[0].result()
+                        checks.append(mac_pool().submit(first_forged, lo, k, tags, 1))
+                if got < hi - lo or any(isinstance(c, Future) and c.done() and c.result() < n for c in checks):
+                    break
         finally:
             os.close(dirfd)
-        if k < 0:
-            raise StorageError(f"disk tier: native batch read failed: {os.strerror(-k)}")
+            forged = [c if isinstance(c, int) else c.result() for c in checks]  # every MAC task done, even on error
         if k:
             self._last_ns = max(self._last_ns, now + n - 1)
         for i in range(k - 1, -1, -1):  # the LRU order touch() gives: the chain's first page most recent
@@ -369,6 +427,10 @@ class FileStore(StorageBackend):
                 self._lru.move_to_end(h)
                 if not ok_stamp[i]:
                     self._forget(h)
+        good = min([k, *forged])  # the first page whose word sum held but its MAC did not (k: none)
+        if good < k:
+            self._junk(self.path(hashes[good]), "MAC mismatch")
+            return good, "MAC mismatch"
         if k == n:
             return n, ""
         status, aux = int(detail[0]), int(detail[1])
@@ -376,14 +438,14 @@ class FileStore(StorageBackend):
             _PG_MISSING: "missing",
             _PG_OPEN: f"cannot open: {os.strerror(aux)}",
             _PG_NOTREG: "not a regular file",
-            _PG_SIZE: f"size {aux} B, not {self.file_bytes}",
+            _PG_SIZE: old_format(aux, self.page_bytes) or f"size {aux} B, not {self.file_bytes}",
             _PG_SHORT: f"short read ({aux} of {self.page_bytes} B)",
             _PG_CHECKSUM: "checksum mismatch",
             _PG_IOERR: f"read error: {os.strerror(aux)}",
             _PG_SHRANK: "read error: the file shrank while it was read",
         }.get(status)
         if status == _PG_HEADER:
-            why = self.check_meta(hashes[k], head[:aux])[0] or "header mismatch"
+            why = self.check_meta(hashes[k], heads[k, :aux])[0] or "header mismatch"
         if why is None:
             raise StorageError(f"disk tier: native batch read returned status {status} for page {k}")
         if why != "missing":
@@ -405,10 +467,10 @@ class FileStore(StorageBackend):
             if not stat.S_ISREG(st.st_mode):
                 why = "not a regular file"
             elif st.st_size != self.file_bytes:
-                why = f"size {st.st_size} B, not {self.file_bytes}"
+                why = old_format(st.st_size, self.page_bytes) or f"size {st.st_size} B, not {self.file_bytes}"
             else:
                 head = os.read(fd, META.size)
-                why, checksum = self.check_meta(h, head)
+                why, checksum, tag = self.check_meta(h, head)
                 if not why:
                     ext = native.lib()
                     if ext is not None:  # preadv into the segments + the checksum's word sum, in C
@@ -424,6 +486,8 @@ class FileStore(StorageBackend):
                         why = f"short read ({got} of {self.page_bytes} B)"
                     elif actual != checksum:
                         why = "checksum mismatch"
+                    elif self.first_forged([h], [segs], [tag]) == 0:
+                        why = "MAC mismatch"
         except OSError as e:
             why = f"read error: {e.strerror}"
         finally:

@@ -1,15 +1,19 @@
 """`mooncake` storage backend: pages as objects in a Mooncake Store shared by every instance on one master.
 
-Per page `h` (chain hash, see base.py) two objects, under `dsakv/<layout_id>/<h>`:
+Per page `h` (chain hash, see base.py) two objects, under `dsakv/<layout_id>/<key id>/<h>` (key id: 8 hex chars
+naming the MAC key, so deployments of other secrets on one master never read or drop each other's objects):
 
     <key>        the payload: the page's buffers in layout order, exactly layout.bytes_per_page bytes
                  (put with batch_put_from_multi_buffers straight from the host pool's pages: one object per
                  page whatever the host layout, no staging copy)
-    <key>.meta   104 B record (base.META) written after the payload: magic, layout_id, h, payload bytes, checksum
+    <key>.meta   136 B record (base.META) written after the payload: magic, layout_id, h, payload bytes, word sum,
+                 MAC (HMAC-SHA256 under a key derived from the deployment's secret, over identity + payload)
 
 A page is stored iff both exist (a writer that dies between the two left no hit). A read fetches the records,
-refuses any of another identity or size, reads the payloads straight into host-pool pages (batch_get_into_
-multi_buffers), checks each returned size and checksum, and keeps the intact prefix.
+refuses any of another identity, size or format, reads the payloads straight into host-pool pages (batch_get_
+into_multi_buffers), checks each returned size, word sum and MAC (over the bytes as loaded), and keeps the intact
+prefix. Any client of the master can write any object; without the secret it cannot make one that passes the
+MAC, so a forged object is refused and dropped, never served.
 
 Objects live in the segments clients mount: `dsakv store-master` runs the master and a process that mounts the
 store's memory, so pages outlive the servers that wrote them. Calls go through a thread with a deadline
@@ -36,6 +40,7 @@ from dsakv.cache.storage.base import (
     StorageConfig,
     StorageError,
     page_checksum,
+    secret_key,
 )
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
@@ -89,7 +94,7 @@ class MooncakeStore(StorageBackend):
         parse_address(config.master)
         self.master = config.master
         self.metadata = config.metadata or default_metadata_url(config.master)
-        self.prefix = f"dsakv/{self.layout_id}/"
+        self.prefix = f"dsakv/{self.layout_id}/{self.mac.key_id}/"
         self._probe()
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
@@ -130,6 +135,10 @@ class MooncakeStore(StorageBackend):
                     f"cannot reach the Mooncake {what} at {h}:{p} ({e.strerror or e}): start one with "
                     f"`dsakv store-master --port {port}` or fix --mooncake-master / --mooncake-metadata"
                 ) from None
+
+    def tier_key(self) -> bytes:
+        """The deployment's secret (config.secret_file, else $DSAKV_CLUSTER_SECRET_FILE) keys the MACs."""
+        return secret_key(self.config, "mooncake")
 
     def key(self, h: str) -> str:
         return self.prefix + h
@@ -189,9 +198,10 @@ class MooncakeStore(StorageBackend):
                 if any(r < 0 for r in rc):
                     raise StorageError(f"mooncake put failed ({min(rc)}) at master {self.master}")
                 continue
+            macs = self.page_macs([hs[i] for i in ok], [ps[i] for i in ok])
             with self._meta_lock:
-                for j, i in enumerate(ok):
-                    self._meta[j] = np.frombuffer(self.meta(hs[i], page_checksum(ps[i])), dtype=np.uint8)
+                for j, (i, mac) in enumerate(zip(ok, macs, strict=True)):
+                    self._meta[j] = np.frombuffer(self.meta(hs[i], page_checksum(ps[i]), mac), dtype=np.uint8)
                 base = self._meta.ctypes.data
                 rc2 = self._store.batch_put_from(
                     [self.key(hs[i]) + ".meta" for i in ok],
@@ -215,16 +225,18 @@ class MooncakeStore(StorageBackend):
                     [self.key(h) + ".meta" for h in hs], [base + j * META.size for j in range(n)], [META.size] * n
                 )
                 checks: list[int] = []
+                tags: list[bytes] = []
                 for j, (h, r) in enumerate(zip(hs, got, strict=True)):
                     if r != META.size:
                         if r <= _RPC_FAIL:
                             raise StorageError(f"mooncake get failed ({r}) at master {self.master}")
                         why = "missing" if r == _NOT_FOUND else f"record of {r} B, not {META.size} (code {r})"
                         break
-                    why, c = self.check_meta(h, self._meta[j])
+                    why, c, tag = self.check_meta(h, self._meta[j])
                     if why:
                         break
                     checks.append(c)
+                    tags.append(tag)
                 else:
                     why = ""
             m = len(checks)
@@ -248,11 +260,14 @@ class MooncakeStore(StorageBackend):
                         why = "checksum mismatch"
                         m = j
                         break
+                forged = self.first_forged(hs[:m], ps[:m], tags[:m])
+                if forged < m:  # the word sum held, the MAC did not: altered or forged without the secret
+                    why, m = "MAC mismatch", forged
             res.n += m
             self._remember(hs[:m])
             if m < n:
                 res.reason = why or "missing"
-                if res.reason.startswith("checksum"):
+                if res.reason.startswith(("checksum", "MAC")):
                     res.corrupt = 1
                 elif res.reason == "missing":
                     res.missing = 1
