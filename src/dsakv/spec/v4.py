@@ -30,7 +30,9 @@ DEFAULT_RATES = {CSA: 4, HCA: 128}
 def _int(cfg: dict[str, Any], name: str, default: int | None = None, *, minimum: int = 1) -> int:
     value = cfg.get(name, default)
     if value is None:
-        raise ConfigError(f"DeepSeek-V4 config.json is missing required field '{name}': add it (an integer >= {minimum})")
+        raise ConfigError(
+            f"DeepSeek-V4 config.json is missing required field '{name}': add it (an integer >= {minimum})"
+        )
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"config field '{name}' = {value!r} must be an integer >= {minimum}")
     return value

@@ -199,7 +199,9 @@ class V4Layout:
 
     @cached_property
     def by_key(self) -> dict[BufferKey, PagedSpec | StateSpec]:
-        return {b.key: b for b in (*self.paged, *self.states)}
+        out: dict[BufferKey, PagedSpec | StateSpec] = {b.key: b for b in self.paged}
+        out.update({s.key: s for s in self.states})
+        return out
 
     @property
     def keys(self) -> tuple[BufferKey, ...]:
