@@ -1,0 +1,151 @@
+"""V4Engine: continuous batching of DeepSeek-V4 requests on a V4Pool (greedy), chunked prefill included.
+
+Each step: every running request that finished its prompt decodes one token; then prompts are prefilled in
+chunks of at most `chunk_size` tokens while the step has `max_batch_tokens` left; all rows run in one model
+step. A request holds pages (token kinds) and one state slot (window ring + compressor state) from admission
+to finish; both come back when it finishes, and `check_integrity()` holds after every step. Imports torch,
+numpy, dsakv.cache and dsakv.model; must not import disagg, serve or cli.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dsakv.cache.allocator import PageAllocator
+from dsakv.cache.v4_pool import SlotAllocator, V4Pool
+from dsakv.errors import CapacityError, ConfigError
+from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
+from dsakv.util import ceil_div
+
+
+@dataclass
+class V4Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    num_computed: int = 0
+    slot: int = -1
+    page_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class V4Engine:
+    def __init__(
+        self,
+        model: DeepseekV4,
+        num_pages: int,
+        max_running: int,
+        page_size: int | None = None,
+        chunk_size: int = 16,
+        max_batch_tokens: int = 64,
+        keep_logits: bool = False,
+    ) -> None:
+        if chunk_size < 1 or max_batch_tokens < 1:
+            raise ConfigError(f"chunk size {chunk_size} and max batch tokens {max_batch_tokens} must be >= 1")
+        self.model = model
+        self.layout = model.layout(page_size)
+        self.pool = V4Pool(self.layout, num_pages, max_running, model.device)
+        model.check_pool(self.pool)
+        self.pages = PageAllocator(num_pages, "V4 pool")
+        self.slots = SlotAllocator(max_running)
+        self.chunk_size = chunk_size
+        self.max_batch_tokens = max_batch_tokens
+        self.keep_logits = keep_logits
+        self.waiting: deque[V4Request] = deque()
+        self.running: list[V4Request] = []
+        self.finished: dict[int, V4Request] = {}
+        self._next = 0
+        self.steps = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page
+
+    def add_request(self, prompt: list[int], max_new_tokens: int) -> int:
+        if not prompt:
+            raise ConfigError("a V4 request needs a non-empty prompt")
+        total = len(prompt) + max_new_tokens
+        need = ceil_div(total, self.page_size)
+        if need > self.pages.num_pages:
+            raise CapacityError(
+                f"a request of {total} tokens needs {need} pages of {self.page_size}; the pool has "
+                f"{self.pages.num_pages}: raise --num-pages"
+            )
+        req = V4Request(self._next, list(prompt), max_new_tokens)
+        self._next += 1
+        self.waiting.append(req)
+        return req.rid
+
+    def _admit(self) -> None:
+        while self.waiting and self.slots.num_free:
+            req = self.waiting[0]
+            need = ceil_div(len(req.prompt) + req.max_new_tokens, self.page_size)
+            if not self.pages.can_alloc(need):
+                return
+            self.waiting.popleft()
+            req.page_ids = self.pages.alloc(need, owner=req.rid)
+            req.slot = self.slots.alloc()
+            self.running.append(req)
+
+    def step(self) -> None:
+        self._admit()
+        rows: list[tuple[V4Request, V4Row, bool]] = []
+        budget = self.max_batch_tokens
+        for req in self.running:
+            if req.num_computed >= len(req.prompt) and budget >= 1:
+                start = len(req.tokens) - 1
+                rows.append((req, V4Row(req.slot, req.page_ids, start, [req.tokens[-1]]), True))
+                budget -= 1
+        for req in self.running:
+            if req.num_computed < len(req.prompt) and budget >= 1:
+                n = min(self.chunk_size, len(req.prompt) - req.num_computed, budget)
+                chunk = req.prompt[req.num_computed : req.num_computed + n]
+                last = req.num_computed + n == len(req.prompt)
+                rows.append((req, V4Row(req.slot, req.page_ids, req.num_computed, chunk), last))
+                budget -= n
+        if not rows:
+            return
+        logits = self.model.forward([r for _, r, _ in rows], self.pool)
+        self.steps += 1
+        for (req, row, sample), lg in zip(rows, logits, strict=True):
+            req.num_computed = row.start + len(row.token_ids)
+            if sample:
+                req.output.append(int(lg.argmax()))
+                if self.keep_logits:
+                    req.logits.append(lg.detach().cpu())
+        for req in [r for r in self.running if r.done]:
+            self.running.remove(req)
+            self.pages.release(req.rid)
+            self.slots.free(req.slot)
+            self.finished[req.rid] = req
+        self.check_integrity()
+
+    def check_integrity(self) -> None:
+        self.pages.check_integrity()
+        held = sum(len(r.page_ids) for r in self.running)
+        if held + self.pages.num_free != self.pages.num_pages:
+            raise AssertionError(f"pages: {held} held + {self.pages.num_free} free != {self.pages.num_pages}")
+        if len(self.running) + self.slots.num_free != self.slots.num_slots:
+            raise AssertionError("request-state slots leaked")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[V4Request]:
+        ids = [self.add_request(p, max_new_tokens) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        return [self.finished.pop(i) for i in ids]
