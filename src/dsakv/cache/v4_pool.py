@@ -44,9 +44,7 @@ class SlotAllocator:
 
 
 class V4Pool:
-    def __init__(
-        self, layout: V4Layout, num_pages: int, num_slots: int, device: str | torch.device = "cpu"
-    ) -> None:
+    def __init__(self, layout: V4Layout, num_pages: int, num_slots: int, device: str | torch.device = "cpu") -> None:
         if num_pages < 1 or num_slots < 1:
             raise CapacityError(f"a V4 pool needs >= 1 page and >= 1 request slot, got {num_pages} / {num_slots}")
         self.layout = layout
@@ -96,4 +94,5 @@ class V4Pool:
         return sum(t.numel() for t in (*self._paged.values(), *self._state.values()))
 
     def nbytes_of(self, key: BufferKey) -> int:
-        return int((self._paged.get(key) if key in self._paged else self.state(key)).numel())
+        t = self._paged[key] if key in self._paged else self.state(key)
+        return int(t.numel())

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dsakv.cache.v4_pool import V4Pool
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import BufferKey, Kind
-from dsakv.spec.v4 import CSA, HCA, WINDOW, V4Spec
+from dsakv.spec.v4 import CSA, WINDOW, V4Spec
 from dsakv.spec.v4_layout import V4Layout
 
 ENGINE_FORMAT = "fp32"
@@ -229,17 +229,15 @@ class DeepseekV4:
             w_end = (t // r + 1) * r
             seg = slice(t - start, min(w_end, start + n) - start)
             g, v = gate[seg], kv[seg]
-            if t % r == 0:
-                m_old, s_old, a_old = None, None, None
-            else:
-                m_old, s_old, a_old = st[0], st[1], st[2]
-            m = g.max(dim=0).values if m_old is None else torch.maximum(m_old, g.max(dim=0).values)
+            m = g.max(dim=0).values
+            if t % r:  # the window opened in an earlier chunk: fold in its running state
+                m = torch.maximum(st[0], m)
             e = torch.exp(g - m)
             s = e.sum(dim=0)
             a = (e * v).sum(dim=0)
-            if m_old is not None:
-                c = torch.exp(m_old - m)
-                s, a = s + s_old * c, a + a_old * c
+            if t % r:
+                c = torch.exp(st[0] - m)
+                s, a = s + st[1] * c, a + st[2] * c
             t = min(w_end, start + n)
             if t == w_end:  # the window closed: emit entry t / r - 1
                 w = t // r - 1
@@ -251,7 +249,9 @@ class DeepseekV4:
 
     # ---- attention ----------------------------------------------------------------------
 
-    def _attention(self, pool: V4Pool, layer: int, x: torch.Tensor, rows: Sequence[V4Row], pos: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, pool: V4Pool, layer: int, x: torch.Tensor, rows: Sequence[V4Row], pos: torch.Tensor
+    ) -> torch.Tensor:
         s = self.spec
         ltype = s.layer_type(layer)
         p = f"model.layers.{layer}.attn."
@@ -375,6 +375,4 @@ def load_v4(path: str | Path, device: str | torch.device = "cpu") -> DeepseekV4:
     for f in files:
         for k, v in load_file(str(f)).items():
             weights[k] = v if not v.is_floating_point() else v.float()
-    if HCA in spec.layer_types or CSA in spec.layer_types:
-        pass
     return DeepseekV4(spec, weights, device)

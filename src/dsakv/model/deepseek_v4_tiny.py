@@ -74,12 +74,11 @@ def tiny_v4_config(pattern: str = "flash", layers: int = 6, overrides: dict[str,
     return cfg
 
 
-def _init_v4_(model: torch.nn.Module, seed: int) -> None:
+def _init_v4_(model: torch.nn.Module, seed: int, n_exp: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in sorted(list(model.named_parameters()) + list(model.named_buffers())):
             if name.endswith("tid2eid"):
-                n_exp = model.config.n_routed_experts
                 rows = [torch.randperm(n_exp, generator=gen)[: t.shape[1]] for _ in range(t.shape[0])]
                 t.copy_(torch.stack(rows))
                 continue
@@ -110,7 +109,7 @@ def build_tiny_v4_hf(
     config = DeepseekV4Config(**kwargs)
     config._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(config)
-    _init_v4_(model, seed)
+    _init_v4_(model, seed, int(config.n_routed_experts))
     return model.float().eval()
 
 
