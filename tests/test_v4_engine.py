@@ -121,3 +121,27 @@ def test_make_tiny_cli(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "6 layers = 0 window-only + 2 CSA (ratio 4) + 4 HCA (ratio 16), window 8" in out
     assert (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def test_prefix_hit_equals_no_hit(ckpts) -> None:
+    """A hit shares the prompt's full pages (every paged kind) and restores the stored boundary state."""
+    model = load_v4(ckpts["pro"])
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(2, 500, (40,), generator=g).tolist()
+    tails = [torch.randint(2, 500, (n,), generator=g).tolist() for n in (3, 9, 1)]
+    first = [base]  # cached: its boundary is token 32 (2 pages of 16)
+    then = [base[:33] + tails[0], base[:20] + tails[1], base + tails[2], base[:16]]
+    plain = V4Engine(model, num_pages=64, max_running=4, chunk_size=7, max_batch_tokens=20)
+    want = [r.output for r in plain.generate(first + then, NEW)]
+    eng = V4Engine(model, num_pages=64, max_running=4, chunk_size=7, max_batch_tokens=20, prefix_cache=True)
+    got = [r.output for r in eng.generate(first, NEW)]
+    assert eng.stats["snapshots"] == 1 and eng.cached_tokens() == 32
+    assert eng.stats["snapshot_bytes"] == eng.layout.state_bytes_per_request
+    got += [r.output for r in eng.generate(then, NEW)]
+    assert got == want
+    # base[:33]+t and base+t hit the stored 32-token boundary; base[:20]+t misses (no state is stored at 16: it
+    # stores its own); base[:16] has no full page before its last token, so it does not look up
+    assert eng.stats["hits"] == 2 and eng.stats["hit_tokens"] == 64
+    assert eng.recompute_tokens(32) == 32 and eng.recompute_tokens(4096) == 6 * 8
+    eng.check_integrity()
+    assert eng.pages.num_free == 64 - len({int(p) for ids, _ in eng._cache.values() for p in ids})

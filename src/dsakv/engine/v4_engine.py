@@ -3,13 +3,22 @@
 Each step: every running request that finished its prompt decodes one token; then prompts are prefilled in
 chunks of at most `chunk_size` tokens while the step has `max_batch_tokens` left; all rows run in one model
 step. A request holds pages (token kinds) and one state slot (window ring + compressor state) from admission
-to finish; both come back when it finishes, and `check_integrity()` holds after every step. Imports torch,
-numpy, dsakv.cache and dsakv.model; must not import disagg, serve or cli.
+to finish; both come back when it finishes, and `check_integrity()` holds after every step.
+
+Prefix cache (`prefix_cache=True`): a prompt's full pages are reusable only together with the per-request state
+at their boundary, since every kind a page's layers need must be present: the paged kinds (CSA / HCA entries,
+index-K) live on the shared pages, and the window ring and compressor state at the boundary are *stored* (one
+snapshot of the slot, `layout.state_bytes_per_request` bytes, taken when the prefill reaches the prompt's last
+full-page boundary; chunks are cut there). A hit shares the pages (refcounts) and copies the snapshot into the
+new slot; nothing is recomputed. The alternative, recomputing the boundary state, would re-run
+min(boundary, num_layers x window) tokens (each layer's window depends on the previous layer's window), see
+`recompute_tokens`. Least-recently-used snapshots (and their pages) are evicted when admission needs pages.
+Imports torch, numpy, dsakv.cache and dsakv.model; must not import disagg, serve or cli.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +28,7 @@ from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.v4_pool import SlotAllocator, V4Pool
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
+from dsakv.spec.layout import BufferKey
 from dsakv.util import ceil_div
 
 
@@ -52,6 +62,7 @@ class V4Engine:
         chunk_size: int = 16,
         max_batch_tokens: int = 64,
         keep_logits: bool = False,
+        prefix_cache: bool = False,
     ) -> None:
         if chunk_size < 1 or max_batch_tokens < 1:
             raise ConfigError(f"chunk size {chunk_size} and max batch tokens {max_batch_tokens} must be >= 1")
@@ -69,6 +80,10 @@ class V4Engine:
         self.finished: dict[int, V4Request] = {}
         self._next = 0
         self.steps = 0
+        self.prefix_cache = prefix_cache
+        # prompt prefix (whole pages) -> (page ids, state snapshot per state key); insertion order = LRU order
+        self._cache: OrderedDict[tuple[int, ...], tuple[np.ndarray, dict[BufferKey, torch.Tensor]]] = OrderedDict()
+        self.stats = {"hits": 0, "hit_tokens": 0, "snapshots": 0, "snapshot_bytes": 0, "evicted": 0}
 
     @property
     def page_size(self) -> int:
@@ -89,15 +104,75 @@ class V4Engine:
         self.waiting.append(req)
         return req.rid
 
+    # ---- prefix cache --------------------------------------------------------------
+
+    def _boundary(self, req: V4Request) -> int:
+        """The prompt's last full-page boundary that leaves at least one token to compute (0: none)."""
+        return (len(req.prompt) - 1) // self.page_size * self.page_size if self.prefix_cache else 0
+
+    def _lookup(self, prompt: list[int]) -> tuple[int, tuple[int, ...] | None]:
+        for k in range((len(prompt) - 1) // self.page_size, 0, -1):
+            key = tuple(prompt[: k * self.page_size])
+            if key in self._cache:
+                return k, key
+        return 0, None
+
+    def _evict_for(self, need: int) -> bool:
+        while not self.pages.can_alloc(need) and self._cache:
+            key, _ = self._cache.popitem(last=False)
+            self.pages.release(("prefix", key))
+            self.stats["evicted"] += 1
+        return self.pages.can_alloc(need)
+
+    def _snapshot(self, req: V4Request) -> None:
+        b = req.num_computed
+        key = tuple(req.prompt[:b])
+        if key in self._cache:
+            return
+        ids = req.page_ids[: b // self.page_size].copy()
+        self.pages.incref(ids)
+        self.pages.hold(("prefix", key), ids)
+        snap = {s.key: self.pool.state(s.key)[req.slot].clone() for s in self.layout.states}
+        self._cache[key] = (ids, snap)
+        self.stats["snapshots"] += 1
+        self.stats["snapshot_bytes"] += self.layout.state_bytes_per_request
+
+    def recompute_tokens(self, boundary: int) -> int:
+        """Tokens a hit at `boundary` would re-run to rebuild the window and compressor state instead of storing it."""
+        return min(boundary, self.model.spec.num_layers * self.model.spec.sliding_window)
+
+    def cached_tokens(self) -> int:
+        return sum(len(k) for k in self._cache)
+
+    # ---- scheduling ------------------------------------------------------------------
+
     def _admit(self) -> None:
         while self.waiting and self.slots.num_free:
             req = self.waiting[0]
             need = ceil_div(len(req.prompt) + req.max_new_tokens, self.page_size)
-            if not self.pages.can_alloc(need):
+            k, key = self._lookup(req.prompt) if self.prefix_cache else (0, None)
+            if not self.pages.can_alloc(need - k) and not self._evict_for(need - k):
                 return
+            if key is not None and key not in self._cache:  # evicted just now to make room
+                k, key = 0, None
+                if not self._evict_for(need):
+                    return
             self.waiting.popleft()
-            req.page_ids = self.pages.alloc(need, owner=req.rid)
             req.slot = self.slots.alloc()
+            fresh = self.pages.alloc(need - k, owner=req.rid)
+            if key is not None:
+                ids, snap = self._cache[key]
+                self._cache.move_to_end(key)
+                self.pages.incref(ids)
+                self.pages.hold(req.rid, ids)
+                for skey, t in snap.items():
+                    self.pool.state(skey)[req.slot] = t
+                req.page_ids = np.concatenate([ids, fresh])
+                req.num_computed = k * self.page_size
+                self.stats["hits"] += 1
+                self.stats["hit_tokens"] += req.num_computed
+            else:
+                req.page_ids = fresh
             self.running.append(req)
 
     def step(self) -> None:
@@ -112,6 +187,9 @@ class V4Engine:
         for req in self.running:
             if req.num_computed < len(req.prompt) and budget >= 1:
                 n = min(self.chunk_size, len(req.prompt) - req.num_computed, budget)
+                b = self._boundary(req)
+                if req.num_computed < b:  # cut the chunk at the boundary whose state is stored
+                    n = min(n, b - req.num_computed)
                 chunk = req.prompt[req.num_computed : req.num_computed + n]
                 last = req.num_computed + n == len(req.prompt)
                 rows.append((req, V4Row(req.slot, req.page_ids, req.num_computed, chunk), last))
@@ -122,6 +200,8 @@ class V4Engine:
         self.steps += 1
         for (req, row, sample), lg in zip(rows, logits, strict=True):
             req.num_computed = row.start + len(row.token_ids)
+            if not sample and req.num_computed == self._boundary(req) > 0:
+                self._snapshot(req)
             if sample:
                 req.output.append(int(lg.argmax()))
                 if self.keep_logits:
@@ -135,9 +215,11 @@ class V4Engine:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
-        held = sum(len(r.page_ids) for r in self.running)
-        if held + self.pages.num_free != self.pages.num_pages:
-            raise AssertionError(f"pages: {held} held + {self.pages.num_free} free != {self.pages.num_pages}")
+        held = {int(p) for r in self.running for p in r.page_ids} | {
+            int(p) for ids, _ in self._cache.values() for p in ids
+        }
+        if len(held) + self.pages.num_free != self.pages.num_pages:
+            raise AssertionError(f"pages: {len(held)} held + {self.pages.num_free} free != {self.pages.num_pages}")
         if len(self.running) + self.slots.num_free != self.slots.num_slots:
             raise AssertionError("request-state slots leaked")
 
