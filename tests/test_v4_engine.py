@@ -145,3 +145,26 @@ def test_prefix_hit_equals_no_hit(ckpts) -> None:
     assert eng.recompute_tokens(32) == 32 and eng.recompute_tokens(4096) == 6 * 8
     eng.check_integrity()
     assert eng.pages.num_free == 64 - len({int(p) for ids, _ in eng._cache.values() for p in ids})
+
+
+def test_host_tier_on_equals_off(ckpts) -> None:
+    """A prefix evicted from a small device pool goes to the host tier (same layout) and hits there."""
+    model = load_v4(ckpts["flash"])
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randint(2, 500, (40,), generator=g).tolist() for _ in range(2))
+    c = a[:33] + torch.randint(2, 500, (4,), generator=g).tolist()
+    plain = V4Engine(model, num_pages=16, max_running=1, chunk_size=7, max_batch_tokens=20)
+    want = [r.output for r in plain.generate([a, b, c], NEW)]
+    got: dict[bool, list[list[int]]] = {}
+    for host in (False, True):
+        eng = V4Engine(model, num_pages=5, max_running=1, chunk_size=7, max_batch_tokens=20, prefix_cache=True,
+                       host_pages=8 if host else 0)  # fmt: skip
+        got[host] = [r.output for p in (a, b, c) for r in eng.generate([p], NEW)]
+        assert eng.stats["evicted"] >= 1  # b's 4 pages need a's cached 2
+        assert eng.stats["host_hits"] == (1 if host else 0)
+        assert eng.stats["host_hit_tokens"] == (32 if host else 0) and eng.stats["hits"] == 0
+        eng.check_integrity()
+        if host:
+            assert eng.host is not None and eng.host.nbytes == eng.layout.pool_bytes(8, 1)
+            assert set(eng.host._paged) == {s.key for s in eng.layout.paged}  # each kind only where read
+    assert got[False] == got[True] == want

@@ -12,7 +12,9 @@ snapshot of the slot, `layout.state_bytes_per_request` bytes, taken when the pre
 full-page boundary; chunks are cut there). A hit shares the pages (refcounts) and copies the snapshot into the
 new slot; nothing is recomputed. The alternative, recomputing the boundary state, would re-run
 min(boundary, num_layers x window) tokens (each layer's window depends on the previous layer's window), see
-`recompute_tokens`. Least-recently-used snapshots (and their pages) are evicted when admission needs pages.
+`recompute_tokens`. Least-recently-used snapshots (and their pages) are evicted when admission needs pages;
+with `host_pages`, an evicted prefix is first copied to a host V4Pool of the same layout (every paged kind of
+its pages, each only where read, plus the snapshot), and a later hit there loads it into fresh device pages.
 Imports torch, numpy, dsakv.cache and dsakv.model; must not import disagg, serve or cli.
 """
 
@@ -63,6 +65,7 @@ class V4Engine:
         max_batch_tokens: int = 64,
         keep_logits: bool = False,
         prefix_cache: bool = False,
+        host_pages: int = 0,
     ) -> None:
         if chunk_size < 1 or max_batch_tokens < 1:
             raise ConfigError(f"chunk size {chunk_size} and max batch tokens {max_batch_tokens} must be >= 1")
@@ -84,6 +87,15 @@ class V4Engine:
         # prompt prefix (whole pages) -> (page ids, state snapshot per state key); insertion order = LRU order
         self._cache: OrderedDict[tuple[int, ...], tuple[np.ndarray, dict[BufferKey, torch.Tensor]]] = OrderedDict()
         self.stats = {"hits": 0, "hit_tokens": 0, "snapshots": 0, "snapshot_bytes": 0, "evicted": 0}
+        self.stats.update({"host_writes": 0, "host_hits": 0, "host_hit_tokens": 0})
+        # host tier: the same layout (each kind only where read) on the CPU, for prefixes evicted from the device
+        self.host: V4Pool | None = None
+        self._host_cache: OrderedDict[tuple[int, ...], tuple[np.ndarray, dict[BufferKey, torch.Tensor]]] = OrderedDict()
+        if host_pages:
+            if not prefix_cache:
+                raise ConfigError("a V4 host tier holds evicted prefixes: turn the prefix cache on too")
+            self.host = V4Pool(self.layout, host_pages, 1, "cpu")
+            self.host_pages = PageAllocator(host_pages, "V4 host pool")
 
     @property
     def page_size(self) -> int:
@@ -119,23 +131,65 @@ class V4Engine:
 
     def _evict_for(self, need: int) -> bool:
         while not self.pages.can_alloc(need) and self._cache:
-            key, _ = self._cache.popitem(last=False)
+            key, (ids, snap) = self._cache.popitem(last=False)
+            self._to_host(key, ids, snap)
             self.pages.release(("prefix", key))
             self.stats["evicted"] += 1
         return self.pages.can_alloc(need)
+
+    def _insert(self, key: tuple[int, ...], ids: np.ndarray, snap: dict[BufferKey, torch.Tensor]) -> None:
+        ids = ids.copy()
+        self.pages.incref(ids)
+        self.pages.hold(("prefix", key), ids)
+        self._cache[key] = (ids, snap)
 
     def _snapshot(self, req: V4Request) -> None:
         b = req.num_computed
         key = tuple(req.prompt[:b])
         if key in self._cache:
             return
-        ids = req.page_ids[: b // self.page_size].copy()
-        self.pages.incref(ids)
-        self.pages.hold(("prefix", key), ids)
         snap = {s.key: self.pool.state(s.key)[req.slot].clone() for s in self.layout.states}
-        self._cache[key] = (ids, snap)
+        self._insert(key, req.page_ids[: b // self.page_size], snap)
         self.stats["snapshots"] += 1
         self.stats["snapshot_bytes"] += self.layout.state_bytes_per_request
+
+    # ---- host tier: evicted prefixes (every paged kind of their pages + the boundary state) -----
+
+    def _to_host(self, key: tuple[int, ...], ids: np.ndarray, snap: dict[BufferKey, torch.Tensor]) -> None:
+        if self.host is None or key in self._host_cache:
+            return
+        while not self.host_pages.can_alloc(len(ids)) and self._host_cache:
+            old, _ = self._host_cache.popitem(last=False)
+            self.host_pages.release(("host", old))
+        if not self.host_pages.can_alloc(len(ids)):
+            return
+        hids = self.host_pages.alloc(len(ids), owner=("host", key))
+        dev = torch.from_numpy(ids).to(self.pool.device)
+        for b in self.layout.paged:
+            self.host.paged(b.key)[torch.from_numpy(hids)] = self.pool.paged(b.key)[dev].to(self.host.device)
+        self._host_cache[key] = (hids, {k: t.to(self.host.device) for k, t in snap.items()})
+        self.stats["host_writes"] += 1
+
+    def _host_lookup(self, prompt: list[int]) -> tuple[int, tuple[int, ...] | None]:
+        if self.host is None:
+            return 0, None
+        for k in range((len(prompt) - 1) // self.page_size, 0, -1):
+            key = tuple(prompt[: k * self.page_size])
+            if key in self._host_cache:
+                return k, key
+        return 0, None
+
+    def _load_from_host(self, key: tuple[int, ...], dev_ids: np.ndarray, slot: int) -> None:
+        assert self.host is not None
+        hids, snap = self._host_cache[key]
+        self._host_cache.move_to_end(key)
+        dev = torch.from_numpy(dev_ids).to(self.pool.device)
+        for b in self.layout.paged:
+            self.pool.paged(b.key)[dev] = self.host.paged(b.key)[torch.from_numpy(hids)].to(self.pool.device)
+        dsnap = {k: t.to(self.pool.device) for k, t in snap.items()}
+        for skey, t in dsnap.items():
+            self.pool.state(skey)[slot] = t
+        self._insert(key, dev_ids, dsnap)
 
     def recompute_tokens(self, boundary: int) -> int:
         """Tokens a hit at `boundary` would re-run to rebuild the window and compressor state instead of storing it."""
@@ -151,6 +205,13 @@ class V4Engine:
             req = self.waiting[0]
             need = ceil_div(len(req.prompt) + req.max_new_tokens, self.page_size)
             k, key = self._lookup(req.prompt) if self.prefix_cache else (0, None)
+            hk, hkey = self._host_lookup(req.prompt) if self.prefix_cache else (0, None)
+            if hk > k:  # the host tier holds a longer prefix: load it into fresh device pages
+                k, key = 0, None
+            else:
+                hk, hkey = 0, None
+            if key is not None:
+                self._cache.move_to_end(key)  # evicted last
             if not self.pages.can_alloc(need - k) and not self._evict_for(need - k):
                 return
             if key is not None and key not in self._cache:  # evicted just now to make room
@@ -162,7 +223,6 @@ class V4Engine:
             fresh = self.pages.alloc(need - k, owner=req.rid)
             if key is not None:
                 ids, snap = self._cache[key]
-                self._cache.move_to_end(key)
                 self.pages.incref(ids)
                 self.pages.hold(req.rid, ids)
                 for skey, t in snap.items():
@@ -171,6 +231,12 @@ class V4Engine:
                 req.num_computed = k * self.page_size
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += req.num_computed
+            elif hkey is not None:
+                self._load_from_host(hkey, fresh[:hk], req.slot)
+                req.page_ids = fresh
+                req.num_computed = hk * self.page_size
+                self.stats["host_hits"] += 1
+                self.stats["host_hit_tokens"] += req.num_computed
             else:
                 req.page_ids = fresh
             self.running.append(req)
@@ -215,6 +281,8 @@ class V4Engine:
 
     def check_integrity(self) -> None:
         self.pages.check_integrity()
+        if self.host is not None:
+            self.host_pages.check_integrity()
         held = {int(p) for r in self.running for p in r.page_ids} | {
             int(p) for ids, _ in self._cache.values() for p in ids
         }
