@@ -3,6 +3,9 @@
 For each tiny layer pattern (flash, pro) and batch size: B prompts of --v4-prompt-len tokens, decode tokens/s
 of dsakv (V4Pool, fp32; timed once every request has its first token) and of transformers' generate (time
 of generate(1 + N) minus generate(1)), best of --repeat, alternating; greedy tokens compared at batch 1.
+Then the prefix-cache choice at a page boundary: storing the window ring + compressor state (bytes per
+snapshot, tiny and full-scale Flash / Pro) against recomputing it (num_layers x window tokens re-run), and the
+time of a hit (state copied) against a miss (whole prompt prefilled) on the tiny flash checkpoint.
 Prints figures and ratios, never asserts on time.
 """
 
@@ -18,6 +21,8 @@ import torch
 from dsakv.engine.v4_engine import V4Engine
 from dsakv.model.deepseek_v4 import load_v4
 from dsakv.model.deepseek_v4_tiny import make_tiny_v4
+from dsakv.spec.v4 import load_v4_spec
+from dsakv.spec.v4_layout import V4Layout
 
 
 def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -88,4 +93,56 @@ def v4_section(tmp: Path, args: argparse.Namespace) -> dict:
             f"{r['pattern']:>7}  {r['batch']:>5}  {r['dsakv_tps']:>11,.1f}  {r['hf_tps']:>18,.1f}  "
             f"x{r['dsakv_tps'] / r['hf_tps']:>7.2f}  {eq}"
         )
-    return {"prompt_len": args.v4_prompt_len, "decode_tokens": args.decode_tokens, "rows": rows}
+    prefix = _prefix_costs(tmp / "v4-flash", args)
+    return {"prompt_len": args.v4_prompt_len, "decode_tokens": args.decode_tokens, "rows": rows, "prefix": prefix}
+
+
+def _prefix_costs(path: Path, args: argparse.Namespace) -> dict:
+    model = load_v4(path)
+    base = _prompts(1, 64, seed=3)[0]
+    tail = _prompts(1, 5, seed=4)[0]
+    warm = V4Engine(model, num_pages=32, max_running=1, chunk_size=64, max_batch_tokens=64, prefix_cache=True)
+    warm.generate([base], 1)  # stores the state at the 48-token boundary
+    best_hit = best_miss = best_re = float("inf")
+    for _ in range(args.repeat):
+        t0 = time.perf_counter()
+        warm.generate([base[:48] + tail], 1)
+        best_hit = min(best_hit, time.perf_counter() - t0)
+        plain = V4Engine(model, num_pages=32, max_running=1, chunk_size=64, max_batch_tokens=64)
+        t0 = time.perf_counter()
+        plain.generate([base[:48] + tail], 1)
+        best_miss = min(best_miss, time.perf_counter() - t0)
+        n_re = warm.recompute_tokens(48)
+        t0 = time.perf_counter()
+        plain.generate([base[:n_re]], 1)
+        best_re = min(best_re, time.perf_counter() - t0)
+    full = {n: V4Layout(load_v4_spec(n)) for n in ("deepseek-v4-flash", "deepseek-v4-pro")}
+    out = {
+        "tiny_snapshot_bytes": warm.layout.state_bytes_per_request,
+        "tiny_recompute_tokens": warm.recompute_tokens(48),
+        "hit_s": best_hit,
+        "miss_s": best_miss,
+        "recompute_s": best_re,
+        "full_scale": {
+            n: {
+                "snapshot_bytes": lay.state_bytes_per_request,
+                "recompute_tokens": lay.spec.num_layers * 128,
+                "page_bytes": lay.bytes_per_page,
+            }
+            for n, lay in full.items()
+        },  # fmt: skip
+    }
+    print()
+    print("prefix cache at a page boundary: store the window + compressor state, or recompute it")
+    print(
+        f"  tiny flash: snapshot {out['tiny_snapshot_bytes']:,} B (stored) vs re-running "
+        f"{out['tiny_recompute_tokens']} tokens; prompt 48 + 5: hit {1e3 * best_hit:.1f} ms vs miss "
+        f"{1e3 * best_miss:.1f} ms (x{best_miss / best_hit:.2f}); recomputing the state alone {1e3 * best_re:.1f} ms"
+    )
+    for n, f in out["full_scale"].items():
+        print(
+            f"  {n}: snapshot {f['snapshot_bytes']:,} B = {f['snapshot_bytes'] / f['page_bytes']:.1f} pages of "
+            f"{f['page_bytes']:,} B, vs re-running {f['recompute_tokens']:,} tokens ({f['recompute_tokens'] // 128} "
+            "layers x window 128)"
+        )
+    return out
