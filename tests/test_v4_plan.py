@@ -146,3 +146,7 @@ def test_cli_v4_errors(capsys) -> None:
     assert "multiple of 128" in capsys.readouterr().err
     assert main(["plan", "deepseek-v4-pro", "--kv-format", "fp8-656"]) == 2
     assert "MLA format" in capsys.readouterr().err
+    assert main(["plan", "deepseek-v4-flash", "--kv-budget", "1GiB", "--hisparse-ratio", "10"]) == 2
+    assert "--hisparse-ratio: not planned for DeepSeek-V4 yet" in capsys.readouterr().err
+    assert main(["plan", "deepseek-v4-flash", "--kv-budget", "1MiB", "--max-running-requests", "4"]) == 2
+    assert "holds 4 request slots" in capsys.readouterr().err

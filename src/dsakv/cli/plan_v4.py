@@ -20,8 +20,26 @@ def _f(x: str | Fraction | float) -> str:
     return f"{float(Fraction(x)):,.2f}"
 
 
+UNSUPPORTED = {
+    "gpu_memory": "--gpu-memory (give --kv-budget)",
+    "hicache_ratio": "--hicache-ratio",
+    "hicache_size": "--hicache-size",
+    "hicache_storage_size": "--hicache-storage-size",
+    "hisparse_ratio": "--hisparse-ratio",
+    "hisparse_buffer": "--hisparse-buffer",
+}
+
+
 def deployment(args: argparse.Namespace) -> V4Deployment:
     spec = load_v4_spec(args.model)
+    given = [flag for name, flag in UNSUPPORTED.items() if getattr(args, name, None) is not None]
+    if args.balance:
+        given.append("--balance")
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: not planned for DeepSeek-V4 yet; plan {spec.name} with --kv-budget, --pp-partition, "
+            "--draft-layers, --index-format, --page-size, --max-running-requests, --hca-state, --context-len"
+        )
     kv_format = args.kv_format or "fp8-584"
     if kv_format not in V4_KV_FORMATS:
         raise ConfigError(
