@@ -168,3 +168,14 @@ def test_host_tier_on_equals_off(ckpts) -> None:
             assert eng.host is not None and eng.host.nbytes == eng.layout.pool_bytes(8, 1)
             assert set(eng.host._paged) == {s.key for s in eng.layout.paged}  # each kind only where read
     assert got[False] == got[True] == want
+
+
+def test_generate_cli_runs_v4(ckpts, reference, capsys) -> None:
+    prompt = _prompts()[3]
+    argv = ["generate", "--model", str(ckpts["flash"]), "--prompt-ids", ",".join(map(str, prompt)),
+            "--max-new-tokens", str(NEW), "--page-size", "16", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    rows = __import__("json").loads(capsys.readouterr().out)
+    assert rows[0]["output_ids"] == reference["flash"][3][0] and rows[0]["finish_reason"] == "length"
+    assert main([*argv, "--temperature", "0.7"]) == 2
+    assert "greedy only" in capsys.readouterr().err

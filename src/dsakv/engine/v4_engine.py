@@ -49,9 +49,15 @@ class V4Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    eos: tuple[int, ...] = ()
+
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens
+        return len(self.output) >= self.max_new_tokens or bool(self.output and self.output[-1] in self.eos)
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.output and self.output[-1] in self.eos else "length"
 
 
 class V4Engine:
@@ -101,7 +107,7 @@ class V4Engine:
     def page_size(self) -> int:
         return self.layout.page
 
-    def add_request(self, prompt: list[int], max_new_tokens: int) -> int:
+    def add_request(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> int:
         if not prompt:
             raise ConfigError("a V4 request needs a non-empty prompt")
         total = len(prompt) + max_new_tokens
@@ -111,7 +117,9 @@ class V4Engine:
                 f"a request of {total} tokens needs {need} pages of {self.page_size}; the pool has "
                 f"{self.pages.num_pages}: raise --num-pages"
             )
-        req = V4Request(self._next, list(prompt), max_new_tokens)
+        if max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens {max_new_tokens} must be >= 1")
+        req = V4Request(self._next, list(prompt), max_new_tokens, eos=tuple(eos))
         self._next += 1
         self.waiting.append(req)
         return req.rid
