@@ -6,6 +6,7 @@ Both tiny layer patterns (flash: 2 window-only layers first; pro: 2 HCA layers f
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,7 @@ def test_generate_cli_runs_v4(ckpts, reference, capsys) -> None:
     argv = ["generate", "--model", str(ckpts["flash"]), "--prompt-ids", ",".join(map(str, prompt)),
             "--max-new-tokens", str(NEW), "--page-size", "16", "--json"]  # fmt: skip
     assert main(argv) == 0
-    rows = __import__("json").loads(capsys.readouterr().out)
+    rows = json.loads(capsys.readouterr().out)
     assert rows[0]["output_ids"] == reference["flash"][3][0] and rows[0]["finish_reason"] == "length"
     assert main([*argv, "--temperature", "0.7"]) == 2
     assert "greedy only" in capsys.readouterr().err
