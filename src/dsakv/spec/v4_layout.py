@@ -271,3 +271,52 @@ def dense_bytes_per_token(spec: V4Spec, kv_format: str = "fp8-584", index_format
     """A V3.2-style layout: every token's K=V entry and index-K on every main layer (no compression, no window)."""
     e = int(V4_KV_FORMAT_BYTES.get(kv_format)(spec.head_dim, spec.qk_rope_head_dim))
     return spec.num_layers * (e + index_bytes_per_token(index_format, spec.index_head_dim))
+
+
+@dataclass(frozen=True)
+class V4Pair:
+    """One key both sides hold: bytes per page (paged kinds) or per request slot (state kinds)."""
+
+    key: BufferKey
+    nbytes: int
+    paged: bool
+
+
+def pair_layouts(sender: V4Layout, receiver: V4Layout) -> tuple[V4Pair, ...]:
+    """The keys a sender stage ships to a receiver, over the intersection of their layers, paired by key.
+
+    Refused (ConfigError naming the kind and both sizes) when the models differ, or a shared key's entry size,
+    entries per page or slot size differ (another page size, KV / index format or HCA state mode).
+    """
+    if sender.spec.identity_hash() != receiver.spec.identity_hash():
+        raise ConfigError(
+            f"incompatible V4 peers: models {sender.spec.name!r} and {receiver.spec.name!r} differ "
+            f"({sender.spec.identity_hash()} vs {receiver.spec.identity_hash()})"
+        )
+    out, problems = [], []
+    for key, mine in sender.by_key.items():
+        theirs = receiver.by_key.get(key)
+        if theirs is None:
+            continue  # the receiver does not hold this layer
+        if isinstance(mine, PagedSpec) and isinstance(theirs, PagedSpec):
+            if (mine.entry_bytes, mine.entries_per_page) != (theirs.entry_bytes, theirs.entries_per_page):
+                problems.append(
+                    f"{key} ({key.kind.value}): sender {mine.entries_per_page} x {mine.entry_bytes} B per page "
+                    f"(page {sender.page}, {sender.kv_format}/{sender.index_format}), receiver "
+                    f"{theirs.entries_per_page} x {theirs.entry_bytes} B (page {receiver.page}, "
+                    f"{receiver.kv_format}/{receiver.index_format})"
+                )
+            else:
+                out.append(V4Pair(key, mine.page_bytes, True))
+        elif isinstance(mine, StateSpec) and isinstance(theirs, StateSpec):
+            if mine.slot_bytes != theirs.slot_bytes:
+                problems.append(
+                    f"{key} ({key.kind.value}): sender slot {mine.rows} x {mine.row_bytes:,} B, receiver "
+                    f"{theirs.rows} x {theirs.row_bytes:,} B (HCA state {sender.hca_state} vs {receiver.hca_state})"
+                )
+            else:
+                out.append(V4Pair(key, mine.slot_bytes, False))
+    if problems:
+        more = f" (and {len(problems) - 4} more)" if len(problems) > 4 else ""
+        raise ConfigError("incompatible V4 peers: " + "; ".join(problems[:4]) + more)
+    return tuple(out)

@@ -150,3 +150,25 @@ def test_cli_v4_errors(capsys) -> None:
     assert "--hisparse-ratio: not planned for DeepSeek-V4 yet" in capsys.readouterr().err
     assert main(["plan", "deepseek-v4-flash", "--kv-budget", "1MiB", "--max-running-requests", "4"]) == 2
     assert "holds 4 request slots" in capsys.readouterr().err
+
+
+def test_pp_stages_pair_with_a_decode_by_key() -> None:
+    """Each key of a PP=2 prefill pairs with the decode's by key; bytes per pair == the layout figure."""
+    from dsakv.spec.v4_layout import pair_layouts
+
+    s = load_v4_spec("deepseek-v4-flash")
+    decode = V4Layout(s, draft_layers=1)
+    stages = [V4Layout(s, 0, 22), V4Layout(s, 22, 43, draft_layers=1)]
+    pairs = [pair_layouts(st, decode) for st in stages]
+    assert {p.key for ps in pairs for p in ps} == set(decode.keys)
+    assert sum(p.nbytes for ps in pairs for p in ps if p.paged) == decode.bytes_per_page == 492_832
+    assert sum(p.nbytes for ps in pairs for p in ps if not p.paged) == decode.state_bytes_per_request
+    assert [sum(p.nbytes for p in ps if p.paged) for ps in pairs] == [234_960, 257_872]
+    with pytest.raises(ConfigError, match=r"L2/csa_kv \(csa_kv\): sender 32 x 584 B per page \(page 128"):
+        pair_layouts(stages[0], V4Layout(s, page_size=256))
+    with pytest.raises(ConfigError, match=r"L2/csa_index_k \(csa_index_k\): sender 32 x 132 B"):
+        pair_layouts(stages[0], V4Layout(s, index_format="fp4-68"))
+    with pytest.raises(ConfigError, match=r"L3/hca_state \(hca_state\): sender slot 3 x 2,048 B"):
+        pair_layouts(stages[0], V4Layout(s, hca_state="ring"))
+    with pytest.raises(ConfigError, match="models 'deepseek-v4-flash' and 'deepseek-v4-pro' differ"):
+        pair_layouts(stages[0], V4Layout(load_v4_spec("deepseek-v4-pro")))
