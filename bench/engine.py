@@ -2,7 +2,7 @@
 
     python bench/engine.py [--sections hf,long,elision] [--kv-format fp8-656 --index-format fp8-132] [--threads 1]
 
-Makes a tiny checkpoint in a temp dir (or uses --model DIR). Three sections, one process, same inputs:
+Makes a tiny checkpoint in a temp dir (or uses --model DIR). Four sections, one process, same inputs:
 
 hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
   `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
@@ -10,6 +10,8 @@ hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) aga
   generate(1 + N tokens) minus generate(1 token) (its prefill). Ratio dsakv / transformers per batch,
   and dsakv's batch-B step time over its batch-1 step time, twice: by wall clock and by process CPU time
   (on a shared box whose load swings, CPU time is what waiting for a core distorts least).
+v4: DeepSeek-V4 tiny checkpoints (both layer patterns): dsakv's V4Engine vs transformers' generate, decode
+  tokens/s at --v4-batches (bench/engine_v4.py), greedy tokens compared at batch 1.
 long: one sequence on a DSA checkpoint whose index_topk (--long-topk, 64) is far below the context
   (--long-ctx, 256 2048 8192; --long-layers 4 layers; 16 attention heads, nope/v dims 64): ms per decode
   token of dsakv and of transformers
@@ -279,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on a busy box)")
     ap.add_argument("--budget", default="1GiB", help="KV budget for the capacity column (default 1GiB)")
-    ap.add_argument("--sections", default="hf,long,elision", help="which of hf,long,elision to run (default all)")
+    ap.add_argument("--sections", default="hf,long,elision,v4", help="which of hf,long,elision,v4 to run (default all)")
+    ap.add_argument("--v4-batches", default="1,8", help="V4 section batch sizes (default 1,8)")
+    ap.add_argument("--v4-prompt-len", type=int, default=40, help="V4 section prompt length (default 40)")
     ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes against transformers (default 1,16,64)")
     ap.add_argument("--long-ctx", default="256,2048,8192", help="long-context section contexts (default 256,2048,8192)")
     ap.add_argument("--long-topk", type=int, default=64, help="index_topk of the long-context checkpoint (default 64)")
@@ -292,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     sections = set(args.sections.split(","))
-    if sections - {"hf", "long", "elision"}:
-        ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision")
+    if sections - {"hf", "long", "elision", "v4"}:
+        ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision, v4")
     results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
     print(f"load average at start (1, 5, 15 min): {_load()}")
 
@@ -307,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             results["hf"] = hf_section(path, model, args)
         if "long" in sections:
             results["long"] = long_section(Path(tmp), args)
+        if "v4" in sections:
+            from engine_v4 import v4_section  # bench/engine_v4.py, beside this script
+
+            results["v4"] = v4_section(Path(tmp), args)
         if "elision" not in sections:
             _dump(results, args)
             return 0

@@ -91,6 +91,16 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    from dsakv.spec.v4 import is_v4
+
+    if is_v4(args.model):
+        from dsakv.cli.generate_v4 import run_v4
+
+        v4_prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
+        v4_prompts += [list(load_tokenizer(model_dir).encode(t)) for t in args.prompt]
+        if not v4_prompts or any(not p for p in v4_prompts):
+            raise ConfigError("no prompt, or an empty one: give --prompt-ids 1,2,3 (repeatable) or --prompt TEXT")
+        return run_v4(args, v4_prompts, parse_ids(args.stop_token_ids, "--stop-token-ids"))
     validate_generate(args)
     validate_pool(args, validate_checkpoint(model_dir))
     prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]

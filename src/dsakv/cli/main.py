@@ -17,7 +17,10 @@ from dsakv.errors import DsakvError
 # name -> (module, one-line help); each module has add_arguments(parser) and run(args) -> int
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("dsakv.cli.plan_cmd", "KV capacity per role and PP stage, with and without index-K elision"),
-    "make-tiny": ("dsakv.cli.make_tiny_cmd", "write a small deterministic GLM-5.2-shaped checkpoint"),
+    "make-tiny": (
+        "dsakv.cli.make_tiny_cmd",
+        "write a small deterministic GLM-5.2 / DeepSeek-V3.2 / DeepSeek-V4-shaped checkpoint",
+    ),
     "generate": ("dsakv.cli.generate_cmd", "run the reference DSA engine on a checkpoint"),
     "serve": ("dsakv.cli.serve_cmd", "serve a model: colocated, or as prefill / decode / router"),
     "store-master": ("dsakv.cli.store_master_cmd", "run a Mooncake Store (master + memory) for the shared L3 tier"),

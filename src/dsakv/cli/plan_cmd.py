@@ -12,6 +12,8 @@ from dsakv.errors import ConfigError
 from dsakv.plan import ROLES, Deployment, RolePlan, balance, fmt_bytes, parse_partition, parse_size, plan
 from dsakv.plan.weights import WEIGHT_FORMATS, model_weight_bytes, weight_format_for
 from dsakv.spec import INDEX_FORMATS, KV_FORMATS, PRESETS, load_spec
+from dsakv.spec.v4 import V4_PRESETS, is_v4
+from dsakv.spec.v4_layout import V4_KV_FORMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "every token. device B/token = KV + ratio x index-K (every layer dense, producers only elided);\n"
         "logical tokens = ratio x device tokens.\n"
     )
-    p.add_argument("model", help=f"preset ({', '.join(PRESETS)}), a config.json, or a model directory")
+    p.add_argument("model", help=f"preset ({', '.join([*PRESETS, *V4_PRESETS])}), a config.json, or a model directory")
     p.add_argument("--role", choices=ROLES, default="decode", help="which worker to plan (default: decode)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (default 1; even split)")
     p.add_argument("--pp-partition", help="layers per stage, e.g. 20,20,20,18 (must sum to the layer count)")
@@ -41,9 +43,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="which PP stages hold the draft layers: every (one set per stage, the seeds' accounting; default) or "
         "last (dsakv's engine: the draft needs the final hidden states); with pp > 1 both are shown",
     )
-    p.add_argument("--kv-format", choices=KV_FORMATS, default="fp8-656", help="MLA KV row format (default fp8-656)")
+    p.add_argument(
+        "--kv-format",
+        choices=sorted({*KV_FORMATS, *V4_KV_FORMATS}),
+        help="KV row format (default fp8-656; DeepSeek-V4: fp8-584)",
+    )
     p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp8-132", help="index-K format (default fp8-132)")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per page (default 64)")
+    p.add_argument(
+        "--page-size", type=int, help="tokens per page (default 64; DeepSeek-V4: the HCA ratio, 128, or a multiple)"
+    )
+    v4 = p.add_argument_group("DeepSeek-V4 (per-request state)")
+    v4.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=1,
+        help="request slots of window ring + compressor state the pool reserves (default 1)",
+    )
+    v4.add_argument(
+        "--hca-state",
+        choices=("online", "ring"),
+        default="online",
+        help="HCA compressor state: one running slot (online softmax; default) or a ratio-slot ring",
+    )
+    v4.add_argument("--context-len", type=int, help="also print how many requests of this many tokens fit")
     mem = p.add_argument_group("memory (give --kv-budget, or --gpu-memory to estimate it)")
     mem.add_argument("--kv-budget", help="KV pool bytes per GPU, e.g. 96.33GiB")
     mem.add_argument("--gpu-memory", help="GPU memory, e.g. 141GB; budget = memory x fraction - weights (estimate)")
@@ -86,9 +108,9 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         partition=partition,
         draft_layers=args.draft_layers,
         draft_placement=args.draft_placement,
-        kv_format=args.kv_format,
+        kv_format=args.kv_format or "fp8-656",
         index_format=args.index_format,
-        page_size=args.page_size,
+        page_size=args.page_size or 64,
         kv_budget=parse_size(args.kv_budget, "--kv-budget") if args.kv_budget else None,
         gpu_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
         mem_fraction=args.mem_fraction,
@@ -216,6 +238,10 @@ def print_hisparse(rp: RolePlan, file: TextIO | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_v4(args.model):
+        from dsakv.cli.plan_v4 import run_v4
+
+        return run_v4(args)
     d = _deployment(args)
     rp = plan(d)
     bal = balance(d) if args.balance else None

@@ -32,6 +32,19 @@ QUANT_GROUP = 128
 class Kind(enum.StrEnum):
     KV = "kv"
     INDEX_K = "index_k"
+    # DeepSeek-V4 (spec/v4_layout.py): token-indexed kinds (paged) ...
+    CSA_KV = "csa_kv"  # one compressed K=V entry per csa_ratio (4) tokens, CSA layers
+    CSA_INDEX_K = "csa_index_k"  # the indexer's compressed key per csa_ratio tokens, CSA layers
+    HCA_KV = "hca_kv"  # one compressed K=V entry per hca_ratio (128) tokens, HCA layers
+    # ... and per-request state (one slot per running request)
+    WINDOW = "window"  # the sliding-window ring of K=V entries, every layer
+    CSA_STATE = "csa_state"  # the CSA compressor's last 2 x ratio projected tokens (kv + gate, fp32)
+    CSA_INDEX_STATE = "csa_index_state"  # the same for the indexer's compressor
+    HCA_STATE = "hca_state"  # the HCA compressor's running window (online softmax, or a ratio-slot ring)
+
+
+# the kinds of the MLA models (DeepSeek-V3.2, GLM-5.x); the others are DeepSeek-V4's
+MLA_KINDS = (Kind.KV, Kind.INDEX_K)
 
 
 @dataclass(frozen=True, order=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from dsakv.disagg.protocol.errors import IncompatiblePeer
 from dsakv.disagg.transfer.manifest import Manifest, RegionInfo
-from dsakv.spec.layout import BufferKey, Kind
+from dsakv.spec.layout import MLA_KINDS, BufferKey, Kind
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Pairing:
         return sum(p.page_bytes for p in self.pairs)
 
     def bytes_by_kind(self) -> dict[Kind, int]:
-        out = {k: 0 for k in Kind}
+        out = {k: 0 for k in MLA_KINDS}
         for p in self.pairs:
             out[p.key.kind] += p.page_bytes
         return out

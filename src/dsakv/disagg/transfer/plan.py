@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from dsakv.disagg.protocol.errors import TransferError
 from dsakv.disagg.transfer.compat import KeyPair
-from dsakv.spec.layout import BufferKey, Kind
+from dsakv.spec.layout import MLA_KINDS, BufferKey, Kind
 
 IntArray = npt.NDArray[np.int64]
 _KINDS = tuple(Kind)
@@ -365,4 +365,4 @@ class TransferPlan:
 
     def bytes_by_kind(self) -> dict[Kind, int]:
         per = np.bincount(self.table.kind, weights=self.table.page_bytes, minlength=len(_KINDS))
-        return {k: int(per[i]) * self.num_pages for i, k in enumerate(_KINDS)}
+        return {k: int(per[i]) * self.num_pages for i, k in enumerate(_KINDS) if k in MLA_KINDS or per[i]}
