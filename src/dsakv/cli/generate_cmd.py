@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_g = p.add_argument_group("engine")
     options.add_engine_arguments(run_g)
     options.add_speculative_argument(run_g)
+    options.add_parallel_arguments(run_g)
     options.add_hisparse_arguments(p)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
@@ -106,20 +107,38 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dsakv.engine.engine import Engine
+    from dsakv.engine.ranks import start_ranks
     from dsakv.engine.request import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.tp_size > 1:  # refuse a TP size the checkpoint cannot be split over before starting any rank
+        from dsakv.model.loader import load_config
+        from dsakv.model.parallel import shard_config
+
+        shard_config(load_config(model_dir), args.tp_size)
+    ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:])
+    seed = args.seed
+    if ranks.size > 1 and seed is None and args.temperature > 0:  # one draw for every rank
+        import random
+
+        seed = ranks.broadcast(random.randrange(2**63))
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=seed,
         stop_token_ids=tuple(parse_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
     )
-    engine = Engine(model_dir, options.engine_config(args))
+    if ranks.size > 1:
+        from dsakv.model.parallel import load_tp_model
+
+        loaded = load_tp_model(model_dir, ranks.group, dtype=getattr(torch, args.dtype))
+        engine = Engine(loaded, options.engine_config(args), model_dir=model_dir)
+    else:
+        engine = Engine(model_dir, options.engine_config(args))
     ids: list[str] = []
     final = {}
     for batch in [[p] for p in prompts] if args.sequential else [prompts]:
@@ -129,6 +148,10 @@ def run(args: argparse.Namespace) -> int:
                 if out.finished:
                     final[out.request_id] = out
     engine.check_integrity()
+    ranks.agree([list(final[rid].output_ids) for rid in ids], "output tokens")
+    ranks.close()
+    if not ranks.lead:
+        return 0
     rows = []
     for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
         o = final[rid]

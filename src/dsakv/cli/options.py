@@ -160,6 +160,18 @@ def add_engine_arguments(
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
 
+def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
+    """--tp-size T (engine/ranks.py, model/parallel.py)."""
+    g.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel ranks, one process each (torch.distributed on 127.0.0.1): attention heads, dense MLP "
+        "and experts split over T, MLA latent KV and index-K replicated on every rank (default 1)",
+    )
+
+
 def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> None:
     """--speculative-num-steps K (EngineConfig.speculative_num_steps); `note` ends its help (what the command adds)."""
     g.add_argument(

@@ -171,6 +171,20 @@ def validate_generate(args: argparse.Namespace) -> None:
     check_int(args, "max_new_tokens", 1, None, "tokens to generate per prompt")
     check_int(args, "seed", 0, 2**63 - 1)
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
+    check_tp(args)
+
+
+def check_tp(args: argparse.Namespace) -> None:
+    """--tp-size: 1..64, and not (yet) with the features whose extra state the ranks do not share."""
+    check_int(args, "tp_size", 1, 64, "tensor-parallel ranks")
+    if getattr(args, "tp_size", 1) == 1:
+        return
+    for flag, on in (
+        ("--speculative-num-steps", getattr(args, "speculative_num_steps", 0)),
+        ("--hisparse", getattr(args, "hisparse", False)),
+    ):
+        if on:
+            raise ConfigError(f"--tp-size {args.tp_size} with {flag} is not supported yet: drop one of them")
 
 
 # ---- the checkpoint -----------------------------------------------------------------------------------
