@@ -81,10 +81,49 @@ def test_generate_tp2_seeded_sampling_equals_single_rank(capsys: pytest.CaptureF
 def test_tp_size_errors(capsys: pytest.CaptureFixture[str]) -> None:
     prompts = prompts_for([4], seed=1)
     assert main(_argv(prompts, "--tp-size", "3")) == 2
-    assert (
-        "num_attention_heads = 4 is not divisible by --tp-size 3: pick a TP size dividing 4" in capsys.readouterr().err
-    )
+    assert "num_attention_heads = 4 is not divisible by --tp-size 3: pick a size dividing 4" in capsys.readouterr().err
     assert main(_argv(prompts, "--tp-size", "0")) == 2
     assert "--tp-size 0 must be an integer in 1..64" in capsys.readouterr().err
     assert main(_argv(prompts, "--tp-size", "2", "--speculative-num-steps", "2")) == 2
     assert "--tp-size 2 with --speculative-num-steps is not supported yet" in capsys.readouterr().err
+
+
+DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+
+
+def test_generate_dp2_ep2_equals_single_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """DP attention 2, EP 2: prompts 0, 2 on DP rank 0 and 1, 3 on DP rank 1, each rank its own pool and
+    scheduler; the MoE dispatches rows to the rank holding their expert and combines them back (all-to-all).
+    4-token chunks make rank 0 (a 30-token prompt) step longer than rank 1, which then runs idle steps."""
+    prompts = prompts_for([30, 5, 6, 7], seed=9)
+    greedy = _argv(prompts, "--max-batch-tokens", "4")
+    assert main([*greedy, *DP]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    single = engine(ARCH, page_size=4, max_tokens=512, max_batch_tokens=4).generate(
+        prompts, SamplingParams(max_new_tokens=10, ignore_eos=True)
+    )
+    assert [r["output_ids"] for r in rows] == single == [hf_greedy(ARCH, tuple(p), 10) for p in prompts]
+    seeded = _argv(prompts[1:3], "--temperature", "0.9", "--seed", "5")
+    assert main([*seeded, *DP]) == 0
+    dp = [r["output_ids"] for r in json.loads(capsys.readouterr().out)]
+    one = engine(ARCH, page_size=4, max_tokens=512).generate(
+        prompts[1:3], SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, seed=5)
+    )
+    assert dp == one
+
+
+def test_dp_attention_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = prompts_for([4], seed=1)
+    cases = [
+        (["--dp-size", "2"], "--dp-size 2 needs --enable-dp-attention"),
+        (["--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "4"], "use --tp-size 2"),
+        (["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], "give --ep-size 2, not 1"),
+        (["--ep-size", "2"], "--ep-size 2 needs --enable-dp-attention"),
+        (
+            ["--tp-size", "3", "--dp-size", "3", "--enable-dp-attention", "--ep-size", "3"],
+            "n_routed_experts = 8 is not divisible by --ep-size 3",
+        ),
+    ]
+    for extra, msg in cases:
+        assert main(_argv(prompts, *extra)) == 2, extra
+        assert msg in capsys.readouterr().err, extra

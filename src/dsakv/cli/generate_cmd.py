@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dsakv.cli import options
 from dsakv.cli.validate import validate_checkpoint, validate_generate, validate_pool
@@ -88,6 +90,25 @@ def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def step_ranks(engine: Any, lockstep: bool) -> Iterator[Any]:
+    """Step the engine until no request is unfinished (with `lockstep`, on any DP rank: an idle rank runs its
+    share of each step's expert-parallel collectives with no tokens); yields every step's outputs."""
+    if not lockstep:
+        while engine.has_unfinished():
+            yield from engine.step()
+        return
+    from dsakv.model.parallel import any_rank, idle_forward
+
+    while True:
+        active = engine.has_unfinished()
+        if not any_rank(active):
+            return
+        if active:
+            yield from engine.step()
+        else:
+            idle_forward(engine.model)
+
+
 def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -114,9 +135,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.tp_size > 1:  # refuse a TP size the checkpoint cannot be split over before starting any rank
         from dsakv.model.loader import load_config
-        from dsakv.model.parallel import shard_config
+        from dsakv.model.parallel import divide, shard_config
 
-        shard_config(load_config(model_dir), args.tp_size)
+        cfg = load_config(model_dir)
+        if args.enable_dp_attention:
+            divide("n_routed_experts", int(cfg.get("n_routed_experts") or 0), args.ep_size, "--ep-size")
+        else:
+            shard_config(cfg, args.tp_size)
     ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:])
     seed = args.seed
     if ranks.size > 1 and seed is None and args.temperature > 0:  # one draw for every rank
@@ -132,41 +157,56 @@ def run(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(parse_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
     )
-    if ranks.size > 1:
+    dp = args.dp_size if args.enable_dp_attention else 1
+    dtype = getattr(torch, args.dtype)
+    if dp > 1:  # DP attention: each rank the whole attention of its own requests; MoE expert-parallel
+        from dsakv.model.loader import load_model
+        from dsakv.model.parallel import attach_ep
+
+        spec, model = load_model(model_dir, dtype=dtype)
+        engine = Engine(
+            (spec, attach_ep(model, ranks.rank, args.ep_size)), options.engine_config(args), model_dir=model_dir
+        )
+    elif ranks.size > 1:
         from dsakv.model.parallel import load_tp_model
 
-        loaded = load_tp_model(model_dir, ranks.group, dtype=getattr(torch, args.dtype))
-        engine = Engine(loaded, options.engine_config(args), model_dir=model_dir)
+        engine = Engine(
+            load_tp_model(model_dir, ranks.group, dtype=dtype), options.engine_config(args), model_dir=model_dir
+        )
     else:
         engine = Engine(model_dir, options.engine_config(args))
-    ids: list[str] = []
+    mine = [i for i in range(len(prompts)) if i % dp == ranks.rank % dp]  # DP rank r: prompts r, r + dp, ...
+    ids: dict[int, str] = {}
     final = {}
-    for batch in [[p] for p in prompts] if args.sequential else [prompts]:
-        ids += [engine.add_request(p, params) for p in batch]
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+    for batch in [[i] for i in mine] if args.sequential else [mine]:
+        ids.update({i: engine.add_request(prompts[i], params) for i in batch})
+        for out in step_ranks(engine, dp > 1):
+            if out.finished:
+                final[out.request_id] = out
     engine.check_integrity()
-    ranks.agree([list(final[rid].output_ids) for rid in ids], "output tokens")
+    got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
+    if dp > 1:
+        got = {i: v for part in ranks.gather(got) for i, v in part.items()}
+    else:
+        ranks.agree(got, "output tokens")
     ranks.close()
     if not ranks.lead:
         return 0
     rows = []
-    for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-        o = final[rid]
-        row = {"prompt_ids": prompt, "output_ids": list(o.output_ids), "finish_reason": str(o.finish_reason)}
-        if o.error:
-            row["error"] = o.error
+    for i, prompt in enumerate(prompts):
+        out_ids, reason, error = got[i]
+        row = {"prompt_ids": prompt, "output_ids": out_ids, "finish_reason": reason}
+        if error:
+            row["error"] = error
         if tokenizer is not None:
-            row["text"] = tokenizer.decode(list(o.output_ids))
+            row["text"] = tokenizer.decode(out_ids)
         rows.append(row)
         if not args.json:
-            print(f"#{i} prompt={len(prompt)} finish={o.finish_reason} ids={','.join(map(str, o.output_ids))}")
+            print(f"#{i} prompt={len(prompt)} finish={reason} ids={','.join(map(str, out_ids))}")
             if "text" in row:
                 print(f"   text: {row['text']!r}")
-            if o.error:
-                print(f"   error: {o.error}")
+            if error:
+                print(f"   error: {error}")
     if args.json:
         print(json.dumps(rows))
     if args.stats:

@@ -177,7 +177,27 @@ def validate_generate(args: argparse.Namespace) -> None:
 def check_tp(args: argparse.Namespace) -> None:
     """--tp-size: 1..64, and not (yet) with the features whose extra state the ranks do not share."""
     check_int(args, "tp_size", 1, 64, "tensor-parallel ranks")
-    if getattr(args, "tp_size", 1) == 1:
+    check_int(args, "dp_size", 1, 64, "data-parallel attention ranks")
+    check_int(args, "ep_size", 1, 64, "expert-parallel ranks")
+    tp, dp, ep = getattr(args, "tp_size", 1), getattr(args, "dp_size", 1), getattr(args, "ep_size", 1)
+    dpa = getattr(args, "enable_dp_attention", False)
+    if dp > 1 and not dpa:
+        raise ConfigError(f"--dp-size {dp} needs --enable-dp-attention (data-parallel replicas: start more servers)")
+    if dpa:
+        if dp == 1:
+            raise ConfigError("--enable-dp-attention needs --dp-size > 1")
+        if tp != dp:
+            raise ConfigError(
+                f"--enable-dp-attention with --tp-size {tp} --dp-size {dp}: the engine runs attention TP 1 "
+                f"(--tp-size == --dp-size, the TP=DP deployment); use --tp-size {dp}"
+            )
+        if ep != tp:
+            raise ConfigError(
+                f"--enable-dp-attention runs the MoE expert-parallel over every rank: give --ep-size {tp}, not {ep}"
+            )
+    elif ep > 1:
+        raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
+    if tp == 1:
         return
     for flag, on in (
         ("--speculative-num-steps", getattr(args, "speculative_num_steps", 0)),

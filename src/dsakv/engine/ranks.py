@@ -60,6 +60,14 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """`value` of every rank, in rank order, on every rank."""
+        if self.size == 1:
+            return [value]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value)
+        return out
+
     def agree(self, value: Any, what: str) -> Any:
         """Gather `value` from every rank; raise RanksDiverged naming the first rank that differs from rank 0."""
         if self.size == 1:

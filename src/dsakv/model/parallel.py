@@ -28,9 +28,12 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DecoderLayer, DSAModel
+from dsakv.model.layers import MLP, MoE, Router
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -77,22 +80,22 @@ def init_group(rank: int, size: int, addr: str, port: int, device: str = "cpu") 
     return TPGroup(rank, size)
 
 
-def _divide(what: str, value: int, size: int) -> int:
+def divide(what: str, value: int, size: int, flag: str = "--tp-size") -> int:
     if value % size:
-        raise ConfigError(f"{what} = {value} is not divisible by --tp-size {size}: pick a TP size dividing {value}")
+        raise ConfigError(f"{what} = {value} is not divisible by {flag} {size}: pick a size dividing {value}")
     return value // size
 
 
 def shard_config(cfg: dict[str, Any], size: int) -> dict[str, Any]:
     """The config of one rank's shard: heads and intermediates divided by `size` (the cache shape unchanged)."""
     out = dict(cfg)
-    out["num_attention_heads"] = _divide("num_attention_heads", int(cfg["num_attention_heads"]), size)
+    out["num_attention_heads"] = divide("num_attention_heads", int(cfg["num_attention_heads"]), size)
     if "num_key_value_heads" in cfg:
-        out["num_key_value_heads"] = _divide("num_key_value_heads", int(cfg["num_key_value_heads"]), size)
+        out["num_key_value_heads"] = divide("num_key_value_heads", int(cfg["num_key_value_heads"]), size)
     if cfg.get("intermediate_size"):
-        out["intermediate_size"] = _divide("intermediate_size", int(cfg["intermediate_size"]), size)
+        out["intermediate_size"] = divide("intermediate_size", int(cfg["intermediate_size"]), size)
     if cfg.get("moe_intermediate_size"):
-        out["moe_intermediate_size"] = _divide("moe_intermediate_size", int(cfg["moe_intermediate_size"]), size)
+        out["moe_intermediate_size"] = divide("moe_intermediate_size", int(cfg["moe_intermediate_size"]), size)
     return out
 
 
@@ -136,3 +139,96 @@ def load_tp_model(
         "TP rank %d/%d: %.1fM parameters", group.rank, group.size, sum(p.numel() for p in model.parameters()) / 1e6
     )
     return spec, attach(model, group)
+
+
+# ---- expert parallel (with DP attention: every rank its own tokens) -----------------------------------------
+
+
+class EPMoE(nn.Module):
+    """The MoE of one rank of an expert-parallel group of P ranks: experts [r*E/P, (r+1)*E/P) held here, router and
+    shared expert replicated. Per call (every rank calls it once per MoE layer and step, an idle rank with 0 rows):
+
+        route locally -> rows sorted by expert id (stable, as MoE's grouped paths) -> all-to-all counts
+        -> all-to-all rows (dispatch) -> each local expert on its rows -> all-to-all back (combine)
+        -> out = index_add(rows x routing weights) + shared expert (+ residual)
+
+    The combine adds in the single-rank grouped path's order (expert id, then token); only the expert rows' batch
+    composition differs. Collectives: all_to_all_single over the EP group."""
+
+    def __init__(self, moe: MoE, rank: int, size: int, group: Any = None) -> None:
+        super().__init__()
+        n = len(moe.experts)
+        per = divide("n_routed_experts", n, size, "--ep-size")
+        self.gate = moe.gate
+        self.shared_experts = moe.shared_experts
+        self.first, self.per, self.size, self.group = rank * per, per, size, group
+        self.experts = nn.ModuleList(moe.experts[self.first + i] for i in range(per))
+        self.calls = 0
+
+    def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        return out
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        n = x.shape[0]
+        gate = cast(Router, self.gate)
+        weights, ids = gate.route(F.linear(x.to(gate.weight.dtype), gate.weight).float())
+        k = ids.shape[1] if n else gate.top_k
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        tok = torch.div(order, k, rounding_mode="floor")
+        dest = torch.div(flat[order], self.per, rounding_mode="floor")
+        send_t = torch.bincount(dest, minlength=self.size)
+        recv_t = torch.empty_like(send_t)
+        dist.all_to_all_single(recv_t, send_t, group=self.group)
+        send, recv = send_t.tolist(), recv_t.tolist()
+        rows = self._a2a(x[tok], send, recv)
+        eids = self._a2a(flat[order], send, recv) - self.first
+        y = rows.new_zeros(rows.shape)
+        for i, expert in enumerate(cast(MLP, e) for e in self.experts):
+            sel = (eids == i).nonzero().squeeze(1)
+            if sel.numel():
+                xe = rows[sel]
+                g, u, d = expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight
+                y[sel] = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
+        back = self._a2a(y, recv, send) * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add_(0, tok, back.to(x.dtype))
+        sh = cast(MLP, self.shared_experts)
+        out.add_(
+            F.linear(F.silu(F.linear(x, sh.gate_proj.weight)) * F.linear(x, sh.up_proj.weight), sh.down_proj.weight)
+        )
+        return out if residual is None else out.add_(residual)
+
+
+def attach_ep(model: DSAModel, rank: int, size: int, group: Any = None) -> DSAModel:
+    """Replace every MoE layer of a (whole) model by this rank's EPMoE; the other ranks' experts are dropped."""
+    for layer in model.model.layers:
+        dl = cast(DecoderLayer, layer)
+        if isinstance(dl.mlp, MoE):
+            dl.mlp = EPMoE(dl.mlp, rank, size, group)
+    return model
+
+
+def idle_forward(model: DSAModel) -> int:
+    """An idle DP rank's share of one step: every EPMoE layer with 0 rows (its peers' dispatch needs it)."""
+    hidden = model.spec.hidden_size
+    x = torch.empty((0, hidden), dtype=model.dtype, device=model.device)
+    n = 0
+    with torch.inference_mode():
+        for layer in model.model.layers:
+            mlp = cast(DecoderLayer, layer).mlp
+            if isinstance(mlp, EPMoE):
+                mlp.forward(x)
+                n += 1
+    return n
+
+
+def any_rank(flag: bool, device: str = "cpu") -> bool:
+    """True on every rank iff `flag` is True on some rank (one all-reduce)."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
