@@ -178,12 +178,17 @@ def run(args: argparse.Namespace) -> int:
     mine = [i for i in range(len(prompts)) if i % dp == ranks.rank % dp]  # DP rank r: prompts r, r + dp, ...
     ids: dict[int, str] = {}
     final = {}
+    import time
+
+    t0 = time.perf_counter()
     for batch in [[i] for i in mine] if args.sequential else [mine]:
         ids.update({i: engine.add_request(prompts[i], params) for i in batch})
         for out in step_ranks(engine, dp > 1):
             if out.finished:
                 final[out.request_id] = out
+    seconds = time.perf_counter() - t0
     engine.check_integrity()
+    generated = ranks.gather(engine.stats().generated_tokens) if dp > 1 else [engine.stats().generated_tokens]
     got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
     if dp > 1:
         got = {i: v for part in ranks.gather(got) for i, v in part.items()}
@@ -210,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     if args.stats:
+        fig = {"tp": args.tp_size, "dp": dp, "ep": args.ep_size, "seconds": round(seconds, 6)}
+        fig |= {"generated_tokens": sum(generated), "kv_pool_bytes_per_rank": engine.stats().pool_bytes}
+        print(json.dumps({"ranks": fig}), file=sys.stderr)
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)

@@ -116,6 +116,11 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_int(args, "hicache_selective_threshold", 1, None, "hits before a selective backup")
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
     check_seconds(args, "request_timeout", fix="seconds without a token before a request fails, e.g. 600")
+    check_tp(args)
+    if getattr(args, "enable_dp_attention", False):
+        raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
+    if getattr(args, "tp_size", 1) > 1 and role != "colocated":
+        raise ConfigError(f"--tp-size with --role {role} is not supported yet: serve colocated, or --tp-size 1")
     for name in ("kv_budget", "hicache_size", "hicache_disk_size"):
         v = getattr(args, name, None)
         if v is not None:

@@ -122,3 +122,83 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
         raise
     log.info("TP rank %d/%d joined on %s:%d", rank, size, ADDR, port)
     return Ranks(group, children)
+
+
+# ---- serving: rank 0 takes the requests, every rank runs every step ------------------------------------------
+
+_STOP = "stop"
+
+
+class RankedEngine:
+    """Rank 0's engine in a served TP group: the Engine API (add_request, abort, step, everything else passed
+    through), with each step's request log broadcast to ranks 1..T-1 before the step runs (`follow`).
+
+    The log holds the adds (with the seed drawn here when a request gives none) and aborts applied since the last
+    step, in the order rank 0 applied them; one lock covers applying + logging and taking the log + stepping, so
+    every rank starts every step from the same requests. The serving loop steps at least every 0.5 s while idle,
+    which keeps the followers' receive inside the group's timeout."""
+
+    def __init__(self, engine: Any, ranks: Ranks) -> None:
+        import random
+        import threading
+
+        self.engine, self.ranks = engine, ranks
+        self._log: list[tuple[Any, ...]] = []
+        self._lock = threading.Lock()
+        self._rng = random.Random(getattr(getattr(engine, "config", None), "seed", None))  # as Engine draws
+        self._closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def add_request(self, prompt_ids: Sequence[int], params: Any = None, request_id: str | None = None) -> str:
+        from dataclasses import replace
+
+        from dsakv.engine.request import SamplingParams
+
+        params = params or SamplingParams()
+        if params.seed is None:
+            params = replace(params, seed=self._rng.getrandbits(63))
+        with self._lock:
+            rid = self.engine.add_request(prompt_ids, params, request_id=request_id)
+            self._log.append(("add", list(prompt_ids), params, rid))
+        return str(rid)
+
+    def abort(self, request_id: str) -> Any:
+        with self._lock:
+            out = self.engine.abort(request_id)
+            self._log.append(("abort", request_id))
+        return out
+
+    def step(self) -> Any:
+        with self._lock:
+            if self._closed:
+                return []
+            log_, self._log = self._log, []
+            self.ranks.broadcast(log_)
+            return self.engine.step()
+
+    def close(self) -> None:
+        """Tell the followers to stop, leave the group, wait for their exit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.ranks.broadcast(_STOP)
+        self.ranks.close()
+
+
+def follow(engine: Any, ranks: Ranks) -> int:
+    """A follower rank of a served TP group: apply rank 0's log, run the step, until rank 0 says stop."""
+    while True:
+        log_ = ranks.broadcast(None)
+        if log_ == _STOP:
+            ranks.close()
+            return 0
+        for entry in log_:
+            if entry[0] == "add":
+                _, prompt, params, rid = entry
+                engine.add_request(prompt, params, request_id=rid)
+            else:
+                engine.abort(entry[1])
+        engine.step()
