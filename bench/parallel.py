@@ -64,7 +64,7 @@ def run_arm(model: Path, extra: list[str], args: argparse.Namespace) -> tuple[di
 
 
 def transfer_share() -> None:
-    from dsakv.disagg.rank_assign import RoleGrid, assign_rank0, check_grids, grid_keys
+    from dsakv.disagg.transfer.rank_assign import RoleGrid, assign_rank0, check_grids, grid_keys
     from dsakv.spec import KVLayout, load_spec
 
     lay = KVLayout(load_spec("glm-5.2"), draft_layers=1, elide=True)

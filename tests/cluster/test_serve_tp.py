@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from disagg_support import wait_for
 from dsakv.engine.request import SamplingParams
+from dsakv.testing.cluster import wait_for
+from dsakv.testing.engines import engine, prompts_for, tiny_path
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
-from engine_support import engine, prompts_for, tiny_path
 
 ARCH = "glm_moe_dsa"
 

@@ -14,7 +14,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import _convert, _read_tensors, _safetensors_files, load_config
 from dsakv.model.parallel import shard_config, shard_state_dict
 from dsakv.spec import ModelSpec
-from engine_support import engine, hf_greedy, prompts_for, tiny_path
+from dsakv.testing.engines import engine, hf_greedy, prompts_for, tiny_path
 
 ARCH = "glm_moe_dsa"
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from dsakv.disagg.rank_assign import (
+from dsakv.disagg.transfer.rank_assign import (
     MissingSender,
     RankId,
     RoleGrid,
