@@ -110,6 +110,10 @@ def test_generate_dp2_ep2_equals_single_rank(capsys: pytest.CaptureFixture[str])
         prompts[1:3], SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, seed=5)
     )
     assert dp == one
+    # --sequential: rank 0 runs 2 rounds (prompts 0, 2), rank 1 one round (prompt 1) and then idles through one
+    seq = _argv(prompts[1:4], "--sequential")
+    assert main([*seq, *DP]) == 0
+    assert [r["output_ids"] for r in json.loads(capsys.readouterr().out)] == single[1:4]
 
 
 def test_dp_attention_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:

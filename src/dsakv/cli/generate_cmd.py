@@ -181,7 +181,10 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     t0 = time.perf_counter()
-    for batch in [[i] for i in mine] if args.sequential else [mine]:
+    batches = [[i] for i in mine] if args.sequential else [mine]
+    if dp > 1 and args.sequential:  # every DP rank steps the same rounds (a rank out of prompts idles through)
+        batches += [[]] * (-(-len(prompts) // dp) - len(batches))
+    for batch in batches:
         ids.update({i: engine.add_request(prompts[i], params) for i in batch})
         for out in step_ranks(engine, dp > 1):
             if out.finished:
