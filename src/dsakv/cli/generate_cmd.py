@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dsakv.cli import options
 from dsakv.cli.validate import validate_checkpoint, validate_generate, validate_pool
@@ -59,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run_g = p.add_argument_group("engine")
     options.add_engine_arguments(run_g)
     options.add_speculative_argument(run_g)
+    options.add_parallel_arguments(run_g)
     options.add_hisparse_arguments(p)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
@@ -85,6 +88,25 @@ def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def step_ranks(engine: Any, lockstep: bool) -> Iterator[Any]:
+    """Step the engine until no request is unfinished (with `lockstep`, on any DP rank: an idle rank runs its
+    share of each step's expert-parallel collectives with no tokens); yields every step's outputs."""
+    if not lockstep:
+        while engine.has_unfinished():
+            yield from engine.step()
+        return
+    from dsakv.model.parallel import any_rank, idle_forward
+
+    while True:
+        active = engine.has_unfinished()
+        if not any_rank(active):
+            return
+        if active:
+            yield from engine.step()
+        else:
+            idle_forward(engine.model)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,47 +138,99 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from dsakv.engine.engine import Engine
+    from dsakv.engine.ranks import start_ranks
     from dsakv.engine.request import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.tp_size > 1:  # refuse a TP size the checkpoint cannot be split over before starting any rank
+        from dsakv.model.loader import load_config
+        from dsakv.model.parallel import divide, shard_config
+
+        cfg = load_config(model_dir)
+        if args.enable_dp_attention:
+            divide("n_routed_experts", int(cfg.get("n_routed_experts") or 0), args.ep_size, "--ep-size")
+        else:
+            shard_config(cfg, args.tp_size)
+    ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:])
+    seed = args.seed
+    if ranks.size > 1 and seed is None and args.temperature > 0:  # one draw for every rank
+        import random
+
+        seed = ranks.broadcast(random.randrange(2**63))
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=seed,
         stop_token_ids=tuple(parse_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
     )
-    engine = Engine(model_dir, options.engine_config(args))
-    ids: list[str] = []
+    dp = args.dp_size if args.enable_dp_attention else 1
+    dtype = getattr(torch, args.dtype)
+    if dp > 1:  # DP attention: each rank the whole attention of its own requests; MoE expert-parallel
+        from dsakv.model.loader import load_model
+        from dsakv.model.parallel import attach_ep
+
+        spec, model = load_model(model_dir, dtype=dtype)
+        engine = Engine(
+            (spec, attach_ep(model, ranks.rank, args.ep_size)), options.engine_config(args), model_dir=model_dir
+        )
+    elif ranks.size > 1:
+        from dsakv.model.parallel import load_tp_model
+
+        engine = Engine(
+            load_tp_model(model_dir, ranks.group, dtype=dtype), options.engine_config(args), model_dir=model_dir
+        )
+    else:
+        engine = Engine(model_dir, options.engine_config(args))
+    mine = [i for i in range(len(prompts)) if i % dp == ranks.rank % dp]  # DP rank r: prompts r, r + dp, ...
+    ids: dict[int, str] = {}
     final = {}
-    for batch in [[p] for p in prompts] if args.sequential else [prompts]:
-        ids += [engine.add_request(p, params) for p in batch]
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+    import time
+
+    t0 = time.perf_counter()
+    batches = [[i] for i in mine] if args.sequential else [mine]
+    if dp > 1 and args.sequential:  # every DP rank steps the same rounds (a rank out of prompts idles through)
+        batches += [[]] * (-(-len(prompts) // dp) - len(batches))
+    for batch in batches:
+        ids.update({i: engine.add_request(prompts[i], params) for i in batch})
+        for out in step_ranks(engine, dp > 1):
+            if out.finished:
+                final[out.request_id] = out
+    seconds = time.perf_counter() - t0
     engine.check_integrity()
+    generated = ranks.gather(engine.stats().generated_tokens) if dp > 1 else [engine.stats().generated_tokens]
+    got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
+    if dp > 1:
+        got = {i: v for part in ranks.gather(got) for i, v in part.items()}
+    else:
+        ranks.agree(got, "output tokens")
+    ranks.close()
+    if not ranks.lead:
+        return 0
     rows = []
-    for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-        o = final[rid]
-        row = {"prompt_ids": prompt, "output_ids": list(o.output_ids), "finish_reason": str(o.finish_reason)}
-        if o.error:
-            row["error"] = o.error
+    for i, prompt in enumerate(prompts):
+        out_ids, reason, error = got[i]
+        row = {"prompt_ids": prompt, "output_ids": out_ids, "finish_reason": reason}
+        if error:
+            row["error"] = error
         if tokenizer is not None:
-            row["text"] = tokenizer.decode(list(o.output_ids))
+            row["text"] = tokenizer.decode(out_ids)
         rows.append(row)
         if not args.json:
-            print(f"#{i} prompt={len(prompt)} finish={o.finish_reason} ids={','.join(map(str, o.output_ids))}")
+            print(f"#{i} prompt={len(prompt)} finish={reason} ids={','.join(map(str, out_ids))}")
             if "text" in row:
                 print(f"   text: {row['text']!r}")
-            if o.error:
-                print(f"   error: {o.error}")
+            if error:
+                print(f"   error: {error}")
     if args.json:
         print(json.dumps(rows))
     if args.stats:
+        fig = {"tp": args.tp_size, "dp": dp, "ep": args.ep_size, "seconds": round(seconds, 6)}
+        fig |= {"generated_tokens": sum(generated), "kv_pool_bytes_per_rank": engine.stats().pool_bytes}
+        print(json.dumps({"ranks": fig}), file=sys.stderr)
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = command_of(argv)
     parser = build_parser([chosen] if chosen else [])
     args = parser.parse_args(argv)
+    args._argv = argv  # what rank processes re-run (engine/ranks.py)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2

@@ -167,6 +167,34 @@ def add_engine_arguments(
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
 
+def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
+    """--tp-size T, --dp-size D, --enable-dp-attention, --ep-size E (engine/ranks.py, model/parallel.py)."""
+    g.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="tensor-parallel ranks, one process each (torch.distributed on 127.0.0.1): attention heads, dense MLP "
+        "and experts split over T, MLA latent KV and index-K replicated on every rank (default 1)",
+    )
+    g.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        metavar="D",
+        help="with --enable-dp-attention: D attention ranks (of the --tp-size ranks), each with its own pool, "
+        "scheduler and requests (default 1)",
+    )
+    g.add_argument("--enable-dp-attention", action="store_true", help="data-parallel attention over --dp-size ranks")
+    g.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        metavar="E",
+        help="expert-parallel ranks of the MoE (all-to-all dispatch and combine; with DP attention: = --tp-size)",
+    )
+
+
 def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> None:
     """--speculative-num-steps K (EngineConfig.speculative_num_steps); `note` ends its help (what the command adds)."""
     g.add_argument(

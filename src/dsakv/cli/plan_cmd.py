@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv plan glm-5.2 --role prefill --pp 4 --pp-partition 20,20,20,18 --draft-layers 1 --kv-budget 98GiB\n"
         "  dsakv plan glm-5.2 --role prefill --pp 4 --draft-layers 1 --kv-budget 98GiB --balance\n"
         "  dsakv plan path/to/config.json --gpu-memory 141GB --mem-fraction 0.85 --tp 8 --weight-format fp8\n"
+        "  dsakv plan glm-5.2 --role decode --kv-budget 96.33GiB --draft-layers 1 --tp 8 --dp 8 --enable-dp-attention\n"
         "  dsakv plan glm-5.2 --role decode --kv-budget 64GiB --hisparse-ratio 10 --hisparse-buffer 2048\n"
         "\n"
         "HiSparse (decode/colocated): the device holds index-K for every token of the logical pool plus the\n"
@@ -71,7 +72,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mem.add_argument("--gpu-memory", help="GPU memory, e.g. 141GB; budget = memory x fraction - weights (estimate)")
     mem.add_argument("--mem-fraction", type=float, default=0.85, help="mem_fraction_static (default 0.85)")
     mem.add_argument("--weight-format", choices=list(WEIGHT_FORMATS), help="weight precision for the estimate")
-    mem.add_argument("--tp", type=int, default=1, help="GPUs sharing one stage's weights (TP/EP); KV is per GPU")
+    ranks = p.add_argument_group("rank grid (KV latent and index-K replicated on every attention-TP rank)")
+    ranks.add_argument("--tp", type=int, default=1, help="GPUs per stage sharing its weights (default 1)")
+    ranks.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        help="DP groups per stage: with --enable-dp-attention, tp/dp attention ranks each with its own pool; "
+        "without it, dp replicas of tp GPUs (default 1)",
+    )
+    ranks.add_argument(
+        "--enable-dp-attention", action="store_true", help="attention data-parallel over the --dp groups of the tp GPUs"
+    )
+    ranks.add_argument("--ep", type=int, default=1, help="expert-parallel size of the MoE (divides --tp; default 1)")
     host = p.add_argument_group("host tier (HiCache)")
     host.add_argument("--hicache-ratio", type=float, help="host pool = ratio x device pool bytes")
     host.add_argument("--hicache-size", help="host pool bytes per GPU, e.g. 128GiB")
@@ -116,6 +129,9 @@ def _deployment(args: argparse.Namespace) -> Deployment:
         mem_fraction=args.mem_fraction,
         weight_format=args.weight_format,
         tp=args.tp,
+        dp=args.dp,
+        enable_dp_attention=args.enable_dp_attention,
+        ep=args.ep,
         hicache_ratio=args.hicache_ratio,
         hicache_size=parse_size(args.hicache_size, "--hicache-size") if args.hicache_size else None,
         hicache_storage_size=parse_size(args.hicache_storage_size, "--hicache-storage-size")
@@ -181,6 +197,21 @@ def print_plan(rp: RolePlan, title: str, file: TextIO | None = None) -> None:
     console.print(
         f"worker max_total_num_tokens: dense {rp.tokens_dense:,} (stage {rp.binding_dense} binds) -> "
         f"elided {rp.tokens_elided:,} (stage {rp.binding_elided} binds): [bold]{_pct(rp.gain)}[/bold]"
+    )
+
+
+def print_ranks(rp: RolePlan) -> None:
+    """The rank grid: tokens and weights per rank, tokens per instance (one line each)."""
+    d, g = rp.deployment, rp.deployment.grid
+    weights = ", ".join(f"stage {s}: ~{fmt_bytes(d.rank_weight_bytes(s))}" for s in range(d.pp))
+    print(f"ranks: {g.describe()}")
+    print(
+        f"  per rank: dense {rp.tokens_dense:,} / elided {rp.tokens_elided:,} tokens (full keys of its stage, "
+        f"replicated over {g.attention_tp} attention-TP rank(s)); weights per rank (estimate) {weights}"
+    )
+    print(
+        f"  per instance ({g.pools} pool(s)): dense {rp.instance_tokens_dense:,} / elided "
+        f"{rp.instance_tokens_elided:,} tokens"
     )
 
 
@@ -288,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
                 f"  stage {s.stage}: weights ~{fmt_bytes(s.weight_bytes or 0)}, KV budget {fmt_bytes(s.budget_bytes)}"
             )
     print_plan(rp, f"{d.role} capacity")
+    print_ranks(rp)
     if d.hisparse_ratio is not None:
         print()
         print_hisparse(rp)

@@ -68,6 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "handshake refuses a mismatch; router: ignored)",
     )
     options.add_hisparse_arguments(p, " (colocated role; /metrics shows dsakv_hisparse_*)")
+    options.add_parallel_arguments(eng)
     disagg_roles.add_arguments(p)
 
 
@@ -87,7 +88,25 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    engine = Engine(model_dir, cfg.engine)
+    tp = getattr(args, "tp_size", 1)
+    ranked = None
+    if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
+        from dsakv.engine.ranks import RankedEngine, follow, start_ranks
+        from dsakv.model.loader import load_config
+        from dsakv.model.parallel import load_tp_model, shard_config
+
+        shard_config(load_config(model_dir), tp)
+        ranks = start_ranks(tp, args._argv)
+        engine = Engine(
+            load_tp_model(model_dir, ranks.group, dtype=getattr(torch, cfg.engine.dtype)),
+            cfg.engine,
+            model_dir=model_dir,
+        )
+        if not ranks.lead:
+            return follow(engine, ranks)
+        ranked = RankedEngine(engine, ranks)
+    else:
+        engine = Engine(model_dir, cfg.engine)
     name = args.served_model_name or model_dir.resolve().name
     tokenizer = load_tokenizer(model_dir, engine.spec.vocab_size)
     st = engine.stats()
@@ -107,8 +126,14 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
         cfg.engine.layout.index_format,
         "on" if engine.prefix_cache is not None else "off",
     )
-    app = create_app(EngineBackend(engine), name, tokenizer, request_timeout=args.request_timeout)
-    return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
+    backend = EngineBackend(ranked if ranked is not None else engine)  # type: ignore[arg-type]
+    app = create_app(backend, name, tokenizer, request_timeout=args.request_timeout)
+    try:
+        return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
+    finally:
+        if ranked is not None:
+            backend.stop()
+            ranked.close()
 
 
 def validate(args: argparse.Namespace) -> None:

@@ -116,6 +116,11 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_int(args, "hicache_selective_threshold", 1, None, "hits before a selective backup")
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
     check_seconds(args, "request_timeout", fix="seconds without a token before a request fails, e.g. 600")
+    check_tp(args)
+    if getattr(args, "enable_dp_attention", False):
+        raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
+    if getattr(args, "tp_size", 1) > 1 and role != "colocated":
+        raise ConfigError(f"--tp-size with --role {role} is not supported yet: serve colocated, or --tp-size 1")
     for name in ("kv_budget", "hicache_size", "hicache_disk_size"):
         v = getattr(args, name, None)
         if v is not None:
@@ -171,6 +176,40 @@ def validate_generate(args: argparse.Namespace) -> None:
     check_int(args, "max_new_tokens", 1, None, "tokens to generate per prompt")
     check_int(args, "seed", 0, 2**63 - 1)
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
+    check_tp(args)
+
+
+def check_tp(args: argparse.Namespace) -> None:
+    """--tp-size: 1..64, and not (yet) with the features whose extra state the ranks do not share."""
+    check_int(args, "tp_size", 1, 64, "tensor-parallel ranks")
+    check_int(args, "dp_size", 1, 64, "data-parallel attention ranks")
+    check_int(args, "ep_size", 1, 64, "expert-parallel ranks")
+    tp, dp, ep = getattr(args, "tp_size", 1), getattr(args, "dp_size", 1), getattr(args, "ep_size", 1)
+    dpa = getattr(args, "enable_dp_attention", False)
+    if dp > 1 and not dpa:
+        raise ConfigError(f"--dp-size {dp} needs --enable-dp-attention (data-parallel replicas: start more servers)")
+    if dpa:
+        if dp == 1:
+            raise ConfigError("--enable-dp-attention needs --dp-size > 1")
+        if tp != dp:
+            raise ConfigError(
+                f"--enable-dp-attention with --tp-size {tp} --dp-size {dp}: the engine runs attention TP 1 "
+                f"(--tp-size == --dp-size, the TP=DP deployment); use --tp-size {dp}"
+            )
+        if ep != tp:
+            raise ConfigError(
+                f"--enable-dp-attention runs the MoE expert-parallel over every rank: give --ep-size {tp}, not {ep}"
+            )
+    elif ep > 1:
+        raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
+    if tp == 1:
+        return
+    for flag, on in (
+        ("--speculative-num-steps", getattr(args, "speculative_num_steps", 0)),
+        ("--hisparse", getattr(args, "hisparse", False)),
+    ):
+        if on:
+            raise ConfigError(f"--tp-size {args.tp_size} with {flag} is not supported yet: drop one of them")
 
 
 # ---- the checkpoint -----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,7 +32,18 @@ from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
 
 
+class Reduce(Protocol):
+    """Sums a rank's partial output over its tensor-parallel group in place (model/parallel.py's TPGroup)."""
+
+    lead: bool  # the rank that adds the residual
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class DecoderLayer(nn.Module):
+    # tensor parallel: set by model/parallel.attach on a sharded model; None on a single rank
+    reduce: Reduce | None = None
+
     def __init__(self, cfg: DSAConfig, layer: int) -> None:
         super().__init__()
         s = cfg.spec
@@ -44,8 +56,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None) -> tuple[torch.Tensor, TopK]:
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        x, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x)
-        return self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps), residual=x), topk
+        red = self.reduce
+        if red is None:
+            x, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x)
+            return self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps), residual=x), topk
+        # tensor parallel: partial o_proj / down-projection outputs, summed over the group; residual on the lead
+        h, topk = self.self_attn.forward(
+            rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x if red.lead else None
+        )
+        x = red(h)
+        return red(self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps), residual=x if red.lead else None)), topk
 
 
 class Backbone(nn.Module):

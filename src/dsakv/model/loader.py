@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,13 +119,28 @@ def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec, draft_layers: int = 
     return sd
 
 
-def build_model(cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, name: str) -> DSAModel:
-    """A DSAModel from a config dict and a state dict with transformers' names."""
+Shard = Callable[[dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+
+
+def build_model(
+    cfg: dict[str, Any],
+    state_dict: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    name: str,
+    shard: Shard | None = None,
+) -> DSAModel:
+    """A DSAModel from a config dict and a state dict with transformers' names; `shard` (model/parallel.py) maps
+    (config, converted state dict) to one tensor-parallel rank's before the model is built."""
     spec = ModelSpec.from_dict(cfg, name=name)
+    sd = _convert(state_dict, spec)
+    if shard is not None:
+        cfg, sd = shard(cfg, sd)
+        spec = ModelSpec.from_dict(cfg, name=name)
     dcfg = DSAConfig.from_dict(cfg, spec)
     with torch.device("meta"):
         model = DSAModel(dcfg)
-    _assign(model, _convert(state_dict, spec), dtype, f"checkpoint {name!r} does not match its config", "tensor")
+    _assign(model, sd, dtype, f"checkpoint {name!r} does not match its config", "tensor")
     return model.eval()
 
 
@@ -147,14 +163,17 @@ def _assign(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.d
     module.load_state_dict(sd, strict=True, assign=True)
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tuple[ModelSpec, DSAModel]:
-    """(spec, model) of the checkpoint in directory `path`, weights in `dtype`, on the CPU."""
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, shard: Shard | None = None
+) -> tuple[ModelSpec, DSAModel]:
+    """(spec, model) of the checkpoint in directory `path`, weights in `dtype`, on the CPU (`shard`: see
+    build_model)."""
     root = Path(path)
     cfg = load_config(root)
     files = _safetensors_files(root)
     log.info("loading %s: %d safetensors file(s), dtype %s", root, len(files), dtype)
     ident = file_identity(root)  # the files as read (a rewrite meanwhile: no trusted identity)
-    model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name)
+    model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name, shard=shard)
     setattr(model, LOADED_IDENTITY, ident if file_identity(root) == ident else "")
     log.info(
         "loaded %s: %s, %d layers (%d producers), %.1fM parameters",

@@ -40,8 +40,8 @@ def balance(d: Deployment) -> BalanceResult:
     wf = weight_format_for(spec, d.weight_format)
     if d.kv_budget is None:
         for i in range(n):
-            pre_w.append(pre_w[-1] + layer_weight_bytes(spec, i, wf))
-        draft_w = sum(layer_weight_bytes(spec, n + j, wf) for j in range(d.draft_layers))
+            pre_w.append(pre_w[-1] + layer_weight_bytes(spec, i, wf, d.grid))
+        draft_w = sum(layer_weight_bytes(spec, n + j, wf, d.grid) for j in range(d.draft_layers))
 
     def tokens(a: int, b: int, first: bool, last: bool) -> int:
         bpt = (b - a) * kv + idx * (pre_own[b] - pre_own[a]) + draft_bpt
@@ -51,10 +51,10 @@ def balance(d: Deployment) -> BalanceResult:
             assert d.gpu_memory is not None
             w = pre_w[b] - pre_w[a] + draft_w
             if first or d.draft_layers:
-                w += embedding_bytes(spec)
+                w += embedding_bytes(spec, d.grid)
             if last or d.draft_layers:
-                w += lm_head_bytes(spec)
-            budget = int(d.gpu_memory * d.mem_fraction) - w // d.tp
+                w += lm_head_bytes(spec, d.grid)
+            budget = int(d.gpu_memory * d.mem_fraction) - w
         return max(budget, 0) // bpt // page * page
 
     neg = -1

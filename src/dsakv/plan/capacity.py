@@ -14,6 +14,7 @@ from typing import Any
 
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.plan.hisparse import HISPARSE_ROLES, HiSparseFigures, check_buffer_size, check_ratio, hisparse_figures
+from dsakv.plan.ranks import RankGrid
 from dsakv.plan.weights import stage_weight_bytes, weight_format_for
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -90,6 +91,10 @@ class Deployment:
     mem_fraction: float = 0.85
     weight_format: str | None = None
     tp: int = 1
+    # the rank grid (plan/ranks.py): DP groups (with DP attention) or replicas, expert-parallel split of the MoE
+    dp: int = 1
+    enable_dp_attention: bool = False
+    ep: int = 1
     hicache_ratio: float | None = None
     hicache_size: int | None = None
     # L3 (cache/storage: Mooncake Store or page files): bytes of storage this stage's pages may fill
@@ -116,8 +121,7 @@ class Deployment:
             raise ConfigError("no memory given: pass --kv-budget (e.g. 96.33GiB) or --gpu-memory (e.g. 141GB)")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ConfigError(f"--mem-fraction {self.mem_fraction} must be in (0, 1]")
-        if self.tp < 1:
-            raise ConfigError(f"--tp {self.tp} must be >= 1")
+        self.grid.check_model(self.spec)
         if self.hicache_ratio is not None and self.hicache_size is not None:
             raise ConfigError("give --hicache-ratio or --hicache-size, not both")
         if self.hicache_ratio is not None and self.hicache_ratio <= 0:
@@ -127,6 +131,11 @@ class Deployment:
             check_buffer_size(self.hisparse_buffer)
         elif self.hisparse_buffer is not None:
             raise ConfigError("--hisparse-buffer needs --hisparse-ratio (the logical pool / hot rows ratio, e.g. 10)")
+
+    @property
+    def grid(self) -> RankGrid:
+        """The ranks of one instance of this role (validated on construction)."""
+        return RankGrid(tp=self.tp, dp=self.dp, dp_attention=self.enable_dp_attention, ep=self.ep, pp=self.pp)
 
     @property
     def hisparse(self) -> bool:
@@ -161,23 +170,34 @@ class Deployment:
             page_size=self.page_size,
         )
 
+    def rank_weight_bytes(self, stage: int) -> int:
+        """Estimated weight bytes on one rank of stage `stage` under this deployment's rank grid."""
+        start, end = self.stage_ranges[stage]
+        return stage_weight_bytes(
+            self.spec,
+            start,
+            end,
+            self.stage_draft_layers(stage),
+            weight_format_for(self.spec, self.weight_format),
+            first=stage == 0,
+            last=stage == self.pp - 1,
+            grid=self.grid,
+        )
+
     def stage_budget(self, stage: int) -> tuple[int, int | None]:
         """(KV budget bytes, estimated weight bytes or None when the budget was given)."""
         if self.kv_budget is not None:
             return self.kv_budget, None
         assert self.gpu_memory is not None
         start, end = self.stage_ranges[stage]
-        wf = weight_format_for(self.spec, self.weight_format)
-        weights = stage_weight_bytes(
-            self.spec, start, end, self.stage_draft_layers(stage), wf, first=stage == 0, last=stage == self.pp - 1
-        )
-        weights //= self.tp
+        weights = self.rank_weight_bytes(stage)
         budget = int(self.gpu_memory * self.mem_fraction) - weights
         if budget <= 0:
             raise CapacityError(
                 f"stage {stage} (layers {start}-{end - 1}): estimated weights {weights / 2**30:.1f} GiB per GPU "
                 f"exceed GPU memory x mem_fraction = {self.gpu_memory * self.mem_fraction / 2**30:.1f} GiB: "
-                "use more PP stages, a larger --tp, a quantised --weight-format, or --kv-budget"
+                "use more PP stages, a larger --tp (or fewer DP attention groups), a quantised --weight-format, "
+                "or --kv-budget"
             )
         return budget, weights
 
@@ -267,6 +287,28 @@ class RolePlan:
     def gain(self) -> float:
         return self.tokens_elided / self.tokens_dense - 1.0
 
+    @property
+    def instance_tokens_dense(self) -> int:
+        """Tokens one instance holds (every pool of the grid at the binding stage's per-rank figure), dense."""
+        return self.tokens_dense * self.deployment.grid.pools
+
+    @property
+    def instance_tokens_elided(self) -> int:
+        return self.tokens_elided * self.deployment.grid.pools
+
+    def ranks_dict(self) -> dict[str, Any]:
+        """Per-rank and per-instance figures of the rank grid (tokens per rank == the single-GPU figures)."""
+        g = self.deployment.grid
+        return {
+            **g.to_dict(),
+            "tokens_per_rank_dense": self.tokens_dense,
+            "tokens_per_rank_elided": self.tokens_elided,
+            "tokens_per_instance_dense": self.instance_tokens_dense,
+            "tokens_per_instance_elided": self.instance_tokens_elided,
+            "kv_bytes_per_rank": [s.budget_bytes for s in self.stages],
+            "weight_bytes_per_rank_estimate": [self.deployment.rank_weight_bytes(s.stage) for s in self.stages],
+        }
+
     def hisparse_binding(self, elide: bool) -> int | None:
         """The stage with the fewest logical HiSparse tokens (None without HiSparse sizing)."""
         figs = [s.hisparse_elided if elide else s.hisparse_dense for s in self.stages]
@@ -304,6 +346,7 @@ class RolePlan:
             "max_total_num_tokens_dense": self.tokens_dense,
             "max_total_num_tokens_elided": self.tokens_elided,
             "gain": round(self.gain, 6),
+            "ranks": self.ranks_dict(),
             **self._hisparse_dict(),
         }
 

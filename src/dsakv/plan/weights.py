@@ -7,6 +7,7 @@ norms and embeddings of a DeepSeek-V3.2 / GLM-5 style model. No torch.
 from __future__ import annotations
 
 from dsakv.errors import ConfigError
+from dsakv.plan.ranks import SINGLE, RankGrid
 from dsakv.spec.model import ModelSpec
 
 # bytes per parameter of quantised linear weights, scales included
@@ -34,69 +35,88 @@ def weight_format_for(spec: ModelSpec, override: str | None) -> str:
     return "bf16"
 
 
-def _attention_params(spec: ModelSpec, with_indexer: bool) -> tuple[int, int]:
-    """(quantisable linear params, high-precision params) of one attention block."""
+def _attention_params(spec: ModelSpec, with_indexer: bool) -> tuple[int, int, int]:
+    """(replicated linear params, head-split linear params, high-precision params) of one attention block.
+
+    Head-split: q_b (or q) and kv_b (column parallel), o_proj (row parallel); the rest (q_a, kv_a, norms, the
+    whole indexer) is replicated on every attention-TP rank.
+    """
     h, nh = spec.hidden_size, spec.num_attention_heads
     qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
-    lin = 0
+    rep = split = 0
     high = 2 * h  # input + post-attention norms
     if spec.q_lora_rank:
-        lin += h * spec.q_lora_rank + spec.q_lora_rank * nh * qk
+        rep += h * spec.q_lora_rank
+        split += spec.q_lora_rank * nh * qk
         high += spec.q_lora_rank
     else:
-        lin += h * nh * qk
-    lin += h * (spec.kv_lora_rank + spec.qk_rope_head_dim)
+        split += h * nh * qk
+    rep += h * (spec.kv_lora_rank + spec.qk_rope_head_dim)
     high += spec.kv_lora_rank
-    lin += spec.kv_lora_rank * nh * (spec.qk_nope_head_dim + spec.v_head_dim)
-    lin += nh * spec.v_head_dim * h
+    split += spec.kv_lora_rank * nh * (spec.qk_nope_head_dim + spec.v_head_dim)
+    split += nh * spec.v_head_dim * h
     if with_indexer and spec.has_indexer:
         q_in = spec.q_lora_rank or h
-        lin += q_in * spec.index_n_heads * spec.index_head_dim + h * spec.index_head_dim
+        rep += q_in * spec.index_n_heads * spec.index_head_dim + h * spec.index_head_dim
         high += h * spec.index_n_heads + 2 * spec.index_head_dim
-    return lin, high
+    return rep, split, high
 
 
-def _mlp_params(spec: ModelSpec, moe: bool) -> tuple[int, int]:
+def _mlp_params(spec: ModelSpec, moe: bool) -> tuple[int, int, int]:
+    """(dense-or-shared-expert linear params, routed-expert linear params, high-precision params)."""
     h = spec.hidden_size
     if not moe or spec.n_routed_experts == 0:
-        return 3 * h * spec.intermediate_size, 0
-    experts = (spec.n_routed_experts + spec.n_shared_experts) * 3 * h * spec.moe_intermediate_size
-    return experts, h * spec.n_routed_experts + spec.n_routed_experts
+        return 3 * h * spec.intermediate_size, 0, 0
+    shared = spec.n_shared_experts * 3 * h * spec.moe_intermediate_size
+    routed = spec.n_routed_experts * 3 * h * spec.moe_intermediate_size
+    return shared, routed, h * spec.n_routed_experts + spec.n_routed_experts
 
 
-def layer_weight_bytes(spec: ModelSpec, layer: int, weight_format: str) -> int:
-    """Estimated bytes of one layer's weights (main or draft)."""
+def layer_weight_bytes(spec: ModelSpec, layer: int, weight_format: str, grid: RankGrid = SINGLE) -> int:
+    """Estimated bytes of one layer's weights (main or draft) on one rank of `grid` (the whole layer by default)."""
     qb = WEIGHT_FORMATS[weight_format]
+    atp = grid.attention_tp
     draft = layer >= spec.num_layers
     owns = draft or (not spec.has_indexer) or spec.indexer_types[layer] == "full"
-    lin_a, high_a = _attention_params(spec, with_indexer=owns)
-    lin_m, high_m = _mlp_params(spec, moe=draft or layer >= spec.first_k_dense_replace)
-    total = (lin_a + lin_m) * qb + (high_a + high_m) * _HIGH
+    rep_a, split_a, high_a = _attention_params(spec, with_indexer=owns)
+    dense_m, routed_m, high_m = _mlp_params(spec, moe=draft or layer >= spec.first_k_dense_replace)
+    lin = rep_a + split_a / atp + dense_m / atp + routed_m / grid.tp
+    total = lin * qb + (high_a + high_m) * _HIGH
     if draft:  # MTP block: enorm, hnorm, eh_proj, its own final norm
         total += (2 * spec.hidden_size * spec.hidden_size) * _HIGH + 3 * spec.hidden_size * _HIGH
     return int(total)
 
 
-def embedding_bytes(spec: ModelSpec) -> int:
-    return int(spec.vocab_size * spec.hidden_size * _HIGH)
+def embedding_bytes(spec: ModelSpec, grid: RankGrid = SINGLE) -> int:
+    """Embedding bytes on one rank (vocab-parallel over the attention-TP ranks)."""
+    return int(spec.vocab_size * spec.hidden_size * _HIGH / grid.attention_tp)
 
 
-def lm_head_bytes(spec: ModelSpec) -> int:
-    return int(
-        (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size) * _HIGH + spec.hidden_size * _HIGH
-    )
+def lm_head_bytes(spec: ModelSpec, grid: RankGrid = SINGLE) -> int:
+    """LM head (vocab-parallel over the attention-TP ranks) + final norm bytes on one rank."""
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size
+    return int(head * _HIGH / grid.attention_tp + spec.hidden_size * _HIGH)
 
 
 def stage_weight_bytes(
-    spec: ModelSpec, start: int, end: int, draft_layers: int, weight_format: str, *, first: bool, last: bool
+    spec: ModelSpec,
+    start: int,
+    end: int,
+    draft_layers: int,
+    weight_format: str,
+    *,
+    first: bool,
+    last: bool,
+    grid: RankGrid = SINGLE,
 ) -> int:
-    """Weights one PP stage holds: its layers, its draft layers, embeddings on the first, head on the last."""
-    total = sum(layer_weight_bytes(spec, i, weight_format) for i in range(start, end))
-    total += sum(layer_weight_bytes(spec, spec.num_layers + j, weight_format) for j in range(draft_layers))
+    """Weights one rank of a PP stage holds: its layers, its draft layers, embeddings on the first, head on the
+    last (the whole stage with the default single-rank grid)."""
+    total = sum(layer_weight_bytes(spec, i, weight_format, grid) for i in range(start, end))
+    total += sum(layer_weight_bytes(spec, spec.num_layers + j, weight_format, grid) for j in range(draft_layers))
     if first or draft_layers:
-        total += embedding_bytes(spec)
+        total += embedding_bytes(spec, grid)
     if last or draft_layers:
-        total += lm_head_bytes(spec)
+        total += lm_head_bytes(spec, grid)
     return total
 
 

@@ -98,8 +98,10 @@ def test_gpu_memory_budget_is_estimated() -> None:
     d = Deployment(spec, role="decode", draft_layers=1, gpu_memory=141 * 10**9, tp=16, weight_format="fp8")
     rp = plan(d)
     (s,) = rp.stages
-    # one decode stage holds the whole model (78 layers + its 1 draft layer), split 16 ways by TP
-    assert s.weight_bytes == model_weight_bytes(spec, "fp8") // 16
+    # one decode stage holds the whole model (78 layers + its 1 draft layer) over 16 TP ranks: the head-split and
+    # expert weights split 16 ways, the latent down-projections, norms and indexer replicated on each rank
+    assert s.weight_bytes == d.rank_weight_bytes(0) == 48_985_759_680
+    assert model_weight_bytes(spec, "fp8") // 16 < s.weight_bytes < model_weight_bytes(spec, "fp8") // 15
     assert s.budget_bytes == int(141 * 10**9 * 0.85) - s.weight_bytes
     with pytest.raises(CapacityError, match="exceed GPU memory"):
         plan(Deployment(spec, role="decode", gpu_memory=80 * 10**9, weight_format="bf16"))
