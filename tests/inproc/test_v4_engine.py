@@ -180,3 +180,30 @@ def test_generate_cli_runs_v4(ckpts, reference, capsys) -> None:
     assert rows[0]["output_ids"] == reference["flash"][3][0] and rows[0]["finish_reason"] == "length"
     assert main([*argv, "--temperature", "0.7"]) == 2
     assert "greedy only" in capsys.readouterr().err
+
+
+def test_pd_prefill_to_decode_equals_colocated(ckpts, reference) -> None:
+    """A prefill engine sends every kind of its pages and the request's state (paired by key) to a decode engine."""
+    from dsakv.engine.v4_engine import prefill_request, transfer_request
+    from dsakv.errors import ConfigError
+
+    model = load_v4(ckpts["pro"])
+    pre = V4Engine(model, num_pages=64, max_running=2, chunk_size=7, max_batch_tokens=20)
+    dec = V4Engine(model, num_pages=64, max_running=6)
+    ids, moved = [], []
+    for p in _prompts():
+        rid, nbytes = transfer_request(pre, prefill_request(pre, p), dec, NEW)
+        ids.append(rid)
+        moved.append(nbytes)
+        pre.check_integrity()
+    while dec.has_unfinished():
+        dec.step()
+    assert [dec.finished[i].output for i in ids] == [t for t, _ in reference["pro"]]
+    lay = dec.layout
+    assert moved == [-(-n // 16) * lay.bytes_per_page + lay.state_bytes_per_request for n in LENGTHS]
+    assert pre.pages.num_free == 64 and pre.slots.num_free == 2 and not pre.parked
+    other = V4Engine(model, num_pages=64, max_running=1, page_size=32)
+    req = prefill_request(pre, _prompts()[2])
+    with pytest.raises(ConfigError, match=r"csa_kv\): sender 4 x 128 B per page \(page 16"):
+        transfer_request(pre, req, other, NEW)
+    assert pre.parked  # refused: nothing was freed or sent

@@ -87,6 +87,7 @@ class V4Engine:
         self.waiting: deque[V4Request] = deque()
         self.running: list[V4Request] = []
         self.finished: dict[int, V4Request] = {}
+        self.parked: dict[int, V4Request] = {}  # prefilled, waiting to be sent to a decode engine
         self._next = 0
         self.steps = 0
         self.prefix_cache = prefix_cache
@@ -291,15 +292,15 @@ class V4Engine:
         self.pages.check_integrity()
         if self.host is not None:
             self.host_pages.check_integrity()
-        held = {int(p) for r in self.running for p in r.page_ids} | {
+        held = {int(p) for r in [*self.running, *self.parked.values()] for p in r.page_ids} | {
             int(p) for ids, _ in self._cache.values() for p in ids
         }
         if len(held) + self.pages.num_free != self.pages.num_pages:
             raise AssertionError(f"pages: {len(held)} held + {self.pages.num_free} free != {self.pages.num_pages}")
-        if len(self.running) + self.slots.num_free != self.slots.num_slots:
+        if len(self.running) + len(self.parked) + self.slots.num_free != self.slots.num_slots:
             raise AssertionError("request-state slots leaked")
 
-    def has_unfinished(self) -> bool:
+    def has_unfinished(self) -> bool:  # parked requests belong to whoever sends them on
         return bool(self.waiting or self.running)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[V4Request]:
@@ -307,3 +308,52 @@ class V4Engine:
         while self.has_unfinished():
             self.step()
         return [self.finished.pop(i) for i in ids]
+
+
+# ---- disaggregated: a prefill engine hands a request's every kind and its state to a decode engine ----------
+
+
+def prefill_request(eng: V4Engine, prompt: list[int]) -> V4Request:
+    """Prefill `prompt` on `eng` and sample its first token; the request keeps its pages and slot (parked)."""
+    rid = eng.add_request(prompt, 2)
+    while not (req := next((r for r in eng.running if r.rid == rid), None)) or not req.output:
+        eng.step()
+    eng.running.remove(req)
+    eng.parked[rid] = req
+    return req
+
+
+def transfer_request(src: V4Engine, req: V4Request, dst: V4Engine, max_new_tokens: int) -> tuple[int, int]:
+    """Ship every key of `req` that both layouts hold (paired by key, pair_layouts) from src's pool into fresh
+    pages and a slot of dst, free it on src, and queue it on dst to decode; returns (request id on dst, bytes)."""
+    from dsakv.spec.v4_layout import pair_layouts
+
+    pairs = pair_layouts(src.layout, dst.layout)
+    missing = set(dst.layout.keys) - {p.key for p in pairs}
+    if missing:
+        raise ConfigError(f"the sender holds no {', '.join(sorted(map(str, missing))[:4])}: the decode needs every key")
+    n_tok = len(req.prompt)
+    n_pages = ceil_div(n_tok, src.page_size)
+    need = ceil_div(n_tok + max_new_tokens, dst.page_size)
+    if not dst.slots.num_free or not dst.pages.can_alloc(need):
+        raise CapacityError(f"the decode has no room for {need} pages and a slot: retry later")
+    out = V4Request(dst._next, list(req.prompt), max_new_tokens, output=[req.output[0]], eos=req.eos)
+    dst._next += 1
+    out.page_ids = dst.pages.alloc(need, owner=out.rid)
+    out.slot = dst.slots.alloc()
+    out.num_computed = n_tok
+    moved = 0
+    sp = torch.from_numpy(req.page_ids[:n_pages]).to(src.pool.device)
+    dp = torch.from_numpy(out.page_ids[:n_pages]).to(dst.pool.device)
+    for p in pairs:
+        if p.paged:
+            dst.pool.paged(p.key)[dp] = src.pool.paged(p.key)[sp].to(dst.pool.device)
+            moved += n_pages * p.nbytes
+        else:
+            dst.pool.state(p.key)[out.slot] = src.pool.state(p.key)[req.slot].to(dst.pool.device)
+            moved += p.nbytes
+    src.parked.pop(req.rid)
+    src.pages.release(req.rid)
+    src.slots.free(req.slot)
+    dst.running.append(out)
+    return out.rid, moved
