@@ -1,6 +1,8 @@
 """RPC server limits (protocol/rpc.py): a frame announced over the cap is refused unread, an announced frame that does
-not arrive in time frees its thread, connections over the cap are closed at once, random frames never stop the
-server, and normal calls keep working after each."""
+not arrive in time frees its thread, connections over the cap (in total, per peer host) are closed at once, a
+connection that does not authenticate within the deadline is closed, waiting connections over their caps close the
+oldest waiting one, 300 idle connections do not stop a caller, random frames never stop the server, and normal calls
+keep working after each."""
 
 from __future__ import annotations
 
@@ -30,9 +32,12 @@ def _open(server: RpcServer) -> socket.socket:
 
 
 def _closed(sock: socket.socket, within: float) -> bool:
+    """True if the server closed `sock` (whatever it sent before, e.g. its greeting, is read and dropped)."""
     sock.settimeout(within)
     try:
-        return sock.recv(1) == b""
+        while sock.recv(4096):
+            pass
+        return True
     except ConnectionResetError:
         return True
     except TimeoutError:
@@ -68,16 +73,107 @@ def test_slow_frame_times_out(server):
 
 
 def test_connection_cap(server):
-    held = [socket.create_connection((server.host, server.port)) for _ in range(4)]
-    time.sleep(0.2)
+    """Four callers that authenticated (made a call) hold the cap: a fifth connection is closed at once."""
+    held = [RpcClient(server.address, timeout=5) for _ in range(4)]
+    for c in held:
+        assert c.call("echo", 1) == 1
     extra = socket.create_connection((server.host, server.port))
     assert _closed(extra, 3.0)
     extra.close()
-    assert server.refused["connections"] == 1
-    for s in held:
-        s.close()
-    time.sleep(0.2)
+    assert server.refused["connections"] == 1 and server.refused["evicted"] == 0
+    for c in held:
+        c.close()
+    _wait(lambda: server.open_connections == 0)
     _echo_ok(server)
+
+
+def _wait(pred, what: str = "the server's books", timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _raw(server: RpcServer, source: str = "127.0.0.1") -> socket.socket:
+    """A connection that reads the greeting and then stays idle (never authenticates)."""
+    s = socket.create_connection((server.host, server.port), source_address=(source, 0))
+    assert recv_msg(s)["auth"] == "none"
+    return s
+
+
+def test_idle_connections_are_closed_at_the_auth_deadline():
+    srv = RpcServer({"echo": lambda p: p}, auth_timeout=0.3).start()
+    try:
+        idle = [_raw(srv) for _ in range(10)]
+        _wait(lambda: srv.refused["auth_timeout"] == 10 and srv.open_connections == 0)
+        assert all(_closed(s, 5.0) for s in idle)
+        assert srv.refused["evicted"] == 0 and srv.pending_connections == 0
+        c = RpcClient(srv.address, timeout=5)  # a caller that authenticated stays, idle or not
+        assert c.call("echo", 1) == 1
+        assert srv.pending_connections == 0 and srv.open_connections == 1
+        for s in idle:
+            s.close()
+        assert c.call("echo", 2) == 2 and srv.refused["auth_timeout"] == 10
+        c.close()
+    finally:
+        srv.stop()
+
+
+def test_pending_caps_per_peer_and_in_total_close_the_oldest():
+    srv = RpcServer({"echo": lambda p: p}, auth_timeout=60, max_pending=5, max_pending_per_peer=3).start()
+    try:
+        a = [_raw(srv, "127.0.0.2") for _ in range(5)]  # one peer: its 4th and 5th close its 1st and 2nd
+        _wait(lambda: srv.refused["evicted"] == 2)
+        assert _closed(a[0], 5.0) and _closed(a[1], 5.0) and not any(_closed(s, 0.05) for s in a[2:])
+        b = [_raw(srv, "127.0.0.3") for _ in range(3)]  # 6 waiting > 5 in total: the oldest (a[2]) is closed
+        _wait(lambda: srv.refused["evicted"] == 3)
+        assert _closed(a[2], 5.0) and not any(_closed(s, 0.05) for s in a[3:] + b)
+        assert srv.pending_connections == 5
+        _echo_ok(srv)  # a real caller always gets in: the 6th waiting one closes the oldest (a[3])
+        assert _closed(a[3], 5.0) and srv.refused["evicted"] == 4
+        for _ in range(3):  # 4 waiting now: a caller gets in without closing anyone
+            _echo_ok(srv)
+        assert srv.refused["evicted"] == 4 and srv.refused["connections"] == 0 and srv.pending_connections == 4
+        for s in a + b:
+            s.close()
+    finally:
+        srv.stop()
+
+
+def test_connections_per_peer_are_capped():
+    srv = RpcServer({"echo": lambda p: p}, max_connections=8, max_per_peer=2).start()
+    try:
+        mine = [RpcClient(srv.address, timeout=5) for _ in range(2)]
+        for c in mine:
+            assert c.call("echo", 1) == 1
+        extra = socket.create_connection((srv.host, srv.port))
+        assert _closed(extra, 3.0)  # a third from the same host: refused at once
+        assert srv.refused["connections"] == 1
+        other = socket.create_connection((srv.host, srv.port), source_address=("127.0.0.2", 0))
+        assert recv_msg(other)["auth"] == "none"  # another host still gets in
+        for c in mine:
+            c.close()
+        other.close()
+        extra.close()
+    finally:
+        srv.stop()
+
+
+def test_three_hundred_idle_connections_do_not_stop_callers():
+    srv = RpcServer({"echo": lambda p: p}, auth_timeout=0.5).start()
+    try:
+        idle = [socket.create_connection((srv.host, srv.port)) for _ in range(300)]
+        for i in range(20):
+            c = RpcClient(srv.address, timeout=10)
+            assert c.call("echo", i) == i
+            c.close()
+        _wait(lambda: srv.refused["evicted"] + srv.refused["auth_timeout"] == 300 and srv.open_connections == 0)
+        assert srv.refused["connections"] == 0
+        assert all(_closed(s, 5.0) for s in idle)
+        for s in idle:
+            s.close()
+    finally:
+        srv.stop()
 
 
 def test_random_frames_never_stop_the_server(server):

@@ -9,7 +9,8 @@ PING, HEALTH and CHECK_INTEGRITY are served here for every role (ping never take
 worker busy in a long step still answers liveness); the role gives the rest of its service spec. The server
 authenticates every call with this process's credentials (dsakv.disagg.protocol.auth.use, set by `dsakv serve` from
 --cluster-secret-file; none in in-process tests) and allows each RPC only to the roles its spec names; calls it
-refused are counted in Health.counters as rpc_refused_<why> (unauthenticated, forbidden, too_large, ...). Used by
+refused are counted in Health.counters as rpc_refused_<why> (unauthenticated, forbidden, too_large, auth_timeout,
+evicted, ...), with rpc_connections_open / rpc_connections_pending (not authenticated yet) beside them. Used by
 the decode worker and by every prefill stage. Imports dsakv.disagg.{rpc, messages, wire}; never torch.
 """
 
@@ -63,7 +64,11 @@ class WorkerService:
     def _health(self, health: Callable[[], Health]) -> Health:
         h = health()
         refused = {f"rpc_refused_{k}": v for k, v in self.rpc.refused.items()}
-        return dataclasses.replace(h, counters={**h.counters, **refused})
+        conns = {
+            "rpc_connections_open": self.rpc.open_connections,
+            "rpc_connections_pending": self.rpc.pending_connections,
+        }
+        return dataclasses.replace(h, counters={**h.counters, **refused, **conns})
 
     def start(self, loops: Sequence[tuple[Callable[[], None], str]]) -> None:
         self.rpc.start()
