@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="router: seconds from dispatch until a request's prefill + KV transfer must be done (default 30)",
     )
     g.add_argument(
+        "--max-kv-timeout",
+        type=float,
+        default=120.0,
+        help="decode: the longest --kv-timeout a router may ask it to hold a request's pages for (default 120 s); "
+        "a longer one is refused with an error naming both",
+    )
+    g.add_argument(
         "--queue-timeout", type=float, default=60.0, help="router: how long a request may wait for a free pair (60 s)"
     )
     g.add_argument("--health-interval", type=float, default=0.5, help="router: seconds between health polls (0.5)")
@@ -203,6 +210,7 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         config=cfg,
         backend_options=_backend_options(args.host, cfg.transfer),
         pipeline=pcfg,
+        max_kv_timeout=args.max_kv_timeout,
     )
     worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.pp_rank > 0 else DecodeWorker(dcfg)
     stage = f" stage {pcfg.pp_rank}/{pcfg.pp_size}" if pcfg is not None else ""

@@ -3,7 +3,7 @@
 
 Used by the decode worker (decode_worker.py), its pipeline stages (decode_stage.py) and cli/disagg_roles.py; one
 module so that neither of the first two imports the other for its configuration.
-Imports dsakv.disagg.{stage_context, timeouts}, engine.config and errors; no torch.
+Imports dsakv.disagg.{messages, stage_context, timeouts}, engine.config and errors; no torch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsakv.disagg.protocol.messages import MAX_KV_TIMEOUT
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.engine.config import Config
 from dsakv.errors import ConfigError
@@ -53,6 +54,14 @@ class DecodeConfig:
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
     pipeline: DecodePipelineConfig | None = None  # --pp-size > 1: this process is stage 0 (decode_stage.py)
+    max_kv_timeout: float = 120.0  # the longest kv_timeout a prealloc may ask for: bounds how long pages wait for KV
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_kv_timeout <= MAX_KV_TIMEOUT:
+            raise ConfigError(
+                f"--max-kv-timeout {self.max_kv_timeout} must be in (0, {MAX_KV_TIMEOUT:g}] seconds (the longest a "
+                "request's pages wait for their KV), e.g. 120"
+            )
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
@@ -62,6 +71,7 @@ class DecodeConfig:
             connect=min(2.0, rpc),
             kv_grace=self.kv_grace,
             liveness_interval=self.liveness_interval,
+            max_kv=self.max_kv_timeout,
         )
 
 

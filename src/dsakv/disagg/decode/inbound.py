@@ -5,16 +5,20 @@ processes may report for them (the stage registered at prealloc, or its re-regis
     book = InboundBook(ledger, name=..., lock=..., counters=..., outputs=..., registry=..., quarantine_s=...,
                        abort_choices=..., wake=..., timeouts=..., stopping=...)
     book.fail(inb, error)            FAILED, its one event (DecodeOutputs.failed); pages stay held ...
-    book.maybe_release(inb)          ... until every stage reported (+ quarantine) or is gone, else the deadline +
-                                     the backend's quarantine: DONE, its engine request (every choice) aborted
+    book.revoke_failed()             ... while each stage that has not reported is asked to revoke its write (REVOKE:
+                                     it never starts it; says if one is in flight) ...
+    book.maybe_release(inb)          ... until every stage reported (+ quarantine), revoked or is gone, else the
+                                     deadline + the backend's quarantine: DONE, its engine request (every choice)
+                                     aborted
     book.boots(inb, k)               the boot ids that may report stage k of the request
     book.refuse_report(what, why)    count + log a refused report; the Forbidden to raise
     book.check_deadlines()           fail the expired, release the failed that may be released
     book.stage_verdict(addr, verdict, waits, why)   one ping's verdict applied to the requests waiting on addr
-    book.monitor_loop()              the decode-monitor thread: deadlines every 50 ms, pings every liveness interval
+    book.monitor_loop()              the decode-monitor thread: deadlines and revokes every 50 ms, pings every
+                                     liveness interval
 
 Used by decode_worker.DecodeWorker (the RPC handlers call fail / maybe_release / boots). Imports dsakv.disagg.
-{bootstrap, decode_outputs, errors, lifecycle, liveness, timeouts}; no torch.
+{bootstrap, decode_outputs, errors, lifecycle, liveness, rpc, timeouts}; no torch.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import logging
 import threading
 from collections.abc import Callable
 
-from dsakv.disagg.decode.liveness import ping_stage, stage_waits
+from dsakv.disagg.decode.liveness import ping_stage, revoke_stage, stage_waits
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.protocol.errors import Forbidden
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
+from dsakv.disagg.protocol.rpc import RpcError
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.transfer.bootstrap import StageRegistry
 
@@ -102,6 +107,32 @@ class InboundBook:
             for inb in self.inbound.in_phase(Phase.FAILED):
                 self.maybe_release(inb)
 
+    def revoke_failed(self) -> None:
+        """Ask every stage a failed request still waits for to revoke its write (never start it; is one running?):
+        once each stage promised (or reported, or is gone), the pages are freed at once (maybe_release), not at
+        the KV deadline + quarantine. A stage that does not answer, or says a write is in flight, is asked again
+        every liveness interval (its report ends the wait too)."""
+        now = self.inbound.now()
+        asks: list[tuple[InboundKv, int, str]] = []
+        with self.lock:
+            for inb in self.inbound.in_phase(Phase.FAILED):
+                if inb.revoke_next > now or inb.scattering:
+                    continue
+                inb.revoke_next = now + self.t.liveness_interval
+                asks += [(inb, k, inb.stage_rpc[k]) for k in inb.unsettled() if k in inb.stage_rpc]
+        for inb, k, addr in asks:
+            try:
+                r = revoke_stage(addr, inb.rid, inb.grant, self.t.ping)
+            except RpcError as e:
+                log.debug("decode %s: revoke of %s at stage %d (%s): %s", self.name, inb.rid, k, addr, e)
+                continue
+            with self.lock:
+                if r.in_flight or r.boot not in self.boots(inb, k) or self.inbound.get(inb.rid) is not inb:
+                    continue
+                inb.revoked.add(k)
+                self.counters["revoked"] = self.counters.get("revoked", 0) + 1
+                self.maybe_release(inb)
+
     def stage_verdict(
         self, addr: str, verdict: str | None, waits: list[tuple[InboundKv, int]], why: str | None = None
     ) -> None:
@@ -126,6 +157,7 @@ class InboundBook:
         while not stopping.is_set():
             stopping.wait(0.05)
             self.check_deadlines()
+            self.revoke_failed()
             now = self.inbound.now()
             if now - last_ping < self.t.liveness_interval:
                 continue

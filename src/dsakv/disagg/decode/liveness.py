@@ -4,6 +4,8 @@ ping's verdict on a stage (None: it answers; 'dead': nothing listens; 'not answe
     waits = stage_waits(inbound.values())     {stage rpc address: [(request, stage), ...]} of every missing report
     verdict, boot = ping_stage(addr, timeout) the decode fails the requests waiting on a stage whose verdict is not
                                               None, or that answers with another boot id (it restarted)
+    revoke_stage(addr, rid, grant, timeout)   a failed request: the stage never writes its pages (Revoked.in_flight:
+                                              a write is running, or may still land)
 
 Imports dsakv.disagg.{lifecycle, messages, rpc}; no torch.
 """
@@ -14,7 +16,7 @@ import socket
 from collections.abc import Iterable
 
 from dsakv.disagg.protocol.lifecycle import InboundKv
-from dsakv.disagg.protocol.messages import PING, Ping
+from dsakv.disagg.protocol.messages import PING, REVOKE, Ping, Revoke, Revoked
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 
 
@@ -42,6 +44,15 @@ def ping_stage(addr: str, timeout: float) -> tuple[str | None, str | None]:
         return ("dead" if refused(addr, timeout / 2) else "not answering"), None
     except RpcError:
         return None, None
+    finally:
+        c.close()
+
+
+def revoke_stage(addr: str, rid: str, grant: bytes, timeout: float) -> Revoked:
+    """Ask the stage at `addr` never to write the pages of `grant` (request `rid`); RpcError if it cannot say."""
+    c = RpcClient(addr, timeout=timeout, connect_timeout=timeout / 2)
+    try:
+        return c.request(REVOKE, Revoke(rid, grant), timeout=timeout)
     finally:
         c.close()
 

@@ -21,6 +21,7 @@ torch, dsakv.engine and dsakv.disagg; never serve or cli.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -211,6 +212,12 @@ class DecodeWorker:
     def prealloc(self, p: Prealloc) -> Preallocated:
         """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
         rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
+        if kv_timeout > self.t.max_kv:  # every held page waits for its KV at most this long (+ grace, quarantine)
+            raise ConfigError(
+                f"decode {self.name}: request {rid} asks its pages be held {kv_timeout:g}s for its KV, more than "
+                f"this decode's --max-kv-timeout {self.t.max_kv:g}s: lower the router's --kv-timeout (or raise "
+                "--max-kv-timeout)"
+            )
         stages = self.registry.stages_of(prefill, n)
         if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
             self.counters["busy"] += 1
@@ -278,7 +285,7 @@ class DecodeWorker:
                     f"from prefill {p.prefill!r} boot {p.boot or '(none)'}, but the request's stage {stage} is "
                     f"prefill {inb.prefill!r} boot {inb.stage_boot.get(stage)}",
                 )
-            if p.grant != inb.grant:
+            if not hmac.compare_digest(p.grant, inb.grant):
                 raise self.book.refuse_report(
                     f"stage_done of {rid} stage {stage}", "it does not carry the request's grant"
                 )
@@ -357,15 +364,22 @@ class DecodeWorker:
             inb.slot = -1
 
     def kv_failed(self, p: KvFailed) -> bool:
-        """A prefill dropped the request before transferring it."""
+        """A prefill stage dropped the request before transferring it: accepted only from the process registered
+        for that stage of the request, with the request's grant (Forbidden otherwise)."""
         with self._lock:
             inb = self.inbound.get(p.rid)
             if inb is None or inb.phase is not Phase.AWAITING_KV:
                 return False
-            if not any(p.boot in self.book.boots(inb, k) for k in range(inb.num_stages)):
+            what = f"kv_failed of {p.rid}"
+            if not 0 <= p.stage < inb.num_stages:
+                raise self.book.refuse_report(what, f"stage {p.stage} is not one of its {inb.num_stages} stages")
+            if p.boot not in self.book.boots(inb, p.stage):
                 raise self.book.refuse_report(
-                    f"kv_failed of {p.rid}", f"boot {p.boot or '(none)'} is none of the request's stages"
-                )
+                    what, f"boot {p.boot or '(none)'} is not the request's stage {p.stage} (boot "
+                    f"{inb.stage_boot.get(p.stage)})",
+                )  # fmt: skip
+            if not hmac.compare_digest(p.grant, inb.grant):
+                raise self.book.refuse_report(what, "it does not carry the request's grant")
             self.book.fail(inb, p.error or f"prefill {inb.prefill} failed the request")
             self.book.maybe_release(inb)
         return True

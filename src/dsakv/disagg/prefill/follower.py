@@ -238,7 +238,8 @@ class PipelineFollower:
             self.mirror.release(job.rid)
             stage0 = ctx.group.peer_info.get(0, {}).get("rpc")
         if stage0:
-            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank))
+            boot = ctx.sender.links.hello.boot  # stage 0 checks it is this stage's process, with the grant
+            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank, boot, job.grant))
         ctx.wake.set()
 
     def on_break(self, why: str) -> None:

@@ -9,6 +9,9 @@
              to the decode (its stage 0)
           -> on_done(job, ok): the role frees its books (stage 0: one release of N; stage k: tells stage 0)
     sender.fail(job, why)                                   KV_FAILED: the stage dropped it before its transfer
+    sender.revoke(Revoke(rid, grant)) -> Revoked(in_flight)  the decode gave up on it: never start writing its pages
+                                      (a revoked grant is refused right before the write); is a write running (or
+                                      in its quarantine)? The decode frees the pages at once when none is
 
 Strategy per part (TransferPlan.choose, the measured rule in transfer_plan.choose_strategy): with a staging
 buffer (`staging`, dsakv.disagg.transfer.staging) a plan of many small blocks whose source is fragmented is gathered
@@ -27,6 +30,7 @@ messages, transfer_plan, worker_service, wire}, dsakv.engine.request; never torc
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -38,7 +42,16 @@ import numpy as np
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import TransferTimeout
 from dsakv.disagg.protocol.lifecycle import StageJob
-from dsakv.disagg.protocol.messages import KV_FAILED, STAGE_DONE, KvFailed, StageDone, WireLogprobs
+from dsakv.disagg.protocol.messages import (
+    KV_FAILED,
+    MAX_KV_TIMEOUT,
+    STAGE_DONE,
+    KvFailed,
+    Revoke,
+    Revoked,
+    StageDone,
+    WireLogprobs,
+)
 from dsakv.disagg.protocol.rpc import RpcError
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.protocol.worker_service import Notifier
@@ -50,6 +63,8 @@ from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import DsakvError
 
 log = logging.getLogger(__name__)
+
+MAX_REVOKED = 1 << 16  # revoked grants a stage keeps (each until its expiry); more are not recorded
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,8 @@ class KvSender:
         self._q: queue.Queue[Transfer] = queue.Queue()
         self._busy = 0
         self._lock = threading.Lock()
+        self._writing: dict[bytes, float] = {}  # grant -> until when its write may land (inf: running)
+        self._revoked: dict[bytes, float] = {}  # grant -> until when it is kept (its expiry): never written
 
     @property
     def in_flight(self) -> int:
@@ -110,7 +127,36 @@ class KvSender:
 
     def fail(self, job: StageJob, why: str) -> None:
         """Tell the decode this stage dropped `job` before transferring it."""
-        self.notifier.post(job.decode, KV_FAILED, KvFailed(job.rid, why, self.prefill, self.links.hello.boot))
+        msg = KvFailed(job.rid, why, self.prefill, self.links.hello.boot, stage=self.stage, grant=job.grant)
+        self.notifier.post(job.decode, KV_FAILED, msg)
+
+    def revoke(self, p: Revoke) -> Revoked:
+        """The decode gave up on the request of grant p.grant: this stage never starts writing its pages; whether
+        a write of them is running or may still land (a timed-out one, for the backend's quarantine)."""
+        now = time.monotonic()
+        with self._lock:
+            for table in (self._writing, self._revoked):
+                for g in [g for g, until in table.items() if until < now]:
+                    del table[g]
+            if p.grant in self._writing or len(self._revoked) >= MAX_REVOKED:  # (full: no promise can be kept)
+                return Revoked(in_flight=True, boot=self.links.hello.boot)
+            self._revoked[p.grant] = now + MAX_KV_TIMEOUT + self.backend.quarantine_s
+        return Revoked(in_flight=False, boot=self.links.hello.boot)
+
+    def _begin_write(self, job: StageJob) -> str | None:
+        """Book the request's write as running, unless its decode revoked it (then why not)."""
+        with self._lock:
+            if job.grant in self._revoked:
+                return f"prefill stage {self.stage}: the decode revoked request {job.rid}'s pages (it gave up on it)"
+            self._writing[job.grant] = math.inf
+        return None
+
+    def _end_write(self, job: StageJob, quarantine: float) -> None:
+        with self._lock:
+            if quarantine > 0:
+                self._writing[job.grant] = time.monotonic() + quarantine
+            else:
+                self._writing.pop(job.grant, None)
 
     def wait_drained(self, stop: threading.Event) -> None:
         while not stop.is_set() and self.in_flight:
@@ -144,6 +190,7 @@ class KvSender:
                             quarantine = self.backend.quarantine_s  # still write the decode's pages a while
                 if staged and self.staging is not None:
                     self.staging.release(quarantine)
+                self._end_write(x.job, quarantine)  # (a write that never began: nothing booked)
                 self._report(x, err, quarantine, parts, slot)
 
     def _injected(self, j: int) -> str | None:
@@ -213,6 +260,9 @@ class KvSender:
             g = grants.verify(
                 link.grant_key, job.grant, rid=job.rid, boot=link.boot, pages=list(job.dst_pages[: len(x.src_pages)])
             )  # before any write
+            revoked = self._begin_write(job)
+            if revoked is not None:
+                return x, handles, revoked, staged, slot
             for part in link.parts:
                 into = g.slot >= 0
                 plan = self._into_slot(link, part, g, src) if into else TransferPlan.build(part.table, src, dst)

@@ -19,6 +19,7 @@ lock is the engine's lock. Imports torch, dsakv.{engine, model} and dsakv.disagg
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from dsakv.disagg.prefill.prefix_events import PrefixEvents
 from dsakv.disagg.prefill.stage_context import StageContext, job_spec
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.codec import to_wire
-from dsakv.disagg.protocol.errors import GrantRefused, Unavailable
+from dsakv.disagg.protocol.errors import Forbidden, GrantRefused, Unavailable
 from dsakv.disagg.protocol.lifecycle import Phase, StageJob
 from dsakv.disagg.protocol.messages import (
     ABORT,
@@ -180,10 +181,34 @@ class PipelineLeader:
         return True
 
     def released(self, p: Released) -> bool:
+        """Stage p.stage is done with the request's pages: accepted only from that stage's process (the boot it
+        formed this epoch with) with the request's grant, for a request whose pages it still reads (Forbidden
+        otherwise; False for a request that is gone or that it released already: a retried call)."""
+        ctx = self.ctx
         with self.lock:
+            info = ctx.group.peer_info.get(p.stage) if 0 < p.stage < ctx.size else None
+            boot = str(info.get("boot", "")) if info is not None else ""
+            if not boot or p.boot != boot:
+                raise self._refuse_release(
+                    p, f"it comes from boot {p.boot or '(none)'}, but stage {p.stage} of this pipeline is "
+                    f"{'boot ' + boot if boot else 'no stage that reports releases'}",
+                )  # fmt: skip
+            job = ctx.jobs.get(p.rid)
+            if job is None:
+                return False
+            if not hmac.compare_digest(p.grant, job.grant):
+                raise self._refuse_release(p, "it does not carry the request's grant")
+            if not job.transferring or p.stage not in job.pending:
+                return False
             self._control.append(("released", p.rid, str(p.stage)))
-        self.ctx.wake.set()
+        ctx.wake.set()
         return True
+
+    def _refuse_release(self, p: Released, why: str) -> Forbidden:
+        ctx = self.ctx
+        ctx.counters["releases_refused"] = ctx.counters.get("releases_refused", 0) + 1
+        log.warning("prefill %s: refused the release of %s by stage %d: %s", ctx.name, p.rid, p.stage, why)
+        return Forbidden(f"prefill {ctx.name}: released of {p.rid} stage {p.stage} refused: {why}")
 
     def on_transferred(self, job: StageJob, ok: bool) -> None:
         """KvSender: this stage's transfer of `job` reported (ok or not): one of N releases."""

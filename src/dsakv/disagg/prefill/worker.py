@@ -55,6 +55,7 @@ from dsakv.disagg.protocol.messages import (
     CONNECT,
     PREFILL_FOLLOWER_SERVICE,
     PREFILL_LEADER_SERVICE,
+    REVOKE,
     Connect,
     Connected,
     Health,
@@ -104,7 +105,7 @@ class PrefillStage:
         self.manifest = Manifest.from_pool(self.role.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.service = WorkerService(
             PREFILL_LEADER_SERVICE if self.rank == 0 else PREFILL_FOLLOWER_SERVICE,
-            {CONNECT: self._connect, **self.role.handlers()},
+            {CONNECT: self._connect, REVOKE: lambda p: self.ctx.sender.revoke(p), **self.role.handlers()},
             cfg.host,
             cfg.port + self.rank if cfg.port else 0,
             f"prefill{self.rank}",

@@ -160,6 +160,8 @@ class InboundKv(Tracked):
     cached_tokens: int = 0  # stage 0's prefix-cache hit
     hold_until: float = 0.0  # a timed-out transfer may still write until then
     dead: set[int] = field(default_factory=set)
+    revoked: set[int] = field(default_factory=set)  # stages that promised never to write (Revoke: no write in flight)
+    revoke_next: float = 0.0  # (failed) when to ask the unsettled stages to revoke again
     bytes: int = 0
     draft_hidden: Blob | None = None  # MTP: the last stage's draft output (StageDone.draft_hidden)
     slot: int = -1  # the destination staging slot granted (disagg.staging.StagingSlots; -1: pages written directly)
@@ -171,8 +173,11 @@ class InboundKv(Tracked):
         return [k for k in range(self.num_stages) if k not in self.reported]
 
     def settled(self) -> bool:
-        """No stage can still write: every one reported or is gone."""
-        return all(k in self.reported or k in self.dead for k in range(self.num_stages))
+        """No stage can still write: every one reported, is gone, or revoked its write."""
+        return all(k in self.reported or k in self.dead or k in self.revoked for k in range(self.num_stages))
+
+    def unsettled(self) -> list[int]:
+        return [k for k in range(self.num_stages) if not (k in self.reported or k in self.dead or k in self.revoked)]
 
 
 T = TypeVar("T", bound=Tracked)

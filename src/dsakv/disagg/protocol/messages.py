@@ -15,6 +15,7 @@ the per-step header of dsakv.pipeline.stage_comm. The RPC graph (who calls what;
     prefill stage k > 0 ── released(Released) ─► prefill stage 0: frees the pages once every stage did
     prefill stage k ── kv_failed(KvFailed) ───────────────────────► decode (the request was dropped)
     decode ── ping ───────────────────────────────────────────────► prefill stage k (liveness while waiting)
+    decode ── revoke(Revoke: a failed request's grant) ───────────► prefill stage k (-> Revoked: write in flight?)
     router ── events(EventsQuery, long poll) ─────────────────────► decode            (-> Events: tokens)
     router ── abort(Abort) ──────────────────────────────────────► decode, prefill stage 0
     router ── cache_events(CacheEventsQuery: a cursor) ───────────► prefill stage 0   (-> CacheEvents: page hashes)
@@ -250,10 +251,29 @@ class Abort:
 
 @dataclass(frozen=True)
 class Released:
-    """Stage `stage` is done with the request's pages (its transfer finished or failed)."""
+    """Stage `stage` is done with the request's pages (its transfer finished or failed). Stage 0 accepts it only
+    from the process that stage `stage` of its pipeline is (boot: the one it formed the epoch with) and with the
+    request's page grant, for a request whose pages that stage still reads."""
 
     rid: str
     stage: int = field(metadata=bounds(0, MAX_STAGES))
+    boot: str = ""  # the releasing stage's process
+    grant: bytes = b""  # the request's page grant, as the stage received it (JobSpec.grant)
+
+
+@dataclass(frozen=True)
+class Revoke:
+    """Decode -> every prefill stage of a request it no longer waits for (aborted, failed): never start writing
+    the pages of `grant`; say whether a write of them is in flight (or may still land: a timed-out one)."""
+
+    rid: str
+    grant: bytes
+
+
+@dataclass(frozen=True)
+class Revoked:
+    in_flight: bool  # a write of the grant's pages is running or in its quarantine: keep the pages for now
+    boot: str = ""  # the answering stage's process (the decode takes the promise only from the one it waits for)
 
 
 @dataclass(frozen=True)
@@ -370,7 +390,9 @@ class KvFailed:
     rid: str
     error: str
     source: str = ""
-    boot: str = ""  # the reporting stage's process: must be one of the request's registered stages
+    boot: str = ""  # the reporting stage's process: must be the one registered for `stage` of the request
+    stage: int = field(default=-1, metadata=bounds(-1, MAX_STAGES - 1))  # the reporting stage (-1: none: refused)
+    grant: Blob = b""  # the request's page grant, as the stage received it
 
 
 @dataclass(frozen=True)
@@ -480,6 +502,9 @@ ABORT: Rpc[Abort, bool] = Rpc("abort", Abort, bool, "router", "drop a request, f
 RELEASED: Rpc[Released, bool] = Rpc(
     "released", Released, bool, "stage k > 0", "stage k is done with the pages", PREFILL, retry=True
 )
+REVOKE: Rpc[Revoke, Revoked] = Rpc(
+    "revoke", Revoke, Revoked, "decode", "never write a dropped request's pages; is a write in flight?", DECODE, True
+)
 HANDSHAKE: Rpc[Hello, HelloReply] = Rpc("handshake", Hello, HelloReply, "prefill stage k", "pair manifests", PREFILL)
 PREALLOC: Rpc[Prealloc, Preallocated] = Rpc("prealloc", Prealloc, Preallocated, "router", "reserve pages", ROUTER)
 STAGE_DONE: Rpc[StageDone, StageDoneReply] = Rpc(
@@ -499,8 +524,8 @@ CACHE_EVENTS: Rpc[CacheEventsQuery, CacheEvents] = Rpc(
 )
 
 _WORKER = (PING, HEALTH, CHECK_INTEGRITY)
-PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED, CACHE_EVENTS))
-PREFILL_FOLLOWER_SERVICE = Service("prefill stage k", (*_WORKER, CONNECT))
+PREFILL_LEADER_SERVICE = Service("prefill stage 0", (*_WORKER, CONNECT, SUBMIT, ABORT, RELEASED, CACHE_EVENTS, REVOKE))
+PREFILL_FOLLOWER_SERVICE = Service("prefill stage k", (*_WORKER, CONNECT, REVOKE))
 DECODE_SERVICE = Service("decode", (*_WORKER, HANDSHAKE, PREALLOC, STAGE_DONE, KV_FAILED, EVENTS, ABORT))
 DECODE_FOLLOWER_SERVICE = Service("decode stage k", _WORKER)  # KV lands by the backend; stage 0 answers the rest
 SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE, DECODE_FOLLOWER_SERVICE)

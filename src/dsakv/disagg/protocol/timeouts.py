@@ -20,6 +20,7 @@ class Timeouts:
     connect: float = 2.0  # the TCP connect of a control RPC (at most `rpc`)
     kv: float = 30.0  # router: prefill + KV transfer of one request, from dispatch (--kv-timeout)
     kv_grace: float = 1.0  # decode: wait this long past a request's KV deadline before failing it
+    max_kv: float = 120.0  # decode: the longest kv_timeout a prealloc may ask for (--max-kv-timeout)
     queue: float = 60.0  # router: a request waits at most this long for a pair / decode pages (--queue-timeout)
     stage: float = 10.0  # prefill: one send / receive between pipeline stages (--stage-timeout)
     health_interval: float = 0.5  # router: poll every worker's health this often (--health-interval)

@@ -14,9 +14,12 @@ The decode side keeps a StageRegistry: which stages of which prefill worker have
 RPC address, layer range, what was skipped), so it can check a request's prefill is complete, ping the stages a
 request still waits for, and accept a stage's reports only from the process (boot id) that registered. A hello
 is checked before it is registered (stage < num_stages, an RPC host:port, the manifest's layers where stage 0 /
-the last stage must start / end), and one that would change a registration whose process still answers its
-ping with its boot id is refused: a registration is replaced only when its stage restarted (new boot) or is
-gone. The reply carries the decode's page-grant key (grants.py).
+the last stage must start / end). A registration is replaced only by its owner repeating exactly what it
+registered (same boot, manifest, address, stage count: anything else under its boot is refused), or by another
+process once the registered one is proven gone (nothing listens at its address, or another boot answers there);
+one that does not answer its ping (stalled, e.g. SIGSTOP) may resume, so it keeps its registration and the new
+handshake is refused (the stage retries it on its next request). The reply carries the decode's page-grant key
+(grants.py).
 
 Imports disagg.{rpc, messages, manifest, compat, transfer_plan, backends.base, errors}; never engine or torch.
 """
@@ -24,6 +27,7 @@ Imports disagg.{rpc, messages, manifest, compat, transfer_plan, backends.base, e
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 from dsakv.disagg.protocol.errors import Forbidden, IncompatiblePeer, MessageError
 from dsakv.disagg.protocol.messages import HANDSHAKE, PING, Hello, LinkSummary, Ping
-from dsakv.disagg.protocol.rpc import RpcClient, RpcError, split_addr
+from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 from dsakv.disagg.transfer.backends.base import Peer, TransferBackend
 from dsakv.disagg.transfer.compat import Pairing, check_draft, check_pair
 from dsakv.disagg.transfer.manifest import Manifest
@@ -182,6 +186,7 @@ class StageEntry:
     decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages it shares layers with
     boot: str = ""
     at: float = field(default_factory=time.monotonic)
+    manifest: bytes = field(default=b"", repr=False)  # the hello's, as registered (its owner may only repeat it)
 
 
 class StageRegistry:
@@ -217,15 +222,26 @@ class StageRegistry:
                 f"{'the last' if last else 'not the last'} of {hello.num_stages} stages"
             )
 
-    def _answers_as(self, e: StageEntry) -> bool:
-        """True if the registered stage's process still answers at its address with its boot id."""
-        c = RpcClient(e.rpc, timeout=self.ping_timeout, connect_timeout=self.ping_timeout)
+    def _gone(self, e: StageEntry) -> str | None:
+        """Why the registered stage's process is proven gone (nothing listens at its address, or another process
+        answers there), or None if it is not: it answers as itself, or does not answer (stalled: it may resume)."""
+        host, port = split_addr(e.rpc)
+        c = RpcClient(e.rpc, timeout=self.ping_timeout, connect_timeout=self.ping_timeout / 2)
         try:
-            return c.request(PING, Ping(), timeout=self.ping_timeout).boot == e.boot
+            boot = c.request(PING, Ping(), timeout=self.ping_timeout).boot
+        except PeerUnavailable:
+            try:
+                with socket.create_connection((host, port), timeout=self.ping_timeout / 2):
+                    return None  # it accepts but does not answer: stalled
+            except ConnectionRefusedError:
+                return f"nothing listens at {e.rpc}"
+            except OSError:
+                return None
         except RpcError:
-            return False
+            return None  # it answers with an error: alive
         finally:
             c.close()
+        return f"{e.rpc} answers as boot {boot}" if boot != e.boot else None
 
     def accept(self, hello: Hello, stages: Sequence[tuple[int, Manifest]] = ()) -> tuple[StageEntry, Pairing]:
         """Check a stage's hello against this worker's manifest, or (a pipelined decode) against every decode
@@ -248,20 +264,27 @@ class StageRegistry:
         pairings = [check_pair(theirs, m) for _, m in ours]
         with self._lock:
             old = self._stages.get((hello.prefill, hello.stage))
-        if old is not None and old.boot != hello.boot and self._answers_as(old):
-            self.refused += 1
-            raise Forbidden(
-                f"prefill {hello.prefill!r} stage {hello.stage} is registered by a live process (boot {old.boot} at "
-                f"{old.rpc}); a handshake from boot {hello.boot} at {hello.rpc} cannot replace it: give the second "
-                "prefill worker its own --worker-name"
-            )
-        if old is not None and old.boot == hello.boot and (old.num_stages, old.rpc) != (hello.num_stages, hello.rpc):
-            self.refused += 1
-            raise Forbidden(
-                f"prefill {hello.prefill!r} stage {hello.stage} (boot {old.boot}) registered as stage of "
-                f"{old.num_stages} at {old.rpc}; the same process cannot re-register as {hello.num_stages} at "
-                f"{hello.rpc}"
-            )
+        where = f"prefill {hello.prefill!r} stage {hello.stage}"
+        if old is not None and old.boot == hello.boot:  # its owner again: only exactly what it registered
+            if old.manifest != hello.manifest or (old.num_stages, old.rpc) != (hello.num_stages, hello.rpc):
+                self.refused += 1
+                raise Forbidden(
+                    f"{where} (boot {old.boot}) registered layers {old.layer_start}-{old.layer_end - 1} of "
+                    f"{old.num_stages} stages at {old.rpc}; a handshake under the same boot with layers "
+                    f"{theirs.layer_start}-{theirs.layer_end - 1} of {hello.num_stages} at {hello.rpc} is refused (a "
+                    "process never changes its layers or address: a restarted stage has a new boot id)"
+                )
+        elif old is not None:  # another process: only once the registered one is proven gone
+            gone = self._gone(old)
+            if gone is None:
+                self.refused += 1
+                raise Forbidden(
+                    f"{where} is registered by boot {old.boot} at {old.rpc}, which still answers or may resume (it "
+                    f"did not answer a ping within {self.ping_timeout:g}s); a handshake from boot {hello.boot} at "
+                    f"{hello.rpc} cannot replace it until that process is gone: give a second prefill worker its "
+                    "own --worker-name, or retry once the old stage exited"
+                )
+            log.info("decode: %s: boot %s replaces boot %s (%s)", where, hello.boot, old.boot, gone)
         entry = StageEntry(
             prefill=hello.prefill,
             stage=hello.stage,
@@ -273,6 +296,7 @@ class StageRegistry:
             skipped=[str(s.key) for p in pairings for s in p.skipped],
             decode_stages=[j for j, _ in ours],
             boot=hello.boot,
+            manifest=hello.manifest,
         )
         with self._lock:
             self._stages[(entry.prefill, entry.stage)] = entry
