@@ -143,6 +143,10 @@ class KvSender:
             self._revoked[p.grant] = now + MAX_KV_TIMEOUT + self.backend.quarantine_s
         return Revoked(in_flight=False, boot=self.links.hello.boot)
 
+    def is_revoked(self, grant: bytes) -> bool:
+        with self._lock:
+            return grant in self._revoked
+
     def _begin_write(self, job: StageJob) -> str | None:
         """Book the request's write as running, unless its decode revoked it (then why not)."""
         with self._lock:

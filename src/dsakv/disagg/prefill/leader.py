@@ -168,6 +168,8 @@ class PipelineLeader:
             )
             if len(g.pages) != len(p.dst_pages):
                 raise GrantRefused(f"request {p.rid}: {len(p.dst_pages)} pages given, {len(g.pages)} granted")
+            if ctx.sender.is_revoked(p.grant):
+                raise GrantRefused(f"request {p.rid}: the decode revoked its page grant (it gave up on the request)")
             self.spent.spend(g)
         except GrantRefused as e:
             ctx.counters["grants_refused"] = ctx.counters.get("grants_refused", 0) + 1

@@ -121,6 +121,7 @@ class RouterRequest(Tracked):
     t_submit: float = 0.0
     t_first: float | None = None
     done: set[int] = field(default_factory=set)  # choices (of params.n) that finished
+    refusal: str | None = None  # the last refusal a dispatch attempt met (e.g. a decode with no free pages)
 
 
 @dataclass(kw_only=True)

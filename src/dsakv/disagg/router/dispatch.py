@@ -64,7 +64,7 @@ class Dispatcher:
                         req,
                         "error",
                         f"request {req.rid}: no prefill/decode pair could take it within "
-                        f"{self.t.queue:g}s ({self.peers.why_no_pair()})",
+                        f"{self.t.queue:g}s ({req.refusal or self.peers.why_no_pair()})",
                     )
                 else:
                     self.book.queue.append(req.rid)
@@ -113,8 +113,9 @@ class Dispatcher:
             )
         except PeerUnavailable as e:
             self.peers.mark_down(dec, str(e))
-        except NoFreePages:
+        except NoFreePages as e:
             dec.busy_until = time.monotonic() + self.t.busy_backoff
+            req.refusal = str(e)
         except IncompatiblePeer:  # the prefill re-formed and has not handshaken again yet
             with self.lock:
                 self.peers.pairs[(pre.addr, dec.addr)].ok = False
