@@ -40,6 +40,7 @@ from dsakv.disagg.protocol.messages import (
     PREALLOC,
     PREFILL_LEADER_SERVICE,
     RELEASED,
+    REVOKE,
     STAGE_DONE,
     SUBMIT,
     Abort,
@@ -52,6 +53,7 @@ from dsakv.disagg.protocol.messages import (
     KvFailed,
     Prealloc,
     Preallocated,
+    Revoked,
     StageDone,
     StageDoneReply,
     Submit,
@@ -169,7 +171,7 @@ DECODE_CASES = [
     ("stage failed, other reported", 2, [_ok(0), _bad(1)], P.DONE, "prefill P stage 1: stage 1 broke", 0, 0.0),
     ("stage failed, other still writing", 2, [_bad(0)], P.FAILED, "stage 0 broke", 2, 5.0),
     ("failed with quarantine", 1, [_bad(0, 3.0)], P.FAILED, "stage 0 broke", 2, 3.0),
-    ("kv_failed", 1, [KvFailed("r", "prefill P dropped it", "P", "boot0")], P.FAILED, "dropped it", 2, 5.0),
+    ("kv_failed", 1, [KvFailed("r", "prefill P dropped it", "P", "boot0", 0)], P.FAILED, "dropped it", 2, 5.0),
     ("kv deadline", 1, [("clock", 5.0)], P.DONE, "did not arrive within 4s (+1s grace): stage(s) [0] of 1", 0, 0.0),
     ("stage dead", 1, [("verdict", 0, "dead")], P.DONE, "stage 0 at 127.0.0.1:1 is dead: request lost", 0, 0.0),
     ("stage not answering", 2, [_ok(1), ("verdict", 0, "not answering")], P.FAILED, "is not answering", 2, 5.0),
@@ -193,7 +195,7 @@ def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after
             if isinstance(step, StageDone):
                 dec.stage_done(replace(step, grant=got.grant))  # a stage reports with the grant it was given
             elif isinstance(step, KvFailed):
-                dec.kv_failed(step)
+                dec.kv_failed(replace(step, grant=got.grant))  # the stage's report carries its grant too
             elif isinstance(step, Abort):
                 dec.abort(step)
             elif step[0] == "clock":
@@ -355,6 +357,7 @@ class FakePrefill:
                 SUBMIT: self.submit,
                 ABORT: lambda a: True,
                 RELEASED: lambda r: True,
+                REVOKE: lambda r: Revoked(in_flight=False),
                 CACHE_EVENTS: lambda q: CacheEvents("pb", "e1", 16, 0, True, b"", b"", 0, 64),  # no prefix cache
             },
             "127.0.0.1",

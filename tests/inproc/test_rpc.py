@@ -145,8 +145,8 @@ def test_service_specs_cover_every_role() -> None:
         "ping", "health", "check_integrity", "handshake", "prealloc", "stage_done", "kv_failed", "events", "abort",
     ]  # fmt: skip
     assert PREFILL_LEADER_SERVICE.names() == [
-        "ping", "health", "check_integrity", "connect", "submit", "abort", "released", "cache_events",
+        "ping", "health", "check_integrity", "connect", "submit", "abort", "released", "cache_events", "revoke",
     ]  # fmt: skip
-    assert PREFILL_FOLLOWER_SERVICE.names() == ["ping", "health", "check_integrity", "connect"]
+    assert PREFILL_FOLLOWER_SERVICE.names() == ["ping", "health", "check_integrity", "connect", "revoke"]
     table = services_table(SERVICES)
     assert "decode           prealloc         Prealloc -> Preallocated   (from router; roles router)" in table

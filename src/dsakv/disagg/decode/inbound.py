@@ -14,8 +14,8 @@ processes may report for them (the stage registered at prealloc, or its re-regis
     book.refuse_report(what, why)    count + log a refused report; the Forbidden to raise
     book.check_deadlines()           fail the expired, release the failed that may be released
     book.stage_verdict(addr, verdict, waits, why)   one ping's verdict applied to the requests waiting on addr
-    book.monitor_loop()              the decode-monitor thread: deadlines and revokes every 50 ms, pings every
-                                     liveness interval
+    book.monitor_loop()              the decode-monitor thread: deadlines every 50 ms, pings every liveness interval
+    book.revoke_loop()               the decode-revoke thread: revoke_failed every 50 ms
 
 Used by decode_worker.DecodeWorker (the RPC handlers call fail / maybe_release / boots). Imports dsakv.disagg.
 {bootstrap, decode_outputs, errors, lifecycle, liveness, rpc, timeouts}; no torch.
@@ -120,11 +120,15 @@ class InboundBook:
                     continue
                 inb.revoke_next = now + self.t.liveness_interval
                 asks += [(inb, k, inb.stage_rpc[k]) for k in inb.unsettled() if k in inb.stage_rpc]
+        silent: set[str] = set()  # stages that did not answer this round: not asked again until the next
         for inb, k, addr in asks:
+            if addr in silent:
+                continue
             try:
                 r = revoke_stage(addr, inb.rid, inb.grant, self.t.ping)
             except RpcError as e:
                 log.debug("decode %s: revoke of %s at stage %d (%s): %s", self.name, inb.rid, k, addr, e)
+                silent.add(addr)
                 continue
             with self.lock:
                 if r.in_flight or r.boot not in self.boots(inb, k) or self.inbound.get(inb.rid) is not inb:
@@ -151,13 +155,18 @@ class InboundBook:
                     self.fail(inb, f"prefill {inb.prefill} stage {k} at {addr} is {why or verdict}: request lost")
                 self.maybe_release(inb)
 
+    def revoke_loop(self) -> None:
+        """The decode-revoke thread: revoke_failed every 50 ms (its calls never delay the deadlines)."""
+        while not self.stopping.is_set():
+            self.stopping.wait(0.05)
+            self.revoke_failed()
+
     def monitor_loop(self) -> None:
         last_ping = 0.0
         stopping = self.stopping
         while not stopping.is_set():
             stopping.wait(0.05)
             self.check_deadlines()
-            self.revoke_failed()
             now = self.inbound.now()
             if now - last_ping < self.t.liveness_interval:
                 continue

@@ -174,7 +174,13 @@ class DecodeWorker:
         return self.service.address
 
     def start(self) -> DecodeWorker:
-        self.service.start([(self._step_loop, "decode-step"), (self.book.monitor_loop, "decode-monitor")])
+        self.service.start(
+            [
+                (self._step_loop, "decode-step"),
+                (self.book.monitor_loop, "decode-monitor"),
+                (self.book.revoke_loop, "decode-revoke"),
+            ]
+        )
         return self
 
     def request_stop(self) -> None:
