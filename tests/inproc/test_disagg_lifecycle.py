@@ -393,6 +393,8 @@ ROUTER_CASES = [
     ("prefill unavailable: retried", ["unavailable", "dispatch"], P.DISPATCHED, None, 1, 2),
     ("prefill refused it", ["refused"], P.DONE, ("error", "prefill 127.0.0.1:"), 0, 0),
     ("queue deadline", ["busy", "late"], P.DONE, ("error", "no prefill/decode pair could take it within 2s"), 0, 0),
+    # the error names what refused it (the decode had no free pages), not "no pair handshaken yet"
+    ("queue deadline names the refusal", ["busy", "late"], P.DONE, ("error", "prealloc: no pages now)"), 0, 0),
 ]
 
 

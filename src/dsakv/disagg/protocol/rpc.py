@@ -93,6 +93,10 @@ class PeerUnavailable(RpcError):
         super().__init__(message, "PeerUnavailable")
 
 
+class _NoGreeting(PeerUnavailable):
+    """The peer closed a new connection before its greeting (nothing of the call was sent)."""
+
+
 # ---- remote error kinds ----------------------------------------------------------------------------------
 
 ERROR_KINDS: Registry[type[Exception]] = Registry("remote error kind")
@@ -630,6 +634,9 @@ class RpcClient:
         except TimeoutError:  # accepts, never speaks: the call's "did not answer within the deadline"
             sock.close()
             raise
+        except ConnectionError as e:  # closed before its greeting (e.g. to admit a newer connection): unsent
+            sock.close()
+            raise _NoGreeting(f"peer {self.addr} sent no greeting: {e}") from None
         except (OSError, ValueError) as e:
             sock.close()
             raise PeerUnavailable(f"peer {self.addr} sent no greeting: {e}") from None
@@ -690,6 +697,11 @@ class RpcClient:
                     self._sock.settimeout(max(0.01, deadline - time.monotonic()))
                     reply = self._roundtrip(self._sock, mid, method, params)
                     break
+                except _NoGreeting:  # nothing was sent: one more connection, within the deadline
+                    self.close_locked()
+                    if attempt == 0 and time.monotonic() < deadline:
+                        continue
+                    raise
                 except (PeerUnavailable, Unauthenticated):
                     self.close_locked()
                     raise
