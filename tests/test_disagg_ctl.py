@@ -240,44 +240,75 @@ def test_abort_frees_a_3600s_prealloc_at_once(world, reference):
     assert_clean([d.addr, p0.addr, p1.addr])
 
 
+def _drain_closed(s: socket.socket) -> None:
+    """Read until the server closes `s` (its greeting first, if it sent one)."""
+    s.settimeout(30)
+    while s.recv(4096):
+        pass
+    s.close()
+
+
 def test_idle_connections_do_not_fail_routed_requests(world, reference):
+    """While requests are routed, rounds of 300 idle connections to each RPC port (decode, both prefill stages)
+    are opened, each round held until the servers closed every one of them: every request decodes exactly, no
+    connection is refused for the cap, and every idle one was closed by the server (evicted by a newer one, or at
+    its authentication deadline)."""
     cluster, router, d, p0, p1, boots = world
     addrs = [d.addr, p0.addr, p1.addr]
     key = ("rpc_refused_auth_timeout", "rpc_refused_evicted")
     before = {a: sum(_counters(a)[k] for k in key) for a in addrs}
-    idle: list[socket.socket] = []
-    for a in addrs:
-        host, port = a.rsplit(":", 1)
-        idle += [socket.create_connection((host, int(port)), timeout=10) for _ in range(IDLE)]
+    opened = dict.fromkeys(addrs, 0)
+    done = threading.Event()
+
+    def flood() -> None:
+        while not done.is_set():
+            idle = []
+            for a in addrs:
+                host, port = a.rsplit(":", 1)
+                idle += [socket.create_connection((host, int(port)), timeout=10) for _ in range(IDLE)]
+                opened[a] += IDLE
+            for s in idle:
+                _drain_closed(s)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
     out: list = []
-    threads = [
-        threading.Thread(target=lambda s=s: out.append((s, run_requests(router, _prompts(s), PARAMS, f"i{s}"))))
-        for s in (21, 22, 23)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    try:
+        wait_for(lambda: all(opened.values()), 60, "the first round of idle connections")
+        threads = [
+            threading.Thread(target=lambda s=s: out.append((s, run_requests(router, _prompts(s), PARAMS, f"i{s}"))))
+            for s in (21, 22, 23)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        done.set()
+        flooder.join(120)
+    assert len(out) == 3 and not flooder.is_alive()
     for s, res in sorted(out):
         assert [o[0] for o in res] == reference(_prompts(s)) and all(o[2] is None for o in res), (s, res)
-    assert len(out) == 3
-    # every idle connection was closed: evicted by a newer one, or at its authentication deadline
-    wait_for(
-        lambda: (
-            all(sum(_counters(a)[k] for k in key) - before[a] >= IDLE for a in addrs)
-            and all(_counters(a)["rpc_connections_pending"] == 0 for a in addrs)
-        ),
-        60,
-        "every idle connection closed",
-    )
+    wait_for(lambda: all(_counters(a)["rpc_connections_pending"] == 0 for a in addrs), 30, "no connection pending")
     for a in addrs:
         c = _counters(a)
-        assert c["rpc_refused_connections"] == 0, (a, c)
-    for s in idle:
-        s.settimeout(10)
-        data = b""
-        while chunk := s.recv(4096):  # its greeting, then the close
-            data += chunk
-        s.close()
+        assert sum(c[k] for k in key) - before[a] >= opened[a] >= IDLE and c["rpc_refused_connections"] == 0, (a, c)
     _check(router, reference, 24)
     assert_clean(addrs)
+
+
+def test_abort_of_a_submitted_request_frees_once_no_write_can_land(world, reference):
+    """Abort (as the router sends it: decode and prefill stage 0) of a request inside its transfer window: the
+    pages come back once the stages revoked or reported the write, and every book balances."""
+    cluster, router, d, p0, p1, boots = world
+    base = fetch_health(d.addr).pages_used
+    prompt = _prompts(17, 1)[0]
+    rid = "ab#1"
+    res = _client(d.addr, "router").request(PREALLOC, Prealloc(rid, prompt, PARAMS, "P", 2, 3600.0))
+    sub = Submit(rid, prompt, PARAMS, 0, d.addr, res.boot, res.pages, 3600.0, res.grant)
+    assert _client(p0.addr, "router").request(SUBMIT, sub).accepted
+    assert _client(d.addr, "router").request(ABORT, Abort(rid, "client left"))
+    _client(p0.addr, "router").request(ABORT, Abort(rid, "client left"))
+    wait_for(lambda: fetch_health(d.addr).pages_used == base, 30, "the aborted request's pages freed")
+    assert_clean([d.addr, p0.addr, p1.addr])
+    _check(router, reference, 18)

@@ -13,6 +13,7 @@ Imports dsakv.disagg.{lifecycle, messages, rpc}; no torch.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterable
 
 from dsakv.disagg.protocol.lifecycle import InboundKv
@@ -34,18 +35,27 @@ def refused(addr: str, timeout: float = 0.5) -> bool:
 
 def ping_stage(addr: str, timeout: float) -> tuple[str | None, str | None]:
     """(None, its boot id) if the stage answers a PING within `timeout`; ('dead', None) if nothing listens;
-    ('not answering', None) if it does not reply; (None, None) if it answers with an error (it is alive)."""
+    ('not answering', None) if it does not reply; (None, None) if it answers with an error (it is alive). A
+    connection the stage closes at once (e.g. to admit a newer one under a flood of idle connections) is tried
+    again within the same `timeout`: only silence for the whole of it, or a refused connect, is a verdict."""
+    end = time.monotonic() + timeout
     if refused(addr, timeout / 2):
         return "dead", None
-    c = RpcClient(addr, timeout=timeout, connect_timeout=timeout / 2)
-    try:
-        return None, c.request(PING, Ping(), timeout=timeout).boot
-    except PeerUnavailable:
-        return ("dead" if refused(addr, timeout / 2) else "not answering"), None
-    except RpcError:
-        return None, None
-    finally:
-        c.close()
+    while True:
+        left = end - time.monotonic()
+        c = RpcClient(addr, timeout=max(0.05, left), connect_timeout=max(0.05, left / 2))
+        try:
+            return None, c.request(PING, Ping(), timeout=max(0.05, left)).boot
+        except PeerUnavailable:
+            if refused(addr, max(0.05, min(timeout / 2, end - time.monotonic()))):
+                return "dead", None
+            if end - time.monotonic() > 0.1:
+                continue
+            return "not answering", None
+        except RpcError:
+            return None, None
+        finally:
+            c.close()
 
 
 def revoke_stage(addr: str, rid: str, grant: bytes, timeout: float) -> Revoked:

@@ -66,7 +66,7 @@ MAX_CONNECTIONS = 256  # open connections per server (one thread each); more are
 MAX_PER_PEER = 128  # open connections from one peer address (host)
 AUTH_TIMEOUT = 2.0  # seconds a new connection has to send its first (authenticated) frame, else it is closed
 MAX_PENDING = 64  # connections not authenticated yet, in total; one more closes the oldest of them
-MAX_PENDING_PER_PEER = 16  # ... and from one peer address
+MAX_PENDING_PER_PEER = 32  # ... and from one peer address
 _HDR = struct.Struct(">I")
 
 
@@ -293,6 +293,7 @@ class _Conn:
     peer: str  # the peer's host (the per-peer caps count by it)
     opened: float
     pending: bool = True  # no frame has authenticated yet
+    speaking: bool = False  # its first frame has begun to arrive (bounded by the deadline; never evicted)
 
 
 class RpcServer:
@@ -301,9 +302,9 @@ class RpcServer:
     Connection limits (none needs the secret to be enforced): a new connection must send its first frame, which
     must authenticate, within `auth_timeout` seconds, else it is closed (refused["auth_timeout"]); at most
     `max_pending` connections (`max_pending_per_peer` from one peer host) may be waiting to authenticate: one more
-    closes the oldest waiting one (refused["evicted"]), so idle connections can delay a real caller by at most
-    one round trip, never lock it out. At most `max_connections` connections are open (`max_per_peer` from one
-    host); past that a new one is closed at once (refused["connections"])."""
+    closes the oldest waiting one that has not begun to send a frame (refused["evicted"]; one that has is bounded
+    by the deadline), so idle connections cannot lock a real caller out. At most `max_connections` connections are
+    open (`max_per_peer` from one host); past that a new one is closed at once (refused["connections"])."""
 
     def __init__(
         self,
@@ -450,9 +451,9 @@ class RpcServer:
         evict: list[_Conn] = []
         with self._count:
             conns = list(self._conns.values())
-            pending = [c for c in conns if c.pending]
+            pending = [c for c in conns if c.pending and not c.speaking]  # the oldest first
             mine = [c for c in conns if c.peer == peer]
-            mine_pending = [c for c in mine if c.pending]
+            mine_pending = [c for c in mine if c.pending and not c.speaking]
             if len(mine_pending) >= self.max_pending_per_peer:
                 evict.append(mine_pending[0])
             elif len(pending) >= self.max_pending:
@@ -496,7 +497,12 @@ class RpcServer:
         deadline = time.monotonic() + self.auth_timeout
         sock.settimeout(self.auth_timeout)
         try:
-            (n,) = _HDR.unpack(_recv_exact(sock, _HDR.size))
+            head = _recv_exact(sock, 1)
+            with self._count:
+                c = self._conns.get(sock)
+                if c is not None:
+                    c.speaking = True
+            (n,) = _HDR.unpack(head + _recv_exact(sock, _HDR.size - 1))
             if n > self.max_request:
                 raise ConnectionError(f"message of {n} bytes exceeds the {self.max_request}-byte limit")
             left = min(self.frame_timeout, deadline - time.monotonic())
