@@ -140,6 +140,25 @@ def test_pending_caps_per_peer_and_in_total_close_the_oldest():
         srv.stop()
 
 
+def test_a_connection_that_began_its_frame_is_closed_after_the_silent_ones():
+    srv = RpcServer({"echo": lambda p: p}, auth_timeout=60, max_pending=3, max_pending_per_peer=3).start()
+    try:
+        began = _raw(srv)
+        began.sendall(b"\x00")  # the first byte of a frame header: most likely a real caller on a slow path
+        _wait(lambda: any(c.speaking for c in srv._conns.values()), "the server to see the first byte")
+        silent = [_raw(srv) for _ in range(2)]
+        newer = [_raw(srv) for _ in range(2)]  # each closes the oldest silent one, never `began`
+        _wait(lambda: srv.refused["evicted"] == 2)
+        assert _closed(silent[0], 5.0) and _closed(silent[1], 5.0) and not _closed(began, 0.05)
+        last = _raw(srv)  # only `began` and the newer silent ones wait: the oldest silent (newer[0]) goes first
+        _wait(lambda: srv.refused["evicted"] == 3)
+        assert _closed(newer[0], 5.0) and not _closed(began, 0.05) and srv.pending_connections == 3
+        for x in [began, *silent, *newer, last]:
+            x.close()
+    finally:
+        srv.stop()
+
+
 def test_connections_per_peer_are_capped():
     srv = RpcServer({"echo": lambda p: p}, max_connections=8, max_per_peer=2).start()
     try:

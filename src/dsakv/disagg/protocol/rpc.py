@@ -293,7 +293,7 @@ class _Conn:
     peer: str  # the peer's host (the per-peer caps count by it)
     opened: float
     pending: bool = True  # no frame has authenticated yet
-    speaking: bool = False  # its first frame has begun to arrive (bounded by the deadline; never evicted)
+    speaking: bool = False  # its first frame has begun to arrive (closed for a new one only after the silent ones)
 
 
 class RpcServer:
@@ -302,8 +302,8 @@ class RpcServer:
     Connection limits (none needs the secret to be enforced): a new connection must send its first frame, which
     must authenticate, within `auth_timeout` seconds, else it is closed (refused["auth_timeout"]); at most
     `max_pending` connections (`max_pending_per_peer` from one peer host) may be waiting to authenticate: one more
-    closes the oldest waiting one that has not begun to send a frame (refused["evicted"]; one that has is bounded
-    by the deadline), so idle connections cannot lock a real caller out. At most `max_connections` connections are
+    closes the oldest waiting one, silent ones before those whose first frame has begun to arrive
+    (refused["evicted"]), so idle connections cannot lock a real caller out. At most `max_connections` connections are
     open (`max_per_peer` from one host); past that a new one is closed at once (refused["connections"])."""
 
     def __init__(
@@ -451,9 +451,13 @@ class RpcServer:
         evict: list[_Conn] = []
         with self._count:
             conns = list(self._conns.values())
-            pending = [c for c in conns if c.pending and not c.speaking]  # the oldest first
+            # waiting connections, the first to close first: silent ones (oldest first), then those whose first
+            # frame has begun to arrive (a real caller's, most likely)
+            pending = [c for c in conns if c.pending and not c.speaking] + [
+                c for c in conns if c.pending and c.speaking
+            ]
             mine = [c for c in conns if c.peer == peer]
-            mine_pending = [c for c in mine if c.pending and not c.speaking]
+            mine_pending = [c for c in pending if c.peer == peer]
             if len(mine_pending) >= self.max_pending_per_peer:
                 evict.append(mine_pending[0])
             elif len(pending) >= self.max_pending:

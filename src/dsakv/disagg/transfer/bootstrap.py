@@ -280,9 +280,9 @@ class StageRegistry:
                 self.refused += 1
                 raise Forbidden(
                     f"{where} is registered by boot {old.boot} at {old.rpc}, which still answers or may resume (it "
-                    f"did not answer a ping within {self.ping_timeout:g}s); a handshake from boot {hello.boot} at "
-                    f"{hello.rpc} cannot replace it until that process is gone: give a second prefill worker its "
-                    "own --worker-name, or retry once the old stage exited"
+                    f"answers its ping as itself, or stalls: no answer within {self.ping_timeout:g}s); a handshake "
+                    f"from boot {hello.boot} at {hello.rpc} cannot replace it until that process is gone: give a "
+                    "second prefill worker its own --worker-name, or retry once the old stage exited"
                 )
             log.info("decode: %s: boot %s replaces boot %s (%s)", where, hello.boot, old.boot, gone)
         entry = StageEntry(
