@@ -18,8 +18,8 @@ import statistics
 import threading
 import time
 
-from dsakv.disagg.auth import ClusterAuth, Keyring, new_secret
-from dsakv.disagg.rpc import RpcClient, RpcError, RpcServer
+from dsakv.disagg.protocol.auth import ClusterAuth, Keyring, new_secret
+from dsakv.disagg.protocol.rpc import RpcClient, RpcError, RpcServer
 
 KEYS = Keyring(new_secret().encode())
 
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--idle", type=int, default=300)
     a = ap.parse_args()
-    logging.getLogger("dsakv.disagg.rpc").setLevel(logging.ERROR)  # one warning per closed idle connection
+    logging.getLogger("dsakv.disagg.protocol.rpc").setLevel(logging.ERROR)  # one warning per closed idle connection
     srv = RpcServer({"echo": lambda p: p}, auth=ClusterAuth(KEYS, "decode")).start()
     try:
         _calls(srv.address, 50)  # warm-up

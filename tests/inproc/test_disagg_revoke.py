@@ -8,18 +8,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg_support import role_config
-from dsakv.disagg.backends import make_backend
-from dsakv.disagg.decode_config import DecodeConfig
-from dsakv.disagg.decode_worker import DecodeWorker
-from dsakv.disagg.kv_sender import KvSender
-from dsakv.disagg.lifecycle import StageJob
-from dsakv.disagg.messages import Prealloc, Revoke
-from dsakv.disagg.timeouts import Timeouts
-from dsakv.disagg.worker_service import Notifier
+from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.disagg.decode.worker import DecodeWorker
+from dsakv.disagg.prefill.kv_sender import KvSender
+from dsakv.disagg.protocol.lifecycle import StageJob
+from dsakv.disagg.protocol.messages import Prealloc, Revoke
+from dsakv.disagg.protocol.timeouts import Timeouts
+from dsakv.disagg.protocol.worker_service import Notifier
+from dsakv.disagg.transfer.backends import make_backend
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
-from engine_support import tiny_model
+from dsakv.testing.cluster import role_config
+from dsakv.testing.engines import tiny_model
 
 
 def _job(rid: str, grant: bytes) -> StageJob:

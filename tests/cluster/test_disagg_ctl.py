@@ -18,14 +18,11 @@ import threading
 import pytest
 import torch
 
-from disagg_support import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg import auth
-from dsakv.disagg.auth import ClusterAuth, Keyring
-from dsakv.disagg.backends import make_backend
-from dsakv.disagg.errors import Forbidden, GrantRefused
-from dsakv.disagg.manifest import Manifest
-from dsakv.disagg.messages import (
+from dsakv.disagg.protocol import auth
+from dsakv.disagg.protocol.auth import ClusterAuth, Keyring
+from dsakv.disagg.protocol.errors import Forbidden, GrantRefused
+from dsakv.disagg.protocol.messages import (
     ABORT,
     EVENTS,
     HANDSHAKE,
@@ -44,10 +41,13 @@ from dsakv.disagg.messages import (
     Submit,
     fetch_health,
 )
-from dsakv.disagg.rpc import RpcClient
+from dsakv.disagg.protocol.rpc import RpcClient
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from engine_support import tiny_model, tiny_path
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(400)]
 
