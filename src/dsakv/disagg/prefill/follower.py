@@ -115,8 +115,10 @@ class PipelineFollower:
         self.mirror.release(job.rid)
         ctx.fail(job, f"prefill {ctx.name} stage {ctx.rank}: {why}")
         stage0 = ctx.group.peer_info.get(0, {}).get("rpc")
-        if stage0:
-            ctx.notifier.post(str(stage0), RELEASED, Released(job.rid, ctx.rank))
+        if stage0:  # from this stage's process, with the grant (stage 0 refuses a release without them)
+            ctx.notifier.post(
+                str(stage0), RELEASED, Released(job.rid, ctx.rank, ctx.sender.links.hello.boot, job.grant)
+            )
 
     def _draft(
         self, batch: Any, carry: StageCarry, seqs: list[StepRow], firsts: dict[str, tuple[int, TokenLogprobs | None]]
