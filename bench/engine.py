@@ -1,9 +1,13 @@
 """Engine throughput on the tiny checkpoint: dsakv against transformers, long context, elision on vs off.
 
-    python bench/engine.py [--sections hf,long,elision] [--kv-format fp8-656 --index-format fp8-132] [--threads 1]
+    python bench/engine.py [--sections prefill,hf,long,elision] [--kv-format fp8-656 --index-format fp8-132]
+                           [--threads 1]
 
-Makes a tiny checkpoint in a temp dir (or uses --model DIR). Four sections, one process, same inputs:
+Makes a tiny checkpoint in a temp dir (or uses --model DIR). Five sections, one process, same inputs:
 
+prefill: prompt tokens/s of dsakv's Engine (fp32 formats) against one transformers forward over the same
+  prompts (its dense prefill), for each --prefill-shapes BATCHxLEN (default 1x512, 16x64); rounds interleaved,
+  median and spread of the per-round ratios over --repeat rounds.
 hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
   `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
   --decode-prompt-len tokens, --decode-tokens timed steps; transformers' decode time is
@@ -193,6 +197,77 @@ def hf_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
     return {"decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens, "rows": rows}
 
 
+def dsakv_prefill_tps(model: tuple, batch: int, plen: int, args: argparse.Namespace) -> float:
+    """Prompt tokens/s of dsakv's Engine (fp32 formats) prefilling B prompts of plen tokens (max_new_tokens=1)."""
+    cfg = EngineConfig(
+        layout=replace(options.layout_config(args), elide=True, kv_format="fp32", index_format="fp32"),
+        pool=PoolConfig(max_tokens=batch * (plen + 2 * args.page_size)),
+        scheduler=SchedulerConfig(max(args.max_batch_tokens, plen), max_running_requests=max(1, batch)),
+    )
+    eng = Engine(model, cfg)
+    ps = prompts(batch, plen, model[0].vocab_size, seed=7 + batch)
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in ps:
+        eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+    return batch * plen / (time.perf_counter() - t0)
+
+
+def hf_prefill_tps(hf, batch: int, plen: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    """Prompt tokens/s of one transformers forward over B prompts of plen tokens (its dense prefill)."""
+    ids = torch.tensor(prompts(batch, plen, vocab, seed=7 + batch))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    return batch * plen / (time.perf_counter() - t0)
+
+
+def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
+    """Prefill against transformers: rounds interleaved (dsakv, transformers, ...), median of --repeat."""
+    hf = load_hf(path)
+    vocab = model[0].vocab_size
+    rows = []
+    for spec in args.prefill_shapes.split(","):
+        batch, plen = (int(v) for v in spec.split("x"))
+        dsakv_prefill_tps(model, batch, plen, args)  # warm-up of both
+        hf_prefill_tps(hf, batch, plen, vocab)
+        ours, theirs = [], []
+        for _ in range(args.repeat):
+            ours.append(dsakv_prefill_tps(model, batch, plen, args))
+            theirs.append(hf_prefill_tps(hf, batch, plen, vocab))
+        ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_len": plen,
+                "dsakv_tps": _median(ours),
+                "hf_tps": _median(theirs),
+                "ratio_median": _median(ratios),
+                "ratio_min": ratios[0],
+                "ratio_max": ratios[-1],
+            }
+        )
+        print(f"  prefill {batch}x{plen}: done", file=sys.stderr)
+    print()
+    print(f"prefill, dsakv Engine (fp32 formats) vs one transformers forward, median of {args.repeat} rounds:")
+    head = f"{'prompts':>7}  {'tokens':>6}  {'dsakv tok/s':>11}  {'transformers tok/s':>18}  "
+    head += f"{'dsakv/hf (min..max)':>22}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        spread = f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}..{r['ratio_max']:.2f})"
+        print(f"{r['batch']:>7}  {r['prompt_len']:>6}  {r['dsakv_tps']:>11,.0f}  {r['hf_tps']:>18,.0f}  {spread:>22}")
+    return {"rows": rows}
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
 def dsakv_ms_per_token(model: tuple, ctx: int, args: argparse.Namespace) -> float:
     eng = Engine(
         model,
@@ -281,7 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on a busy box)")
     ap.add_argument("--budget", default="1GiB", help="KV budget for the capacity column (default 1GiB)")
-    ap.add_argument("--sections", default="hf,long,elision,v4", help="which of hf,long,elision,v4 to run (default all)")
+    ap.add_argument(
+        "--sections",
+        default="prefill,hf,long,elision,v4",
+        help="which of prefill,hf,long,elision,v4 to run (default all)",
+    )
+    ap.add_argument(
+        "--prefill-shapes", default="1x512,16x64", help="prefill section: BATCHxPROMPT_LEN list (default 1x512,16x64)"
+    )
     ap.add_argument("--v4-batches", default="1,8", help="V4 section batch sizes (default 1,8)")
     ap.add_argument("--v4-prompt-len", type=int, default=40, help="V4 section prompt length (default 40)")
     ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes against transformers (default 1,16,64)")
@@ -296,8 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     sections = set(args.sections.split(","))
-    if sections - {"hf", "long", "elision", "v4"}:
-        ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision, v4")
+    if sections - {"prefill", "hf", "long", "elision", "v4"}:
+        ap.error(f"--sections {args.sections!r}: use a comma list of prefill, hf, long, elision, v4")
     results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
     print(f"load average at start (1, 5, 15 min): {_load()}")
 
@@ -307,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = model[0]
         print(f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, torch threads {args.threads}")
         decode_tps(model, True, 1, args, ("fp32", "fp32"))  # warm-up
+        if "prefill" in sections:
+            results["prefill"] = prefill_section(path, model, args)
         if "hf" in sections:
             results["hf"] = hf_section(path, model, args)
         if "long" in sections:
