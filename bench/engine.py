@@ -56,6 +56,69 @@ log = logging.getLogger("bench.engine")
 BENCH_LAYOUT = LayoutConfig(kv_format="fp8-656", index_format="fp8-132", page_size=64)
 
 
+# --shape bench: a DSA checkpoint big enough to be compute-bound in prefill (~150M parameters, fp32), DeepSeek-V3.2-
+# or GLM-shaped by --arch; index_head_dim 64 (a power of two >= 64, as llama.cpp's converter wants), index_topk
+# 2048: a 512-token prefill's top-k covers its whole context (what real DSA models do up to 2K tokens)
+BENCH_SHAPE = {
+    "vocab_size": 8192,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 512,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 256,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_topk": 2048,
+    "index_head_dim": 64,
+    "index_n_heads": 8,
+}
+BENCH_LAYERS = 8
+
+
+def machine_limits(threads: int) -> dict[str, float]:
+    """This machine's fp32 matmul GFLOP/s (1024^3 matmul) and read GB/s (sum over 256 MiB), best of 5."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    big = torch.ones(64 << 20)
+    mm, rd = 0.0, 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        mm = max(mm, 2 * 1024**3 / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        big.sum()
+        rd = max(rd, big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return {"matmul_gflops": mm, "read_gbs": rd}
+
+
+def active_params(model: tuple) -> int:
+    """Weights a token's forward multiplies by (embedding excluded; routed experts: top_k of n_routed_experts)."""
+    spec, m = model
+    total, routed = 0, 0
+    for name, p in m.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            continue
+        total += p.numel()
+        if ".mlp.experts." in name:
+            routed += p.numel()
+    return total - routed + routed * spec.num_experts_per_tok // spec.n_routed_experts
+
+
+def prefill_flops(model: tuple, batch: int, plen: int) -> float:
+    """FLOPs of a prefill of B prompts of plen tokens: 2 * active weights per token, plus causal attention
+    (2 * H * (qk + v) per query-key pair, pairs = plen (plen + 1) / 2 per sequence and layer)."""
+    spec = model[0]
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    pairs = batch * plen * (plen + 1) / 2
+    attn = 2 * spec.num_layers * spec.num_attention_heads * (qk + spec.v_head_dim) * pairs
+    return 2.0 * active_params(model) * batch * plen + attn
+
+
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (length,), generator=g).tolist() for _ in range(batch)]
@@ -238,10 +301,13 @@ def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
             ours.append(dsakv_prefill_tps(model, batch, plen, args))
             theirs.append(hf_prefill_tps(hf, batch, plen, vocab))
         ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
+        flop_per_tok = prefill_flops(model, batch, plen) / (batch * plen)
         rows.append(
             {
                 "batch": batch,
                 "prompt_len": plen,
+                "dsakv_matmul_frac": _median(ours) * flop_per_tok / 1e9 / args.limits["matmul_gflops"],
+                "hf_matmul_frac": _median(theirs) * flop_per_tok / 1e9 / args.limits["matmul_gflops"],
                 "dsakv_tps": _median(ours),
                 "hf_tps": _median(theirs),
                 "ratio_median": _median(ratios),
@@ -253,12 +319,15 @@ def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
     print()
     print(f"prefill, dsakv Engine (fp32 formats) vs one transformers forward, median of {args.repeat} rounds:")
     head = f"{'prompts':>7}  {'tokens':>6}  {'dsakv tok/s':>11}  {'transformers tok/s':>18}  "
-    head += f"{'dsakv/hf (min..max)':>22}"
+    head += f"{'dsakv/hf (min..max)':>22}  {'dsakv % matmul':>14}  {'hf % matmul':>11}"
     print(head)
     print("-" * len(head))
     for r in rows:
         spread = f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}..{r['ratio_max']:.2f})"
-        print(f"{r['batch']:>7}  {r['prompt_len']:>6}  {r['dsakv_tps']:>11,.0f}  {r['hf_tps']:>18,.0f}  {spread:>22}")
+        print(
+            f"{r['batch']:>7}  {r['prompt_len']:>6}  {r['dsakv_tps']:>11,.0f}  {r['hf_tps']:>18,.0f}  {spread:>22}  "
+            f"{100 * r['dsakv_matmul_frac']:>13.0f}%  {100 * r['hf_matmul_frac']:>10.0f}%"
+        )
     return {"rows": rows}
 
 
@@ -347,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: make a tiny one in a temp dir)")
     ap.add_argument("--arch", default="glm_moe_dsa", choices=("glm_moe_dsa", "deepseek_v32"))
+    ap.add_argument(
+        "--shape",
+        default="tiny",
+        choices=("tiny", "bench"),
+        help="checkpoint made when --model is not given: tiny, or bench (~150M parameters, compute-bound prefill)",
+    )
     options.add_layout_arguments(ap, BENCH_LAYOUT, elide=False)  # both elision settings run
     ap.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefill prompt length (default 256)")
@@ -382,12 +457,27 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sections {args.sections!r}: use a comma list of prefill, hf, long, elision, v4")
     results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
     print(f"load average at start (1, 5, 15 min): {_load()}")
+    args.limits = results["limits"] = machine_limits(args.threads)
+    print(
+        f"this machine, {args.threads} torch thread(s): fp32 matmul {args.limits['matmul_gflops']:.0f} GFLOP/s, "
+        f"read {args.limits['read_gbs']:.1f} GB/s (best of 5)"
+    )
 
     with tempfile.TemporaryDirectory(prefix="dsakv-bench-") as tmp:
-        path = Path(args.model) if args.model else make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
+        if args.model:
+            path = Path(args.model)
+        elif args.shape == "bench":
+            over = dict(BENCH_SHAPE)
+            path = make_tiny(Path(tmp) / "bench", arch=args.arch, seed=0, layers=BENCH_LAYERS, overrides=over)
+        else:
+            path = make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
         model = load_model(path)
         spec = model[0]
-        print(f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, torch threads {args.threads}")
+        n_params = sum(p.numel() for p in model[1].parameters())
+        print(
+            f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, {n_params / 1e6:.0f}M "
+            f"parameters, torch threads {args.threads}"
+        )
         decode_tps(model, True, 1, args, ("fp32", "fp32"))  # warm-up
         if "prefill" in sections:
             results["prefill"] = prefill_section(path, model, args)
