@@ -8,7 +8,7 @@ import torch
 from dsakv.model.attention import StepContext
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
-from model_support import greedy, prompts_for
+from dsakv.testing.models import greedy, prompts_for
 
 
 def ragged_ctx() -> StepContext:
