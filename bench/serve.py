@@ -8,8 +8,9 @@ it starts `dsakv serve` (tiny checkpoint, prefix cache on, 1 torch thread) as a 
 SAME --kv-budget: the pool's page count comes from the planner's bytes per token, so the elided arm gets more pages.
 A closed-loop load generator (asyncio + httpx, streaming completions) keeps --concurrency agentic sessions going
 (--warmup seconds, then a measured --window): session turn t's prompt = turn t-1's prompt + its output + new
-user tokens, after a system prefix shared by every session. Runs alternate on/off (--runs per arm, fresh server
-each). Reported per arm, as min/mean/max over runs: requests/s and output tokens/s inside the window, output
+user tokens, after a system prefix shared by every session. Arms rotate on/off/ctl (--runs per arm, fresh server
+each; ctl, the control arm, is elision on again: on / ctl must read 1.0 within its spread, --no-control drops it).
+Reported per arm, as min/mean/max over runs: requests/s and output tokens/s inside the window, output
 tokens per server CPU-second (robust to other load on the machine), TTFT and TPOT p50/p90/p99 (client side),
 pool usage, running/waiting requests (sampled from /health), prefix-cache hit rate and preemptions (from
 /metrics). The planner's predicted capacity gain is printed and plotted beside the measured throughput gain.
@@ -355,12 +356,15 @@ def run_config(name: str, budget: str, model: Path, spec: ModelSpec, w: Workload
         f"{args.concurrency * w.max_context} tokens",
         flush=True,
     )
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    # "ctl" is the control arm: elision on again, a second copy of "on" run in the same rotation; on / ctl
+    # must read 1.0 within its spread, else the method (order, warm-up, shared state) is biased
+    arms = ("on", "off", "ctl") if args.control else ("on", "off")
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     discarded: list[dict] = []
     for i in range(args.runs):
-        for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+        for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:  # each arm takes each slot of the rotation
             for attempt in range(args.retries + 1):
-                r = one_run(model, budget, arm == "on", w, args, f"{name}-{arm}-{i}-{attempt}")
+                r = one_run(model, budget, arm != "off", w, args, f"{name}-{arm}-{i}-{attempt}")
                 r["attempt"] = attempt
                 r["disturbed"] = r["server_cpu_util"] < args.min_cpu
                 print(
@@ -390,12 +394,25 @@ def run_config(name: str, budget: str, model: Path, spec: ModelSpec, w: Workload
         "paired_max": max(tput),
         "req_ratio": statistics.fmean(r["req_per_s"] for r in on) / statistics.fmean(r["req_per_s"] for r in off),
     }
+    if args.control:
+        ctl = runs["ctl"]
+        same = [a["out_tok_per_s"] / b["out_tok_per_s"] for a, b in zip(on, ctl, strict=True)]
+        measured["control_mean_ratio"] = statistics.fmean(r["out_tok_per_s"] for r in on) / statistics.fmean(
+            r["out_tok_per_s"] for r in ctl
+        )
+        measured["control_paired_min"], measured["control_paired_max"] = min(same), max(same)
     print(
         f"  -> on/off: tok/s x{measured['mean_ratio']:.3f} (paired {measured['paired_min']:.3f}.."
         f"{measured['paired_max']:.3f}), tok per CPU-s x{measured['cpu_mean_ratio']:.3f} (paired "
         f"{measured['cpu_paired_min']:.3f}..{measured['cpu_paired_max']:.3f}); planner capacity x{pred['gain']:.3f}",
         flush=True,
     )
+    if args.control:
+        print(
+            f"  -> control on/on: tok/s x{measured['control_mean_ratio']:.3f} (paired "
+            f"{measured['control_paired_min']:.3f}..{measured['control_paired_max']:.3f}; 1.0 expected)",
+            flush=True,
+        )
     return {
         "name": name,
         "budget": budget,
@@ -432,16 +449,22 @@ def markdown(results: list[dict], w: Workload, args: argparse.Namespace, command
         f"{args.min_cpu:g} of a CPU core (other work on the shared machine) is disturbed and rerun, up to "
         f"{args.retries} times; disturbed runs that were replaced are listed in serve.json (`discarded`).",
         "",
-        "| budget | planner capacity gain | measured tok/s gain | measured tok per CPU-s gain | req/s gain |",
-        "| --- | --- | --- | --- | --- |",
+        "| budget | planner capacity gain | measured tok/s gain | measured tok per CPU-s gain | req/s gain | "
+        "control (on / on again) tok/s |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for res in results:
         p, m = res["predicted"], res["measured"]
+        control = (
+            f"x{m['control_mean_ratio']:.3f} (paired {m['control_paired_min']:.2f}..{m['control_paired_max']:.2f})"
+            if "control_mean_ratio" in m
+            else "-"
+        )
         lines.append(
             f"| {res['name']} | x{p['gain']:.3f} ({p['tokens_dense']} -> {p['tokens_elided']} tokens) | "
             f"x{m['mean_ratio']:.3f} (paired {m['paired_min']:.2f}..{m['paired_max']:.2f}) | "
             f"x{m['cpu_mean_ratio']:.3f} (paired {m['cpu_paired_min']:.2f}..{m['cpu_paired_max']:.2f}) | "
-            f"x{m['req_ratio']:.3f} |"
+            f"x{m['req_ratio']:.3f} | {control} |"
         )
     lines.append("")
     for res in results:
@@ -551,6 +574,12 @@ def main() -> int:
         "rerun it (default 0.9)",
     )
     p.add_argument("--retries", type=int, default=3, help="reruns of a disturbed run (default 3)")
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a control arm: elision on twice (on / ctl must read 1.0 within its spread; default on)",
+    )
     p.add_argument("--max-load", type=float, default=None, help="before each run, wait for load average < this")
     p.add_argument("--max-wait", type=float, default=120.0, help="at most this many seconds (default 120)")
     p.add_argument("--out", default=str(RESULTS), help="results directory (default bench/results)")

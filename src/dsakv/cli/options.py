@@ -21,6 +21,7 @@ from dsakv.engine.argv import engine_argv as engine_argv  # re-exported: the inv
 from dsakv.engine.argv import layout_argv as layout_argv
 from dsakv.engine.config import (
     DTYPES,
+    WEIGHT_DTYPES,
     CacheConfig,
     Config,
     EngineConfig,
@@ -163,6 +164,13 @@ def add_engine_arguments(
     if running:
         g.add_argument("--max-running-requests", type=int, default=None, help="requests per batch (default 64)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="weights (float32)")
+    g.add_argument(
+        "--weight-dtype",
+        choices=WEIGHT_DTYPES,
+        default="model",
+        help="projection weights on a quantised grid: int8 (per output channel) or fp8 (e4m3, 128x128 blocks), "
+        "computed in --dtype; model: as loaded (default)",
+    )
     default = "torch's choice" if threads is None else str(threads)
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
@@ -412,6 +420,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cache=cache_config(args),
         hisparse=hisparse_config(args),
         dtype=getattr(args, "dtype", "float32"),
+        weight_dtype=getattr(args, "weight_dtype", "model"),
         seed=getattr(args, "seed", None),
         speculative_num_steps=getattr(args, "speculative_num_steps", 0),
     )

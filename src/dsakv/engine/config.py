@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_TOKENS = 16384
 DTYPES = ("float32", "bfloat16")
+WEIGHT_DTYPES = ("model", "int8", "fp8")  # dsakv.model.quant.WEIGHT_DTYPES
 
 
 @dataclass(frozen=True)
@@ -222,12 +223,15 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)
     dtype: str = "float32"  # weights: float32 | bfloat16
+    weight_dtype: str = "model"  # projection weights on a quantised grid: model (as loaded) | int8 | fp8
     seed: int | None = None  # seed for requests that give none
     speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError(f"weight_dtype {self.weight_dtype!r} is unknown: use one of {', '.join(WEIGHT_DTYPES)}")
         k = self.speculative_num_steps
         if isinstance(k, bool) or not isinstance(k, int):
             raise ConfigError(f"speculative_num_steps = {k!r} must be an integer >= 0")
@@ -264,6 +268,7 @@ class EngineConfig:
         "hisparse_device_buffer_size": ("hisparse", "device_buffer_size"),
         "hisparse_host_to_device_ratio": ("hisparse", "host_to_device_ratio"),
         "dtype": ("", "dtype"),
+        "weight_dtype": ("", "weight_dtype"),
         "seed": ("", "seed"),
         "speculative_num_steps": ("", "speculative_num_steps"),
     }

@@ -147,7 +147,9 @@ class Engine:
             from dsakv.model.loader import load_model
 
             self.model_dir = Path(model)
-            self.spec, self.model = load_model(self.model_dir, dtype=getattr(torch, cfg.dtype))
+            self.spec, self.model = load_model(
+                self.model_dir, dtype=getattr(torch, cfg.dtype), weight_dtype=cfg.weight_dtype
+            )
         self.model.eval()
         self.speculative_num_steps = speculative_num_steps = cfg.speculative_num_steps
         if speculative_num_steps and draft is None:
@@ -155,7 +157,7 @@ class Engine:
                 raise ConfigError("speculative decoding needs the MTP draft: pass draft= (load_draft) with the model")
             from dsakv.model.loader import load_draft
 
-            draft = load_draft(self.model_dir, dtype=getattr(torch, cfg.dtype))
+            draft = load_draft(self.model_dir, dtype=getattr(torch, cfg.dtype), weight_dtype=cfg.weight_dtype)
         self.draft = draft if speculative_num_steps else None
         if layout is not None and self.draft is not None:
             raise ConfigError(

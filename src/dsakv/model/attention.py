@@ -18,24 +18,30 @@ Top-k is one int64 tensor [T, index_topk] per step: the selected positions of ea
 ascending, -1 where a token has fewer than index_topk causal keys (it is also what a PP stage carries).
 
 Batched form. The indexer reads every cached index key of the step once, as a padded [B, S_max, D] block
-(S_max = longest sequence), scores all query tokens against their sequence's keys in one batched matmul
-(decode: one block of B tokens; prefill: blocks of flat rows bounded by SCORE_BLOCK_ELEMS), masks keys
-beyond each token's position and takes the top-k. Attention then runs on one of two equivalent paths:
+(S_max = longest sequence), and scores the query tokens against their sequence's keys: decode in one batched
+matmul of B tokens; prefill with each sequence's queries padded to [B, t_max] (t_max = most new tokens of one
+sequence) as one batched matmul per query block (a ragged step, which that would pad over twice, reads each
+token's sequence's keys per block instead); it masks keys beyond each token's position and takes the top-k.
+Attention then runs on one of two equivalent paths:
 
     absorbed (as DeepSeek's inference / FlashMLA): W_UK folds into the query, q_lat = q_nope . W_UK
       [T, H, kv_lora_rank]; the selected [latent | k_rope] rows are read from the pool as stored (only those,
       dequantised in one op) as [T, k, r + d]; scores = [q_lat | q_rope] . row; o_lat = probs . latent;
       out = o_lat . W_UV. Nothing is expanded through kv_b_proj.
-    expanded (as transformers): every cached row of the step (R = sum of sequence lengths) goes through
-      kv_b_proj once, giving per-head keys [k_nope | k_rope] and values; each token gathers its k rows.
+    expanded (dense masked, as transformers' SDPA path): every cached row of the step goes through kv_b_proj
+      once, giving per-head keys [k_nope | k_rope] and values [B, H, S_max, .]; each sequence's queries attend
+      to all its keys in one scaled_dot_product_attention with an additive mask that is -inf off each token's
+      top-k picks (built once per top-k, shared layers reuse it). No per-query copy of any key or value.
 
-The rule (`choose_mla_path`), from multiply-adds per step with k = min(index_topk, S_max), H heads,
-r = kv_lora_rank, d = rope dim, n = qk_nope_head_dim, v = v_head_dim:
-    absorbed = T * H * (n*r + k*(2r + d) + r*v)
-    expanded = R * H * r*(n + v) + T * H * k*(n + d + v)
-expanded is taken iff it is smaller: long prefill chunks, where every expanded row serves many queries;
-decode (T = B, R = B * context) is always absorbed. `MLA_PATH` ("auto" | "absorbed" | "expanded", or
-DSAModel.mla_path) forces one. Both give transformers' logits within float rounding.
+The rule (`choose_mla_path` / `mla_path_costs`), in multiply-add equivalents: multiply-adds plus ELEM_MACS per
+element a path writes and reads back, with k = min(index_topk, S_max), H heads, r = kv_lora_rank,
+d = rope dim, n = qk_nope_head_dim, v = v_head_dim, B sequences, padded rows R' = B*S_max, padded queries
+T' = B*t_max:
+    absorbed = T*H*(n*r + k*(2r + d) + r*v)           + ELEM_MACS * 2*T*k*(r + d + H)   (gathered rows, scores)
+    expanded = R'*H*r*(n + v) + T'*S_max*H*(n + d + v) + ELEM_MACS * (2*R'*H*(2(n+v) + d) + 2*T'*S_max)
+expanded is taken iff it is cheaper: prefill chunks whose top-k covers much of their context; decode
+(T = B) and chunks whose top-k is a small part of a long context gather (absorbed). `MLA_PATH` ("auto" |
+"absorbed" | "expanded", or DSAModel.mla_path) forces one. Both give transformers' logits within float rounding.
 
 This is what transformers' GlmMoeDsaAttention / DeepseekV32Attention compute (eager path),
 with the cache in the pool instead of a DynamicCache. Nothing here is CPU-only: every tensor is
@@ -61,6 +67,10 @@ from dsakv.spec.layout import BufferKey, Kind
 # Bound on the elements of one score (or gathered-row) block; longer prefills are split into query blocks.
 SCORE_BLOCK_ELEMS = 1 << 24
 MLA_PATHS = ("auto", "absorbed", "expanded")
+# One fp32 element written to memory and read back costs about as long as this many multiply-adds: ~45 G
+# multiply-adds/s of matmul against ~23 GB/s of streaming reads on one core of the CI box (bench/engine.py
+# measures both), i.e. ~2 multiply-adds a byte; gathers and copies move each element twice.
+ELEM_MACS = 8
 
 TopK = torch.Tensor  # int64 [T, index_topk]: selected key positions per token, ascending, -1 padded
 
@@ -99,6 +109,7 @@ class StepContext:
     # every token has at least min(index_topk, S_max) causal keys (no top-k pick can be non-causal); False
     # when unknown
     full_topk: bool = False
+    t_max: int = 1  # most new tokens of one sequence in this step (max extend length)
     _memo: dict[str, torch.Tensor] = field(default_factory=dict)
     _ropes: dict[tuple[int, bool, torch.dtype], torch.Tensor] = field(default_factory=dict)
     rows: RowSource | None = None  # None: selected rows are read from `pool` by slot
@@ -154,6 +165,51 @@ class StepContext:
         self._selections.append((topk, out))  # holds topk, so `is` cannot match a recycled tensor
         return out
 
+    def padded_queries(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """None when the flat tokens already form a [B, t_max] block (one sequence, or every sequence extends by
+        t_max); else (index [B * t_max] of each padded query's flat token, padding repeating its sequence's last
+        token; index [T] of each flat token's padded row). Built once per step."""
+        b, tm = int(self.table.shape[0]), self.t_max
+        if b * tm == self.num_tokens:
+            return None
+        if "qpad" not in self._memo:
+            dev = self.tok_seq.device
+            ext = torch.bincount(self.tok_seq, minlength=b)
+            first = torch.cumsum(ext, 0) - ext
+            j = torch.minimum(torch.arange(tm, device=dev)[None, :], (ext - 1)[:, None])
+            self._memo["qpad"] = (first[:, None] + j).reshape(-1)
+            t = torch.arange(self.num_tokens, device=dev)
+            self._memo["qunpad"] = self.tok_seq * tm + t - first[self.tok_seq]
+        return self._memo["qpad"], self._memo["qunpad"]
+
+    def pad_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, t_max, ...] (padding rows repeat their sequence's last token)."""
+        pq = self.padded_queries()
+        b = int(self.table.shape[0])
+        return (x if pq is None else x.index_select(0, pq[0])).view(b, self.t_max, *x.shape[1:])
+
+    def unpad_queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, t_max, ...] -> [T, ...], the inverse of pad_queries."""
+        flat = x.reshape(-1, *x.shape[2:])
+        pq = self.padded_queries()
+        return flat if pq is None else flat.index_select(0, pq[1])
+
+    def topk_mask(self, topk: TopK, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask [B, 1, t_max, S_max] of dtype: 0 at each token's top-k picks, -inf elsewhere (padded
+        queries: their sequence's last token's row); built once per top-k tensor (shared layers reuse it)."""
+        key = f"mask{id(topk)}{dtype}"
+        hit = self._memo.get(key)
+        if hit is not None and self._memo.get(key + "src") is topk:
+            return hit
+        s = self.s_max
+        pos = topk[:, : self.k_sel]
+        hits = torch.zeros((pos.shape[0], s + 1), dtype=torch.bool, device=pos.device)
+        hits.scatter_(1, torch.where(pos < 0, s, pos), True)  # -1 padding lands in the dropped column s
+        mask = torch.zeros((pos.shape[0], s), dtype=dtype, device=pos.device).masked_fill_(~hits[:, :s], float("-inf"))
+        out = self.pad_queries(mask).unsqueeze(1)
+        self._memo[key], self._memo[key + "src"] = out, topk  # holds topk, so the id cannot be recycled
+        return out
+
     def row_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slots of every cached row of the step, concatenated by sequence [R]; first row of each sequence [B])."""
         if "rows" not in self._memo:
@@ -178,16 +234,53 @@ class StepContext:
 
 
 def choose_mla_path(
-    forced: str, num_tokens: int, num_rows: int, k: int, heads: int, rank: int, rope: int, nope: int, v: int
+    forced: str,
+    num_tokens: int,
+    num_rows: int,
+    k: int,
+    heads: int,
+    rank: int,
+    rope: int,
+    nope: int,
+    v: int,
+    seqs: int = 1,
+    s_max: int | None = None,
+    t_max: int | None = None,
 ) -> str:
-    """The attention path of a step: `forced` unless "auto", else the one with fewer multiply-adds (see above)."""
+    """The attention path of a step: `forced` unless "auto", else the cheaper by mla_path_costs (see above)."""
     if forced not in MLA_PATHS:
         raise ValueError(f"mla path {forced!r}: use one of {', '.join(MLA_PATHS)}")
     if forced != "auto":
         return forced
-    absorbed = num_tokens * heads * (nope * rank + k * (2 * rank + rope) + rank * v)
-    expanded = num_rows * heads * rank * (nope + v) + num_tokens * heads * k * (nope + rope + v)
+    absorbed, expanded = mla_path_costs(num_tokens, num_rows, k, heads, rank, rope, nope, v, seqs, s_max, t_max)
     return "expanded" if expanded < absorbed else "absorbed"
+
+
+def mla_path_costs(
+    num_tokens: int,
+    num_rows: int,
+    k: int,
+    heads: int,
+    rank: int,
+    rope: int,
+    nope: int,
+    v: int,
+    seqs: int = 1,
+    s_max: int | None = None,
+    t_max: int | None = None,
+) -> tuple[int, int]:
+    """(absorbed, expanded) cost of a step in multiply-add equivalents: multiply-adds plus ELEM_MACS per element
+    the path writes to memory and reads back (gathered rows, expanded keys and values, masks, scores).
+    `seqs`, `s_max`, `t_max`: sequences, longest sequence, most new tokens of one sequence (the dense path pads
+    a ragged step to [seqs, t_max] queries over [seqs, s_max] rows); default one sequence."""
+    t, h, r, d = num_tokens, heads, rank, rope
+    s = num_rows if s_max is None else s_max
+    tm = num_tokens if t_max is None else t_max
+    rows, queries = seqs * s, seqs * tm  # padded
+    absorbed = t * h * (nope * r + k * (2 * r + d) + r * v) + ELEM_MACS * 2 * t * k * (r + d + h)
+    dense_macs = rows * h * r * (nope + v) + queries * s * h * (nope + d + v)
+    dense_elems = 2 * rows * h * (2 * (nope + v) + d) + 2 * queries * s
+    return absorbed, dense_macs + ELEM_MACS * dense_elems
 
 
 class Indexer(nn.Module):
@@ -233,8 +326,18 @@ class Indexer(nn.Module):
         w = (w_raw.float() * (self.n_heads**-0.5 * self.softmax_scale)).unsqueeze(-1)
         b, s_max = ctx.table.shape
         keys = ctx.pool.read(key, ctx.padded_slots()).view(b, s_max, self.head_dim)  # [B, S, D] as read
+        if not ctx.decode_only and b * ctx.t_max <= 2 * t:
+            picks = self._prefill_picks(q, keys, w, ctx)
+        else:
+            picks = self._gathered_picks(q, keys, w, ctx)
+        sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
+        return canonical_topk(sel, ctx)
+
+    def _gathered_picks(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> list:
+        """Decode (one block: every sequence's one token against its keys), or a ragged prefill: each query
+        block reads its tokens' sequences' keys."""
+        t, s_max = q.shape[0], ctx.s_max
         qt = q.transpose(1, 2)  # [T, D, H]
-        k_sel = ctx.k_sel
         masked = ctx.causal_mask()
         picks = []
         for q0, q1 in ctx.query_blocks(s_max * max(self.n_heads, self.head_dim)):
@@ -245,9 +348,28 @@ class Indexer(nn.Module):
                 qb, wb, mb = qt[q0:q1], w[q0:q1], masked[q0:q1]
             scores = torch.bmm(kb, qb).relu_()  # [E, S, H]
             idx = torch.bmm(scores, wb).squeeze(-1).masked_fill_(mb, float("-inf"))  # [E, S]
-            picks.append(idx.topk(k_sel, dim=-1).indices)
-        sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=0)
-        return canonical_topk(sel, ctx)
+            picks.append(idx.topk(ctx.k_sel, dim=-1).indices)
+        return picks
+
+    def _prefill_picks(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, ctx: StepContext) -> list:
+        """Prefill: each sequence's queries (padded to [B, t_max]) against its keys [B, S, D] as read, one batched
+        matmul per query block, no per-query copy of the keys."""
+        b, tm, s_max, h = int(keys.shape[0]), ctx.t_max, ctx.s_max, self.n_heads
+        qp = ctx.pad_queries(q)  # [B, t_max, H, D]
+        wp = ctx.pad_queries(w.transpose(1, 2))  # [B, t_max, 1, H]
+        mp = ctx.pad_queries(ctx.causal_mask())  # [B, t_max, S]
+        kt = keys.transpose(1, 2)  # [B, D, S]
+        step = max(1, SCORE_BLOCK_ELEMS // max(1, b * s_max * h))
+        picks = []
+        for j0 in range(0, tm, step):
+            j1 = min(j0 + step, tm)
+            e = j1 - j0
+            scores = torch.bmm(qp[:, j0:j1].reshape(b, e * h, self.head_dim), kt).relu_()  # [B, E*H, S]
+            idx = torch.bmm(wp[:, j0:j1].reshape(b * e, 1, h), scores.view(b * e, h, s_max))  # [B*E, 1, S]
+            idx = idx.view(b, e, s_max).masked_fill_(mp[:, j0:j1], float("-inf"))
+            picks.append(idx.topk(ctx.k_sel, dim=-1).indices)  # [B, E, k]
+        sel = picks[0] if len(picks) == 1 else torch.cat(picks, dim=1)
+        return [ctx.unpad_queries(sel)]
 
 
 def canonical_topk(sel: torch.Tensor, ctx: StepContext) -> TopK:
@@ -337,11 +459,11 @@ class MLAttention(nn.Module):
                 )
             topk = prev_topk
 
-        sel, valid, mask, slots = ctx.selection(topk, x.dtype)
         if ctx.mla_path == "absorbed":
+            sel, valid, mask, slots = ctx.selection(topk, x.dtype)
             out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask, slots)
         else:
-            out = self._expanded(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask)
+            out = self._expanded(x, q_nope, q_rot, topk, ctx, kv_key)
         return linear_add(out.reshape(t, h * self.v_dim), self.o_proj, residual), topk
 
     def _absorbed(
@@ -394,27 +516,29 @@ class MLAttention(nn.Module):
         x: torch.Tensor,
         q_nope: torch.Tensor,
         q_rot: torch.Tensor,
-        sel: torch.Tensor,
-        valid: torch.Tensor,
+        topk: TopK,
         ctx: StepContext,
         kv_key: BufferKey,
-        mask: torch.Tensor,
     ) -> torch.Tensor:
-        t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
+        """Dense masked attention over each sequence's cached rows (as transformers' SDPA path): every row goes
+        through kv_b_proj once, each query attends to all its sequence's keys with -inf off its top-k picks. No
+        per-query copy of any key or value; queries padded to [B, t_max] only when the step is ragged."""
+        h, r, d = self.num_heads, self.kv_lora_rank, self.rope_dim
+        b, s = (int(v) for v in ctx.table.shape)
         slots, row0 = ctx.row_slots()
-        n = int(slots.numel())
-        cached = ctx.pool.read(kv_key, slots).to(x.dtype)  # [R, r + d]
-        kvb = self.kv_b_proj(cached[:, :r]).view(n, h, self.nope + self.v_dim)
-        key = torch.cat((kvb[..., : self.nope], cached[:, None, r:].expand(n, h, self.rope_dim)), dim=-1)
-        value = kvb[..., self.nope :]  # [R, H, v]
-        query = torch.cat((q_nope, q_rot), dim=-1).unsqueeze(2)  # [T, H, 1, qk]
-        out = x.new_empty(t, h, self.v_dim)
-        k = sel.shape[1]
-        for q0, q1 in ctx.query_blocks(k * h * max(self.qk_head_dim, self.v_dim)):
-            rows = row0[ctx.tok_seq[q0:q1], None] + sel[q0:q1]  # [E, k] into the step's rows
-            kb = key[rows].permute(0, 2, 3, 1)  # [E, H, qk, k]
-            scores = torch.matmul(query[q0:q1], kb).squeeze(2) * self.scaling + mask[q0:q1]  # [E, H, k]
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-            vb = value[rows].transpose(1, 2)  # [E, H, k, v]
-            out[q0:q1] = torch.matmul(probs.unsqueeze(2), vb).squeeze(2)
-        return out
+        cached = ctx.pool.read(kv_key, slots)  # [R, r + d]
+        if cached.dtype != x.dtype:
+            cached = cached.to(x.dtype)
+        if int(slots.numel()) != b * s:  # ragged: each sequence's rows padded to S_max (its last row, masked)
+            cols = torch.arange(s, device=row0.device)
+            pad = torch.minimum(cols[None, :], (ctx.seq_lens - 1)[:, None]) + row0[:, None]
+            cached = cached.index_select(0, pad.reshape(-1))
+        cached = cached.view(b, s, r + d)
+        kvb = F.linear(cached[..., :r], self.kv_b_proj.weight).view(b, s, h, self.nope + self.v_dim)
+        rope = cached[:, None, :, r:].expand(b, h, s, d)
+        key = torch.cat((kvb[..., : self.nope].transpose(1, 2), rope), dim=-1)  # [B, H, S, qk]
+        value = kvb[..., self.nope :].transpose(1, 2)  # [B, H, S, v]
+        query = ctx.pad_queries(torch.cat((q_nope, q_rot), dim=-1)).transpose(1, 2)  # [B, H, t_max, qk]
+        mask = ctx.topk_mask(topk, x.dtype)  # [B, 1, t_max, S]
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
+        return ctx.unpad_queries(out.transpose(1, 2))  # [T, H, v]

@@ -186,9 +186,10 @@ class DSAModel(nn.Module):
         s = self.spec
         k = min(s.index_topk, s_max)
         rows = sum(pre_l) + t
+        t_max = max(ext_l)
         path = choose_mla_path(
             self.mla_path, t, rows, k, s.num_attention_heads, s.kv_lora_rank,
-            s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim,
+            s.qk_rope_head_dim, s.qk_nope_head_dim, s.v_head_dim, seqs=b, s_max=s_max, t_max=t_max,
         )  # fmt: skip
         cos, sin = self.rope.cos_sin(batch.positions.to(dev), torch.float32)
         full = min(pre_l) + 1 >= k  # every token sits at or beyond its prefix: >= k causal keys each
@@ -209,10 +210,24 @@ class DSAModel(nn.Module):
                 path,
                 decode,
                 full,
+                t_max=t_max,
                 rows=hs,
             )
         return StepContext(
-            out_slots, cos, sin, access, table, seq_lens, tok_seq, qpos, s_max, s.index_topk, path, decode, full
+            out_slots,
+            cos,
+            sin,
+            access,
+            table,
+            seq_lens,
+            tok_seq,
+            qpos,
+            s_max,
+            s.index_topk,
+            path,
+            decode,
+            full,
+            t_max=t_max,
         )
 
     def forward(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> torch.Tensor:  # type: ignore[override]

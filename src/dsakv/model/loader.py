@@ -26,6 +26,7 @@ from dsakv.errors import ConfigError
 from dsakv.model.config import DSAConfig
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft, draft_name
+from dsakv.model.quant import dequantize_fp8_block, quantize_weights
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,7 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def _dequant_fp8(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    rows, cols = w.shape
-    s = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
-    return w.float() * s
+    return dequantize_fp8_block(w, scale_inv, torch.float32, FP8_BLOCK)
 
 
 def _convert(raw: dict[str, torch.Tensor], spec: ModelSpec, draft_layers: int = 0) -> dict[str, torch.Tensor]:
@@ -164,10 +163,11 @@ def _assign(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.d
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, shard: Shard | None = None
+    path: str | Path, *, dtype: torch.dtype = torch.float32, shard: Shard | None = None, weight_dtype: str = "model"
 ) -> tuple[ModelSpec, DSAModel]:
     """(spec, model) of the checkpoint in directory `path`, weights in `dtype`, on the CPU (`shard`: see
-    build_model)."""
+    build_model); `weight_dtype` int8 or fp8 puts every projection on that grid
+    (dsakv.model.quant.quantize_weights), "model" leaves them as loaded."""
     root = Path(path)
     cfg = load_config(root)
     files = _safetensors_files(root)
@@ -175,6 +175,7 @@ def load_model(
     ident = file_identity(root)  # the files as read (a rewrite meanwhile: no trusted identity)
     model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name, shard=shard)
     setattr(model, LOADED_IDENTITY, ident if file_identity(root) == ident else "")
+    quantize_weights(model, weight_dtype)
     log.info(
         "loaded %s: %s, %d layers (%d producers), %.1fM parameters",
         root.name,
@@ -208,12 +209,16 @@ def build_draft(
     return draft.eval()
 
 
-def load_draft(path: str | Path, *, dtype: torch.dtype = torch.float32, num_layers: int = 1) -> MTPDraft:
-    """The MTP draft layer(s) of the checkpoint in directory `path` (layers num_hidden_layers.. of its tensors)."""
+def load_draft(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, num_layers: int = 1, weight_dtype: str = "model"
+) -> MTPDraft:
+    """The MTP draft layer(s) of the checkpoint in directory `path` (layers num_hidden_layers.. of its tensors);
+    `weight_dtype` as load_model."""
     root = Path(path)
     cfg = load_config(root)
     draft = build_draft(
         cfg, _read_tensors(_safetensors_files(root)), dtype=dtype, name=root.name, num_layers=num_layers
     )
+    quantize_weights(draft, weight_dtype)
     log.info("loaded MTP draft of %s: layer(s) %s", root.name, list(draft.layer_ids))
     return draft

@@ -66,18 +66,31 @@ def test_pool_of_another_model(model):
 
 
 def test_mla_path_rule():
-    """Decode reads few rows per token: absorbed; a long prefill chunk reuses every expanded row: expanded."""
-    from dsakv.model.attention import choose_mla_path
+    """Decode reads few rows per token: absorbed; a prefill chunk whose top-k covers much of its context attends
+    densely (expanded); one whose top-k is a small part of it, or a ragged step the dense path would pad many
+    times over, gathers its picks (absorbed). Costs count multiply-adds and the elements each path moves."""
+    from dsakv.model.attention import ELEM_MACS, choose_mla_path, mla_path_costs
 
     tiny = dict(heads=4, rank=64, rope=16, nope=16, v=16)
-    assert choose_mla_path("auto", num_tokens=16, num_rows=16 * 80, k=16, **tiny) == "absorbed"  # decode, batch 16
+    assert choose_mla_path("auto", num_tokens=16, num_rows=16 * 80, k=16, seqs=16, s_max=80, t_max=1, **tiny) == (
+        "absorbed"
+    )  # decode, batch 16
     assert choose_mla_path("auto", num_tokens=1, num_rows=3, k=3, **tiny) == "absorbed"
-    assert choose_mla_path("auto", num_tokens=512, num_rows=512, k=16, **tiny) == "expanded"  # prefill chunk
+    assert choose_mla_path("auto", num_tokens=512, num_rows=512, k=512, **tiny) == "expanded"  # top-k covers it all
+    assert choose_mla_path("auto", num_tokens=512, num_rows=512, k=16, **tiny) == "absorbed"  # 16 of 512 keys
+    # exact costs: absorbed = T*H*(n*r + k*(2r+d) + r*v) + ELEM_MACS * 2*T*k*(r+d+H);
+    # expanded = R*H*r*(n+v) + T*S*H*(n+d+v) + ELEM_MACS * (2*R*H*(2(n+v)+d) + 2*T*S)
+    a, e = mla_path_costs(512, 512, 512, **tiny)
+    assert a == 512 * 4 * (16 * 64 + 512 * 144 + 64 * 16) + ELEM_MACS * 2 * 512 * 512 * 84
+    assert e == 512 * 4 * 64 * 32 + 512 * 512 * 4 * 48 + ELEM_MACS * (2 * 512 * 4 * 80 + 2 * 512 * 512)
     # GLM-5.2 shapes: a 4K prefill chunk expands, a decode step at 4K context absorbs
     glm = dict(heads=64, rank=512, rope=64, nope=192, v=256)
     assert choose_mla_path("auto", num_tokens=4096, num_rows=4096, k=2048, **glm) == "expanded"
     assert choose_mla_path("auto", num_tokens=1, num_rows=4096, k=2048, **glm) == "absorbed"
     assert choose_mla_path("expanded", num_tokens=1, num_rows=4096, k=2048, **glm) == "expanded"
+    # a 4K chunk batched with 15 decode tokens: dense would pad all 16 sequences to 4K queries
+    ragged = dict(seqs=16, s_max=4096, t_max=4096)
+    assert choose_mla_path("auto", num_tokens=4096 + 15, num_rows=16 * 4096, k=2048, **ragged, **glm) == "absorbed"
     with pytest.raises(ValueError, match="use one of auto, absorbed, expanded"):
         choose_mla_path("dense", num_tokens=1, num_rows=1, k=1, **glm)
 
