@@ -62,7 +62,8 @@ Disaggregated serving:
                                                = [first]; the request joins the running set at the
                                                next admission (it needs no new page) and decodes;
                                                n > 1: its other sequences fork onto its prompt pages
-                                               then (they wait in `unforked` from prealloc on).
+                                               then if all n fit max_running_requests, else when it is
+                                               admitted (they wait in `unforked` from prealloc on).
     prefill side  Request.keep_pages=True      on finishing (stop/length) its pages stay held under
                   release(rid)                 its id (pages_of(rid)) until release(rid), so they can
                                                be transferred first.
@@ -293,13 +294,15 @@ class Scheduler:
         if req is None:
             raise ConfigError(f"request {request_id!r} is not waiting for its KV: prealloc() it first")
         req.num_computed_tokens = req.num_prompt_tokens
-        if req.forks:
-            self._fork(req)
         req.output_ids.append(int(first_token))
         reason = stop_reason(req, int(first_token), self.max_seq_len)
         if reason is not None:
+            if req.forks:
+                self._fork(req)
             self._finish(req, reason)
-        else:
+        else:  # n > 1: its other sequences fork now if all n fit max_running_requests, else when it is admitted
+            if req.forks and self._fits_running(req):
+                self._fork(req)
             req.status = RequestStatus.WAITING
             self.ready.append(req)
         return req
@@ -385,6 +388,8 @@ class Scheduler:
             self.ready.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if req.forks:  # they start on its prompt pages and run from the next step
+                self._fork(req)
             drafts = 0  # PD with MTP: the prefill's draft hidden state seeded a draft (Speculator.seed)
             if self.draft_lookahead is not None:
                 drafts = self._grow_drafts(req, min(self.draft_lookahead(req), budget - 1))

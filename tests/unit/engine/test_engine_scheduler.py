@@ -385,3 +385,47 @@ def test_keep_pages_holds_them_until_release() -> None:
     step(s)
     assert s.abort("b") is b and s.allocator.num_free == 6  # abort of a kept request releases it
     s.check_integrity()
+
+
+def _with_forks(rid: str, prompt: Sequence[int], n: int, max_new: int = 4) -> Request:
+    params = SamplingParams(max_new_tokens=max_new, n=n)
+    req = Request(rid, tuple(prompt), params)
+    req.forks = [Request(f"{rid}/{i}", tuple(prompt), params, choice_index=i) for i in range(1, n)]
+    return req
+
+
+def test_n_sequences_count_against_max_running_requests() -> None:
+    """An n > 1 request takes n running slots at admission (colocated: before its forks join at the fork; PD: its
+    forks fork when it is admitted from `ready`, not at start_decode), so the running set never exceeds the cap
+    (HiSparse: one hot buffer per running sequence)."""
+    s = make(64, budget=64, max_running_requests=3)
+    s.add(Request("a", (2,) * 5, SamplingParams(max_new_tokens=8)))
+    s.schedule()
+    # colocated: 1 running + 3 sequences > 3 -> waits
+    s.add(_with_forks("c", (3,) * 9, n=3))
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["a"]
+    # PD: prealloc + start_decode; with room for all n its forks fork at once (g: 1 + 2 <= 3) ...
+    s.prealloc(_with_forks("g", (5,) * 9, n=2))
+    s.start_decode("g", 7)
+    assert [r.request_id for r in s.running] == ["a", "g/1"]
+    # ... else they stay unforked until it is admitted (f: 2 + 2 > 3)
+    s.prealloc(_with_forks("f", (4,) * 9, n=2))
+    s.start_decode("f", 7)
+    assert [r.request_id for r in s.running] == ["a", "g/1"] and sorted(s.unforked) == ["c/1", "c/2", "f/1"]
+    out = s.schedule()  # g is admitted (3 running); f and c wait
+    assert [c.request.request_id for c in out.chunks] == ["a", "g/1", "g"]
+    s.abort("a")
+    out = s.schedule()  # taken 2 + 2 > 3: f still waits
+    assert [c.request.request_id for c in out.chunks] == ["g/1", "g"]
+    s.abort("g")
+    s.abort("g/1")
+    out = s.schedule()  # f is admitted and forks (its forks run from the next step); c (3) still waits
+    assert [c.request.request_id for c in out.chunks] == ["f"]
+    assert [r.request_id for r in s.running] == ["f", "f/1"]
+    s.abort("f")
+    s.abort("f/1")
+    out = s.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["c"]
+    assert len(s.running) + sum(len(r.forks) for r in s.running) == 3
+    s.check_integrity()
