@@ -159,20 +159,33 @@ def test_store_master_killed_minus_9_leaves_no_mooncake_master(tmp_path):
 
 PICKER = (
     "import os, random, sys, time\n"
-    "from dsakv.util.procs import free_ports\n"
+    "from dsakv.util import procs\n"
     "random.seed(1234)  # both pickers draw the same candidates: only the shared ledger keeps them apart\n"
+    "procs._bindable = lambda port, host='127.0.0.1': True  # no bind check: it would race the other picker's\n"
+    "open(sys.argv[2], 'w').close()  # ready\n"
     "while not os.path.exists(sys.argv[1]): time.sleep(0.005)\n"
-    "print(' '.join(str(free_ports(3)) for _ in range(40)), flush=True)\n"
+    "print(' '.join(str(procs.free_ports(3)) for _ in range(40)), flush=True)\n"
 )
 
 
 def _pick_concurrently(tmp_path, ledger: str) -> list[list[int]]:
+    """Two pickers started together and released at once (each says it is ready, then waits for `go`), so their
+    picks interleave; each returns the bases of its 40 spans of 3 ports. Their bind checks are off: what keeps the
+    two apart is the ledger alone, and without it they draw the very same spans (the control), whatever else runs
+    on the machine (a bind check would make two racing pickers diverge on a port the other is probing)."""
     go = tmp_path / "go"
     go.unlink(missing_ok=True)
+    ready = [tmp_path / f"ready{i}" for i in range(2)]
+    for r in ready:
+        r.unlink(missing_ok=True)
     env = {**os.environ, "DSAKV_PORT_LEDGER": ledger}
-    cmd = [sys.executable, "-c", PICKER, str(go)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
-    time.sleep(1.0)  # both started and waiting
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PICKER, str(go), str(r)], stdout=subprocess.PIPE, text=True, env=env)
+        for r in ready
+    ]
+    while not all(r.exists() for r in ready):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.01)
     go.touch()
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
@@ -189,9 +202,12 @@ def test_free_ports_two_processes_at_once_get_disjoint_ports(tmp_path, monkeypat
     monkeypatch.setenv("DSAKV_PORT_LEDGER", str(ledger))
     mine = free_ports(1)  # the pickers exited: the next reader drops their entries and leaves only its own
     assert [line.split()[:2] for line in ledger.read_text().splitlines()] == [[str(mine), str(os.getpid())]]
-    # the control: without a usable ledger (a directory), the same seed hands both processes the same ports
-    a, b = _pick_concurrently(tmp_path, str(tmp_path))
-    assert a == b
+    # the control: without a usable ledger (a directory), the same seed hands both processes the same 40 spans
+    a2, b2 = _pick_concurrently(tmp_path, str(tmp_path))
+    assert a2 == b2 and len(set(a2)) == 40
+    # ... which under the ledger went to whichever picker locked it first, and to that one only: the first of them
+    # (both pickers' first draw) is in exactly one of the two racing pickers' picks
+    assert (a2[0] in a) != (a2[0] in b)
 
 
 def test_the_port_ledger_drops_expired_dead_garbled_and_forged_entries(tmp_path, monkeypatch):
