@@ -29,6 +29,7 @@ lint: install
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/python scripts/check_c.py  # every .c under src/dsakv builds with -Wall -Wextra -Werror
 
 test: lint
 	$(BIN)/python -m pytest -q

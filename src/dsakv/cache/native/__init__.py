@@ -22,33 +22,27 @@
 
 Python pays ~1 us per buffer and run (ctypes.memmove, memoryview, numpy view): 99 buffers x 16 pages is ~2-3 ms
 on a 53 MiB copy that memcpy does in ~8 ms. These loops do the same work once per call. The library is built
-into ~/.cache/dsakv (or the temp dir) as page_native-<source hash>.so by an atomic rename, as
-disagg/transfer/backends/bind_shim.py builds its shim. Without a compiler, if the build fails, or with
-DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python loops (same bytes, same
-files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
+into ~/.cache/dsakv (or the temp dir) as page_native-<source and flags hash>.so by an atomic rename
+(dsakv.util.cbuild, as the bind shim is), with -Wall -Wextra (and -Werror in `make lint`). Without a compiler,
+if the build fails, or with DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python
+loops (same bytes, same files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from dsakv.util.cbuild import CSource, cache_roots, compile_into, compiler
 
 log = logging.getLogger(__name__)
 
-SOURCE_PATH = Path(__file__).with_name("page_native.c")  # the C, read and compiled from disk
+SOURCE = CSource(Path(__file__).with_name("page_native.c"), flags=("-O3", "-pthread"))  # built from disk
 
 _LIB: ctypes.CDLL | None | bool = None  # None: not tried yet; False: unavailable (warned once)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dsakv"
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -79,29 +73,19 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def _build() -> ctypes.CDLL | None:
-    source = SOURCE_PATH.read_text()
-    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    tag = SOURCE.tag()
+    cc = compiler()
     why = "no C compiler (cc, gcc or clang) on PATH"
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"dsakv-{os.getuid()}"):
+    for root in cache_roots():
         out = root / f"page_native-{tag}.so"
         try:
             if not out.is_file():
                 if cc is None:
                     break
-                root.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=root) as tmp:
-                    obj = Path(tmp) / "page_native.so"
-                    r = subprocess.run(
-                        [cc, "-O3", "-shared", "-fPIC", "-pthread", "-o", str(obj), str(SOURCE_PATH)],
-                        capture_output=True,
-                        text=True,
-                        timeout=60,
-                    )
-                    if r.returncode != 0:
-                        why = f"{cc} failed: {r.stderr.strip()[:300]}"
-                        break
-                    os.replace(obj, out)  # atomic: concurrent processes may build it at once
+                err = compile_into(SOURCE, out, cc)
+                if err is not None:
+                    why = err
+                    break
             return _load(out)
         except (OSError, AttributeError, subprocess.SubprocessError) as e:
             why = f"cannot build or load it in {root}: {e}"
@@ -124,4 +108,4 @@ def seg_table(segs: list[tuple[int, int]]) -> ctypes.Array[ctypes.c_int64]:
     return (ctypes.c_int64 * len(flat))(*flat)
 
 
-__all__ = ["SOURCE_PATH", "lib", "seg_table"]
+__all__ = ["SOURCE", "lib", "seg_table"]

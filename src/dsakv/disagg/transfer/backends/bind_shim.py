@@ -22,15 +22,14 @@ library only.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from dsakv.util.cbuild import CSource, cache_roots, compile_into, compiler
 
 log = logging.getLogger(__name__)
 
@@ -38,39 +37,24 @@ ENV_HOST = "DSAKV_BIND_HOST"
 ENV_DONE = "DSAKV_BIND_REEXEC"
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]", "*")
 
-SHIM_SOURCE_PATH = Path(__file__).with_name("bind_shim.c")  # the C, read and compiled from disk
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dsakv"
+SHIM_SOURCE = CSource(Path(__file__).with_name("bind_shim.c"), flags=("-O2",), libs=("-ldl",))  # built from disk
 
 
 def shim_path() -> Path | None:
     """The compiled shim (built now if needed), or None when no C compiler is available or the build fails."""
-    source = SHIM_SOURCE_PATH.read_text()
-    tag = hashlib.sha256(source.encode()).hexdigest()[:12]
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"dsakv-{os.getuid()}"):
+    tag = SHIM_SOURCE.tag()
+    for root in cache_roots():
         out = root / f"bind_shim-{tag}.so"
         if out.is_file():
             return out
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        cc = compiler()
         if cc is None:
             return None
         try:
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                obj = Path(tmp) / "bind_shim.so"
-                r = subprocess.run(
-                    [cc, "-O2", "-shared", "-fPIC", "-o", str(obj), str(SHIM_SOURCE_PATH), "-ldl"],
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
-                if r.returncode != 0:
-                    log.warning("bind shim: %s failed: %s", cc, r.stderr.strip()[:300])
-                    return None
-                os.replace(obj, out)  # atomic: concurrent stages may build it at once
+            err = compile_into(SHIM_SOURCE, out, cc)
+            if err is not None:
+                log.warning("bind shim: %s", err)
+                return None
             return out
         except (OSError, subprocess.SubprocessError) as e:
             log.debug("bind shim: cannot build in %s: %s", root, e)
@@ -136,4 +120,4 @@ def ensure_bound_to_host(host: str, what: str = "the transfer engine") -> bool:
     return True  # pragma: no cover - execve does not return
 
 
-__all__ = ["SHIM_SOURCE_PATH", "ensure_bound_to_host", "shim_active", "shim_path"]
+__all__ = ["SHIM_SOURCE", "ensure_bound_to_host", "shim_active", "shim_path"]
