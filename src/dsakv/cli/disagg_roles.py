@@ -185,7 +185,7 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
     from dsakv.disagg.decode.config import DecodePipelineConfig
-    from dsakv.disagg.decode.stage import DecodeStageWorker
+    from dsakv.disagg.decode.stage_worker import DecodeStageWorker
     from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 
     model_dir = options.model_dir_of(args)

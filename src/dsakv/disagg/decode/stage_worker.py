@@ -1,0 +1,190 @@
+"""Decode pipeline stage k > 0 (DecodeStageWorker: a process of its own): its layers' pool, registered with its
+transfer engine so prefill stages write it; a mirror of stage 0's books; the loop that runs its layers of every
+decode step and sends the hidden rows on (the last stage: the logits back to stage 0). See decode/stage.py for the
+pipeline as a whole and stage 0's side (DecodePipeline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from dsakv.cache.device_pool import DevicePool
+from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape
+from dsakv.disagg.protocol.codec import from_wire
+from dsakv.disagg.protocol.messages import (
+    DECODE_FOLLOWER_SERVICE,
+    TICK,
+    Health,
+    PingReply,
+    StepMsg,
+)
+from dsakv.disagg.protocol.worker_service import WorkerService
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.model.dsa_model import StageCarry
+from dsakv.pipeline.batch import decode_batch
+from dsakv.pipeline.page_mirror import PageMirror
+from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+
+log = logging.getLogger(__name__)
+
+
+class DecodeStageWorker:
+    """Decode stage k > 0: its layers' pool (registered with its transfer engine: prefill stages write it), a
+    mirror of stage 0's books, and the loop that runs its layers of every decode step."""
+
+    def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
+        assert cfg.pipeline is not None and cfg.pipeline.pp_rank > 0
+        self.cfg = cfg
+        self.rank, self.size = cfg.pipeline.pp_rank, cfg.pipeline.pp_size
+        self.spec, self.model = _load(cfg, model)
+        self.model.eval()
+        _, layouts, self.num_pages = stage_pool_shape(cfg, self.spec)
+        self.layout = layouts[self.rank]
+        self.last = self.rank == self.size - 1
+        self.pool = DevicePool(self.layout, self.num_pages, device=self.model.device)
+        self.name = cfg.name or f"decode@{cfg.host}:{cfg.port}"
+        self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+        self.backend.register(self.pool.regions())
+        self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
+        self.group = _group(cfg, self.model, self.spec)
+        self.stage_timeout = cfg.pipeline.stage_timeout
+        self.down_reason: str | None = "pipeline not formed yet"
+        self.counters = dict.fromkeys(("steps", "ticks", "breaks", "pages_peak"), 0)
+        self.service = WorkerService(
+            DECODE_FOLLOWER_SERVICE,
+            {},
+            cfg.host,
+            cfg.port + self.rank,
+            f"decode{self.rank}",
+            health=self.health,
+            integrity=self.integrity,
+            ping=lambda: PingReply(pid=os.getpid(), boot=self.boot, stage=self.rank, epoch=self.group.epoch),
+        )
+        self.boot = self.service.boot
+        log.info(
+            "decode %s stage %d/%d: layers %s (producers %s), %d pages x %d tokens, %d B/token, backend %s, rpc %s",
+            self.name,
+            self.rank,
+            self.size,
+            self.layout.describe_range(),
+            list(self.layout.producers) or "none: its shared layers reuse the carried top-k",
+            self.num_pages,
+            self.layout.page_size,
+            self.layout.bytes_per_token,
+            cfg.config.transfer.backend,
+            self.address,
+        )
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+    def start(self) -> DecodeStageWorker:
+        self.service.start([(self._loop, f"decode-stage{self.rank}")])
+        return self
+
+    def request_stop(self) -> None:
+        self.service.request_stop()
+
+    def stop(self) -> None:
+        self.service.request_stop()
+        self.service.stop(join_timeout=self.stage_timeout + 2)
+        self.group.close()
+        self.backend.close()
+
+    def serve_forever(self) -> None:
+        self.service.serve_forever()
+
+    def _loop(self) -> None:
+        info = {"rpc": self.address, "pid": os.getpid(), "boot": self.boot, "manifest": self.manifest.to_bytes()}
+        stopping = self.service.stopping
+        while not stopping.is_set():
+            try:
+                if not self.group.formed:
+                    if self.group.form(info):
+                        self.down_reason = None
+                        log.info("decode %s stage %d: serving (epoch %s)", self.name, self.rank, self.group.epoch)
+                    continue
+                self.iteration()
+            except StageLinkError as e:
+                self._on_break(str(e))
+            except Exception as e:
+                log.exception("decode %s stage %d: step failed", self.name, self.rank)
+                why = f"decode stage {self.rank} step failed: {type(e).__name__}: {e}"
+                self.group.break_(why)
+                self._on_break(why)
+
+    def iteration(self) -> None:
+        msg = self.group.recv_prev(timeout=self.stage_timeout)
+        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {self.rank - 1}")
+        for rid in meta.drop:
+            self.mirror.release(rid)
+        for rid, pages in meta.hold.items():
+            self.mirror.hold(rid, pages)
+        for row in meta.seqs:
+            self.mirror.hold(row.rid, row.pages)
+        self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
+        if meta.kind == TICK:
+            self.counters["ticks"] += 1
+            if not self.last:
+                self.group.send_next(msg)
+            return
+        if meta.batch is None or msg.hidden is None:
+            raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without its batch or hidden states")
+        with torch.no_grad():
+            carry = self.model.stage_forward(
+                decode_batch(meta.batch), self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk)
+            )
+        if self.last:
+            assert carry.logits is not None
+            self.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
+        else:
+            self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
+        self.counters["steps"] += 1
+
+    def _on_break(self, why: str) -> None:
+        """The pipeline broke: stage 0 fails what it held; this stage forgets its mirror and re-forms."""
+        self.down_reason = why
+        self.counters["breaks"] += 1
+        for rid in self.mirror.owners:
+            self.mirror.release(rid)
+        log.warning("decode %s stage %d: pipeline broke (%s)", self.name, self.rank, why)
+
+    def integrity(self) -> str:
+        return self.mirror.integrity()
+
+    def health(self) -> Health:
+        used = self.mirror.num_used
+        return Health(
+            ok=self.group.formed and self.down_reason is None and not self.service.stopping.is_set(),
+            role="decode",
+            name=self.name,
+            pid=os.getpid(),
+            boot=self.boot,
+            elide=self.layout.elide,
+            backend=self.cfg.config.transfer.backend,
+            page_size=self.layout.page_size,
+            pages_total=self.num_pages,
+            pages_used=used,
+            pages_free=self.num_pages - used,
+            capacity_tokens=self.num_pages * self.layout.page_size,
+            bytes_per_token=self.layout.bytes_per_token,
+            integrity=self.integrity(),
+            counters=dict(self.counters),
+            stage=self.rank,
+            num_stages=self.size,
+            epoch=self.group.epoch,
+            down=self.down_reason,
+            layers=_span(self.layout),
+            running=len(self.mirror.owners),
+        )
+
+
+__all__ = ["DecodeStageWorker"]
