@@ -31,25 +31,22 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from dsakv.cache.allocator import IntegrityError, PageAllocator
+from dsakv.cache.allocator import IntegrityError
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hisparse import HiSparsePool
+from dsakv.engine.build import StepRunner, build_parts
 from dsakv.engine.config import EngineConfig
-from dsakv.engine.model_runner import HiSparseRunner, ModelRunner
 from dsakv.engine.request import FinishReason, Request, RequestOutput, SamplingParams, TokenLogprobs
 from dsakv.engine.sampling import prompt_token_logprobs, sample_batch, validate_sampling
 from dsakv.engine.scheduler import (
-    DEFAULT_MAX_RUNNING,
     NoFreePages,
     PrefixCache,
-    ScheduledChunk,
-    Scheduler,
     SchedulerOutput,
 )
 from dsakv.errors import CapacityError, ConfigError, DsakvError
@@ -57,10 +54,6 @@ from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-class StepRunner(Protocol):
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None: ...
 
 
 class GenerationError(DsakvError):
@@ -166,60 +159,27 @@ class Engine:
             )
         self.layout = layout or cfg.layout.layout(self.spec, draft_layers=cfg.draft_layers)
         page_size = self.layout.page_size
-        self.hisparse: HiSparsePool | None = None
-        max_running = cfg.scheduler.max_running_requests
-        if cfg.hisparse.enabled:  # device: index-K + hot KV rows; host: every token's KV (cache/hisparse.py)
-            num_pages, max_running = self._hisparse_pool(cfg, max_running)
-            self.pool: Any = self.hisparse
-        else:
-            num_pages = cfg.pool.pages([self.layout])
-            self.pool = DevicePool(self.layout, num_pages, device=self.model.device)
-        self.allocator = PageAllocator(num_pages, name="hisparse logical pool" if self.hisparse else "device pool")
-        # prefix cache (dsakv.cache.hicache): any host-tier or disk option turns it on
-        self.prefix_cache: PrefixCache | None = prefix_cache
-        if cfg.cache.disk_size is not None and not cfg.cache.disk_dir:
-            raise ConfigError(f"hicache_disk_size = {cfg.cache.disk_size} B needs hicache_disk_dir (the disk tier)")
-        if cfg.cache.enabled:
-            if prefix_cache is not None:
-                raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
-            from dsakv.cache.hicache import HiCache, model_fingerprint
-
-            stored = cfg.cache.disk_dir or cfg.cache.storage is not None
-            model_hash = model_fingerprint(self.model, self.model_dir) if stored else None
-            self.prefix_cache = HiCache(self.pool, self.allocator, cfg.cache.hicache(model_hash))
-        max_pos = self.spec.raw.get("max_position_embeddings")
-        self.max_seq_len: int | None = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
-        self.scheduler = Scheduler(
-            self.allocator,
-            page_size,
-            max_batch_tokens=cfg.scheduler.max_batch_tokens,
-            max_running_requests=max_running,
-            max_seq_len=self.max_seq_len,
-            prefix_cache=self.prefix_cache,
+        parts = build_parts(
+            cfg,
+            self.spec,
+            self.model,
+            self.layout,
+            self.draft,
+            prefix_cache=prefix_cache,
+            runner=runner,
+            spec_poison_rejected=spec_poison_rejected,
+            model_dir=self.model_dir,
         )
-        self.runner: StepRunner
-        if runner is not None:
-            self.runner = runner(self.pool)
-        elif self.hisparse is not None:
-            running = self.scheduler.running
-            self.runner = HiSparseRunner(self.model, self.hisparse, lambda: [r.request_id for r in running])
-        else:
-            self.runner = ModelRunner(self.model, self.pool)
+        self.pool: Any = parts.pool
+        self.hisparse: HiSparsePool | None = parts.hisparse
+        self.allocator = parts.allocator
+        num_pages = parts.num_pages
+        self.prefix_cache: PrefixCache | None = parts.prefix_cache
+        self.max_seq_len: int | None = parts.max_seq_len
+        self.scheduler = parts.scheduler
+        self.runner: StepRunner = parts.runner
         self.on_schedule: Callable[[SchedulerOutput], None] | None = None
-        self.speculator: Any = None
-        if self.draft is not None:
-            from dsakv.engine.speculative import Speculator
-
-            self.draft.to(self.model.device)
-            self.speculator = Speculator(
-                self.model,
-                self.draft,
-                self.pool,
-                speculative_num_steps,
-                max_seq_len=self.max_seq_len,
-                poison_rejected=spec_poison_rejected,
-            )
-            self.scheduler.draft_lookahead = self.speculator.lookahead
+        self.speculator: Any = parts.speculator
         self.eos_token_ids = (
             tuple(int(e) for e in eos_token_ids)
             if eos_token_ids is not None
@@ -244,28 +204,6 @@ class Engine:
             self.layout.kv_format,
             self.layout.index_format,
         )
-
-    def _hisparse_pool(self, cfg: EngineConfig, max_running: int | None) -> tuple[int, int]:
-        """Build self.hisparse (the pool config sizes its logical pool, see HiSparseConfig.sizing); returns
-        (logical pages, max running requests: at most one per hot buffer)."""
-        if self.draft is not None or cfg.cache.enabled:
-            what = "speculative decoding (MTP)" if self.draft is not None else "the prefix cache / host tier"
-            raise ConfigError(f"--hisparse does not combine with {what} yet: turn one of them off")
-        lay = self.layout
-        if lay.layer_start != 0 or lay.end != self.spec.num_layers:
-            raise ConfigError(f"--hisparse needs every layer on one decode (not PP stage {lay.describe_range()})")
-        pages, hot, buf = cfg.hisparse.sizing(lay, cfg.pool)
-        self.hisparse = HiSparsePool(lay, pages, buf, hot, device=self.model.device, pin_memory=True)
-        limit = max_running or min(DEFAULT_MAX_RUNNING, cfg.scheduler.max_batch_tokens)
-        if limit > hot:
-            log.info("hisparse: %d hot buffers cap max_running_requests (%d asked)", hot, limit)
-        h = self.hisparse
-        log.info(
-            "hisparse: %d logical tokens (index-K on device, KV on host, %.1f MiB), %d hot buffers x %d rows "
-            "+ 1 page per layer; device %.1f MiB, top-k %d",
-            pages * lay.page_size, h.host_bytes / 2**20, hot, buf, h.device_bytes / 2**20, self.spec.index_topk,
-        )  # fmt: skip
-        return pages, min(limit, hot)
 
     def hisparse_stats(self) -> dict[str, Any] | None:
         """HiSparse hot-buffer counters and sizes (HiSparsePool.stats_dict()), None without --hisparse."""
