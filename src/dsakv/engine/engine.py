@@ -47,6 +47,7 @@ from dsakv.engine.sampling import prompt_token_logprobs, sample_batch, validate_
 from dsakv.engine.scheduler import (
     NoFreePages,
     PrefixCache,
+    ScheduledChunk,
     SchedulerOutput,
 )
 from dsakv.errors import CapacityError, ConfigError, DsakvError
