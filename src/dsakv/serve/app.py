@@ -51,7 +51,7 @@ from dsakv.errors import CapacityError, DsakvError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, parse_json_body
 from dsakv.serve.metrics import ServerMetrics
-from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion
+from dsakv.serve.protocol import MAX_TOKEN_ID, ApiError, GenRequest, check_model, parse_chat, parse_completion
 from dsakv.serve.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,13 @@ class _Server:
     async def call(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
 
+    async def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids are below it): the backend's `vocab_size()` (optional in the
+        contract; the router learns it from --model or its decodes), None when it does not know yet."""
+        fn = getattr(self.backend, "vocab_size", None)
+        v = await self.call(fn) if callable(fn) else None
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
     # ---- admission ------------------------------------------------------------------
 
     async def admit(self, request: Request, kind: str) -> _Generation:
@@ -160,6 +167,7 @@ class _Server:
                 prompt_ids = self.tokenizer.render_chat(g.messages)
             if not prompt_ids:
                 raise ApiError(400, "the prompt encodes to no tokens: give a non-empty prompt", param="prompt")
+            check_model(g, prompt_ids, await self.vocab_size())
             limit = await self.call(self.backend.max_prompt_tokens)
             param = "prompt" if kind == "completion" else "messages"
             if len(prompt_ids) > limit:
@@ -471,6 +479,10 @@ class _Server:
         yield b"data: [DONE]\n\n"
 
 
+def _is_id(t: object, top: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= top
+
+
 def create_app(
     backend: GenerationBackend,
     model_name: str,
@@ -562,8 +574,12 @@ def create_app(
     async def detokenize(request: Request) -> dict[str, Any]:
         body = parse_json_body(await request.body(), srv.guard.limits)
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ApiError(400, f"'tokens' = {ids!r} must be a list of token ids (integers >= 0)", param="tokens")
+        vocab = await srv.vocab_size()
+        top = vocab - 1 if vocab is not None else MAX_TOKEN_ID
+        if not isinstance(ids, list) or not all(_is_id(t, top) for t in ids):
+            shown = repr(ids) if len(repr(ids)) <= 80 else repr(ids)[:77] + "..."
+            msg = f"'tokens' = {shown} must be a list of token ids (integers in [0, {top}])"
+            raise ApiError(400, msg, param="tokens")
         return {"prompt": srv.tokenizer.decode(ids)}
 
     async def generate(request: Request, kind: str) -> Response:

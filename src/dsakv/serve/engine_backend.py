@@ -217,6 +217,9 @@ class EngineBackend:
             m.update({k: float(v) for k, v in spec.items()})
         return m
 
+    def vocab_size(self) -> int:
+        return int(self.engine.spec.vocab_size)
+
     def max_prompt_tokens(self) -> int:
         cap = self.engine.stats().capacity_tokens
         if self.engine.max_seq_len is not None:

@@ -40,6 +40,8 @@ COUNTERS = (
     "routed_affinity_total",
     "routed_load_total",
     "routed_matched_pages_total",
+    "dispatch_errors_total",
+    "event_errors_total",
 )
 
 
