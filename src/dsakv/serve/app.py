@@ -22,7 +22,9 @@ fields or sampling values (protocol.py) and for what the backend's `features` la
 max_tokens) can never fit the KV pool; HTTP limits (serve/limits.py: body size 413, body timeout 408, nesting
 depth and lone surrogates 400, head/keep-alive timeouts, connection cap 503) sit in a middleware and the uvicorn
 protocol; an unexpected exception is a 500 with the same error body, and every status is counted in /metrics.
-The request is aborted, and its pages freed, when the client disconnects.
+The request is aborted, and its pages freed, when the client disconnects. CPU-heavy request work (JSON parsing,
+tokenizing, chat templates, /detokenize) runs in worker threads (at most 4 at once), never on the event loop,
+and a text longer than max_prompt_tokens x the tokenizer's max_token_chars is a 413 before it is tokenized.
 Responses also carry `prompt_token_ids` (extension). One log line per request: id, prompt/output tokens, TTFT,
 finish reason. Imports fastapi/anyio, dsakv.serve.* and dsakv.errors; must not import torch, engine internals,
 disagg or cli.
@@ -131,10 +133,44 @@ class _Server:
         self.timeout = timeout
         self.metrics = ServerMetrics()
         self.limiter = anyio.CapacityLimiter(1024)  # threads parked on backend.events()
+        self.cpu = anyio.CapacityLimiter(4)  # request CPU work off the event loop: JSON, tokenizing, chat templates
         self.created = int(time.time())
 
     async def call(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def work(self, fn: Any, *args: Any) -> Any:
+        """CPU-heavy request work (JSON parsing, tokenizing, chat templates) in a worker thread: the event loop
+        goes on serving other requests meanwhile."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.cpu)
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.work(parse_json_body, await request.body(), self.guard.limits))
+
+    def check_text_size(self, chars: int, limit: int, param: str) -> None:
+        """413 before tokenizing a text that cannot fit: more characters than limit tokens can stand for."""
+        per = getattr(self.tokenizer, "max_token_chars", None)
+        if isinstance(per, int) and per > 0 and chars > limit * per:
+            raise ApiError(
+                413,
+                f"the prompt has {chars} characters, at least {-(-chars // per)} tokens (a token of this "
+                f"tokenizer stands for at most {per} characters), but this server takes at most {limit} prompt "
+                "tokens: shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, g: GenRequest, limit: int) -> list[int]:
+        """The prompt's token ids: given, or the text / chat messages tokenized in a worker thread after the
+        size check."""
+        if g.prompt_ids is not None:
+            return g.prompt_ids
+        if g.prompt_text is not None:
+            self.check_text_size(len(g.prompt_text), limit, "prompt")
+            return cast(list[int], await self.work(self.tokenizer.encode, g.prompt_text))
+        assert g.messages is not None
+        self.check_text_size(sum(len(m["content"]) for m in g.messages), limit, "messages")
+        return cast(list[int], await self.work(self.tokenizer.render_chat, g.messages))
 
     async def vocab_size(self) -> int | None:
         """The model's vocabulary size (token ids are below it): the backend's `vocab_size()` (optional in the
@@ -149,7 +185,7 @@ class _Server:
         t0 = time.perf_counter()
         self.metrics.received()
         try:
-            body = parse_json_body(await request.body(), self.guard.limits)
+            body = await self.body(request)
             g = parse_completion(body) if kind == "completion" else parse_chat(body)
             if g.model is not None and g.model != self.model_name:
                 raise ApiError(
@@ -158,17 +194,11 @@ class _Server:
                     param="model",
                     code="model_not_found",
                 )
-            if g.prompt_ids is not None:
-                prompt_ids = g.prompt_ids
-            elif g.prompt_text is not None:
-                prompt_ids = self.tokenizer.encode(g.prompt_text)
-            else:
-                assert g.messages is not None
-                prompt_ids = self.tokenizer.render_chat(g.messages)
+            limit = await self.call(self.backend.max_prompt_tokens)
+            prompt_ids = await self.encode(g, limit)
             if not prompt_ids:
                 raise ApiError(400, "the prompt encodes to no tokens: give a non-empty prompt", param="prompt")
             check_model(g, prompt_ids, await self.vocab_size())
-            limit = await self.call(self.backend.max_prompt_tokens)
             param = "prompt" if kind == "completion" else "messages"
             if len(prompt_ids) > limit:
                 raise ApiError(
@@ -554,12 +584,12 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = parse_json_body(await request.body(), srv.guard.limits)
+        body = await srv.body(request)
         limit = await srv.call(backend.max_prompt_tokens)
         if "messages" in body:
             msgs = parse_chat({"messages": body["messages"]}).messages
             assert msgs is not None
-            ids = srv.tokenizer.render_chat(msgs)
+            ids = await srv.work(srv.tokenizer.render_chat, msgs)
         else:
             p = body.get("prompt")
             if not isinstance(p, str):
@@ -567,12 +597,12 @@ def create_app(
             add = body.get("add_special_tokens", True)
             if not isinstance(add, bool):
                 raise ApiError(400, f"'add_special_tokens' = {add!r} must be true or false", param="add_special_tokens")
-            ids = srv.tokenizer.encode(p, add)
+            ids = await srv.work(srv.tokenizer.encode, p, add)
         return {"count": len(ids), "max_model_len": limit + 1, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = parse_json_body(await request.body(), srv.guard.limits)
+        body = await srv.body(request)
         ids = body.get("tokens")
         vocab = await srv.vocab_size()
         top = vocab - 1 if vocab is not None else MAX_TOKEN_ID
@@ -580,7 +610,7 @@ def create_app(
             shown = repr(ids) if len(repr(ids)) <= 80 else repr(ids)[:77] + "..."
             msg = f"'tokens' = {shown} must be a list of token ids (integers in [0, {top}])"
             raise ApiError(400, msg, param="tokens")
-        return {"prompt": srv.tokenizer.decode(ids)}
+        return {"prompt": await srv.work(srv.tokenizer.decode, ids)}
 
     async def generate(request: Request, kind: str) -> Response:
         gen = await srv.admit(request, kind)
