@@ -10,23 +10,28 @@ afterwards returns exactly the colocated engine's tokens.
 
 from __future__ import annotations
 
+import json
+import logging
+import socket
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 
 from dsakv.disagg.protocol.messages import MAX_ID
-from dsakv.disagg.router import RouterBackend, RouterConfig
+from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.serve.app import create_app
+from dsakv.serve.engine_backend import EngineBackend
 from dsakv.serve.protocol import MAX_TOKEN_ID
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.testing.cluster import Cluster, assert_clean, wait_for
 from dsakv.testing.engines import tiny_path
-from dsakv.testing.servers import MODEL, LiveServer, live_server, make_engine
+from dsakv.testing.servers import MODEL, LiveServer, live_server, make_engine, scrape
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -99,9 +104,14 @@ def _check_refused(url: str, fields: dict[str, Any], param: str, words: str) -> 
 
 
 @pytest.fixture(scope="module")
-def colocated() -> Iterator[str]:
-    with live_server(make_engine(), TOK) as (srv, _backend):
-        yield srv.url
+def colocated_server() -> Iterator[tuple[LiveServer, EngineBackend]]:
+    with live_server(make_engine(), TOK) as (srv, backend):
+        yield srv, backend
+
+
+@pytest.fixture
+def colocated(colocated_server) -> str:
+    return colocated_server[0].url
 
 
 @pytest.mark.parametrize("fields,param,words", OVERSIZED, ids=[f"{i}-{p}" for i, (_, p, _) in enumerate(OVERSIZED)])
@@ -133,6 +143,7 @@ def test_router_keeps_serving_after_every_oversized_integer(world, want):
     with pytest.raises(ConfigError, match=r"prompt token id\(s\) \[600\] are outside the vocabulary 0..511"):
         router.submit("lib", [5, 600], SamplingParams())
     assert router.record("lib") is None and not router.book.queue
+    assert len(router.book.ledger) == 0  # every record went once its last event was read
     assert_clean([world["decode"]])
 
 
@@ -266,3 +277,110 @@ class live_app:
 
     def __exit__(self, *exc: object) -> None:
         self.srv.stop()
+
+
+# ---- finding 7: streams whose client leaves before the first event ------------------------------------------
+
+LEAVERS = 40
+STREAM = {**NORMAL, "max_tokens": 900, "stream": True}  # fits either pool; never done before its client left
+
+
+def _leave(url: str, path: str, body: dict[str, Any], wait_head: bool) -> None:
+    """POST a streamed request on a raw socket and close it: at once (maybe before the server read the body), or
+    as soon as the response head arrives (the stream started, its first event not yet read)."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        head = f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        s.sendall(f"{head}content-length: {len(data)}\r\n\r\n".encode() + data)
+        if wait_head:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                chunk = s.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200"), got[:200]
+
+
+class _Errors(logging.Handler):
+    """Every WARNING+ record, or any record with a traceback, of any logger while installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.bad: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING or record.exc_info:
+            self.bad.append(f"{record.name}: {record.getMessage()[:300]} exc={record.exc_info is not None}")
+
+
+@contextmanager
+def _no_tracebacks() -> Iterator[_Errors]:
+    h = _Errors()
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn.error"), logging.getLogger("uvicorn")]
+    for lg in loggers:
+        lg.addHandler(h)
+    try:
+        yield h
+    finally:
+        for lg in loggers:
+            lg.removeHandler(h)
+    assert h.bad == [], h.bad
+
+
+def _left_count(m: dict[str, float], before: dict[str, float]) -> int:
+    """Requests that ended because their client left: aborted ones, and 499s (gone before its body was read)."""
+
+    def get(d: dict[str, float], k: str) -> float:
+        return d.get(k, 0.0)
+
+    ab = 'dsakv_requests_finished_total{reason="abort"}'
+    gone = 'dsakv_http_responses_total{code="499"}'
+    return int(get(m, ab) - get(before, ab) + get(m, gone) - get(before, gone))
+
+
+def _leavers(url: str) -> None:
+    for i in range(LEAVERS):
+        path = "/v1/completions" if i % 4 else "/v1/chat/completions"
+        body = STREAM if i % 4 else {**STREAM, "prompt": None, "messages": [{"role": "user", "content": "hi"}]}
+        _leave(url, path, body, wait_head=i % 2 == 0)
+
+
+def test_colocated_streams_left_before_the_first_event_free_everything(colocated_server, want):
+    srv, backend = colocated_server
+    before = scrape(srv.url)
+    with _no_tracebacks():
+        _leavers(srv.url)
+        wait_for(lambda: scrape(srv.url)["dsakv_requests_running"] == 0, 60, "every stream freed")
+        wait_for(lambda: backend.pending() == 0 and not backend.engine.has_unfinished(), 60, "the engine idle")
+        m = scrape(srv.url)
+        assert m["dsakv_requests_total"] - before["dsakv_requests_total"] == LEAVERS
+        assert _left_count(m, before) == LEAVERS
+        assert m["dsakv_http_server_errors_total"] == 0
+        assert backend.pending() == 0 and backend._queues == {}
+        h = httpx.get(f"{srv.url}/health", timeout=10).json()
+        assert (h["pages_used"], h["running"], h["waiting"]) == (0, 0, 0)
+        assert _normal(srv.url) == want
+
+
+def test_router_streams_left_before_the_first_event_free_everything(world, want):
+    url, router = world["url"], world["router"]
+    before = scrape(url)
+    aborted = router.counters["aborted_total"]
+    with _no_tracebacks():
+        _leavers(url)
+        wait_for(lambda: scrape(url)["dsakv_requests_running"] == 0, 60, "every stream freed")
+        wait_for(lambda: len(router.book.ledger) == 0, 60, "the router's ledger empty")
+        m = scrape(url)
+        assert m["dsakv_requests_total"] - before["dsakv_requests_total"] == LEAVERS
+        left = _left_count(m, before)
+        assert left == LEAVERS
+        k499 = 'dsakv_http_responses_total{code="499"}'
+        gone = int(m.get(k499, 0) - before.get(k499, 0))
+        assert router.counters["aborted_total"] - aborted == LEAVERS - gone  # every submitted one was aborted
+        assert m["dsakv_http_server_errors_total"] == 0
+        assert (len(router.book.ledger), len(router.book.queue), router.book.by_wire) == (0, 0, {})
+        # an attempt aborted while its KV is in flight keeps its decode pages until its KV deadline (kv_timeout 20 s)
+        assert_clean([world["decode"]], timeout=90)
+        assert _normal(url) == want
+        assert len(router.book.ledger) == 0

@@ -47,6 +47,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import CapacityError, DsakvError
@@ -102,6 +103,7 @@ class _Generation:
     error: str | None = None
     t_first: float | None = None
     t_last: float | None = None
+    ran: bool = False  # run() started: its `finally` frees the request; else the response's does (_Stream)
 
     @property
     def ids(self) -> list[int]:
@@ -266,6 +268,7 @@ class _Server:
         """Pieces (choice, text delta, new token ids, their logprobs) until gen.finish_reason is set."""
         stops = gen.g.stop
         hold = max((len(s) for s in stops), default=1) - 1
+        gen.ran = True
         watcher = asyncio.create_task(self._watch_disconnect(request, gen))
         it = self.backend.events(gen.rid, self.timeout)
         try:
@@ -328,8 +331,29 @@ class _Server:
                 if gen.finish_reason is None:
                     gen.finish_reason = "abort"
                 with anyio.CancelScope(shield=True):
-                    await self.call(self.backend.abort, gen.rid)
+                    await self.call(self.release, gen.rid)
             self._log_done(gen)
+
+    def release(self, rid: str) -> None:
+        """The reader of `rid` is gone: abort it and drop what the backend keeps for it (its queue, its record),
+        via the backend's `release` when it has one."""
+        fn = getattr(self.backend, "release", None)
+        if callable(fn):
+            fn(rid)
+        else:
+            self.backend.abort(rid)
+
+    async def leave(self, gen: _Generation) -> None:
+        """A streamed request whose response ended before run() started (the client left before the first
+        event): free it here, as run() would have."""
+        if gen.ran:
+            return
+        gen.ran = True
+        gen.finish_reason = "abort"
+        log.info("request %s: client left before the stream started, aborting", gen.rid)
+        with anyio.CancelScope(shield=True):
+            await self.call(self.release, gen.rid)
+        self._log_done(gen)
 
     def _log_done(self, gen: _Generation) -> None:
         end = time.perf_counter()
@@ -509,6 +533,25 @@ class _Server:
         yield b"data: [DONE]\n\n"
 
 
+class _Stream(StreamingResponse):
+    """The SSE response of one request; however the response ends (the client may leave before the body's first
+    chunk, so the generator never runs), the request is freed."""
+
+    def __init__(self, srv: _Server, request: Request, gen: _Generation) -> None:
+        super().__init__(
+            srv.stream(request, gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._srv, self._gen = srv, gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):  # the client left mid-stream: nothing to answer, nothing to log
+            log.info("request %s: client left mid-stream", self._gen.rid)
+        finally:
+            await self._srv.leave(self._gen)
+
+
 def _is_id(t: object, top: int) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= top
 
@@ -551,6 +594,13 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
         return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # the client closed the connection before its request body arrived: nobody reads an answer; 499 (nginx's
+        # "client closed request") counts it in /metrics without a traceback or a 5xx
+        log.info("%s %s: the client left before sending its whole request", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # logged with its traceback
@@ -615,9 +665,7 @@ def create_app(
     async def generate(request: Request, kind: str) -> Response:
         gen = await srv.admit(request, kind)
         if gen.g.stream:
-            return StreamingResponse(
-                srv.stream(request, gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return _Stream(srv, request, gen)
         return await srv.complete(request, gen)
 
     @app.post("/v1/completions")

@@ -146,6 +146,19 @@ class EngineBackend:
                 self._put(out)  # the final 'abort' event now; the copy step() reports later is skipped
         self._wake.set()
 
+    def release(self, request_id: str) -> None:
+        """The reader of `request_id` is gone (the client left, maybe before reading any event): abort it and drop
+        its queue now (events() would drop it only once read to the end)."""
+        self.abort(request_id)
+        with self._qlock:
+            for rid in self._choices.pop(request_id, [request_id]):
+                self._queues.pop(rid, None)
+
+    def pending(self) -> int:
+        """Requests whose events are kept for a reader (0 when idle: nothing leaked)."""
+        with self._qlock:
+            return len(self._choices)
+
     def abort_choice(self, request_id: str, index: int) -> None:
         """Abort choice `index` of a request only (its stop string matched); the others go on."""
         with self._qlock:

@@ -295,6 +295,15 @@ class RouterBackend:
             if prefill is not None and phase is Phase.DISPATCHED:
                 self.peers.post((prefill, ABORT, Abort(wire, "aborted by the client")))
 
+    def release(self, request_id: str) -> None:
+        """The reader of `request_id` is gone (the client left, maybe before reading any event): abort it and drop
+        its record now (events() drops it only once its last event was read)."""
+        self.abort(request_id)
+        with self._lock:
+            req = self.book.get(request_id)
+            if req is not None and req.phase is Phase.DONE:
+                self.book.ledger.pop(request_id)
+
     def abort_choice(self, request_id: str, index: int) -> None:
         """Abort choice `index` of an n > 1 request only (its stop string matched); the others go on."""
         with self._lock:

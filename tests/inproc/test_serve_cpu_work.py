@@ -18,7 +18,7 @@ import pytest
 
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.tokenizer import ByteDetokenizer, ByteTokenizer
-from serve_support import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, wait_idle
+from dsakv.testing.servers import MODEL, NUM_PAGES, PAGE_SIZE, live_server, make_engine, wait_idle
 
 pytestmark = [pytest.mark.timeout(300)]
 
