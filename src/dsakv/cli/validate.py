@@ -145,7 +145,7 @@ def validate_serve(args: argparse.Namespace) -> None:
             if parse_size(v, _flag(name)) <= 0:
                 raise ConfigError(f"{_flag(name)} {v!r} must be more than 0 bytes, e.g. 64MiB")
     validate_http(args)
-    from dsakv.disagg.messages import MAX_KV_TIMEOUT, MAX_WAIT
+    from dsakv.disagg.protocol.messages import MAX_KV_TIMEOUT, MAX_WAIT
 
     check_seconds(args, "rpc_timeout", fix="bound on every control-plane call, e.g. 5", hi=MAX_WAIT)
     check_seconds(args, "kv_timeout", fix="seconds for a request's prefill + KV transfer, e.g. 30", hi=MAX_KV_TIMEOUT)
