@@ -74,7 +74,7 @@ class ByteTokenizer:
     """The byte-level fallback (module docstring)."""
 
     name = "bytes"
-    max_token_chars = 1  # a token is one UTF-8 byte: a text of n characters is >= n tokens
+    max_token_chars: int | None = 1  # a token is one UTF-8 byte: a text of n characters is >= n tokens
 
     def __init__(self, vocab_size: int | None = None) -> None:
         if vocab_size is not None and vocab_size < 256 + BYTE_OFFSET:
@@ -180,25 +180,30 @@ class HFTokenizer:
 
 
 class HFDetokenizer:
-    """Decodes all ids so far and emits the new suffix; holds back text ending in U+FFFD (a split character)."""
+    """Incremental: decodes a window (the ids since the last emitted text's start, and the new ones) and emits what
+    it adds to the window's text, so each step costs the window, not the whole output (O(n) per request, not
+    O(n^2)); holds back text ending in U+FFFD (a split character) until it completes."""
 
     def __init__(self, tok: HFTokenizer) -> None:
         self.tok = tok
         self.ids: list[int] = []
-        self.sent = 0
+        self.prefix = 0  # the window starts here: the ids of the last emitted piece (decode context)
+        self.read = 0  # ids before this are emitted
+
+    def _step(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if (not final and text.endswith("\ufffd")) or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
     def feed(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+        return self._step(final=False)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+        return self._step(final=True)
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int | None = None) -> Tokenizer:
