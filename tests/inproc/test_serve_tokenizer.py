@@ -76,3 +76,32 @@ def test_tokenize_detokenize_models(tmp_path):
         ).json()
         assert c["prompt_token_ids"] == tok.encode("The quick")
         assert c["choices"][0]["text"] == tok.decode(c["choices"][0]["token_ids"])
+
+
+def test_hf_detokenizer_is_incremental_and_exact(hf):
+    """Streaming detokenization decodes a window, not the whole output each step (it runs on the HTTP event loop):
+    500 random ids (split characters and invalid bytes included) fed 1-4 at a time give exactly decode(all), and
+    the ids decoded in all stay under 6 per id, a tenth of what decoding the whole output at each step would."""
+    import random
+
+    tok = HFTokenizer(hf, "tiny")
+    decoded: list[int] = []
+    real = tok.decode
+
+    def counting(ids):
+        decoded.append(len(ids))
+        return real(ids)
+
+    tok.decode = counting  # type: ignore[method-assign]
+    rng = random.Random(7)
+    ids = [rng.randrange(0, 512) for _ in range(500)] + hf.encode("héllo 日本語 🦊", add_special_tokens=False)
+    d, out, i, whole = tok.detokenizer(), "", 0, 0
+    while i < len(ids):
+        k = rng.randint(1, 4)
+        out += d.feed(ids[i : i + k])
+        i += k
+        whole += i  # what one decode of the whole output so far would take
+    out += d.flush()
+    assert sum(decoded) < 6 * len(ids) and 10 * sum(decoded) < whole, (sum(decoded), whole)
+    assert out == real(ids)
+    assert tok.max_token_chars == max(len(t) for t in hf.get_vocab())

@@ -325,6 +325,7 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
             seed=cfg.engine.seed,
             affinity_min_gain_pages=args.affinity_min_gain_pages,
             affinity_max_imbalance=args.affinity_max_imbalance,
+            vocab_size=vocab,
         )
     )
     app = create_app(backend, name, load_tokenizer(args.model, vocab), request_timeout=args.request_timeout)

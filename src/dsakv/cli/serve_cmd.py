@@ -88,6 +88,9 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    from dsakv.spec.model import ModelSpec
+
+    tokenizer = load_tokenizer(model_dir, ModelSpec.from_path(model_dir).vocab_size)  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
     ranked = None
     if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
@@ -108,7 +111,6 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     else:
         engine = Engine(model_dir, cfg.engine)
     name = args.served_model_name or model_dir.resolve().name
-    tokenizer = load_tokenizer(model_dir, engine.spec.vocab_size)
     st = engine.stats()
     log.info(
         "serve: colocated %s on http://%s:%d: capacity %d tokens (%d pages x %d), %d B/token, pool %.2f MiB, "

@@ -28,6 +28,12 @@ from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
 
 MAX_PORT = 65535
+MAX_SECONDS = 30 * 86400.0  # any time bound past a month is a typo (and past threading.TIMEOUT_MAX breaks waits)
+# config.json "dtype" / "torch_dtype": the names torch (and transformers' config loader) know
+DTYPES = frozenset(
+    "float32 float float16 half bfloat16 float64 double float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz "
+    "int8 uint8 auto".split()
+)
 
 
 def _flag(name: str) -> str:
@@ -43,7 +49,9 @@ def check_int(args: argparse.Namespace, name: str, lo: int, hi: int | None = Non
         raise ConfigError(f"{_flag(name)} {v!r} must be an integer {rng}" + (f" ({fix})" if fix else ""))
 
 
-def check_seconds(args: argparse.Namespace, name: str, allow_zero: bool = False, fix: str = "") -> None:
+def check_seconds(
+    args: argparse.Namespace, name: str, allow_zero: bool = False, fix: str = "", hi: float = MAX_SECONDS
+) -> None:
     v = getattr(args, name, None)
     if v is None:
         return
@@ -52,6 +60,10 @@ def check_seconds(args: argparse.Namespace, name: str, allow_zero: bool = False,
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(
             f"{_flag(name)} {v!r} must be a finite number of seconds {bound}" + (f" ({fix})" if fix else "")
+        )
+    if v > hi:
+        raise ConfigError(
+            f"{_flag(name)} {v!r} is over the most it may be, {hi:.0f} seconds" + (f" ({fix})" if fix else "")
         )
 
 
@@ -121,6 +133,10 @@ def validate_serve(args: argparse.Namespace) -> None:
         raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
     if getattr(args, "tp_size", 1) > 1 and role != "colocated":
         raise ConfigError(f"--tp-size with --role {role} is not supported yet: serve colocated, or --tp-size 1")
+    check_seconds(args, "hicache_storage_timeout", fix="longest a storage-tier call may delay a request, e.g. 2")
+    disk_dir = getattr(args, "hicache_disk_dir", None)
+    if disk_dir is not None:
+        check_dir(disk_dir, "--hicache-disk-dir")
     for name in ("kv_budget", "hicache_size", "hicache_disk_size"):
         v = getattr(args, name, None)
         if v is not None:
@@ -129,11 +145,15 @@ def validate_serve(args: argparse.Namespace) -> None:
             if parse_size(v, _flag(name)) <= 0:
                 raise ConfigError(f"{_flag(name)} {v!r} must be more than 0 bytes, e.g. 64MiB")
     validate_http(args)
-    check_seconds(args, "rpc_timeout", fix="bound on every control-plane call, e.g. 5")
-    check_seconds(args, "kv_timeout", fix="seconds for a request's prefill + KV transfer, e.g. 30")
-    check_seconds(args, "queue_timeout", fix="how long a request may wait for a free pair, e.g. 60")
-    check_seconds(args, "health_interval", fix="seconds between health polls, e.g. 0.5")
-    check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
+    from dsakv.disagg.protocol.messages import MAX_KV_TIMEOUT, MAX_WAIT
+
+    check_seconds(args, "rpc_timeout", fix="bound on every control-plane call, e.g. 5", hi=MAX_WAIT)
+    check_seconds(args, "kv_timeout", fix="seconds for a request's prefill + KV transfer, e.g. 30", hi=MAX_KV_TIMEOUT)
+    check_seconds(args, "queue_timeout", fix="how long a request may wait for a free pair, e.g. 60", hi=86400.0)
+    check_seconds(args, "health_interval", fix="seconds between health polls, e.g. 0.5", hi=MAX_WAIT)
+    check_seconds(
+        args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10", hi=MAX_WAIT
+    )
     check_seconds(args, "startup_wait", allow_zero=True, fix="how long the startup handshake waits, e.g. 60")
     staging = getattr(args, "transfer_staging_size", None)
     if staging is not None:
@@ -148,14 +168,14 @@ def validate_serve(args: argparse.Namespace) -> None:
     rank = getattr(args, "pp_rank", None)
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < pp):
         raise ConfigError(f"--pp-rank {rank!r} must be in 0..{pp - 1} (--pp-size {pp})")
+    if getattr(args, "dist_port", None) is not None:
+        check_port(args.dist_port, "--dist-port")
     if role == "prefill":
         if args.port + pp > MAX_PORT:
             raise ConfigError(
                 f"--port {args.port} with --pp-size {pp}: stage ports {args.port}..{args.port + pp - 1} and the "
                 f"rendezvous port {args.port + pp} must be <= {MAX_PORT}: pick a lower --port"
             )
-        if getattr(args, "dist_port", None) is not None:
-            check_port(args.dist_port, "--dist-port")
         if getattr(args, "stage0_host", None):
             check_host(args.stage0_host, "--stage0-host")
         from dsakv.cli.disagg_roles import prefill_cache_config
@@ -177,6 +197,9 @@ def validate_generate(args: argparse.Namespace) -> None:
     check_int(args, "seed", 0, 2**63 - 1)
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
     check_tp(args)
+    disk_dir = getattr(args, "hicache_disk_dir", None)
+    if disk_dir is not None:
+        check_dir(disk_dir, "--hicache-disk-dir")
 
 
 def check_tp(args: argparse.Namespace) -> None:
@@ -210,6 +233,16 @@ def check_tp(args: argparse.Namespace) -> None:
     ):
         if on:
             raise ConfigError(f"--tp-size {args.tp_size} with {flag} is not supported yet: drop one of them")
+
+
+def check_dir(path: str, flag: str) -> None:
+    """A directory to write into: absent (it is created) or a directory, never a file."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {path!r} is a file, not a directory: give a directory (it is created if absent)")
+    parent = next((q for q in p.absolute().parents if q.exists()), None)
+    if not p.exists() and parent is not None and not parent.is_dir():
+        raise ConfigError(f"{flag} {path!r} cannot be created: {str(parent)!r} is a file")
 
 
 # ---- the checkpoint -----------------------------------------------------------------------------------
@@ -258,22 +291,53 @@ def validate_checkpoint(model_dir: Path) -> Any:
     from dsakv.spec.model import ModelSpec
 
     cfg_path = model_dir / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{str(cfg_path)!r} is not UTF-8 text ({e}): save it as UTF-8 JSON") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    cfg = read_json(cfg_path)
     spec = ModelSpec.from_dict(cfg, name=model_dir.name)
     if not isinstance(cfg, dict):  # from_dict refused it already
         raise ConfigError(f"{str(cfg_path)!r} must hold a JSON object")
     DSAConfig.from_dict(cfg, spec)
+    check_config_values(cfg, cfg_path)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file() and not isinstance(read_json(model_dir / name), dict):
+            raise ConfigError(f"{str(model_dir / name)!r} must hold a JSON object: fix or remove it")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors files in {str(model_dir)!r}: it is not a checkpoint directory")
     for f in files:
         check_safetensors(f)
     return spec
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file, or a ConfigError naming it (not UTF-8, not JSON, nested too deeply)."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{str(path)!r} is not UTF-8 text ({e}): save it as UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{str(path)!r} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{str(path)!r} nests arrays/objects too deeply to be a config: fix it") from None
+    except ValueError as e:  # an integer of over 4300 digits
+        raise ConfigError(f"{str(path)!r} is not a usable config ({str(e)[:120]}): fix it") from None
+    except OSError as e:
+        raise ConfigError(f"{str(path)!r} cannot be read ({e})") from None
+
+
+def check_config_values(cfg: dict[str, Any], path: Path) -> None:
+    """config.json values the engine would accept and then fail on (or run out of memory with)."""
+    for key in ("dtype", "torch_dtype"):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, str) or v.removeprefix("torch.") not in DTYPES):
+            raise ConfigError(
+                f"{str(path)!r}: '{key}' = {str(v)[:40]!r} is not a torch dtype: use e.g. bfloat16, float16, float32"
+            )
+    topk, pos = cfg.get("index_topk"), cfg.get("max_position_embeddings")
+    if isinstance(topk, int) and isinstance(pos, int) and not isinstance(topk, bool) and topk > pos:
+        raise ConfigError(
+            f"{str(path)!r}: 'index_topk' = {topk} is more than 'max_position_embeddings' = {pos}: the indexer "
+            "selects at most one key per position"
+        )
 
 
 def machine_memory() -> int:

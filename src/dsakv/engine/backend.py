@@ -47,6 +47,7 @@ FEATURES = ("logprobs", "prompt_logprobs", "n", "penalties")
 class GenerationBackend(Protocol):
     name: str  # "colocated" | "disaggregated"
     # features: frozenset[str], a subset of FEATURES (optional attribute; missing = none)
+    # vocab_size() -> int | None: the model's vocabulary (optional; the HTTP layer 400s token ids >= it)
 
     def start(self) -> None:
         """Start background work (threads, connections). Idempotent."""

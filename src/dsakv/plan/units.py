@@ -38,6 +38,8 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
         except InvalidOperation:  # pragma: no cover - regex guards this
             raise ConfigError(f"{what} = {text!r} is not a number") from None
         unit = m.group(2).lower()
+    if not value.is_finite() or value * _UNITS[unit] >= 2**63:
+        raise ConfigError(f"{what} = {text!r} is larger than any memory (at most 8 EiB): give a real size")
     out = int(value * _UNITS[unit])
     if out < 0:
         raise ConfigError(f"{what} = {text!r} must not be negative")

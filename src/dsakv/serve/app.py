@@ -22,7 +22,9 @@ fields or sampling values (protocol.py) and for what the backend's `features` la
 max_tokens) can never fit the KV pool; HTTP limits (serve/limits.py: body size 413, body timeout 408, nesting
 depth and lone surrogates 400, head/keep-alive timeouts, connection cap 503) sit in a middleware and the uvicorn
 protocol; an unexpected exception is a 500 with the same error body, and every status is counted in /metrics.
-The request is aborted, and its pages freed, when the client disconnects.
+The request is aborted, and its pages freed, when the client disconnects. CPU-heavy request work (JSON parsing,
+tokenizing, chat templates, /detokenize) runs in worker threads (at most 4 at once), never on the event loop,
+and a text longer than max_prompt_tokens x the tokenizer's max_token_chars is a 413 before it is tokenized.
 Responses also carry `prompt_token_ids` (extension). One log line per request: id, prompt/output tokens, TTFT,
 finish reason. Imports fastapi/anyio, dsakv.serve.* and dsakv.errors; must not import torch, engine internals,
 disagg or cli.
@@ -45,13 +47,14 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import CapacityError, DsakvError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, parse_json_body
 from dsakv.serve.metrics import ServerMetrics
-from dsakv.serve.protocol import ApiError, GenRequest, parse_chat, parse_completion
+from dsakv.serve.protocol import MAX_TOKEN_ID, ApiError, GenRequest, check_model, parse_chat, parse_completion
 from dsakv.serve.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -100,6 +103,7 @@ class _Generation:
     error: str | None = None
     t_first: float | None = None
     t_last: float | None = None
+    ran: bool = False  # run() started: its `finally` frees the request; else the response's does (_Stream)
 
     @property
     def ids(self) -> list[int]:
@@ -131,10 +135,51 @@ class _Server:
         self.timeout = timeout
         self.metrics = ServerMetrics()
         self.limiter = anyio.CapacityLimiter(1024)  # threads parked on backend.events()
+        self.cpu = anyio.CapacityLimiter(4)  # request CPU work off the event loop: JSON, tokenizing, chat templates
         self.created = int(time.time())
 
     async def call(self, fn: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    async def work(self, fn: Any, *args: Any) -> Any:
+        """CPU-heavy request work (JSON parsing, tokenizing, chat templates) in a worker thread: the event loop
+        goes on serving other requests meanwhile."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.cpu)
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        return cast(dict[str, Any], await self.work(parse_json_body, await request.body(), self.guard.limits))
+
+    def check_text_size(self, chars: int, limit: int, param: str) -> None:
+        """413 before tokenizing a text that cannot fit: more characters than limit tokens can stand for."""
+        per = getattr(self.tokenizer, "max_token_chars", None)
+        if isinstance(per, int) and per > 0 and chars > limit * per:
+            raise ApiError(
+                413,
+                f"the prompt has {chars} characters, at least {-(-chars // per)} tokens (a token of this "
+                f"tokenizer stands for at most {per} characters), but this server takes at most {limit} prompt "
+                "tokens: shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, g: GenRequest, limit: int) -> list[int]:
+        """The prompt's token ids: given, or the text / chat messages tokenized in a worker thread after the
+        size check."""
+        if g.prompt_ids is not None:
+            return g.prompt_ids
+        if g.prompt_text is not None:
+            self.check_text_size(len(g.prompt_text), limit, "prompt")
+            return cast(list[int], await self.work(self.tokenizer.encode, g.prompt_text))
+        assert g.messages is not None
+        self.check_text_size(sum(len(m["content"]) for m in g.messages), limit, "messages")
+        return cast(list[int], await self.work(self.tokenizer.render_chat, g.messages))
+
+    async def vocab_size(self) -> int | None:
+        """The model's vocabulary size (token ids are below it): the backend's `vocab_size()` (optional in the
+        contract; the router learns it from --model or its decodes), None when it does not know yet."""
+        fn = getattr(self.backend, "vocab_size", None)
+        v = await self.call(fn) if callable(fn) else None
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
     # ---- admission ------------------------------------------------------------------
 
@@ -142,7 +187,7 @@ class _Server:
         t0 = time.perf_counter()
         self.metrics.received()
         try:
-            body = parse_json_body(await request.body(), self.guard.limits)
+            body = await self.body(request)
             g = parse_completion(body) if kind == "completion" else parse_chat(body)
             if g.model is not None and g.model != self.model_name:
                 raise ApiError(
@@ -151,16 +196,11 @@ class _Server:
                     param="model",
                     code="model_not_found",
                 )
-            if g.prompt_ids is not None:
-                prompt_ids = g.prompt_ids
-            elif g.prompt_text is not None:
-                prompt_ids = self.tokenizer.encode(g.prompt_text)
-            else:
-                assert g.messages is not None
-                prompt_ids = self.tokenizer.render_chat(g.messages)
+            limit = await self.call(self.backend.max_prompt_tokens)
+            prompt_ids = await self.encode(g, limit)
             if not prompt_ids:
                 raise ApiError(400, "the prompt encodes to no tokens: give a non-empty prompt", param="prompt")
-            limit = await self.call(self.backend.max_prompt_tokens)
+            check_model(g, prompt_ids, await self.vocab_size())
             param = "prompt" if kind == "completion" else "messages"
             if len(prompt_ids) > limit:
                 raise ApiError(
@@ -228,6 +268,7 @@ class _Server:
         """Pieces (choice, text delta, new token ids, their logprobs) until gen.finish_reason is set."""
         stops = gen.g.stop
         hold = max((len(s) for s in stops), default=1) - 1
+        gen.ran = True
         watcher = asyncio.create_task(self._watch_disconnect(request, gen))
         it = self.backend.events(gen.rid, self.timeout)
         try:
@@ -290,8 +331,29 @@ class _Server:
                 if gen.finish_reason is None:
                     gen.finish_reason = "abort"
                 with anyio.CancelScope(shield=True):
-                    await self.call(self.backend.abort, gen.rid)
+                    await self.call(self.release, gen.rid)
             self._log_done(gen)
+
+    def release(self, rid: str) -> None:
+        """The reader of `rid` is gone: abort it and drop what the backend keeps for it (its queue, its record),
+        via the backend's `release` when it has one."""
+        fn = getattr(self.backend, "release", None)
+        if callable(fn):
+            fn(rid)
+        else:
+            self.backend.abort(rid)
+
+    async def leave(self, gen: _Generation) -> None:
+        """A streamed request whose response ended before run() started (the client left before the first
+        event): free it here, as run() would have."""
+        if gen.ran:
+            return
+        gen.ran = True
+        gen.finish_reason = "abort"
+        log.info("request %s: client left before the stream started, aborting", gen.rid)
+        with anyio.CancelScope(shield=True):
+            await self.call(self.release, gen.rid)
+        self._log_done(gen)
 
     def _log_done(self, gen: _Generation) -> None:
         end = time.perf_counter()
@@ -471,6 +533,29 @@ class _Server:
         yield b"data: [DONE]\n\n"
 
 
+class _Stream(StreamingResponse):
+    """The SSE response of one request; however the response ends (the client may leave before the body's first
+    chunk, so the generator never runs), the request is freed."""
+
+    def __init__(self, srv: _Server, request: Request, gen: _Generation) -> None:
+        super().__init__(
+            srv.stream(request, gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._srv, self._gen = srv, gen
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except (ClientDisconnect, OSError):  # the client left mid-stream: nothing to answer, nothing to log
+            log.info("request %s: client left mid-stream", self._gen.rid)
+        finally:
+            await self._srv.leave(self._gen)
+
+
+def _is_id(t: object, top: int) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= top
+
+
 def create_app(
     backend: GenerationBackend,
     model_name: str,
@@ -510,6 +595,13 @@ def create_app(
         err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code)
         return JSONResponse(err.body(), status_code=exc.status_code)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # the client closed the connection before its request body arrived: nobody reads an answer; 499 (nginx's
+        # "client closed request") counts it in /metrics without a traceback or a 5xx
+        log.info("%s %s: the client left before sending its whole request", request.method, request.url.path)
+        return Response(status_code=499)
+
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:  # logged with its traceback
         err = ApiError(500, f"internal error: {type(exc).__name__}: {str(exc)[:200]}", code="internal_error")
@@ -542,12 +634,12 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        body = parse_json_body(await request.body(), srv.guard.limits)
+        body = await srv.body(request)
         limit = await srv.call(backend.max_prompt_tokens)
         if "messages" in body:
             msgs = parse_chat({"messages": body["messages"]}).messages
             assert msgs is not None
-            ids = srv.tokenizer.render_chat(msgs)
+            ids = await srv.work(srv.tokenizer.render_chat, msgs)
         else:
             p = body.get("prompt")
             if not isinstance(p, str):
@@ -555,23 +647,25 @@ def create_app(
             add = body.get("add_special_tokens", True)
             if not isinstance(add, bool):
                 raise ApiError(400, f"'add_special_tokens' = {add!r} must be true or false", param="add_special_tokens")
-            ids = srv.tokenizer.encode(p, add)
+            ids = await srv.work(srv.tokenizer.encode, p, add)
         return {"count": len(ids), "max_model_len": limit + 1, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        body = parse_json_body(await request.body(), srv.guard.limits)
+        body = await srv.body(request)
         ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ApiError(400, f"'tokens' = {ids!r} must be a list of token ids (integers >= 0)", param="tokens")
-        return {"prompt": srv.tokenizer.decode(ids)}
+        vocab = await srv.vocab_size()
+        top = vocab - 1 if vocab is not None else MAX_TOKEN_ID
+        if not isinstance(ids, list) or not all(_is_id(t, top) for t in ids):
+            shown = repr(ids) if len(repr(ids)) <= 80 else repr(ids)[:77] + "..."
+            msg = f"'tokens' = {shown} must be a list of token ids (integers in [0, {top}])"
+            raise ApiError(400, msg, param="tokens")
+        return {"prompt": await srv.work(srv.tokenizer.decode, ids)}
 
     async def generate(request: Request, kind: str) -> Response:
         gen = await srv.admit(request, kind)
         if gen.g.stream:
-            return StreamingResponse(
-                srv.stream(request, gen), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            return _Stream(srv, request, gen)
         return await srv.complete(request, gen)
 
     @app.post("/v1/completions")

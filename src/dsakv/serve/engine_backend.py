@@ -146,6 +146,19 @@ class EngineBackend:
                 self._put(out)  # the final 'abort' event now; the copy step() reports later is skipped
         self._wake.set()
 
+    def release(self, request_id: str) -> None:
+        """The reader of `request_id` is gone (the client left, maybe before reading any event): abort it and drop
+        its queue now (events() would drop it only once read to the end)."""
+        self.abort(request_id)
+        with self._qlock:
+            for rid in self._choices.pop(request_id, [request_id]):
+                self._queues.pop(rid, None)
+
+    def pending(self) -> int:
+        """Requests whose events are kept for a reader (0 when idle: nothing leaked)."""
+        with self._qlock:
+            return len(self._choices)
+
     def abort_choice(self, request_id: str, index: int) -> None:
         """Abort choice `index` of a request only (its stop string matched); the others go on."""
         with self._qlock:
@@ -216,6 +229,9 @@ class EngineBackend:
         if spec is not None:  # speculative decoding: dsakv_spec_acceptance_rate, dsakv_spec_mean_accepted_length, ...
             m.update({k: float(v) for k, v in spec.items()})
         return m
+
+    def vocab_size(self) -> int:
+        return int(self.engine.spec.vocab_size)
 
     def max_prompt_tokens(self) -> int:
         cap = self.engine.stats().capacity_tokens

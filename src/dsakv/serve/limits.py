@@ -46,6 +46,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+MAX_JSON_DEPTH = 512
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,18 @@ class HttpLimits:
     max_header_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
-        for name, flag, lo in (
-            ("max_request_bytes", "--max-request-bytes", 64),
-            ("max_json_depth", "--max-json-depth", 2),
-            ("max_connections", "--max-connections", 1),
-            ("max_header_bytes", "--max-header-bytes", 1024),
+        for name, flag, lo, hi in (
+            ("max_request_bytes", "--max-request-bytes", 64, 2**40),
+            # Python's JSON parser recurses once per level: deeper than ~900 is a RecursionError, never a body
+            ("max_json_depth", "--max-json-depth", 2, MAX_JSON_DEPTH),
+            ("max_connections", "--max-connections", 1, 1 << 20),
+            ("max_header_bytes", "--max-header-bytes", 1024, 2**30),
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{flag} {v!r} must be an integer >= {lo}")
+            if v > hi:
+                raise ConfigError(f"{flag} {v!r} must be at most {hi}")
         for name, flag in (
             ("header_timeout", "--http-header-timeout"),
             ("body_timeout", "--http-body-timeout"),
@@ -78,6 +82,8 @@ class HttpLimits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ConfigError(f"{flag} {v!r} must be a finite number of seconds > 0")
+            if v > 86400:
+                raise ConfigError(f"{flag} {v!r} must be at most 86400 seconds (a day)")
 
 
 class HttpGuard:

@@ -5,10 +5,10 @@ Accepted (completions `/v1/completions`, chat `/v1/chat/completions`):
     model            optional; must equal the served model name when given (else 404 model_not_found)
     prompt           completions: a string, a non-empty list of token ids, or a one-element list of either
     messages         chat: [{"role": system|developer|user|assistant|tool, "content": str | [{"type": "text", ...}]}]
-    max_tokens       int >= 1, default 16 (chat also takes max_completion_tokens)
+    max_tokens       int in [1, 2**31 - 1], default 16 (chat also takes max_completion_tokens)
     temperature      number >= 0, default 1.0 (0 = greedy)
     top_p            number in (0, 1], default 1
-    top_k            extension: int >= 1; null, 0 or -1 = off
+    top_k            extension: int in [1, 2**31 - 1]; null, 0 or -1 = off
     seed             int in [0, 2**63) or null (choice i of n samples with seed + i)
     n                1..64 choices (they share the prompt's pages);  best_of: null or equal to n
     stop             null, a string or a list of up to 4 non-empty strings (matched on the output text)
@@ -24,6 +24,10 @@ Accepted (completions `/v1/completions`, chat `/v1/chat/completions`):
     suffix, more than one prompt, tools (chat), response_format other than text: rejected with 400.
     Other fields (e.g. `user`) are ignored.
 
+Every integer is bounded to what the control plane's codec carries (MAX_TOKEN_ID = 2**31 - 1 for token ids,
+top_k and max_tokens; disagg.messages.MAX_ID), so the router and the colocated server refuse the same bodies;
+`check_model` then bounds every token id (prompt, stop_token_ids, logit_bias keys) by the model's vocabulary.
+
 Imports the standard library, dsakv.errors and dsakv.engine.request (no torch).
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +47,7 @@ DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 MAX_STOP_STRINGS = 4
 MAX_N = 64
+MAX_TOKEN_ID = 2**31 - 1  # the largest token id (and top_k, max_tokens) the control plane carries: messages.MAX_ID
 
 
 class ApiError(Exception):
@@ -95,8 +101,8 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         raise bad("the request body is empty: send a JSON object", code="invalid_json")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise bad(f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body
@@ -110,23 +116,62 @@ def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _num_str(v: object) -> str:
+    """repr(v), cut to 80 characters (a 4000-digit integer or a long list is not echoed back whole)."""
+    try:
+        big = isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**40
+        s = f"{str(v)[:20]}... ({len(str(v).lstrip('-'))} digits)" if big else repr(v)
+    except ValueError:  # an integer over Python's str conversion limit
+        s = f"an integer of over {sys.get_int_max_str_digits()} digits"
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
 def _int(body: dict[str, Any], name: str, default: int | None, *, minimum: int, maximum: int | None = None) -> Any:
     v = body.get(name)
     if v is None:
         return default
     if not _is_int(v) or v < minimum or (maximum is not None and v > maximum):
         rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise bad(f"'{name}' = {v!r} must be an integer {rng}", name)
+        raise bad(f"'{name}' = {_num_str(v)} must be an integer {rng}", name)
     return v
 
 
 def _token_ids(v: Any, param: str) -> list[int] | None:
-    """v as a list of token ids, None if it is not a list of ints; 400 on negative ids."""
+    """v as a list of token ids, None if it is not a list of ints; 400 on ids outside [0, MAX_TOKEN_ID]."""
     if isinstance(v, list) and v and all(_is_int(t) for t in v):
         if any(t < 0 for t in v):
             raise bad(f"'{param}' has negative token id(s) {[t for t in v if t < 0][:8]}: ids are >= 0", param)
+        big = [t for t in v if t > MAX_TOKEN_ID]
+        if big:
+            raise bad(f"'{param}' has token id(s) {_show(big)} above the largest token id {MAX_TOKEN_ID}", param)
         return list(v)
     return None
+
+
+def _show(ids: list[int]) -> str:
+    """Up to 8 ids, each cut to 40 digits (an id of 10**4000 digits is not echoed back whole)."""
+    return "[" + ", ".join(_num_str(t) for t in ids[:8]) + (", ...]" if len(ids) > 8 else "]")
+
+
+def check_model(g: GenRequest, prompt_ids: list[int], vocab_size: int | None) -> None:
+    """400 for a token id the model does not have: in the prompt (given or tokenized), stop_token_ids or a
+    logit_bias key (ids >= vocab_size). The same check for the colocated server and the router."""
+    if vocab_size is None:
+        return
+    top = vocab_size - 1
+    p = g.params
+    for ids, param in (
+        (prompt_ids, "prompt" if g.kind == "completion" else "messages"),
+        (list(p.stop_token_ids), "stop_token_ids"),
+        ([t for t, _ in p.logit_bias], "logit_bias"),
+    ):
+        out = [t for t in ids if not 0 <= t < vocab_size]
+        if out:
+            raise bad(
+                f"'{param}' has token id(s) {_show(out)} outside the model's vocabulary 0..{top}: "
+                "give ids below the vocabulary size",
+                param,
+            )
 
 
 def _reject(body: dict[str, Any], name: str, ok: Any, what: str) -> None:
@@ -145,7 +190,7 @@ def _sampling(
     max_tokens = DEFAULT_MAX_TOKENS
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens = _int(body, name, DEFAULT_MAX_TOKENS, minimum=min_max_tokens)
+            max_tokens = _int(body, name, DEFAULT_MAX_TOKENS, minimum=min_max_tokens, maximum=MAX_TOKEN_ID)
             break
     max_tokens = max(max_tokens, 1)  # echo with max_tokens 0: one token is generated and dropped
     temperature = body.get("temperature")
@@ -159,8 +204,11 @@ def _sampling(
     elif not _is_num(top_p) or not 0 < top_p <= 1:
         raise bad(f"'top_p' = {top_p!r} must be a number in (0, 1]", "top_p")
     top_k = body.get("top_k")
-    if top_k is not None and (not _is_int(top_k) or top_k < -1):
-        raise bad(f"'top_k' = {top_k!r} must be an integer >= 1 (0, -1 or null = no top-k filter)", "top_k")
+    if top_k is not None and (not _is_int(top_k) or not -1 <= top_k <= MAX_TOKEN_ID):
+        raise bad(
+            f"'top_k' = {_num_str(top_k)} must be an integer in [1, {MAX_TOKEN_ID}] (0, -1 or null = no top-k filter)",
+            "top_k",
+        )
     if top_k is not None and top_k < 1:
         top_k = None
     seed = _int(body, "seed", None, minimum=0, maximum=2**63 - 1)
@@ -193,7 +241,9 @@ def _sampling(
             except (TypeError, ValueError):
                 t = -1
             if t < 0 or str(t) != str(k).strip():
-                raise bad(f"'logit_bias' key {k!r} must be a token id (a non-negative integer)", "logit_bias")
+                raise bad(f"'logit_bias' key {k[:40]!r} must be a token id (a non-negative integer)", "logit_bias")
+            if t > MAX_TOKEN_ID:
+                raise bad(f"'logit_bias' key {_num_str(t)} is above the largest token id {MAX_TOKEN_ID}", "logit_bias")
             if not _is_num(v) or not -100 <= v <= 100:
                 raise bad(f"'logit_bias[{k}]' = {v!r} must be a number in [-100, 100]", "logit_bias")
             bias[t] = float(v)
@@ -211,8 +261,11 @@ def _sampling(
     stop_ids = body.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = []
-    elif not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise bad(f"'stop_token_ids' = {stop_ids!r} must be a list of token ids (integers >= 0)", "stop_token_ids")
+    elif not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
+        raise bad(
+            f"'stop_token_ids' = {_num_str(stop_ids)} must be a list of token ids (integers in [0, {MAX_TOKEN_ID}])",
+            "stop_token_ids",
+        )
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad(f"'ignore_eos' = {ignore_eos!r} must be true or false", "ignore_eos")
@@ -376,4 +429,14 @@ def parse_chat(body: dict[str, Any]) -> GenRequest:
     return GenRequest("chat", None, None, out, params, stops, stream, include_usage, _model(body), logprobs=lp)
 
 
-__all__ = ["ApiError", "DEFAULT_MAX_TOKENS", "GenRequest", "bad", "parse_chat", "parse_completion", "parse_json"]
+__all__ = [
+    "ApiError",
+    "DEFAULT_MAX_TOKENS",
+    "MAX_TOKEN_ID",
+    "GenRequest",
+    "bad",
+    "check_model",
+    "parse_chat",
+    "parse_completion",
+    "parse_json",
+]

@@ -15,8 +15,8 @@ Chat messages are rendered with the checkpoint's chat template when it has one, 
     <|system|>\\n{content}\\n<|user|>\\n{content}\\n ... <|assistant|>\\n
 
 `Detokenizer` turns a stream of new ids into text deltas (never splitting a UTF-8 character).
-Imports the standard library and dsakv.util (transformers only inside load_tokenizer); must not import torch,
-engine or disagg.
+Imports the standard library, dsakv.errors and dsakv.util (transformers only inside load_tokenizer); must not
+import torch, engine or disagg.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from dsakv.errors import ConfigError
 from dsakv.util import byte_symbols
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class Tokenizer(Protocol):
     name: str
+    # optional: an upper bound on the characters one token stands for (None: unknown). The HTTP layer refuses a
+    # text of more than max_prompt_tokens x max_token_chars characters before tokenizing it (it cannot fit).
+    max_token_chars: int | None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -70,6 +74,7 @@ class ByteTokenizer:
     """The byte-level fallback (module docstring)."""
 
     name = "bytes"
+    max_token_chars: int | None = 1  # a token is one UTF-8 byte: a text of n characters is >= n tokens
 
     def __init__(self, vocab_size: int | None = None) -> None:
         if vocab_size is not None and vocab_size < 256 + BYTE_OFFSET:
@@ -118,6 +123,16 @@ class ByteDetokenizer:
         return self._utf8.decode(b"", final=True)
 
 
+def _max_token_chars(tok: Any) -> int | None:
+    """The longest token string of the vocabulary (byte-level BPE spells one symbol per byte, so this bounds the
+    characters a token decodes to), at least 1; None if the tokenizer does not list its vocabulary."""
+    try:
+        vocab = tok.get_vocab()
+        return max(1, max((len(t) for t in vocab if isinstance(t, str)), default=1))
+    except Exception:  # a tokenizer without get_vocab: no bound before tokenizing
+        return None
+
+
 class HFTokenizer:
     """A transformers tokenizer (tokenizer.json / tokenizer_config.json in the checkpoint directory)."""
 
@@ -128,6 +143,7 @@ class HFTokenizer:
         # byte-level BPE (GPT-2 style) tokens spell their bytes with printable stand-ins: invert that map
         self._byte_of = {c: b for b, c in enumerate(byte_symbols())}
         self._special = set(getattr(tok, "all_special_ids", ()) or ())
+        self.max_token_chars = _max_token_chars(tok)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
@@ -164,25 +180,30 @@ class HFTokenizer:
 
 
 class HFDetokenizer:
-    """Decodes all ids so far and emits the new suffix; holds back text ending in U+FFFD (a split character)."""
+    """Incremental: decodes a window (the ids since the last emitted text's start, and the new ones) and emits what
+    it adds to the window's text, so each step costs the window, not the whole output (O(n) per request, not
+    O(n^2)); holds back text ending in U+FFFD (a split character) until it completes."""
 
     def __init__(self, tok: HFTokenizer) -> None:
         self.tok = tok
         self.ids: list[int] = []
-        self.sent = 0
+        self.prefix = 0  # the window starts here: the ids of the last emitted piece (decode context)
+        self.read = 0  # ids before this are emitted
+
+    def _step(self, final: bool) -> str:
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if (not final and text.endswith("\ufffd")) or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
 
     def feed(self, ids: Sequence[int]) -> str:
         self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+        return self._step(final=False)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        delta, self.sent = text[self.sent :], len(text)
-        return delta
+        return self._step(final=True)
 
 
 def load_tokenizer(model_dir: str | Path | None, vocab_size: int | None = None) -> Tokenizer:
@@ -192,7 +213,13 @@ def load_tokenizer(model_dir: str | Path | None, vocab_size: int | None = None) 
         if (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file():
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(root))
+            try:
+                tok = AutoTokenizer.from_pretrained(str(root))
+            except Exception as e:  # a damaged tokenizer.json / tokenizer_config.json: one line, no traceback
+                raise ConfigError(
+                    f"the tokenizer in {root} cannot be loaded ({type(e).__name__}: {str(e)[:200]}): fix or remove "
+                    "tokenizer.json / tokenizer_config.json (without them text uses the byte fallback)"
+                ) from None
             log.info("tokenizer: %s from %s", type(tok).__name__, root)
             return HFTokenizer(tok, type(tok).__name__)
     log.info("tokenizer: none in the checkpoint; text uses the byte fallback (byte b <-> token id b + 2)")

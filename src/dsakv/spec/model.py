@@ -209,6 +209,8 @@ class ModelSpec:
             cfg = json.loads(p.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{str(p)!r} is not valid JSON: {e}") from None
+        except (RecursionError, ValueError) as e:  # nested too deeply; an integer of over 4300 digits
+            raise ConfigError(f"{str(p)!r} is not a usable config ({type(e).__name__}): fix it") from None
         return cls.from_dict(cfg, name=p.parent.name if p.name == "config.json" else p.stem)
 
     # ---- ownership -------------------------------------------------------------

@@ -293,7 +293,7 @@ def is_v4(model: str) -> bool:
         return False
     try:
         cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError):  # not JSON / UTF-8, nested too deeply: the caller's check says so
         return False
     return isinstance(cfg, dict) and cfg.get("model_type") == V4_MODEL_TYPE
 

@@ -83,6 +83,7 @@ def health(w: DecodeState) -> Health:
         capacity_tokens=st.capacity_tokens,
         bytes_per_token=st.bytes_per_token,
         max_prompt_tokens=st.capacity_tokens - 1,
+        vocab_size=int(w.engine.spec.vocab_size),
         running=st.num_running,
         waiting=st.num_waiting,
         inbound=inbound,

@@ -198,6 +198,7 @@ class Health:
     pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
     kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
     staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
+    vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------

@@ -37,8 +37,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dsakv.disagg.protocol.codec import from_wire, to_wire
+from dsakv.disagg.protocol.errors import MessageError
 from dsakv.disagg.protocol.lifecycle import Phase, RouterRequest
-from dsakv.disagg.protocol.messages import ABORT, Abort
+from dsakv.disagg.protocol.messages import ABORT, MAX_KV_TIMEOUT, MAX_WAIT, Abort, Prealloc
 from dsakv.disagg.protocol.rpc import RpcClient
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.dispatch import Dispatcher
@@ -70,6 +72,7 @@ class RouterConfig:
     seed: int | None = None
     affinity_min_gain_pages: int = 1  # prefix affinity only when it saves >= this many pages (routing.py)
     affinity_max_imbalance: int = 4  # ... and the affine prefill has <= this many more requests in flight
+    vocab_size: int | None = None  # token ids are below it (--model); None: the decodes' health reports it
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
@@ -88,9 +91,18 @@ class RouterConfig:
                 f"a router needs at least one prefill and one decode worker (got prefill={list(self.prefill)}, "
                 f"decode={list(self.decode)}): pass --prefill HOST:PORT and --decode HOST:PORT"
             )
-        for v, name in ((self.kv_timeout, "kv_timeout"), (self.rpc_timeout, "rpc_timeout")):
-            if v <= 0:
-                raise ConfigError(f"{name} = {v} must be > 0 seconds")
+        for name, hi in (
+            ("kv_timeout", MAX_KV_TIMEOUT),
+            ("rpc_timeout", MAX_WAIT),
+            ("queue_timeout", 86400.0),
+            ("health_interval", MAX_WAIT),
+            ("poll_wait", MAX_WAIT),
+            ("connect_retry", MAX_WAIT),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{name} = {v!r} ({flag}) must be a number of seconds in (0, {hi:g}]")
         if self.affinity_min_gain_pages < 1:
             raise ConfigError(
                 f"affinity_min_gain_pages = {self.affinity_min_gain_pages} must be >= 1 page "
@@ -98,6 +110,8 @@ class RouterConfig:
             )
         if self.affinity_max_imbalance < 0:
             raise ConfigError(f"affinity_max_imbalance = {self.affinity_max_imbalance} must be >= 0 requests")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
+            raise ConfigError(f"vocab_size = {self.vocab_size!r} must be a positive number of token ids")
 
 
 class RouterBackend:
@@ -124,6 +138,11 @@ class RouterBackend:
         self._threads: list[threading.Thread] = []
         self._started = False
         self._rng = random.Random(cfg.seed)
+        self._clock = clock
+        self._beats: dict[str, float] = {}  # serving loop (thread name) -> clock() at its last turn
+        # a loop that has not turned for this long is stuck: its longest turn is two control RPCs (dispatch) or
+        # one long poll (events), each bounded by the RPC timeout
+        self.stuck_after = 3 * t.rpc + t.poll_wait + 5.0
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -135,11 +154,15 @@ class RouterBackend:
         self.poll_health()
         targets: list[tuple[Callable[[], None], str]] = [
             (self._health_loop, "router-health"),
-            (functools.partial(self.dispatcher.loop, self._stop, self._wake), "router-dispatch"),
+            (
+                functools.partial(self.dispatcher.loop, self._stop, self._wake, self._beater("router-dispatch")),
+                "router-dispatch",
+            ),
             (self.peers.side_loop, "router-side"),
         ]
         for addr in self.decodes:
-            targets.append((functools.partial(self.poller.loop, addr, self._stop), f"router-events-{addr}"))
+            name = f"router-events-{addr}"
+            targets.append((functools.partial(self.poller.loop, addr, self._stop, self._beater(name)), name))
         for fn, name in targets:
             t = threading.Thread(target=fn, name=name, daemon=True)
             t.start()
@@ -158,6 +181,31 @@ class RouterBackend:
         for t in self._threads:
             t.join(timeout=self.t.rpc + 1)
         self.peers.close()
+
+    def _beater(self, name: str) -> Callable[[], None]:
+        self._beats[name] = self._clock()
+
+        def beat() -> None:
+            self._beats[name] = self._clock()
+
+        return beat
+
+    def loops(self) -> dict[str, dict[str, Any]]:
+        """Every serving thread: alive, seconds since its last turn (dispatch and events loops), and why it is
+        not serving ("dead": the thread ended; "stuck": no turn within stuck_after s); {} before start()."""
+        now = self._clock()
+        out: dict[str, dict[str, Any]] = {}
+        for t in self._threads:
+            alive = t.is_alive() or self._stop.is_set()
+            since = self._beats.get(t.name)
+            age = None if since is None else max(0.0, now - since)
+            error = None
+            if not alive:
+                error = "dead"
+            elif age is not None and age > self.stuck_after and not self._stop.is_set():
+                error = "stuck"
+            out[t.name] = {"alive": alive, "last_turn_s": age, "error": error}
+        return out
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
         """True once at least one prefill-decode pair is handshaken (False after `timeout`)."""
@@ -193,9 +241,39 @@ class RouterBackend:
             )
         if params.seed is None and not params.greedy:
             params = replace(params, seed=self._rng.getrandbits(63))  # prefill and decode must draw alike
+        self._check_wire(request_id, prompt_ids, params)
         with self._lock:
             self.book.add(request_id, prompt_ids, params)
         self._wake.set()
+
+    def _check_wire(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ConfigError unless the request's PREALLOC passes the control plane's codec (every int within 64 bits
+        and its field's bounds: token ids <= MAX_ID) and its token ids are in the vocabulary: a value no worker
+        could take is refused here, before it is queued, never in the dispatch thread."""
+        try:
+            from_wire(Prealloc, to_wire(Prealloc(request_id, prompt_ids, params, "-", 1, self.t.kv)))
+        except MessageError as e:
+            raise ConfigError(f"request {request_id}: {e}") from None
+        vocab = self.vocab_size()
+        if vocab is not None:
+            for what, ids in (
+                ("prompt token id(s)", prompt_ids),
+                ("stop_token_ids", params.stop_token_ids),
+                ("logit_bias token id(s)", [t for t, _ in params.logit_bias]),
+            ):
+                out = [t for t in ids if not 0 <= t < vocab]
+                if out:
+                    raise ConfigError(
+                        f"request {request_id}: {what} {out[:8]} are outside the vocabulary 0..{vocab - 1}"
+                    )
+
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary: RouterConfig.vocab_size (--model), else the smallest a decode reports."""
+        if self.cfg.vocab_size is not None:
+            return self.cfg.vocab_size
+        with self._lock:
+            vs = [p.health.vocab_size for p in self.decodes.values() if p.health is not None and p.health.vocab_size]
+        return min(vs) if vs else None
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
         with self._lock:
@@ -217,6 +295,15 @@ class RouterBackend:
             if prefill is not None and phase is Phase.DISPATCHED:
                 self.peers.post((prefill, ABORT, Abort(wire, "aborted by the client")))
 
+    def release(self, request_id: str) -> None:
+        """The reader of `request_id` is gone (the client left, maybe before reading any event): abort it and drop
+        its record now (events() drops it only once its last event was read)."""
+        self.abort(request_id)
+        with self._lock:
+            req = self.book.get(request_id)
+            if req is not None and req.phase is Phase.DONE:
+                self.book.ledger.pop(request_id)
+
     def abort_choice(self, request_id: str, index: int) -> None:
         """Abort choice `index` of an n > 1 request only (its stop string matched); the others go on."""
         with self._lock:
@@ -235,12 +322,16 @@ class RouterBackend:
             return self.book.get(request_id)
 
     def health(self) -> dict[str, Any]:
+        loops = self.loops()
+        broken = sorted(f"{name} {v['error']}" for name, v in loops.items() if v["error"])
         with self._lock:
             pairs = self.peers.usable_pairs()
             used = sum(p.health.pages_used for p in self.decodes.values() if p.ok and p.health is not None)
             total = sum(p.health.pages_total for p in self.decodes.values() if p.ok and p.health is not None)
             return {
-                "ok": bool(pairs),
+                "ok": bool(pairs) and not broken,
+                "error": f"serving loop(s) not running: {', '.join(broken)}" if broken else None,
+                "loops": loops,
                 "backend": self.name,
                 "pages_used": used,
                 "pages_total": total,

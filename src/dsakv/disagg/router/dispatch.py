@@ -3,7 +3,10 @@
     dispatcher = Dispatcher(book, peers, timeouts, lock)
     dispatcher.next()     one attempt for the head of the queue: None (queue empty), True (placed or finished),
                           False (back in the queue, or failed at its queue deadline)
-    dispatcher.loop(stop, wake)   the router's dispatch thread
+    dispatcher.loop(stop, wake, beat)   the router's dispatch thread (beat() each turn: /health sees it stop)
+
+A request whose placing raises (a value no worker takes, a bug) fails alone with an error naming it, and what
+its attempt holds on the workers is aborted; the thread goes on with the next request.
 
 One attempt (`place`), attempt id `rid#n` (lifecycle.attempt_id):
   1. `PeerTable.pick(prompt)`: a usable pair (none: try later);
@@ -21,8 +24,10 @@ Imports dsakv.disagg.{rpc, messages, router_peers, router_requests}; no torch.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from dsakv.disagg.protocol.errors import IncompatiblePeer, Unavailable
 from dsakv.disagg.protocol.lifecycle import Phase, RouterRequest, attempt_id
@@ -33,14 +38,23 @@ from dsakv.disagg.router.peers import Choice, PeerTable
 from dsakv.disagg.router.requests import RequestBook
 from dsakv.errors import NoFreePages
 
+log = logging.getLogger(__name__)
+
 
 class Dispatcher:
     def __init__(self, book: RequestBook, peers: PeerTable, t: Timeouts, lock: threading.RLock) -> None:
         self.book, self.peers, self.t, self.lock = book, peers, t, lock
 
-    def loop(self, stop: threading.Event, wake: threading.Event) -> None:
+    def loop(self, stop: threading.Event, wake: threading.Event, beat: Callable[[], None] = lambda: None) -> None:
+        """The dispatch thread: `beat()` once per turn (the router's /health reports a loop that stopped beating).
+        A failure of one request fails that request alone (`next`); the loop goes on."""
         while not stop.is_set():
-            placed = self.next()
+            beat()
+            try:
+                placed = self.next()
+            except Exception:  # not one request's fault (next() fails those): log it, keep dispatching
+                log.exception("router: dispatch turn failed")
+                placed = False
             if placed is None:
                 wake.wait(0.05)
                 wake.clear()
@@ -55,7 +69,13 @@ class Dispatcher:
             return None
         if req is None or req.phase is not Phase.QUEUED:
             return True
-        if self.place(req):
+        try:
+            placed = self.place(req)
+        except Exception as e:  # one request's failure (a value no worker takes, a bug): it fails alone
+            log.exception("router: placing request %s failed", req.rid)
+            self._fail(req, f"request {req.rid}: the router could not dispatch it ({type(e).__name__}: {e})")
+            return True
+        if placed:
             return True
         with self.lock:
             if req.phase is Phase.QUEUED:
@@ -82,12 +102,16 @@ class Dispatcher:
         if not isinstance(res, Preallocated):
             return res
         dec, pre = self.peers.decodes[choice.decode], self.peers.prefills[choice.prefill]
-        with self.lock:
-            if req.phase is not Phase.QUEUED:  # aborted meanwhile
-                self.peers.post((dec.addr, ABORT, Abort(wire, "aborted")))
-                return True
-            self.book.dispatched(req, wire, dec, pre)
-        refused = self._submit(req, choice, wire, res)
+        try:
+            with self.lock:
+                if req.phase is not Phase.QUEUED:  # aborted meanwhile
+                    self.peers.post((dec.addr, ABORT, Abort(wire, "aborted")))
+                    return True
+                self.book.dispatched(req, wire, dec, pre)
+            refused = self._submit(req, choice, wire, res)
+        except Exception:  # the decode holds pages for this attempt: free them before the request fails
+            self.peers.post((dec.addr, ABORT, Abort(wire, "the router failed to dispatch it")))
+            raise
         if refused is not None:
             return refused
         self.peers.sent(choice)
@@ -95,6 +119,19 @@ class Dispatcher:
             self.book.counters[f"routed_{choice.reason}_total"] += 1
             self.book.counters["routed_matched_pages_total"] += choice.matched_pages
         return True
+
+    def _fail(self, req: RouterRequest, why: str) -> None:
+        """Fail `req` (every choice not finished yet) and free what an attempt of it holds on its workers."""
+        with self.lock:
+            if req.phase is Phase.DONE:
+                return
+            wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
+            self.book.finish(req, "error", why)
+            self.book.counters["dispatch_errors_total"] += 1
+        if wire is not None and decode is not None:
+            self.peers.post((decode, ABORT, Abort(wire, why)))
+            if prefill is not None and phase is Phase.DISPATCHED:
+                self.peers.post((prefill, ABORT, Abort(wire, why)))
 
     def _prealloc(self, req: RouterRequest, choice: Choice, wire: str) -> Preallocated | bool:
         """The decode's reservation, or what `place` returns when there is none."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from dsakv.disagg.protocol.messages import ABORT, EVENTS, Abort, EventsQuery
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError
@@ -29,10 +30,18 @@ class EventPoller:
     def __init__(self, book: RequestBook, peers: PeerTable, t: Timeouts, lock: threading.RLock) -> None:
         self.book, self.peers, self.t, self.lock = book, peers, t, lock
 
-    def loop(self, addr: str, stop: threading.Event) -> None:
+    def loop(self, addr: str, stop: threading.Event, beat: Callable[[], None] = lambda: None) -> None:
+        """The thread of decode `addr`: `beat()` once per poll (the router's /health reports a loop that stopped);
+        a failed poll is logged and retried, an event that cannot be handed over fails its request alone."""
         client = RpcClient(addr, timeout=self.t.poll_wait + self.t.rpc)
         while not stop.is_set():
-            if not self.poll(addr, client, self.t.poll_wait):
+            beat()
+            try:
+                ok = self.poll(addr, client, self.t.poll_wait)
+            except Exception:
+                log.exception("router: events poll of %s failed", addr)
+                ok = False
+            if not ok:
                 stop.wait(0.05)
 
     def poll(self, addr: str, client: RpcClient, wait: float) -> bool:
@@ -65,7 +74,13 @@ class EventPoller:
                 req = self.book.by_wire.get(ev.rid)
                 if req is None or req.decode != addr:
                     continue
-                self.book.decoding(req)
-                self.book.push(req, ev.tokens, ev.finished, ev.reason, ev.error, ev.choice, ev)
+                try:
+                    self.book.decoding(req)
+                    self.book.push(req, ev.tokens, ev.finished, ev.reason, ev.error, ev.choice, ev)
+                except Exception as e:  # this request's event is unusable: it fails alone
+                    log.exception("router: event of %s from %s could not be handed over", ev.rid, addr)
+                    self.book.counters["event_errors_total"] += 1
+                    self.book.finish(req, "error", f"request {req.rid}: a bad event from decode {addr}: {e}")
+                    self.peers.post((addr, ABORT, Abort(ev.rid, "the router could not use its events")))
             dec.cursor = res.cursor
         return True

@@ -375,7 +375,10 @@ class PeerTable:
             item = self._side.get()
             if item is None:
                 return
-            self._side_call(*item)
+            try:
+                self._side_call(*item)
+            except Exception:  # a best-effort call: log it, the next one goes on
+                log.exception("router: side call %s failed", item[1].name)
 
     def drain_side(self) -> int:
         """Send the best-effort RPCs queued now (aborts), here; returns how many (the side thread does this)."""

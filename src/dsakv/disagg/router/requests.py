@@ -40,6 +40,8 @@ COUNTERS = (
     "routed_affinity_total",
     "routed_load_total",
     "routed_matched_pages_total",
+    "dispatch_errors_total",
+    "event_errors_total",
 )
 
 
@@ -163,10 +165,12 @@ class RequestBook:
                     f"request {req.rid}: no token within {timeout:g}s (state {req.phase.value}, decode {req.decode}, "
                     f"prefill {req.prefill})"
                 ) from None
-            yield ev
             if ev.finished:
                 done.add(ev.choice)
-            if len(done) >= req.params.n:  # every choice finished
+            last = len(done) >= req.params.n  # every choice finished: the record goes before the reader sees it
+            if last:  # (a reader stops at the last event and never resumes this generator)
                 with self.lock:
                     self.ledger.pop(req.rid)
+            yield ev
+            if last:
                 return
