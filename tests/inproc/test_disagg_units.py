@@ -193,7 +193,7 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
     dec = _decode().start()
     port = free_ports(3)
     stages = [
-        _prefill({"elide": False}, {"pp_size": 2, "pp_rank": k, "partition": (4, 8), "stage_timeout": 3.0}, port=port)
+        _prefill({"elide": False}, {"pp_size": 2, "pp_rank": k, "partition": (4, 8), "stage_timeout": 30.0}, port=port)
         for k in (0, 1)
     ]
     for s in stages:
@@ -228,7 +228,7 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
         assert got == want
         evs = list(r.events("gone", 5))
         assert [(e.new_token_ids, e.finished, e.finish_reason, e.error) for e in evs] == [((), True, "abort", None)]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             used = [dec.engine.stats().pages_used] + [s.pages_used() for s in stages]
             if used == [0, 0, 0]:
