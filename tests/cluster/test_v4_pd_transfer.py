@@ -20,7 +20,13 @@ from dsakv.engine.v4_engine import V4Engine  # noqa: E402
 from dsakv.model.deepseek_v4 import load_v4  # noqa: E402
 from dsakv.model.deepseek_v4_tiny import make_tiny_v4  # noqa: E402
 from dsakv.spec.layout import BufferKey, Kind  # noqa: E402
-from dsakv.testing.v4_pd import V4DecodePeer, V4DecodeSpec, V4PrefillStages  # noqa: E402
+from dsakv.testing.v4_pd import (  # noqa: E402
+    V4DecodePeer,
+    V4DecodeSpec,
+    V4PrefillProcesses,
+    V4PrefillStages,
+    V4StageSpec,
+)
 
 ENGINES = ["mooncake", "nixl"]
 CHILD_ENV = {**LOOPBACK_UCX_ENV, "MC_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
@@ -99,6 +105,42 @@ def test_v4_pp2_prefill_to_decode_over_engine(ckpt: Path, colocated: list[list[i
         assert tuple(dec.call("pages_free")) == (PAGES, 2)
         assert all(s.pages.num_free == PAGES and s.slots.num_free == 2 for s in pre.stages)
         assert per_pair == [[-(-n // 16) * 768 + state[0], -(-n // 16) * 1024 + state[1]] for n in LENGTHS]
+    finally:
+        dec.stop()
+        pre.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_v4_pp2_stage_processes_to_decode_over_engine(ckpt: Path, colocated: list[list[int]], engine: str) -> None:
+    """Each prefill stage its own process (the hidden streams go stage to stage over pipes), the decode a third:
+    each (stage, decode) pair moves exactly its layout figure over its own engine; tokens == colocated."""
+    model = load_v4(ckpt)
+    specs = [V4StageSpec(str(ckpt), a, b, PAGES, 2, engine, options(engine), CHILD_ENV) for a, b in SPLITS]
+    pre = V4PrefillProcesses(model, specs, chunk_size=7)
+    dec = V4DecodePeer(V4DecodeSpec(str(ckpt), PAGES, 2, None, engine, options(engine), CHILD_ENV))
+    try:
+        assert dec.call("hello", pre.manifests()) == 18
+        assert [len(p) for p in pre.handshake(dec)] == [7, 11]
+        lay0 = model.stage_layout(0, 3)
+        lay1 = model.stage_layout(3, 6)
+        state = (lay0.state_bytes_per_request, lay1.state_bytes_per_request)
+        outputs = []
+        for i, prompt in enumerate(_prompts()):
+            req = pre.prefill(prompt, owner=i)
+            rid, dst_pages, dst_slot = dec.call("accept", (prompt, req.first_token, NEW))
+            sent = pre.send(req, dec, dst_pages, dst_slot)
+            n = -(-len(prompt) // 16)
+            assert [(s["stage"], s["bytes"]) for s in sent] == [
+                ("0-2", n * 768 + state[0]),
+                ("3-5", n * 1024 + state[1]),
+            ]
+            assert [s["bytes"] for s in sent] == [s["figure"] for s in sent]
+            assert dec.call("digests", (rid, n)) == pre.digests(req)
+            pre.release(req, owner=i)
+            outputs.append(dec.call("start", rid))
+        assert outputs == colocated
+        assert pre.free() == [(PAGES, 2), (PAGES, 2)]
+        assert tuple(dec.call("pages_free")) == (PAGES, 2)
     finally:
         dec.stop()
         pre.close()

@@ -131,27 +131,20 @@ def _decode_main(conn: Connection, spec: V4DecodeSpec, parent: int) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class V4DecodePeer:
-    """A decode V4Engine in a spawned child, registered with a real transfer backend."""
+class _ChildProcess:
+    """A spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text)."""
 
-    def __init__(self, spec: V4DecodeSpec, start_timeout: float = 180.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_decode_main, args=(child, spec, os.getpid()), name="dsakv-v4-decode", daemon=True
-        )
-        self.proc.start()
-        child.close()
-        self.manifest_bytes: bytes = self._reply(start_timeout, "start")
-        self.manifest = V4Manifest.from_bytes(self.manifest_bytes)
+    conn: Connection
+    proc: Any
+    what = "child"
 
     def _reply(self, timeout: float, what: str) -> Any:
         if not self.conn.poll(timeout):
             self.kill()
-            raise TimeoutError(f"V4 decode process did not answer {what!r} within {timeout:g}s")
+            raise TimeoutError(f"V4 {self.what} process did not answer {what!r} within {timeout:g}s")
         status, value = self.conn.recv()
         if status != "ok":
-            raise RuntimeError(f"V4 decode process failed in {what!r}: {value}")
+            raise RuntimeError(f"V4 {self.what} process failed in {what!r}: {value}")
         return value
 
     def call(self, cmd: str, args: Any = None, timeout: float = 300.0) -> Any:
@@ -171,6 +164,23 @@ class V4DecodePeer:
                 pass
         self.kill()
         self.conn.close()
+
+
+class V4DecodePeer(_ChildProcess):
+    """A decode V4Engine in a spawned child, registered with a real transfer backend."""
+
+    what = "decode"
+
+    def __init__(self, spec: V4DecodeSpec, start_timeout: float = 180.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_decode_main, args=(child, spec, os.getpid()), name="dsakv-v4-decode", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.manifest_bytes: bytes = self._reply(start_timeout, "start")
+        self.manifest = V4Manifest.from_bytes(self.manifest_bytes)
 
 
 # ---- prefill: pipeline stages in this process, one pool and one transfer engine each ------------------------
@@ -297,3 +307,169 @@ class V4PrefillStages:
     def close(self) -> None:
         for st in self.stages:
             st.backend.close()
+
+
+# ---- prefill stages as processes: each stage a spawned child with its pool and engine -------------------------
+
+
+@dataclass(frozen=True)
+class V4StageSpec:
+    checkpoint: str
+    start: int
+    end: int
+    num_pages: int
+    max_running: int
+    backend: str
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    page_size: int | None = None
+
+
+def _stage_main(conn: Connection, spec: V4StageSpec, index: int, parent: int) -> None:
+    arm_parent_death(parent, signal.SIGKILL)
+    for k, v in spec.env.items():
+        os.environ[k] = v
+    from dsakv.model.deepseek_v4 import load_v4
+
+    torch.set_num_threads(1)
+    try:
+        model = load_v4(spec.checkpoint)
+        pool = V4Pool(model.stage_layout(spec.start, spec.end, spec.page_size), spec.num_pages, spec.max_running)
+        pages, slots = PageAllocator(spec.num_pages, f"V4 stage {index}"), SlotAllocator(spec.max_running)
+        backend = make_backend(spec.backend, **spec.backend_options)
+        backend.register(pool.regions())
+        manifest = V4Manifest.from_pool(pool, backend.meta(), f"v4-prefill-pp{index}")
+        conn.send(("ok", manifest.to_bytes()))
+    except Exception as e:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            if cmd == "alloc":
+                n, owner = args
+                conn.send(("ok", (pages.alloc(n, owner=owner), slots.alloc())))
+            elif cmd == "forward":  # one chunk through this stage's layers: hidden streams in, out
+                slot, ids, start, chunk, h = args
+                rows = [V4Row(slot, ids, start, chunk)]
+                conn.send(("ok", model.forward_layers(rows, pool, h, spec.start, spec.end)))
+            elif cmd == "send":
+                data, ids, dst_pages, slot, dst_slot, timeout_s = args
+                decode = V4Manifest.from_bytes(data)
+                pairs = check_v4_pair(pool.layout, decode)
+                plan = v4_blocks(pairs, manifest, decode, ids, dst_pages, slot, dst_slot)
+                metrics = backend.transfer(connect_v4(backend, decode), plan.blocks, deadline_in(timeout_s))
+                conn.send(
+                    (
+                        "ok",
+                        {
+                            "stage": f"{spec.start}-{spec.end - 1}",
+                            "bytes": int(metrics.nbytes),
+                            "blocks": len(plan.blocks),
+                            "figure": pair_figure(pairs, int(len(ids))),
+                            "by_kind": {k.value: v for k, v in plan.by_kind.items()},
+                        },
+                    )
+                )
+            elif cmd == "handshake":
+                conn.send(("ok", check_v4_pair(pool.layout, V4Manifest.from_bytes(args))))
+            elif cmd == "digests":
+                conn.send(("ok", key_digests(pool, pool.layout.keys, *args)))
+            elif cmd == "release":
+                owner, slot = args
+                pages.release(owner)
+                slots.free(slot)
+                conn.send(("ok", None))
+            elif cmd == "free":
+                conn.send(("ok", (pages.num_free, slots.num_free)))
+            elif cmd == "stop":
+                backend.close()
+                conn.send(("ok", None))
+                break
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class V4StageProcess(_ChildProcess):
+    """One prefill stage (layers [start, end)) in a spawned child: its V4Pool, allocators and transfer engine."""
+
+    def __init__(self, spec: V4StageSpec, index: int, start_timeout: float = 180.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.spec = spec
+        self.what = f"prefill stage {index}"
+        self.proc = ctx.Process(
+            target=_stage_main, args=(child, spec, index, os.getpid()), name=f"dsakv-v4-pp{index}", daemon=True
+        )
+        self.proc.start()
+        child.close()
+        self.manifest_bytes: bytes = self._reply(start_timeout, "start")
+        self.manifest = V4Manifest.from_bytes(self.manifest_bytes)
+
+
+class V4PrefillProcesses:
+    """A PP prefill whose every stage is its own process; this process embeds, hands the hidden streams from
+    stage to stage over the pipes and samples the first token (the leader)."""
+
+    def __init__(self, model: DeepseekV4, specs: Sequence[V4StageSpec], chunk_size: int = 16) -> None:
+        self.model = model
+        self.chunk_size = chunk_size
+        self.stages: list[V4StageProcess] = []
+        try:
+            for i, s in enumerate(specs):
+                self.stages.append(V4StageProcess(s, i))
+        except Exception:
+            self.close()
+            raise
+        self.page_size = int(self.stages[0].manifest.page_size)
+
+    def manifests(self) -> list[bytes]:
+        return [s.manifest_bytes for s in self.stages]
+
+    def handshake(self, decode: V4DecodePeer) -> list[tuple[V4Pair, ...]]:
+        return [s.call("handshake", decode.manifest_bytes) for s in self.stages]
+
+    def prefill(self, prompt: list[int], owner: int) -> PrefilledV4:
+        n = ceil_div(len(prompt), self.page_size)
+        got = [s.call("alloc", (n, owner)) for s in self.stages]
+        ids, slots = [np.asarray(g[0]) for g in got], [int(g[1]) for g in got]
+        logits = None
+        for start in range(0, len(prompt), self.chunk_size):
+            chunk = prompt[start : start + self.chunk_size]
+            h = self.model.embed([V4Row(slots[0], ids[0], start, chunk)])
+            for st, pid, slot in zip(self.stages, ids, slots, strict=True):
+                h = st.call("forward", (slot, pid, start, chunk, h))
+            logits = self.model.head([V4Row(slots[-1], ids[-1], start, chunk)], h)
+        assert logits is not None
+        return PrefilledV4(list(prompt), int(logits[0].argmax()), ids, slots)
+
+    def send(
+        self, req: PrefilledV4, decode: V4DecodePeer, dst_pages: Sequence[int], dst_slot: int, timeout_s: float = 120.0
+    ) -> list[dict[str, Any]]:
+        dst = np.asarray(dst_pages, dtype=np.int64)[: req.num_pages]
+        return [
+            st.call("send", (decode.manifest_bytes, pid, dst, slot, dst_slot, timeout_s))
+            for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True)
+        ]
+
+    def digests(self, req: PrefilledV4) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True):
+            out.update(st.call("digests", (pid, slot)))
+        return out
+
+    def release(self, req: PrefilledV4, owner: int) -> None:
+        for st, slot in zip(self.stages, req.slots, strict=True):
+            st.call("release", (owner, slot))
+
+    def free(self) -> list[tuple[int, int]]:
+        return [tuple(s.call("free")) for s in self.stages]  # type: ignore[misc]
+
+    def close(self) -> None:
+        for st in self.stages:
+            st.stop()
