@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dsakv.cache.device_pool import Region
 from dsakv.errors import CapacityError
 from dsakv.spec.layout import BufferKey
 from dsakv.spec.v4_layout import PagedSpec, StateSpec, V4Layout
@@ -88,6 +89,13 @@ class V4Pool:
         spec = self.layout.buffer(key)
         assert isinstance(spec, StateSpec)
         return self.state(key).view(dtype).view(self.num_slots, spec.rows, -1)
+
+    def regions(self) -> dict[BufferKey, Region]:
+        """Every buffer as a contiguous region for a transfer backend: paged keys [num_pages x page_bytes],
+        state keys [num_slots x slot_bytes] (a slot is a state key's "page"), in layout key order."""
+        out = {k: Region(t.data_ptr(), int(t.shape[1]), int(t.shape[0])) for k, t in self._paged.items()}
+        out.update({k: Region(t.data_ptr(), int(t.shape[1]), int(t.shape[0])) for k, t in self._state.items()})
+        return out
 
     @property
     def nbytes(self) -> int:

@@ -303,6 +303,44 @@ class V4Engine:
     def has_unfinished(self) -> bool:  # parked requests belong to whoever sends them on
         return bool(self.waiting or self.running)
 
+    # ---- disaggregated decode: a request whose pages and slot a prefill fills ------------------
+
+    def accept_request(
+        self, prompt: list[int], first_token: int, max_new_tokens: int, eos: tuple[int, ...] = ()
+    ) -> V4Request:
+        """Allocate pages and a slot for a prefilled request (parked until `start_request`); the prefill writes its
+        every kind into them. CapacityError (nothing allocated) when there is no room."""
+        if not prompt or max_new_tokens < 1:
+            raise ConfigError(f"an inbound V4 request needs a prompt and max_new_tokens >= 1, got {max_new_tokens}")
+        need = ceil_div(len(prompt) + max_new_tokens, self.page_size)
+        if not self.slots.num_free or not self.pages.can_alloc(need):
+            raise CapacityError(
+                f"the decode has no room for {need} pages and a slot ({self.pages.num_free} pages, "
+                f"{self.slots.num_free} slots free): retry later"
+            )
+        req = V4Request(self._next, list(prompt), max_new_tokens, output=[int(first_token)], eos=tuple(eos))
+        self._next += 1
+        req.page_ids = self.pages.alloc(need, owner=req.rid)
+        req.slot = self.slots.alloc()
+        req.num_computed = len(prompt)
+        self.parked[req.rid] = req
+        return req
+
+    def start_request(self, rid: int) -> None:
+        """Decode an accepted request once its pages and slot are filled."""
+        req = self.parked.pop(rid)
+        if req.done:
+            self.finished[rid] = req
+            self.pages.release(rid)
+            self.slots.free(req.slot)
+        else:
+            self.running.append(req)
+
+    def abort_parked(self, rid: int) -> None:
+        req = self.parked.pop(rid)
+        self.pages.release(rid)
+        self.slots.free(req.slot)
+
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[V4Request]:
         ids = [self.add_request(p, max_new_tokens) for p in prompts]
         while self.has_unfinished():

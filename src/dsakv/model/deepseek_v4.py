@@ -337,13 +337,33 @@ class DeepseekV4:
     @torch.no_grad()
     def forward(self, rows: Sequence[V4Row], pool: V4Pool, all_logits: bool = False) -> torch.Tensor:
         """Logits of each row's last token ([rows, vocab]), or of every token ([tokens, vocab])."""
+        h = self.embed(rows)
+        h = self.forward_layers(rows, pool, h, 0, self.spec.num_layers)
+        return self.head(rows, h, all_logits)
+
+    # ---- pipeline stages: embed on the first, a layer range on each, head on the last ----------
+
+    def embed(self, rows: Sequence[V4Row]) -> torch.Tensor:
+        """The hyper-connection streams entering layer 0: [tokens, hc, hidden]."""
         if not rows:
             raise ValueError("V4 step: no rows")
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
-        pos = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows]).to(self.device)
         h = self.w["model.embed_tokens.weight"][ids].float()
-        h = h[:, None, :].expand(-1, self.hc, -1).contiguous()
-        for layer in range(self.spec.num_layers):
+        return h[:, None, :].expand(-1, self.hc, -1).contiguous()
+
+    @torch.no_grad()
+    def forward_layers(
+        self, rows: Sequence[V4Row], pool: V4Pool, h: torch.Tensor, start: int, end: int
+    ) -> torch.Tensor:
+        """Run main layers [start, end) on `pool` (which holds at least those layers' keys); returns the streams."""
+        if not rows:
+            raise ValueError("V4 step: no rows")
+        if not 0 <= start < end <= self.spec.num_layers:
+            raise ConfigError(f"V4 layer range {start}..{end - 1} is outside the model's 0..{self.spec.num_layers - 1}")
+        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
+        pos = torch.cat([torch.arange(r.start, r.start + len(r.token_ids)) for r in rows]).to(self.device)
+        h = h.to(self.device)
+        for layer in range(start, end):
             p = f"model.layers.{layer}."
             post, comb, collapsed = self._hc(p + "hc_attn", h)
             a = self._attention(pool, layer, self._norm(p + "attn_norm.weight", collapsed), rows, pos)
@@ -351,6 +371,10 @@ class DeepseekV4:
             post, comb, collapsed = self._hc(p + "hc_ffn", h)
             m = self._moe(layer, self._norm(p + "ffn_norm.weight", collapsed), ids)
             h = post[..., None] * m[:, None, :] + torch.matmul(comb.transpose(-1, -2), h)
+        return h
+
+    @torch.no_grad()
+    def head(self, rows: Sequence[V4Row], h: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         if not all_logits:
             last = torch.tensor(np.cumsum([len(r.token_ids) for r in rows]) - 1, device=self.device)
             h = h[last]
@@ -359,6 +383,10 @@ class DeepseekV4:
         pre = torch.sigmoid(mixes * self.w["model.hc_head.hc_scale"] + self.w["model.hc_head.hc_base"]) + self.hc_eps
         y = self._norm("model.norm.weight", (pre[..., None] * h).sum(dim=1))
         return F.linear(y, self.w["head.weight"])
+
+    def stage_layout(self, start: int, end: int, page_size: int | None = None) -> V4Layout:
+        """The layout of a pipeline stage holding main layers [start, end) (each kind only where read)."""
+        return V4Layout(self.spec, start, end, kv_format=ENGINE_FORMAT, index_format=ENGINE_FORMAT, page_size=page_size)
 
 
 def load_v4(path: str | Path, device: str | torch.device = "cpu") -> DeepseekV4:
