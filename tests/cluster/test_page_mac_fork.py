@@ -7,7 +7,7 @@ import os
 import torch
 
 from dsakv.cache.host_pool import make_host_pool
-from dsakv.cache.storage.base import PageMac
+from dsakv.cache.storage.base import NONCE_BYTES, PageMac
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.presets import load_spec
 
@@ -29,12 +29,13 @@ def test_threaded_macs_work_in_a_forked_child() -> None:
     key = os.urandom(32)
     host, segs = _pages(4)  # (host keeps the pages alive)
     hashes = [f"{i:064x}" for i in range(4)]
-    want = PageMac(key).macs("0123456789abcdef", hashes, segs, 2)
+    nonces = [os.urandom(NONCE_BYTES) for _ in hashes]
+    want = PageMac(key).tags("0123456789abcdef", hashes, nonces, segs, 2)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report and leave at once, whatever happens
         try:
-            ok = PageMac(key).macs("0123456789abcdef", hashes, segs, 2) == want
+            ok = PageMac(key).tags("0123456789abcdef", hashes, nonces, segs, 2) == want
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)

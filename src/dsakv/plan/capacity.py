@@ -397,8 +397,8 @@ def host_tokens(d: Deployment, layout: KVLayout, device_tokens: int) -> tuple[in
 
 # Every stored page (either storage backend) is its payload (exactly layout.bytes_per_page: the layout's keys,
 # INDEX_K only for producers) plus one record of this many bytes (cache/storage/base.py META: magic, layout id,
-# page hash, payload size, word sum, MAC); tests/unit/plan/test_plan_storage.py checks the two agree.
-STORAGE_RECORD_BYTES = 136
+# page hash, payload size, word sum, MAC nonce + tag); tests/unit/plan/test_plan_storage.py checks the two agree.
+STORAGE_RECORD_BYTES = 144
 
 
 def storage_tokens(d: Deployment, layout: KVLayout) -> int | None:

@@ -79,7 +79,7 @@ def toks(seed: int, n: int, prefix: list[int] | None = None) -> list[int]:
     return (prefix or []) + rng.integers(2, 500, n).tolist()
 
 
-FILE = 136 + LAYOUT.bytes_per_page  # header (record, MAC included) + one page row
+FILE = 144 + LAYOUT.bytes_per_page  # header (record, MAC included) + one page row
 
 
 def disk_cache(tmp: Path, cap: int | None, device_pages: int = 8) -> HiCache:

@@ -249,7 +249,7 @@ def test_disk_tier_reads_exact_bytes_per_page(disk_path, layouts, tmp_path):
 
 def _damage(store, h, how, good: bytes) -> str:
     """Damages page h's file; returns the reason a read gives for it."""
-    from dsakv.cache.storage.base import META, META_MAGIC
+    from dsakv.cache.storage.base import MAC_BYTES, META, META_MAC_AT, META_MAGIC, NONCE_BYTES
 
     p = store.path(h)
     size = META.size + DISK_LAYOUT.bytes_per_page
@@ -261,7 +261,7 @@ def _damage(store, h, how, good: bytes) -> str:
         return f"size {size - 1} B, not {size}"
     if how == "foreign":  # a genuine-looking record of another layout, its payload intact
         p.write_bytes(
-            META.pack(META_MAGIC, b"0123456789abcdef", h.encode(), DISK_LAYOUT.bytes_per_page, 0, bytes(32))
+            META.pack(META_MAGIC, b"0123456789abcdef", h.encode(), DISK_LAYOUT.bytes_per_page, 0, bytes(MAC_BYTES))
             + good[META.size :]
         )
         return f"identity 0123456789abcdef/{h[:12]} is not this page's"
@@ -271,6 +271,21 @@ def _damage(store, h, how, good: bytes) -> str:
     if how == "old-format":  # a whole page file of the previous format (a 104 B record): never opened for its data
         p.write_bytes(b"DSAKVPG2" + good[8:96] + good[96:104] + good[META.size :])
         return "old format (DSAKVPG2)"
+    if how == "old-magic-v3":  # this size, the v3 magic (an HMAC-SHA256 record)
+        p.write_bytes(b"DSAKVPG3" + good[8:])
+        return "old format (DSAKVPG3)"
+    if how == "old-format-v3":  # a whole v3 page file: a 136 B record (32 B HMAC), then the payload
+        p.write_bytes(b"DSAKVPG3" + good[8:104] + bytes(32) + good[META.size :])
+        return "old format (DSAKVPG3)"
+    if how in ("nonce", "tag"):  # one bit of the record's nonce or tag: the word sum holds, the MAC does not
+        b = bytearray(good)
+        b[META_MAC_AT + (3 if how == "nonce" else NONCE_BYTES + 5)] ^= 0x04
+        p.write_bytes(bytes(b))
+        return "MAC mismatch"
+    if how == "other-seal":  # the next page's genuine nonce | tag pasted into this page's record
+        other = store.path(store.page_hashes(np.arange(20) % 7 + 2)[3]).read_bytes()
+        p.write_bytes(good[:META_MAC_AT] + other[META_MAC_AT : META.size] + good[META.size :])
+        return "MAC mismatch"
     if how == "bad-magic":
         p.write_bytes(b"NOTAPAGE" + good[8:])
         return "bad magic b'NOTAPAGE'"
@@ -321,7 +336,9 @@ def _word_sum(payload: bytes) -> int:
     return (total ^ (len(payload) * CHECKSUM_MIX)) & (2**64 - 1)
 
 
-DAMAGES = ["missing", "truncated", "foreign", "old-magic", "old-format", "bad-magic", "flip", "swap", "compensating"]
+MAC_DAMAGES = ("flip", "swap", "compensating", "nonce", "tag", "other-seal")  # read as corrupt
+DAMAGES = ["missing", "truncated", "foreign", "old-magic", "old-format", "old-magic-v3", "old-format-v3", "bad-magic"]
+DAMAGES += MAC_DAMAGES
 
 
 @pytest.mark.parametrize("how", [*DAMAGES, "fifo", "dir", "symlink"])
@@ -337,7 +354,7 @@ def test_disk_tier_refuses_bad_page_files_exactly(disk_path, how, tmp_path):
     why = _damage(store, hashes[2], how, bad.read_bytes())
     res = store.get(hashes, _segs(dst, DST_IDS))
     assert (res.n, res.reason) == (2, why)
-    corrupt = how in ("flip", "swap", "compensating")
+    corrupt = how in MAC_DAMAGES
     assert (res.corrupt, res.refused, res.missing) == (
         int(corrupt),
         int(not corrupt and how != "missing"),
@@ -370,14 +387,13 @@ def write_path(request, monkeypatch):
 
 
 def test_disk_tier_writes_the_same_file_bytes_on_every_path(write_path, monkeypatch, tmp_path):
-    """put (native batch write, its threads, or the Python loop) writes byte-identical page files: header (magic,
-    layout id, hash, payload size, page_checksum, MAC) + the page's buffers in layout order, the MAC exactly
-    HMAC-SHA256(the directory's key file, domain | layout id | hash | u64 size | payload); read back on the
-    Python path, each page's bytes are exact."""
-    import hmac
-    import struct
-
-    from dsakv.cache.storage.base import KEY_FILE, MAC_DOMAIN, META, META_MAGIC, page_checksum
+    """put (native batch write, its threads, or the Python loop) writes the same page files: header (magic,
+    layout id, hash, payload size, page_checksum, nonce, tag) + the page's buffers in layout order, the nonce
+    fresh for every page and the tag exactly the pure-Python reference Poly1305(HMAC-SHA256(the directory's key
+    file, domain | nonce | layout id | hash | u64 size), payload); read back on the Python path, each page's
+    bytes are exact."""
+    from dsakv.cache.storage.base import KEY_FILE, MAC_DOMAIN, META, META_MAC_AT, META_MAGIC, NONCE_BYTES, page_checksum
+    from dsakv.testing.pagemac import page_tag
 
     src = _host("layer_first")
     store = _disk_store(tmp_path)
@@ -385,16 +401,20 @@ def test_disk_tier_writes_the_same_file_bytes_on_every_path(write_path, monkeypa
     segs = _segs(src, SRC_IDS)
     assert store.put(hashes, segs) == 5 and store.put(hashes, segs) == 0  # the second finds them all on disk
     assert sorted(p.name for p in store.dir.rglob("*") if p.is_file()) == sorted(f"{h}.page" for h in hashes)
+    key = bytes.fromhex((tmp_path / KEY_FILE).read_text().strip())
+    nonces = set()
     for h, i, sg in zip(hashes, SRC_IDS, segs, strict=True):
         payload = b"".join(src.view(b.key)[i].numpy().tobytes() for b in DISK_LAYOUT.buffers)
-        key = bytes.fromhex((tmp_path / KEY_FILE).read_text().strip())
-        ident = store.layout_id.encode() + h.encode() + struct.pack("<Q", len(payload))
-        mac = hmac.new(key, MAC_DOMAIN + ident + payload, "sha256").digest()
+        raw = store.path(h).read_bytes()
+        nonce = raw[META_MAC_AT : META_MAC_AT + NONCE_BYTES]
+        nonces.add(nonce)
+        tag = page_tag(key, MAC_DOMAIN, store.layout_id, h, nonce, payload)
         head = META.pack(
-            META_MAGIC, store.layout_id.encode(), h.encode(), DISK_LAYOUT.bytes_per_page, page_checksum(sg), mac
+            META_MAGIC, store.layout_id.encode(), h.encode(), DISK_LAYOUT.bytes_per_page, page_checksum(sg), nonce + tag
         )
         assert page_checksum(sg) == _word_sum(payload)
-        assert store.path(h).read_bytes() == head + payload, h
+        assert raw == head + payload, h
+    assert len(nonces) == 5
     monkeypatch.setattr(native, "_LIB", False)
     dst = _host("page_first", fill=0)
     assert store.get(hashes, _segs(dst, DST_IDS)).n == 5

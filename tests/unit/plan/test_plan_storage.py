@@ -15,7 +15,7 @@ from dsakv.spec import load_spec
 
 
 def test_record_bytes_match_the_storage_record() -> None:
-    assert STORAGE_RECORD_BYTES == META.size == 136
+    assert STORAGE_RECORD_BYTES == META.size == 144
 
 
 def test_glm52_one_tib_of_storage() -> None:
@@ -23,11 +23,11 @@ def test_glm52_one_tib_of_storage() -> None:
     rp = plan(Deployment(spec, role="decode", kv_budget=parse_size("96.33GiB"), hicache_storage_size=2**40))
     (s,) = rp.stages
     assert (s.bytes_per_token_dense, s.bytes_per_token_elided) == (61_464, 53_940)
-    # floor(2^40 / (B/token x 64 + 136)) pages x 64 tokens
-    assert s.storage_tokens_dense == 279_501 * 64 == 17_888_064
-    assert s.storage_tokens_elided == 318_487 * 64 == 20_383_168
+    # floor(2^40 / (B/token x 64 + 144)) pages x 64 tokens
+    assert s.storage_tokens_dense == 279_500 * 64 == 17_888_000
+    assert s.storage_tokens_elided == 318_486 * 64 == 20_383_104
     assert s.storage_bytes == 2**40
-    assert s.to_dict()["storage_tokens_elided"] == 20_383_168
+    assert s.to_dict()["storage_tokens_elided"] == 20_383_104
 
 
 def test_pp_stage_storage_per_stage_layout() -> None:
@@ -43,7 +43,7 @@ def test_pp_stage_storage_per_stage_layout() -> None:
 
 def test_storage_too_small_names_the_flag() -> None:
     spec = load_spec("glm-5.2")
-    with pytest.raises(CapacityError, match=r"--hicache-storage-size 1000 B holds no page \(3933832 B per stored"):
+    with pytest.raises(CapacityError, match=r"--hicache-storage-size 1000 B holds no page \(3933840 B per stored"):
         plan(Deployment(spec, kv_budget=2**34, hicache_storage_size=1000))
 
 
@@ -51,6 +51,6 @@ def test_cli_json_and_table(capsys) -> None:
     assert main(["plan", "glm-5.2", "--kv-budget", "96.33GiB", "--hicache-storage-size", "1TiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     stage = out["stages"][0] if "stages" in out else out["roles"][0]["stages"][0]
-    assert stage["storage_tokens_elided"] == 20_383_168
+    assert stage["storage_tokens_elided"] == 20_383_104
     assert main(["plan", "glm-5.2", "--kv-budget", "96.33GiB", "--hicache-storage-size", "1TiB"]) == 0
-    assert "20,383,168" in capsys.readouterr().out
+    assert "20,383,104" in capsys.readouterr().out

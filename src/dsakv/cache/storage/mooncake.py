@@ -6,8 +6,9 @@ naming the MAC key, so deployments of other secrets on one master never read or 
     <key>        the payload: the page's buffers in layout order, exactly layout.bytes_per_page bytes
                  (put with batch_put_from_multi_buffers straight from the host pool's pages: one object per
                  page whatever the host layout, no staging copy)
-    <key>.meta   136 B record (base.META) written after the payload: magic, layout_id, h, payload bytes, word sum,
-                 MAC (HMAC-SHA256 under a key derived from the deployment's secret, over identity + payload)
+    <key>.meta   144 B record (base.META) written after the payload: magic, layout_id, h, payload bytes, word sum,
+                 MAC (a fresh nonce | Poly1305 tag of the payload under HMAC-SHA256(a key derived from the
+                 deployment's secret, nonce | identity))
 
 A page is stored iff both exist (a writer that dies between the two left no hit). A read fetches the records,
 refuses any of another identity, size or format, reads the payloads straight into host-pool pages (batch_get_
