@@ -32,6 +32,7 @@ instance B (another client, fresh device and host tiers) serves it from the stor
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -74,7 +75,8 @@ def transfer(args: argparse.Namespace) -> None:
     nbytes = args.batch * layout.bytes_per_page
     print(
         f"transfer: {spec.name}, {len(layout.buffers)} buffers ({len(layout.producers)} producers own index-K), "
-        f"{layout.bytes_per_page:,} B/page, {args.batch} of {args.pages} pages = {nbytes / 2**20:.1f} MiB, on {dev}"
+        f"{layout.bytes_per_page:,} B/page, {args.batch} of {args.pages} pages = {nbytes / 2**20:.1f} MiB, on {dev}; "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 256)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=dev == "cuda")
@@ -182,7 +184,7 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
                 assert wstore.put(hashes, pages) == n
 
             reads[name], writes[name], writes_store[name] = get, put, wstore
-            if hasattr(store, "page_macs"):  # the page MACs alone (HMAC-SHA256 of the same bytes), as get checks them
+            if hasattr(store, "page_macs"):  # the page MACs alone (Poly1305 of the same bytes), as get checks them
 
                 def macs(store=store, pages=pages) -> None:
                     assert len(store.page_macs(hashes, pages)) == n
@@ -234,7 +236,7 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
         for name in names:
             t, c = wall[mode, name], cpu[mode, name]
             cpu_x = "" if mode == "cold" else f", CPU time {c_plain / c:4.2f}x"  # cold: the wait is I/O, not CPU
-            label, what = (name, "HMAC-SHA256 of the host pages") if "MAC" in name else (name + " disk tier", "")
+            label, what = (name, "Poly1305 MACs of the host pages") if "MAC" in name else (name + " disk tier", "")
             print(
                 f"  {label:<24} {op}   {nbytes / t / 1e9:7.2f} GB/s ({t_plain / t:5.2f}x plain{cpu_x}; "
                 f"{what or f'{n} page files, record + checks'}; {mode})"
@@ -242,6 +244,7 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
             out[f"{name}_{tag}_x_plain"] = t_plain / t
             if mode != "cold":
                 out[f"{name}_{tag}_cpu_x_plain"] = c_plain / c
+    print(f"  load average after the disk tier: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return out
 
 

@@ -24,7 +24,7 @@ pytest.importorskip("mooncake.store")
 
 from dsakv.cache.hicache import HiCache, HiCacheConfig  # noqa: E402
 from dsakv.cache.storage import StorageConfig  # noqa: E402
-from dsakv.cache.storage.base import META, META_MAGIC, chain_hashes, finish_checksum  # noqa: E402
+from dsakv.cache.storage.base import MAC_BYTES, META, META_MAGIC, chain_hashes, finish_checksum  # noqa: E402
 from dsakv.cache.storage.master import MasterProcess, free_port  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
@@ -204,7 +204,7 @@ def test_forged_objects_with_a_recomputed_checksum_are_refused(store: str) -> No
     raw = _raw(h)
     genuine = [bytes(raw.get(k)) for k in keys]
     _forge(raw, keys[1], _swapped(genuine[1]))
-    _forge(raw, keys[2], bytes(len(genuine[2])), mac=b"\x5a" * 32)
+    _forge(raw, keys[2], bytes(len(genuine[2])), mac=b"\x5a" * MAC_BYTES)
     for stage, (loaded, forged_at) in enumerate([(1, 1), (2, 2)]):
         h2 = Harness(device_pages=8, hicache_ratio=1.0, storage=_cfg(store))
         m = h2.run(a)  # the rows loaded are the genuine ones (checked in run); the forged page stops the load

@@ -18,11 +18,13 @@ Integrity: every stored page carries a record (`META`, format "DSAKVPG4", 144 B)
 hash, payload size), a 64-bit word sum of the payload (`page_checksum`: a cheap pass that catches random damage,
 fused into the native copy; not a MAC) and a keyed MAC (`PageMac`, Wegman-Carter): a fresh random nonce per write
 and the tag Poly1305(HMAC-SHA256(tier key, domain | nonce | identity), payload): a swapped word, compensating
-flips, or an object forged with a recomputed word sum all fail it. A read that fails any check is dropped and counted, never loaded; a record of an older format is refused as
-"old format", never read. Keys (`tier_key`): the shared tier (mooncake) derives its key from the deployment's
-secret (--hicache-storage-secret-file, else --cluster-secret-file / $DSAKV_CLUSTER_SECRET_FILE); the local disk
-tier keeps a random key in its directory (`.dsakv-page-key`, created mode 600, readable by the servers' user
-only), so every server sharing the directory shares it, and a page file written by anyone else is refused.
+flips, or an object forged with a recomputed word sum all fail it. A read that fails any check is dropped and
+counted, never loaded; a record of an older format (v1-v3; DSAKVPG3: 136 B, an HMAC-SHA256 of the whole
+payload) is refused as "old format", never read. Keys (`tier_key`): the shared tier (mooncake) derives its key
+from the deployment's secret (--hicache-storage-secret-file, else --cluster-secret-file /
+$DSAKV_CLUSTER_SECRET_FILE); the local disk tier keeps a random key in its directory (`.dsakv-page-key`, created
+mode 600, readable by the servers' user only), so every server sharing the directory shares it, and a page file
+written by anyone else is refused.
 
 A page is stored only when every object it needs is present (`count_present` checks them all), so a partially
 written page is never a hit. Failures (a dead master, an I/O error) raise StorageError; the caller computes
