@@ -39,8 +39,8 @@ def _store(d: Path) -> FileStore:
     return FileStore(LAYOUT, None, StorageConfig(backend="file", dir=str(d)))
 
 
-def _pages(n: int, seed: int = 3) -> tuple[object, list[list[tuple[int, int]]]]:
-    host = make_host_pool("layer_first", LAYOUT, n)
+def _pages(n: int, seed: int = 3, host_layout: str = "layer_first") -> tuple[object, list[list[tuple[int, int]]]]:
+    host = make_host_pool(host_layout, LAYOUT, n)
     g = torch.Generator().manual_seed(seed)
     for key in host.keys:
         v = host.view(key)
@@ -121,6 +121,11 @@ def test_batch_macs_on_threads_equal_the_reference(tmp_path: Path) -> None:
     assert all(len(t) == TAG_BYTES for t in want) and len(set(want)) == 7
     for threads in (1, 2, 3, 16):
         assert m.tags(lid, hashes, nonces, segs, threads) == want, threads
+    # the same bytes in a page_first pool (each page's segments adjacent: one update) give the same tags
+    host2, segs2 = _pages(7, host_layout="page_first")
+    assert all(a + n == b for sg in segs2 for (a, n), (b, _) in zip(sg, sg[1:], strict=False))
+    assert [b"".join(_at(a, n).tobytes() for a, n in sg) for sg in segs2] == payloads
+    assert m.tags(lid, hashes, nonces, segs2) == want
     # a write's seals: a fresh nonce each (never two alike, another on every call), then its tag
     for threads in (1, 2):
         seals = m.seals(lid, hashes, segs, threads)

@@ -76,11 +76,12 @@ KEY_FILE = ".dsakv-page-key"  # the disk tier's key, in its directory
 
 
 def _mac_threads() -> int:
-    """Threads that MAC one batch's pages (Poly1305 holds the GIL while it hashes, so they overlap the native read,
-    which releases it, rather than each other): $DSAKV_PAGE_MAC_THREADS, default min(4, cores)."""
+    """Threads that MAC one batch's pages: $DSAKV_PAGE_MAC_THREADS, default 1. Poly1305 holds the GIL while it
+    hashes, so more threads can only overlap the native read (which releases it), not each other; on the 2-core
+    box that measured slower (bench/results/hicache.txt: a GIL convoy between the reader and the MAC thread)."""
     raw = os.environ.get("DSAKV_PAGE_MAC_THREADS", "").strip()
     if not raw:
-        return min(4, os.cpu_count() or 1)
+        return 1
     if not raw.isdigit() or not 1 <= int(raw) <= 16:
         raise ConfigError(f"DSAKV_PAGE_MAC_THREADS={raw!r} must be a whole number of threads in 1..16 (or unset)")
     return int(raw)
@@ -233,8 +234,8 @@ class PageMac:
     (a short input: cheap), and the tag Poly1305(k, payload), the payload being the page's segments laid end to
     end (the same bytes whatever the host layout), streamed into Poly1305 segment by segment. A seal is
     nonce | tag (MAC_BYTES). Poly1305 is `cryptography`'s (OpenSSL, ~4.4 GB/s a core here vs ~1.4 for
-    HMAC-SHA256); its update holds the GIL, so `tags` over `threads` threads overlaps other work (a native read
-    that releases the GIL) rather than hashing in parallel."""
+    HMAC-SHA256); its update holds the GIL, so `tags` over `threads` threads (default MAC_THREADS) can overlap
+    other work (a native read that releases the GIL), never hash in parallel."""
 
     def __init__(self, key: bytes) -> None:
         if len(key) < 16:
@@ -253,9 +254,16 @@ class PageMac:
     def tag(self, layout_id: str, h: str, nonce: bytes, segs: Segments) -> bytes:
         """The page's Poly1305 tag (TAG_BYTES) under the one-time key of `nonce`."""
         p = Poly1305(self.one_time_key(layout_id, h, nonce, sum(n for _, n in segs)))
+        run_at, run = 0, 0  # adjacent segments (a page_first page) in one update: fewer calls, the same bytes
         for a, n in segs:
-            if n:
-                p.update(mview(a, n))
+            if run and a == run_at + run:
+                run += n
+                continue
+            if run:
+                p.update(mview(run_at, run))
+            run_at, run = a, n
+        if run:
+            p.update(mview(run_at, run))
         return p.finalize()
 
     def tags(
