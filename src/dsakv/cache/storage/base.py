@@ -76,12 +76,12 @@ KEY_FILE = ".dsakv-page-key"  # the disk tier's key, in its directory
 
 
 def _mac_threads() -> int:
-    """Threads that MAC one batch's pages: $DSAKV_PAGE_MAC_THREADS, default 1. Poly1305 holds the GIL while it
-    hashes, so more threads can only overlap the native read (which releases it), not each other; on the 2-core
-    box that measured slower (bench/results/hicache.txt: a GIL convoy between the reader and the MAC thread)."""
+    """Threads that MAC one batch's pages: $DSAKV_PAGE_MAC_THREADS, default min(2, cores). Poly1305 holds the GIL
+    while it hashes, so a second thread only overlaps the native read (which releases it) with one page's MAC,
+    never two MACs (bench/results/hicache.txt: 2 threads vs 1 at load ~7 on 2 cores)."""
     raw = os.environ.get("DSAKV_PAGE_MAC_THREADS", "").strip()
     if not raw:
-        return 1
+        return min(2, os.cpu_count() or 1)
     if not raw.isdigit() or not 1 <= int(raw) <= 16:
         raise ConfigError(f"DSAKV_PAGE_MAC_THREADS={raw!r} must be a whole number of threads in 1..16 (or unset)")
     return int(raw)

@@ -26,7 +26,7 @@ in the same order, the same reason strings and counters, the same files. A read 
 read-only mapping of the file straight into the host segments with its word sum added in the same pass
 (DSAKV_DISK_READ=preadv: preadv windows instead); a file truncated under the mapping is refused ("the file shrank
 while it was read"), not a crash; the MACs are then checked here over the segments (Poly1305, which holds the GIL; with
-base.MAC_THREADS > 1, default 1, a chunk's MACs on a thread overlap the native read of the next), as a write
+base.MAC_THREADS > 1, default min(2, cores), a chunk's MACs on a thread overlap the native read of the next), as a write
 computes them before the native call.
 DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch's copies over threads (default 1);
 DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by default: it
