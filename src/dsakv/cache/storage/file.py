@@ -2,17 +2,15 @@
 
     <dir>/.dsakv-page-key                 the tier's MAC key (64 hex digits, mode 600; made on first use)
     <dir>/<layout_id>/<h[:2]>/<h>.page
-    | magic "DSAKVPG4" | layout_id (16 B) | h (64 B) | payload bytes (u64) | word sum (u64) | nonce (24 B) |
-    | tag (16 B) | payload |
+    | magic "DSAKVPG4" | layout_id 16 B | h 64 B | payload bytes u64 | word sum u64 | nonce 24 B | tag 16 B | payload |
 
 The payload is the page's buffers in layout order (page_copy's page row); the MAC is base.PageMac's under the
-directory's key (a fresh nonce per write; tag = Poly1305 under HMAC-SHA256(key, nonce | identity), over the
-payload). Writes go to a temporary file renamed into
-place, so a crash never leaves a torn page. A read opens the file non-blocking, refuses anything that is not a
-regular file of exactly `file_bytes`, checks the header (identity, size), the payload's word sum and then its MAC
-over the bytes as loaded into the host segments; a page that fails is deleted and counted (corrupt_pages /
-junk_deleted), and reads as a miss. Files of an older format (another size) are refused as "old format", never
-read, and deleted at start-up.
+directory's key (a fresh nonce per write; tag: Poly1305 under HMAC-SHA256(key, nonce | identity) over the
+payload). Writes go to a temporary file renamed into place, so a crash never leaves a torn page. A read opens
+the file non-blocking, refuses anything that is not a regular file of exactly `file_bytes`, checks the header
+(identity, size), the payload's word sum and then its MAC over the bytes as loaded into the host segments; a page
+that fails is deleted and counted (corrupt_pages / junk_deleted), and reads as a miss. Files of an older format
+(another size) are refused as "old format", never read, and deleted at start-up.
 
 Size cap (max_bytes, None = unbounded): the page files of this layout directory never total more than max_bytes;
 a write evicts the least recently used files first. A use (write or read) touches a file's mtime, the earlier
@@ -25,9 +23,8 @@ read_pages / write_pages, the GIL released), doing what the Python loops below d
 in the same order, the same reason strings and counters, the same files. A read copies each payload from a
 read-only mapping of the file straight into the host segments with its word sum added in the same pass
 (DSAKV_DISK_READ=preadv: preadv windows instead); a file truncated under the mapping is refused ("the file shrank
-while it was read"), not a crash; the MACs are then checked here over the segments (Poly1305, which holds the GIL; with
-base.MAC_THREADS > 1, default min(2, cores), a chunk's MACs on a thread overlap the native read of the next), as a write
-computes them before the native call.
+while it was read"), not a crash; the MACs are then checked here over the segments (Poly1305 holds the GIL: on
+base.MAC_THREADS threads a chunk's MACs overlap the native read of the next), as a write computes them first.
 DSAKV_DISK_READ_THREADS / DSAKV_DISK_WRITE_THREADS spread a batch's copies over threads (default 1);
 DSAKV_DISK_READ_ADVISE=1 adds a posix_fadvise(WILLNEED) of the next page file during a read (off by default: it
 measured slower, warm and cold).
