@@ -17,3 +17,7 @@ class CapacityError(DsakvError, ValueError):
 
 class NoFreePages(CapacityError):
     """The pool has too few free pages right now (it would fit later): retry after requests finish."""
+
+
+class Unavailable(DsakvError):
+    """The server cannot take requests right now (e.g. a rank of its group died): 503, retry later."""

@@ -7,7 +7,9 @@ loaded in another dtype (other KV) give another.
 
 Computed once per checkpoint: with the model's directory, the value is cached by the identity of its
 *.safetensors files and the dtype, in-process and in $DSAKV_CACHE_DIR/fingerprints.json (default ~/.cache/dsakv),
-so a restarted server does not re-hash. The identity is everything that changes when a file's content can have:
+so a restarted server does not re-hash. A rank's shard of a tensor- or expert-parallel model (SHARD on the model:
+kind, rank, size) is cached under its own key: each shard gets the fingerprint of its own tensors.
+The identity is everything that changes when a file's content can have:
 resolved path, device, inode, size, mtime_ns and ctime_ns of each file (ctime moves on every write and on every
 utime, so a rewrite that restores size and mtime is still a new identity; mtime alone is never trusted). The
 loader records the identity it read (`LOADED_IDENTITY` on the model, taken before and checked after the read):
@@ -61,6 +63,7 @@ def _save_disk_cache(key: str, value: str) -> None:
 
 
 LOADED_IDENTITY = "dsakv_checkpoint_identity"  # the model attribute the loader sets (file_identity as read)
+SHARD = "dsakv_shard"  # the model attribute of a rank's shard (model/parallel.py): "tp 1/2", "ep 0/2"; "" whole
 
 
 def file_identity(model_dir: str | Path) -> str:
@@ -97,7 +100,8 @@ def weights_fingerprint(model: Any, model_dir: str | Path | None = None) -> str:
     key = ""
     if ident:
         params = list(model.parameters()) if hasattr(model, "parameters") else []
-        key = f"{params[0].dtype if params else ''}|{ident}"
+        shard = getattr(model, SHARD, "")  # a shard's tensors are not the whole model's: its own entry
+        key = f"{params[0].dtype if params else ''}|{ident}" + (f"|{shard}" if shard else "")
         with _lock:
             if key in _memo:
                 return _memo[key]

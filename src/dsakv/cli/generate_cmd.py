@@ -185,6 +185,20 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         engine = Engine(model_dir, options.engine_config(args))
+    try:
+        return _generate(args, ranks, engine, prompts, params, dp, tokenizer)
+    except Exception as e:  # a collective broken by a dead rank: RankDown naming it and its exit status
+        if ranks.size == 1:
+            raise
+        err = ranks.guard(e)
+        if ranks.down is not None:
+            ranks.close()  # kills the surviving ranks; raises RankDown
+        raise err from e
+
+
+def _generate(
+    args: argparse.Namespace, ranks: Any, engine: Any, prompts: list[list[int]], params: Any, dp: int, tokenizer: Any
+) -> int:
     mine = [i for i in range(len(prompts)) if i % dp == ranks.rank % dp]  # DP rank r: prompts r, r + dp, ...
     ids: dict[int, str] = {}
     final = {}

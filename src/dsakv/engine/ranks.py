@@ -5,6 +5,14 @@ index-K are replicated) and runs the same engine on the same requests: the sched
 all-reduced hidden states are bitwise equal on every rank, so every rank samples the same tokens (a seed is
 drawn once, on rank 0, and broadcast). `Ranks.agree` gathers a value from every rank so the lead can check
 that they did. Nothing here assumes a device: the group's backend follows the model's device.
+
+Liveness: rank 0 polls its rank processes (a watcher thread on the Popen objects, every POLL_S). A child that
+dies before joining fails start-up at once with its exit status (the join runs in a thread while rank 0 watches);
+once the group is up, a dead rank makes `Ranks.down` name it and its exit status, the next collective of
+RankedEngine raises RankDown with that text instead of running (or, when the death breaks a collective in
+flight, the collective's error is replaced by it), and the group's collectives are bounded by its timeout
+(model/parallel.py COLLECTIVE_TIMEOUT_S), so no step waits for a dead rank for longer. The group is not re-formed:
+the server reports the rank down (503) until it is restarted.
 Imports torch.distributed, dsakv.util and dsakv.model.
 """
 
@@ -13,11 +21,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, Unavailable
 from dsakv.model.parallel import TPGroup, init_group
 from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
 
@@ -28,17 +36,95 @@ PORT_ENV = "DSAKV_TP_PORT"
 SIZE_ENV = "DSAKV_TP_SIZE"
 ADDR = "127.0.0.1"
 EXIT_TIMEOUT_S = 60.0
+POLL_S = 0.1  # how often rank 0 polls its rank processes
 
 
 class RanksDiverged(ConfigError):
     """Ranks of one TP group computed different results (a bug, never a user error: reported, not hidden)."""
 
 
+class RankDown(Unavailable):
+    """A rank of this TP group died: names it and its exit status; the group cannot run a step any more."""
+
+
+def exit_text(rc: int) -> str:
+    """'exited with status 3' or 'was killed by signal 9 (SIGKILL)'."""
+    if rc >= 0:
+        return f"exited with status {rc}"
+    import signal
+
+    try:
+        name = f" ({signal.Signals(-rc).name})"
+    except ValueError:
+        name = ""
+    return f"was killed by signal {-rc}{name}"
+
+
+def dead_child(children: Sequence[Proc]) -> str | None:
+    """'tp rank 1 (pid 123) was killed by signal 9 (SIGKILL)' for the first child that exited, else None."""
+    for p in children:
+        rc = p.poll()
+        if rc is not None:
+            return f"{p.name} (pid {p.pid}) {exit_text(rc)}"
+    return None
+
+
 class Ranks:
-    """This process's place in its TP group; rank 0 also holds the processes of ranks 1..T-1."""
+    """This process's place in its TP group; rank 0 also holds the processes of ranks 1..T-1 and watches them
+    (`down`: the first dead rank and its exit status, None while every rank runs)."""
 
     def __init__(self, group: TPGroup, children: Sequence[Proc] = ()) -> None:
+        import threading
+
         self.group, self.children = group, list(children)
+        self._down: str | None = None
+        self._closing = False
+        self._stop = threading.Event()
+        self._check_lock = threading.Lock()
+        self._watchers: list[Any] = []
+        if self.children:
+            threading.Thread(target=self._watch, name="dsakv-rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if self.check() is not None:
+                return
+
+    def check(self) -> str | None:
+        """Poll the rank processes now; the first death found is kept, logged and told to `on_down` callbacks."""
+        with self._check_lock:
+            if self._down is not None or self._closing:
+                return self._down
+            dead = dead_child(self.children)
+            if dead is None:
+                return None
+            self._down = f"TP rank down: {dead}"
+        log.error("%s: every request in flight fails; restart the server to re-form the group", self._down)
+        for fn in list(self._watchers):
+            fn(self._down)
+        return self._down
+
+    @property
+    def down(self) -> str | None:
+        return self._down
+
+    def on_down(self, fn: Any) -> None:
+        """Call fn(message) (from the watcher thread) when a rank dies."""
+        self._watchers.append(fn)
+        if self._down is not None:
+            fn(self._down)
+
+    def guard(self, exc: BaseException) -> BaseException:
+        """The error to raise for `exc` out of a collective: RankDown naming the dead rank when one died (a
+        follower's death can take a moment to be seen after the collective broke: polled for up to 1 s)."""
+        import time
+
+        end = time.monotonic() + (1.0 if self.children else 0.0)
+        while self.check() is None and time.monotonic() < end:
+            time.sleep(POLL_S / 2)
+        if self._down is not None:
+            return RankDown(f"{self._down} ({type(exc).__name__} in the group's collective)")
+        return exc
 
     @property
     def rank(self) -> int:
@@ -80,7 +166,14 @@ class Ranks:
         return out[0]
 
     def close(self) -> None:
-        """Leave the group; rank 0 waits (bounded) for the other ranks' exit and names one that failed."""
+        """Leave the group; rank 0 waits (bounded) for the other ranks' exit and names one that failed. With a rank
+        down, the survivors are killed (no collective with a dead rank) and the dead one is named."""
+        self._stop.set()
+        if self._down is not None:
+            for p in self.children:
+                p.kill()
+            raise RankDown(self._down)
+        self._closing = True
         if self.size > 1 and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -115,13 +208,39 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
         if int(os.environ.get(SIZE_ENV, size)) != size:
             raise ConfigError(f"this rank was started for a TP group of {os.environ[SIZE_ENV]}, not --tp-size {size}")
     try:
-        group = init_group(rank, size, ADDR, port, device)
-    except Exception:
+        group = _join(rank, size, port, device, children)
+    except BaseException:
         for p in children:
             p.kill()
         raise
     log.info("TP rank %d/%d joined on %s:%d", rank, size, ADDR, port)
     return Ranks(group, children)
+
+
+def _join(rank: int, size: int, port: int, device: str, children: Sequence[Proc]) -> TPGroup:
+    """init_group; on rank 0 in a thread while the children are polled: a child that dies first fails at once."""
+    if not children:
+        return init_group(rank, size, ADDR, port, device)
+    import threading
+
+    box: list[Any] = []
+
+    def join() -> None:
+        try:
+            box.append(init_group(rank, size, ADDR, port, device))
+        except BaseException as e:  # noqa: BLE001 (re-raised by the caller)
+            box.append(e)
+
+    t = threading.Thread(target=join, name="dsakv-rank-join", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(POLL_S)
+        dead = dead_child(children)
+        if dead is not None and t.is_alive():
+            raise RankDown(f"{dead} before joining the TP group of {size} ranks (its error is above)")
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return cast(TPGroup, box[0])
 
 
 # ---- serving: rank 0 takes the requests, every rank runs every step ------------------------------------------
@@ -171,20 +290,27 @@ class RankedEngine:
         return out
 
     def step(self) -> Any:
+        """One step on every rank; RankDown (naming the rank and its exit status) once a rank died."""
         with self._lock:
             if self._closed:
                 return []
+            if self.ranks.down is not None:
+                raise RankDown(self.ranks.down)
             log_, self._log = self._log, []
-            self.ranks.broadcast(log_)
-            return self.engine.step()
+            try:
+                self.ranks.broadcast(log_)
+                return self.engine.step()
+            except Exception as e:
+                raise self.ranks.guard(e) from e
 
     def close(self) -> None:
-        """Tell the followers to stop, leave the group, wait for their exit."""
+        """Tell the followers to stop, leave the group, wait for their exit (with a rank down: kill the others)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self.ranks.broadcast(_STOP)
+            if self.ranks.down is None:
+                self.ranks.broadcast(_STOP)
         self.ranks.close()
 
 

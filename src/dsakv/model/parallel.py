@@ -15,7 +15,7 @@ DecoderLayer: one all-reduce after o_proj and one after the MLP/MoE down project
 0 only (T = 1 is the single-rank arithmetic). Every rank writes the same MLA latent KV and index-K (computed from
 replicated weights on the same hidden states): each rank's pool holds the full keys, as the production engines'.
 Collectives: torch.distributed, gloo for CPU tensors, nccl for CUDA ones; nothing here assumes a device.
-Imports torch, dsakv.spec and dsakv.model.
+Imports torch, dsakv.spec, dsakv.cache.fingerprint and dsakv.model.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dsakv.cache.fingerprint import SHARD
 from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DecoderLayer, DSAModel
 from dsakv.model.layers import MLP, MoE, Router
@@ -38,7 +39,8 @@ from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
 
-INIT_TIMEOUT_S = 120.0  # every rank must join (and every collective finish) within this
+INIT_TIMEOUT_S = 120.0  # every rank must join (and every collective finish) within this: the bound on a step's
+# wait for a peer (a dead peer usually fails the collective at once: its sockets close; engine/ranks.py)
 
 _ROW = re.compile(
     r"\.(self_attn\.(q_b_proj|kv_b_proj)|mlp(\.shared_experts|\.experts\.\d+)?\.(gate_proj|up_proj))\.weight$"
@@ -135,6 +137,7 @@ def load_tp_model(
     )
     if model.spec.identity_hash() != spec.identity_hash():  # the shard's cache shape is the whole model's
         raise AssertionError("a TP shard changed the cache identity")
+    setattr(model, SHARD, f"tp {group.rank}/{group.size}")
     log.info(
         "TP rank %d/%d: %.1fM parameters", group.rank, group.size, sum(p.numel() for p in model.parameters()) / 1e6
     )
@@ -208,6 +211,7 @@ def attach_ep(model: DSAModel, rank: int, size: int, group: Any = None) -> DSAMo
         dl = cast(DecoderLayer, layer)
         if isinstance(dl.mlp, MoE):
             dl.mlp = EPMoE(dl.mlp, rank, size, group)
+    setattr(model, SHARD, f"ep {rank}/{size}")
     return model
 
 

@@ -9,7 +9,8 @@
 The stepping thread sleeps until a request arrives, then loops `engine.step()` while any request is unfinished
 and fans each RequestOutput out to that request's queue. Engine methods take the engine's lock, so submit/abort
 from HTTP threads interleave safely with stepping. If a step raises (the engine's books are broken), every
-request in flight ends with finish_reason "error", and health() reports not ok from then on.
+request in flight ends with finish_reason "error", health() reports not ok from then on and submit() raises
+Unavailable (503).
 Imports dsakv.engine and dsakv.serve.backend; must not import disagg or cli.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
-from dsakv.errors import ConfigError
+from dsakv.errors import ConfigError, Unavailable
 from dsakv.serve.backend import FEATURES, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class EngineBackend:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if self._fatal is not None:
-            raise ConfigError(f"the engine is stopped after an internal error ({self._fatal}): restart the server")
+            raise Unavailable(f"the engine is stopped after an internal error ({self._fatal}): restart the server")
         if self._thread is None:
             raise ConfigError("the backend is not started: call start() before submit()")
         with self._qlock:
@@ -253,16 +254,17 @@ class EngineBackend:
             self._wake.wait(timeout=0.5)
             self._wake.clear()
             while not self._stopping.is_set():
-                if not eng.has_unfinished():
-                    for out in eng.step():  # drain aborts reported after the last request left
-                        self._put(out)
-                    break
+                idle = not eng.has_unfinished()
                 t0 = time.perf_counter()
                 try:
-                    outs = eng.step()
-                except Exception as e:  # broken books: fail everything in flight, report unhealthy
+                    outs = eng.step()  # idle: drain aborts reported after the last request left
+                except Exception as e:  # broken books or a dead rank: fail everything in flight, report unhealthy
                     self._fail_all(f"{type(e).__name__}: {e}")
                     return
+                if idle:
+                    for out in outs:
+                        self._put(out)
+                    break
                 self._step_seconds += time.perf_counter() - t0
                 for out in outs:
                     self._put(out)
