@@ -20,4 +20,7 @@ class NoFreePages(CapacityError):
 
 
 class Unavailable(DsakvError):
-    """The server cannot take requests right now (e.g. a rank of its group died): 503, retry later."""
+    """The server cannot take requests right now (e.g. a rank of its group died): HTTP `status` 503."""
+
+    status = 503
+    code = "unavailable"

@@ -49,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsakv.engine.request import TokenLogprobs
-from dsakv.errors import CapacityError, DsakvError, Unavailable
+from dsakv.errors import CapacityError, DsakvError
 from dsakv.serve.backend import GenerationBackend, TokenEvent
 from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, parse_json_body
 from dsakv.serve.metrics import ServerMetrics
@@ -156,10 +156,8 @@ class _Server:
                 await self.call(self.backend.submit, rid, prompt_ids, g.params)
             except CapacityError as e:
                 raise ApiError(413, str(e), param="max_tokens", code="context_length_exceeded") from None
-            except Unavailable as e:
-                raise ApiError(503, str(e), code="unavailable") from None
-            except DsakvError as e:
-                raise ApiError(400, str(e), code="invalid_value") from None
+            except DsakvError as e:  # errors.Unavailable (a dead rank, a stopped engine): its status 503
+                raise ApiError(getattr(e, "status", 400), str(e), code=getattr(e, "code", "invalid_value")) from None
         except ApiError:
             self.metrics.rejected()
             raise
