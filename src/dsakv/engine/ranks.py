@@ -299,9 +299,15 @@ class RankedEngine:
             log_, self._log = self._log, []
             try:
                 self.ranks.broadcast(log_)
-                return self.engine.step()
+                outs = self.engine.step()
             except Exception as e:
                 raise self.ranks.guard(e) from e
+            # the engine fails a step's requests itself when its model step raised (a collective with a dead rank
+            # among the causes): then RankDown, so that every request in flight gets the rank's name, not gloo's
+            bad = next((o.error for o in outs if o.finished and o.finish_reason == "error"), None)
+            if bad is not None and isinstance(self.ranks.guard(RuntimeError(bad)), RankDown):
+                raise RankDown(f"{self.ranks.down} (its step failed: {bad})")
+            return outs
 
     def close(self) -> None:
         """Tell the followers to stop, leave the group, wait for their exit (with a rank down: kill the others)."""
