@@ -493,6 +493,9 @@ class Engine:
         for r in got:
             n = r.num_output_tokens - before[r.request_id]
             self._generated += n
+            lps = self.speculator.logprobs.get(r.request_id)
+            if lps:  # one per kept token (a stop drops the tokens after it)
+                r.output_logprobs.extend(lps[:n])
             outputs.append(RequestOutput.of(r, n))
             if r.is_finished:
                 self.speculator.forget(r.request_id)

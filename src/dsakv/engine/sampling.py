@@ -126,15 +126,23 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams, *, scaled: bool 
     return x
 
 
-def process_logits(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor, reqs: Sequence[Request], pending: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
     """Raw logits [B, vocab] -> float32 processed logits (module docstring); rows of requests without penalties
-    or bias are logits / temperature (greedy rows: unchanged). Never NaN nor +inf (see _process)."""
-    return _process(logits, reqs)[0]
+    or bias are logits / temperature (greedy rows: unchanged). Never NaN nor +inf (see _process).
+    `pending[b]`: tokens taken as already appended to reqs[b]'s output (a speculative position's state: the
+    penalties count them, min_tokens counts them); a request may appear in several rows."""
+    return _process(logits, reqs, pending)[0]
 
 
-def _process(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[torch.Tensor, list[bool], list[str | None]]:
+def _process(
+    logits: torch.Tensor, reqs: Sequence[Request], pending: Sequence[Sequence[int]] | None = None
+) -> tuple[torch.Tensor, list[bool], list[str | None]]:
     """process_logits, and per row whether it fell back to greedy on its raw logits (every token masked) and
     its error (NaN logits, or no finite logit at all; the row's values are then 0)."""
+    if pending is not None and len(pending) != len(reqs):
+        raise ValueError(f"process_logits: {len(pending)} pending token lists for {len(reqs)} rows")
     x = logits.float()
     nan = torch.isnan(x)
     errors: list[str | None] = [None] * len(reqs)
@@ -148,7 +156,7 @@ def _process(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[torch.Tenso
     rows = [b for b, r in enumerate(reqs) if r.params.penalised]
     if rows:
         x = x.clone()
-        _penalise(x, rows, reqs)
+        _penalise(x, rows, reqs, pending)
     temps = [r.params.temperature if not r.params.greedy else 1.0 for r in reqs]
     if any(t != 1.0 for t in temps):
         x = _tempered(x, torch.tensor(temps, dtype=torch.float32, device=x.device)[:, None])
@@ -169,10 +177,21 @@ def _process(logits: torch.Tensor, reqs: Sequence[Request]) -> tuple[torch.Tenso
     return x, fallback, errors
 
 
-def _penalise(x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
+def process_rows(
+    logits: torch.Tensor, reqs: Sequence[Request], pending: Sequence[Sequence[int]] | None = None
+) -> tuple[torch.Tensor, list[bool], list[str | None]]:
+    """process_logits with, per row, whether it falls back to greedy on its raw logits (every token masked) and
+    its error: what sample_batch draws from, for a caller that draws itself (speculative verification)."""
+    return _process(logits, reqs, pending)
+
+
+def _penalise(
+    x: torch.Tensor, rows: list[int], reqs: Sequence[Request], pending: Sequence[Sequence[int]] | None = None
+) -> None:
     dev, vocab = x.device, x.shape[1]
     sub = x[rows]
     ps = [reqs[b].params for b in rows]
+    extra = [list(pending[b]) if pending is not None else [] for b in rows]
 
     def col(vals: list[float]) -> torch.Tensor:
         return torch.tensor(vals, dtype=torch.float32, device=dev)[:, None]
@@ -181,18 +200,18 @@ def _penalise(x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None
     if bias:
         i_, t_, v_ = zip(*bias, strict=True)
         sub.index_put_((torch.tensor(i_, device=dev), torch.tensor(t_, device=dev)), torch.tensor(v_, device=dev), True)
-    outs = [reqs[b].output_ids for b in rows]
+    outs = [reqs[b].output_ids + e for b, e in zip(rows, extra, strict=True)]
     if any(p.presence_penalty or p.frequency_penalty for p in ps) and any(outs):
         counts = _counts(outs, vocab, dev)
         sub -= col([p.frequency_penalty for p in ps]) * counts
         sub -= col([p.presence_penalty for p in ps]) * (counts > 0).float()
     if any(p.repetition_penalty != 1.0 for p in ps):
-        seen = _counts([list(reqs[b].prompt_ids) + reqs[b].output_ids for b in rows], vocab, dev) > 0
+        seen = _counts([list(reqs[b].prompt_ids) + o for b, o in zip(rows, outs, strict=True)], vocab, dev) > 0
         rp = col([p.repetition_penalty for p in ps]).clamp(min=_F32.tiny).expand_as(sub)  # 1e-300 is 0 in fp32
         sub.copy_(torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub).clamp(max=_F32.max))
     for i, b in enumerate(rows):
         r = reqs[b]
-        if r.num_output_tokens < r.params.min_tokens:
+        if r.num_output_tokens + len(extra[i]) < r.params.min_tokens:
             ban = [
                 t for t in (*r.params.stop_token_ids, *([] if r.params.ignore_eos else r.eos_token_ids)) if t < vocab
             ]

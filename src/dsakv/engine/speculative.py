@@ -41,8 +41,8 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
-from dsakv.engine.request import Request
-from dsakv.engine.sampling import SamplingError, filter_logits, sample, token_seed
+from dsakv.engine.request import Request, TokenLogprobs
+from dsakv.engine.sampling import SamplingError, filter_logits, process_rows, sample_batch, token_seed, top_logprobs
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import DSAModel
@@ -141,67 +141,99 @@ def _gen(seed: int, salt: int, index: int, device: torch.device) -> torch.Genera
     return g
 
 
-def _draw(logits: torch.Tensor, req: Request, index: int) -> tuple[int, torch.Tensor | None]:
-    """A draft token for output index `index`: argmax (greedy), or a draw from the filtered draft distribution.
+def _draw(
+    logits: torch.Tensor, req: Request, index: int, pending: Sequence[int] = ()
+) -> tuple[int, torch.Tensor | None]:
+    """A draft token for output index `index` (`pending`: the tokens before it that the output does not hold
+    yet): the draft's logits processed as the target's are (bias, penalties, min_tokens, temperature; a closer
+    proposal is accepted more often), then argmax (greedy) or a draw from the filtered distribution.
     A draft is only a proposal: where the draft's logits give no distribution (NaN), it proposes their argmax
     with a point-mass q (rejection sampling stays exact for any q), never failing the request."""
-    if req.params.greedy:
-        return int(torch.nan_to_num(logits.float(), nan=float("-inf")).argmax()), None
     try:
-        q = torch.softmax(filter_logits(logits, req.params), dim=-1)
+        x, fallback, errors = process_rows(logits[None], [req], [list(pending)])
+        _raise(errors[0])
+        if req.params.greedy:
+            return int(x[0].argmax()), None
+        if fallback[0]:
+            raise SamplingError("every token masked")
+        q = torch.softmax(filter_logits(x[0], req.params, scaled=True), dim=-1)
         tok = int(torch.multinomial(q, 1, generator=_gen(req.sampling_seed, DRAFT_SALT, index, q.device)).item())
     except (SamplingError, RuntimeError):
         tok = int(torch.nan_to_num(logits.float(), nan=float("-inf")).argmax())
+        if req.params.greedy:
+            return tok, None
         q = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
         q[tok] = 1.0
     return tok, q
 
 
 def accept_tokens(req: Request, drafts: list[int], qs: list[torch.Tensor | None], logits: torch.Tensor) -> list[int]:
-    """Tokens a decode chunk yields: logits [k+1, vocab] of the target at [t_n, d1..dk], drafts d1..dk.
+    """The tokens of accept_with_logprobs (module docstring, step 3)."""
+    return accept_with_logprobs(req, drafts, qs, logits)[0]
 
-    Greedy: the drafts up to the first one unequal to the target's argmax, then the target's argmax there.
-    Sampled: speculative rejection sampling; the output distribution is the target's (filtered) one.
-    The first token of the request's next output index uses the target's own seed when no draft is checked.
-    """
+
+def accept_with_logprobs(
+    req: Request, drafts: list[int], qs: list[torch.Tensor | None], logits: torch.Tensor
+) -> tuple[list[int], list[TokenLogprobs] | None]:
+    """Tokens a decode chunk yields, and their logprobs when the params ask: logits [k+1, vocab] of the target
+    at [t_n, d1..dk], drafts d1..dk.
+
+    Position i goes through the same processing as a step without speculation would at output index base + i
+    (logit_bias, penalties counting the output so far plus d1..di, min_tokens by base + i, temperature; one
+    batched process_rows over the k+1 rows). Greedy: the drafts up to the first one unequal to the processed
+    argmax, then that argmax. Sampled: speculative rejection sampling against the processed, top-k / top-p
+    filtered target distribution (the output follows it); a position where every token is masked takes its
+    argmax, as sample_batch does. The bonus token (every draft accepted) is drawn exactly as without MTP.
+    Logprobs: log_softmax of the processed row of each emitted token (as sample_batch reports them)."""
     k = len(drafts)
     base = req.num_output_tokens
-    if bool(torch.isnan(logits).any()):
-        raise SamplingError(f"the target's logits hold NaN at {int(torch.isnan(logits).sum())} values")
-    if req.params.greedy:
-        target = logits.argmax(dim=-1).tolist()
-        out: list[int] = []
+    params = req.params
+    x, fallback, errors = process_rows(logits, [req] * (k + 1), [drafts[:i] for i in range(k + 1)])
+    out: list[int] = []
+    if params.greedy:
+        target = x.argmax(dim=-1).tolist()
         for i in range(k):
             if drafts[i] != target[i]:
-                return out + [int(target[i])]
+                break
             out.append(drafts[i])
-        return out + [int(target[k])]
-    seed = req.sampling_seed
-    out = []
-    for i in range(k):
-        p = torch.softmax(filter_logits(logits[i], req.params), dim=-1)
-        q = qs[i]
-        assert q is not None
-        d = drafts[i]
-        u = torch.rand((), generator=_gen(seed, ACCEPT_SALT, base + i, p.device), device=p.device)
-        if float(u) * float(q[d]) < float(p[d]):
-            out.append(d)
-            continue
-        resid = (p - q).clamp_min(0)
-        total = float(resid.sum())
-        resid = resid / total if total > 0 else p
-        g = _gen(seed, RESIDUAL_SALT, base + i, p.device)
-        return out + [int(torch.multinomial(resid, 1, generator=g).item())]
-    # every draft accepted: the bonus token from the target at the last position, drawn as without MTP
-    return out + [_sample_at(req, logits[k], base + k)]
+        out.append(int(target[len(out)]))
+    else:
+        seed = req.sampling_seed
+        for i in range(k + 1):
+            _raise(errors[i])
+            if fallback[i]:  # every token masked: sample_batch takes the argmax; a point mass here
+                p = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+                p[int(x[i].argmax())] = 1.0
+            else:
+                p = torch.softmax(filter_logits(x[i], params, scaled=True), dim=-1)
+            if i == k:  # every draft accepted: the bonus token from the target, drawn as without MTP
+                g = _gen(seed, 0, base + k, p.device)
+                out.append(int(x[i].argmax()) if fallback[i] else int(torch.multinomial(p, 1, generator=g).item()))
+                break
+            q = qs[i]
+            assert q is not None
+            d = drafts[i]
+            u = torch.rand((), generator=_gen(seed, ACCEPT_SALT, base + i, p.device), device=p.device)
+            if float(u) * float(q[d]) < float(p[d]):
+                out.append(d)
+                continue
+            resid = (p - q.to(p.device)).clamp_min(0)
+            total = float(resid.sum())
+            resid = resid / total if total > 0 else p
+            g = _gen(seed, RESIDUAL_SALT, base + i, p.device)
+            out.append(int(torch.multinomial(resid, 1, generator=g).item()))
+            break
+    for e in errors[: len(out)]:
+        _raise(e)
+    if params.logprobs is None:
+        return out, None
+    lp = torch.log_softmax(x[: len(out)], dim=-1)
+    return out, top_logprobs(lp, out, [int(params.logprobs)] * len(out))
 
 
-def _sample_at(req: Request, logits: torch.Tensor, index: int) -> int:
-    """The target's own draw for output index `index` (what sample() draws there without speculation)."""
-    probs = torch.softmax(filter_logits(logits, req.params), dim=-1)
-    g = torch.Generator(device=logits.device)
-    g.manual_seed(token_seed(req.sampling_seed, index))
-    return int(torch.multinomial(probs, 1, generator=g).item())
+def _raise(error: str | None) -> None:
+    if error is not None:
+        raise SamplingError(error)
 
 
 def draft_prefill(
@@ -260,6 +292,8 @@ class Speculator:
         self.poison_rejected = poison_rejected
         self.states: dict[str, DraftState] = {}
         self.errors: dict[int, str] = {}  # the last run()'s failed rows (chunk index -> error): they failed alone
+        # the last run()'s logprobs per request id, one per produced token (the engine keeps those update_spec kept)
+        self.logprobs: dict[str, list[TokenLogprobs]] = {}
         self.stats = SpecStats()
         self._access = PoolAccess(pool)
 
@@ -305,6 +339,7 @@ class Speculator:
             hidden = self.target.model.norm(carry.hidden)
         produced: list[list[int]] = []
         self.errors = {}
+        self.logprobs = {}
         t0 = 0
         for i, (c, r, d, q) in enumerate(zip(chunks, rows, drafts, qs, strict=True)):
             t1 = t0 + len(r.ids)
@@ -312,10 +347,20 @@ class Speculator:
             if c.samples:
                 with torch.inference_mode():
                     logits = self.target.lm_head(hidden[t1 - len(d) - 1 : t1]).float()
+                lps: list[TokenLogprobs] | None = None
                 try:  # one row's logits, penalties or draws fail that request alone (Engine fails it)
-                    toks = accept_tokens(c.request, d, q, logits) if d else sample(logits[-1:], [c.request])
+                    if d:
+                        toks, lps = accept_with_logprobs(c.request, d, q, logits)
+                    else:
+                        got = sample_batch(logits[-1:], [c.request])
+                        _raise(got.errors[0])
+                        toks, lp = got.tokens, got.logprobs[0]
+                        lps = [lp] if lp is not None else None
                 except Exception as e:
                     self.errors[i] = f"{type(e).__name__}: {e}"
+                    toks, lps = [], None
+                if lps is not None:
+                    self.logprobs[c.request.request_id] = lps
                 if d and toks:
                     self.stats.verify_steps += 1
                     self.stats.draft_tokens += len(d)
@@ -354,7 +399,7 @@ class Speculator:
             logits = self.draft.logits(self.target, out)
             for b, i in enumerate(live):
                 req = chunks[i].request
-                tok, q = _draw(logits[b], req, req.num_output_tokens + j)
+                tok, q = _draw(logits[b], req, req.num_output_tokens + j, drafts[i])
                 drafts[i].append(tok)
                 qs[i].append(q)
                 hid[i] = out[b]
@@ -383,7 +428,7 @@ class Speculator:
             req = chunks[b].request
             toks = produced[b]
             index = req.num_output_tokens + len(toks)  # output index the draft token would take
-            tok, q = _draw(logits[row], req, index)
+            tok, q = _draw(logits[row], req, index, toks)
             n = chunks[b].end + len(toks) - 1
             self.states[req.request_id] = DraftState(n, [tok], [q], out[int(last[b])].clone())
 
