@@ -5,7 +5,9 @@ One engine step with speculation (chunks from the scheduler; a decoding request 
 
     1. chain   the draft layer reused k-1 times: d2..dk from d1 (the draft's own hidden state chained)
     2. verify  one target forward over every chunk; a decode chunk carries [t_n, d1..dk] (k+1 positions)
-    3. accept  greedy: the longest prefix of drafts equal to the target's argmax, then the target's token;
+    3. accept  each position's logits processed as a step without MTP would (bias, penalties counting the
+               drafts before it, min_tokens by its output index; accept_with_logprobs), then
+               greedy: the longest prefix of drafts equal to the target's argmax, then the target's token;
                sampled: rejection sampling (accept d with prob min(1, p(d)/q(d)), else draw from
                norm(max(p - q, 0)); all accepted: draw the bonus from p), so tokens follow the target's
                distribution; draws seeded by (request seed, output index, purpose): reproducible
