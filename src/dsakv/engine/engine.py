@@ -493,15 +493,11 @@ class Engine:
         for r in got:
             n = r.num_output_tokens - before[r.request_id]
             self._generated += n
-            lps = self.speculator.logprobs.get(r.request_id)
-            if lps:  # one per kept token (a stop drops the tokens after it)
-                r.output_logprobs.extend(lps[:n])
+            self.speculator.keep_logprobs(r, n)
             outputs.append(RequestOutput.of(r, n))
             if r.is_finished:
                 self.speculator.forget(r.request_id)
-        if len(self.speculator.states) > len(self.scheduler.requests):
-            for rid in [rid for rid in self.speculator.states if rid not in self.scheduler.requests]:
-                self.speculator.forget(rid)
+        self.speculator.prune(self.scheduler.requests)
         if self.check_every_step:
             self.check_integrity()
         return outputs

@@ -35,7 +35,7 @@ Imports torch, dsakv.{cache,model} and dsakv.engine; must not import disagg, ser
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -313,6 +313,18 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+
+    def prune(self, live: Collection[str]) -> None:
+        """Forget the draft state of every request not in `live` (finished or failed since)."""
+        if len(self.states) > len(live):
+            for rid in [rid for rid in self.states if rid not in live]:
+                self.forget(rid)
+
+    def keep_logprobs(self, req: Request, n: int) -> None:
+        """Append to req's output logprobs this step's entries of its n kept tokens (a stop drops the rest)."""
+        lps = self.logprobs.get(req.request_id)
+        if lps:
+            req.output_logprobs.extend(lps[:n])
 
     def seed(self, req: Request, hidden: torch.Tensor) -> None:
         """A request whose prompt was prefilled elsewhere (PD) starts decoding: `hidden` [H] is the draft's output
