@@ -461,7 +461,8 @@ class Engine:
 
     def _fail_step(self, sched: Any, outputs: list[RequestOutput], e: Exception, what: str) -> list[RequestOutput]:
         """A step raised: its requests finish with the error and their pages (and draft state) come back."""
-        log.exception("%s step failed for %d requests", what, len(sched.chunks))
+        say = log.error if isinstance(e, DsakvError) else log.exception  # a known failure: its message says it all
+        say("%s step failed for %d requests: %s: %s", what, len(sched.chunks), type(e).__name__, e)
         failed = self.scheduler.fail(sched, f"model step failed: {type(e).__name__}: {e}")
         if self.speculator is not None:
             for r in failed:
