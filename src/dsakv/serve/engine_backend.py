@@ -25,7 +25,7 @@ from typing import Any
 
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
-from dsakv.errors import ConfigError, Unavailable
+from dsakv.errors import ConfigError, DsakvError, Unavailable
 from dsakv.serve.backend import FEATURES, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,7 @@ class EngineBackend:
                 try:
                     outs = eng.step()  # idle: drain aborts reported after the last request left
                 except Exception as e:  # broken books or a dead rank: fail everything in flight, report unhealthy
-                    self._fail_all(f"{type(e).__name__}: {e}")
+                    self._fail_all(f"{type(e).__name__}: {e}", known=isinstance(e, DsakvError))
                     return
                 if idle:
                     for out in outs:
@@ -269,8 +269,9 @@ class EngineBackend:
                 for out in outs:
                     self._put(out)
 
-    def _fail_all(self, message: str) -> None:
-        log.exception("engine step failed; failing every request in flight: %s", message)
+    def _fail_all(self, message: str, known: bool = False) -> None:
+        say = log.error if known else log.exception  # a known failure (a rank down): its message says it all
+        say("engine step failed; failing every request in flight: %s", message)
         self._fatal = message
         with self._qlock:
             ids = list(self._queues)
