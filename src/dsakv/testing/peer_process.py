@@ -124,55 +124,35 @@ def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class PeerProcess:
-    """Start a receiver (or sender) worker in a child process and read its manifest."""
+class ChildProcess:
+    """A spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text); `label`
+    names it in errors. Subclasses set conn and proc."""
 
-    def __init__(self, spec: PeerSpec, start_timeout: float = 120.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        args = (child, spec, os.getpid())
-        self.proc = ctx.Process(target=_child_main, args=args, name=f"dsakv-{spec.worker}", daemon=True)
-        self.proc.start()
-        child.close()
-        self.manifest = Manifest.from_bytes(self._reply(start_timeout, "start"))
+    conn: Connection
+    proc: Any
+    label = "child"
+    call_timeout = 60.0
 
     def _reply(self, timeout: float, what: str) -> Any:
         if not self.conn.poll(timeout):
             self.kill()
-            raise TimeoutError(f"peer process did not answer {what!r} within {timeout:g}s")
+            raise TimeoutError(f"{self.label} process did not answer {what!r} within {timeout:g}s")
         status, value = self.conn.recv()
         if status != "ok":
-            raise RuntimeError(f"peer process failed in {what!r}: {value}")
+            raise RuntimeError(f"{self.label} process failed in {what!r}: {value}")
         return value
 
-    def call(self, cmd: str, args: Any = None, timeout: float = 60.0) -> Any:
+    def call(self, cmd: str, args: Any = None, timeout: float | None = None) -> Any:
         self.conn.send((cmd, args))
-        return self._reply(timeout, cmd)
-
-    def checksums(self, pages: np.ndarray) -> dict[str, str]:
-        return dict(self.call("checksums", np.asarray(pages, dtype=np.int64)))
-
-    def scatter(self, slot: int, pages: np.ndarray) -> float:
-        """Scatter staging slot `slot` into `pages` (every key) in the child; the seconds it took there."""
-        return float(self.call("scatter", (slot, np.asarray(pages, dtype=np.int64))))
-
-    def nonzero_outside(self, pages: np.ndarray) -> dict[str, int]:
-        return dict(self.call("nonzero_outside", np.asarray(pages, dtype=np.int64)))
+        return self._reply(self.call_timeout if timeout is None else timeout, cmd)
 
     @property
     def pid(self) -> int:
         assert self.proc.pid is not None
         return self.proc.pid
 
-    def pause(self) -> None:
-        """SIGSTOP: the peer hangs (its sockets stay open, nothing answers)."""
-        os.kill(self.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.pid, signal.SIGCONT)
-
     def kill(self) -> None:
-        """SIGKILL: the peer dies; its sockets are closed by the kernel."""
+        """SIGKILL (after a SIGCONT, so a paused child dies too); its sockets are closed by the kernel."""
         if self.proc.is_alive():
             os.kill(self.pid, signal.SIGCONT)
             self.proc.kill()
@@ -186,6 +166,38 @@ class PeerProcess:
                 pass
         self.kill()
         self.conn.close()
+
+
+class PeerProcess(ChildProcess):
+    """Start a receiver (or sender) worker in a child process and read its manifest."""
+
+    label = "peer"
+
+    def __init__(self, spec: PeerSpec, start_timeout: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        args = (child, spec, os.getpid())
+        self.proc = ctx.Process(target=_child_main, args=args, name=f"dsakv-{spec.worker}", daemon=True)
+        self.proc.start()
+        child.close()
+        self.manifest = Manifest.from_bytes(self._reply(start_timeout, "start"))
+
+    def checksums(self, pages: np.ndarray) -> dict[str, str]:
+        return dict(self.call("checksums", np.asarray(pages, dtype=np.int64)))
+
+    def scatter(self, slot: int, pages: np.ndarray) -> float:
+        """Scatter staging slot `slot` into `pages` (every key) in the child; the seconds it took there."""
+        return float(self.call("scatter", (slot, np.asarray(pages, dtype=np.int64))))
+
+    def nonzero_outside(self, pages: np.ndarray) -> dict[str, int]:
+        return dict(self.call("nonzero_outside", np.asarray(pages, dtype=np.int64)))
+
+    def pause(self) -> None:
+        """SIGSTOP: the peer hangs (its sockets stay open, nothing answers)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
 
     def __enter__(self) -> PeerProcess:
         return self

@@ -42,6 +42,7 @@ from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4, pair
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
 from dsakv.spec.v4_layout import V4Layout, V4Pair
+from dsakv.testing.peer_process import ChildProcess
 from dsakv.util import ceil_div
 from dsakv.util.procs import arm_parent_death
 
@@ -131,45 +132,11 @@ def _decode_main(conn: Connection, spec: V4DecodeSpec, parent: int) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class _ChildProcess:
-    """A spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text)."""
-
-    conn: Connection
-    proc: Any
-    what = "child"
-
-    def _reply(self, timeout: float, what: str) -> Any:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise TimeoutError(f"V4 {self.what} process did not answer {what!r} within {timeout:g}s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"V4 {self.what} process failed in {what!r}: {value}")
-        return value
-
-    def call(self, cmd: str, args: Any = None, timeout: float = 300.0) -> Any:
-        self.conn.send((cmd, args))
-        return self._reply(timeout, cmd)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("stop", timeout=20)
-            except (TimeoutError, RuntimeError, OSError, EOFError):
-                pass
-        self.kill()
-        self.conn.close()
-
-
-class V4DecodePeer(_ChildProcess):
+class V4DecodePeer(ChildProcess):
     """A decode V4Engine in a spawned child, registered with a real transfer backend."""
 
-    what = "decode"
+    label = "V4 decode"
+    call_timeout = 300.0
 
     def __init__(self, spec: V4DecodeSpec, start_timeout: float = 180.0) -> None:
         ctx = mp.get_context("spawn")
@@ -395,14 +362,16 @@ def _stage_main(conn: Connection, spec: V4StageSpec, index: int, parent: int) ->
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class V4StageProcess(_ChildProcess):
+class V4StageProcess(ChildProcess):
     """One prefill stage (layers [start, end)) in a spawned child: its V4Pool, allocators and transfer engine."""
+
+    call_timeout = 300.0
 
     def __init__(self, spec: V4StageSpec, index: int, start_timeout: float = 180.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.spec = spec
-        self.what = f"prefill stage {index}"
+        self.label = f"V4 prefill stage {index}"
         self.proc = ctx.Process(
             target=_stage_main, args=(child, spec, index, os.getpid()), name=f"dsakv-v4-pp{index}", daemon=True
         )
