@@ -317,16 +317,48 @@ def _check_kill(got, at_kill, victim_addr, role, want, t_kill, rids):
     return failed
 
 
+def _wait_computing(victim, cluster: Cluster, timeout: float = 30.0) -> None:
+    """Until the prefill `victim` holds a job it has not finished computing (`jobs` counts the ones awaiting their
+    decode's release too, whose KV is already sent: a kill then fails nobody, the race that made this test flaky).
+    Polled without a pause; the reply comes between two steps of a prompt longer than one step, so the job still
+    has a step, its transfer and its report ahead when the kill lands right after the reply."""
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        h = fetch_health(victim.addr, timeout=3.0)
+        last = (h.jobs, h.awaiting_release)
+        if (h.jobs or 0) - (h.awaiting_release or 0) >= 1:
+            return
+        if not victim.alive():
+            raise AssertionError(f"{victim.name} exited before it was busy:\n{victim.tail()}")
+    raise AssertionError(f"{victim.name} never held a job still computing in {timeout}s (jobs, awaiting: {last})")
+
+
+def _revive(cluster: Cluster, ports, decodes, prefills, router) -> None:
+    """Every peer of the module's 2P2D alive and paired (a kill test that failed before restarting its victim
+    must not fail the next test too)."""
+    dead = [i for i, p in enumerate(prefills) if not p.alive()], [i for i, d in enumerate(decodes) if not d.alive()]
+    for i in dead[0]:
+        prefills[i] = cluster.prefill(f"p{i}", "mooncake", True, (12,), ports[f"p{i}"], extra=[*MC, *PREFILL])[0]
+    for i in dead[1]:
+        decodes[i] = cluster.decode(f"d{i}", "mooncake", True, ports[f"d{i}"], extra=MC)
+    if dead[0] or dead[1]:
+        cluster.wait_healthy([*(prefills[i] for i in dead[0]), *(decodes[i] for i in dead[1])], timeout=120)
+    wait_for(lambda: len(router.peers.usable_pairs()) == 4, 60, "all 4 pairs usable", cluster.procs)
+
+
 def test_prefill_killed_with_requests_in_flight_then_rejoins(world, reference):
     cluster, ports, decodes, prefills, router = world
     g = torch.Generator().manual_seed(17)
-    # 12 x 13 pages: more than both prefill pools (48 pages each) hold at once, so the victim has queued work
-    prompts = [_rand(g, 200) for _ in range(12)]
+    # 8 x 38 pages: one at a time fills a prefill pool (48 pages), so the victim has queued work; each prompt is
+    # three 256-token steps, so between two of its steps the victim holds a job it has not finished computing
+    prompts = [_rand(g, 600) for _ in range(8)]
     rids = [f"pkill-{i}" for i in range(len(prompts))]
     want = dict(zip(rids, reference(prompts, GREEDY), strict=True))
+    _revive(cluster, ports, decodes, prefills, router)
     victim = prefills[1]
     _burst(router, prompts, GREEDY, "pkill")
-    wait_for(lambda: (fetch_health(victim.addr).jobs or 0) >= 2, 20, "victim prefill busy", cluster.procs)
+    _wait_computing(victim, cluster)
     before = _where(router, rids)
     t_kill = time.monotonic()
     victim.kill()
@@ -356,6 +388,7 @@ def test_decode_killed_with_requests_in_flight_then_rejoins(world, reference):
     prompts = [_rand(g, 20) for _ in range(8)]
     rids = [f"dkill-{i}" for i in range(len(prompts))]
     want = dict(zip(rids, reference(prompts, LONG), strict=True))
+    _revive(cluster, ports, decodes, prefills, router)
     victim = decodes[1]
     _burst(router, prompts, LONG, "dkill")
     wait_for(
