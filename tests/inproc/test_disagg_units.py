@@ -219,13 +219,15 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
             r.submit(f"r{i}", p, sp)
         r.submit("gone", prompts[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
         r.abort("gone")
-        got = []
+        got, ends = [], []
         for i in range(3):
             toks = []
             for ev in r.events(f"r{i}", 20):
                 toks += ev.new_token_ids
+                if ev.finished:
+                    ends.append((ev.finish_reason, ev.error))
             got.append(toks)
-        assert got == want
+        assert ends == [("length", None)] * 3 and got == want, (ends, got)
         evs = list(r.events("gone", 5))
         assert [(e.new_token_ids, e.finished, e.finish_reason, e.error) for e in evs] == [((), True, "abort", None)]
         deadline = time.monotonic() + 60
