@@ -31,12 +31,15 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/python scripts/check_c.py  # every .c under src/dsakv builds with -Wall -Wextra -Werror
 
+# two pytest workers (the machines have 2 cores), one test file per worker at a time so a module's cluster stays
+# on one worker; the 25 slowest tests are listed at the end (CI must stay under 30 minutes)
+PYTEST_JOBS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile --durations=25
 
 # the unit and in-process tiers only (no test that starts a process); `make test` (CI) runs every tier
 test-fast: lint
-	$(BIN)/python -m pytest -q tests/unit tests/inproc
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile tests/unit tests/inproc
 
 clean:
 	rm -rf $(VENV) build *.egg-info
