@@ -109,6 +109,60 @@ def step_ranks(engine: Any, lockstep: bool) -> Iterator[Any]:
             idle_forward(engine.model)
 
 
+def check_engine_args(args: argparse.Namespace) -> Path:
+    """The checks `dsakv generate` runs on its engine options before anything loads (dsakv.LLM runs the same):
+    a checkpoint directory, the option ranges (cli/validate.py), the pool against the checkpoint."""
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"--model {args.model!r} has no config.json: pass a checkpoint directory")
+    validate_generate(args)
+    validate_pool(args, validate_checkpoint(model_dir))
+    return model_dir
+
+
+def check_tp_split(args: argparse.Namespace, model_dir: Path) -> None:
+    """Refuse a TP size the checkpoint cannot be split over before starting any rank."""
+    if args.tp_size > 1:
+        from dsakv.model.loader import load_config
+        from dsakv.model.parallel import divide, shard_config
+
+        cfg = load_config(model_dir)
+        if args.enable_dp_attention:
+            divide("n_routed_experts", int(cfg.get("n_routed_experts") or 0), args.ep_size, "--ep-size")
+        else:
+            shard_config(cfg, args.tp_size)
+
+
+def build_engine(args: argparse.Namespace, ranks: Any, model_dir: Path, loaded: Any = None) -> Any:
+    """This rank's Engine for the parsed options: DP attention (own pool, MoE expert-parallel), a TP shard, or
+    the whole model (`loaded`: a (spec, model) already in memory, for one rank)."""
+    import torch
+
+    from dsakv.engine.engine import Engine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    dp = args.dp_size if args.enable_dp_attention else 1
+    if dp > 1:  # DP attention: each rank the whole attention of its own requests; MoE expert-parallel
+        from dsakv.model.loader import load_model
+        from dsakv.model.parallel import attach_ep
+
+        spec, model = load_model(model_dir, dtype=dtype)
+        return Engine(
+            (spec, attach_ep(model, ranks.rank, args.ep_size)), options.engine_config(args), model_dir=model_dir
+        )
+    if ranks.size > 1:
+        from dsakv.model.parallel import load_tp_model
+
+        return Engine(
+            load_tp_model(model_dir, ranks.group, dtype=dtype), options.engine_config(args), model_dir=model_dir
+        )
+    if loaded is not None:
+        return Engine(loaded, options.engine_config(args), model_dir=model_dir)
+    return Engine(model_dir, options.engine_config(args))
+
+
 def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -123,8 +177,7 @@ def run(args: argparse.Namespace) -> int:
         if not v4_prompts or any(not p for p in v4_prompts):
             raise ConfigError("no prompt, or an empty one: give --prompt-ids 1,2,3 (repeatable) or --prompt TEXT")
         return run_v4(args, v4_prompts, parse_ids(args.stop_token_ids, "--stop-token-ids"))
-    validate_generate(args)
-    validate_pool(args, validate_checkpoint(model_dir))
+    check_engine_args(args)
     prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
     tokenizer = None
     if args.prompt:
@@ -135,23 +188,10 @@ def run(args: argparse.Namespace) -> int:
     if any(not p for p in prompts):
         raise ConfigError("a prompt is empty: every prompt needs at least one token")
 
-    import torch
-
-    from dsakv.engine.engine import Engine
     from dsakv.engine.ranks import start_ranks
     from dsakv.engine.request import SamplingParams
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.tp_size > 1:  # refuse a TP size the checkpoint cannot be split over before starting any rank
-        from dsakv.model.loader import load_config
-        from dsakv.model.parallel import divide, shard_config
-
-        cfg = load_config(model_dir)
-        if args.enable_dp_attention:
-            divide("n_routed_experts", int(cfg.get("n_routed_experts") or 0), args.ep_size, "--ep-size")
-        else:
-            shard_config(cfg, args.tp_size)
+    check_tp_split(args, model_dir)
     ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:])
     seed = args.seed
     if ranks.size > 1 and seed is None and args.temperature > 0:  # one draw for every rank
@@ -168,23 +208,7 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     dp = args.dp_size if args.enable_dp_attention else 1
-    dtype = getattr(torch, args.dtype)
-    if dp > 1:  # DP attention: each rank the whole attention of its own requests; MoE expert-parallel
-        from dsakv.model.loader import load_model
-        from dsakv.model.parallel import attach_ep
-
-        spec, model = load_model(model_dir, dtype=dtype)
-        engine = Engine(
-            (spec, attach_ep(model, ranks.rank, args.ep_size)), options.engine_config(args), model_dir=model_dir
-        )
-    elif ranks.size > 1:
-        from dsakv.model.parallel import load_tp_model
-
-        engine = Engine(
-            load_tp_model(model_dir, ranks.group, dtype=dtype), options.engine_config(args), model_dir=model_dir
-        )
-    else:
-        engine = Engine(model_dir, options.engine_config(args))
+    engine = build_engine(args, ranks, model_dir)
     try:
         return _generate(args, ranks, engine, prompts, params, dp, tokenizer)
     except Exception as e:  # a collective broken by a dead rank: RankDown naming it and its exit status

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from typing import TextIO
+from typing import Any, TextIO
 
 from dsakv.errors import ConfigError
 from dsakv.plan import ROLES, Deployment, RolePlan, balance, fmt_bytes, parse_partition, parse_size, plan
@@ -268,34 +268,52 @@ def print_hisparse(rp: RolePlan, file: TextIO | None = None) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def plan_data(args: argparse.Namespace) -> dict[str, Any]:
+    """What `dsakv plan --json` prints, as data (dsakv.plan returns it): the role's plan, the other draft placement
+    when pp > 1 with drafts, the balanced partition with --balance; a DeepSeek-V4 model's plan."""
     if is_v4(args.model):
-        from dsakv.cli.plan_v4 import run_v4
+        from dsakv.cli.plan_v4 import deployment
+        from dsakv.plan.v4 import plan_v4
 
-        return run_v4(args)
+        return plan_v4(deployment(args)).to_dict()
     d = _deployment(args)
+    rp, bal, other = _plans(args, d)
+    out = rp.to_dict()
+    if other is not None:
+        out["other_draft_placement"] = {
+            "draft_placement": other.deployment.draft_placement,
+            "binding_stage_elided": other.binding_elided,
+            "max_total_num_tokens_elided": other.tokens_elided,
+        }
+    if bal is not None:
+        out["balance"] = {
+            "partition": list(bal.balanced.deployment.partition or ()),
+            "plan": bal.balanced.to_dict(),
+            "gain_over_baseline": round(bal.gain_over_baseline, 6),
+        }
+    return out
+
+
+def _plans(args: argparse.Namespace, d: Deployment) -> tuple[RolePlan, Any, RolePlan | None]:
     rp = plan(d)
     bal = balance(d) if args.balance else None
     other = None
     if d.pp > 1 and d.draft_layers:
         other = plan(replace(d, draft_placement="last" if d.draft_placement == "every" else "every"))
+    return rp, bal, other
+
+
+def run(args: argparse.Namespace) -> int:
     if args.json:
-        out = rp.to_dict()
-        if other is not None:
-            out["other_draft_placement"] = {
-                "draft_placement": other.deployment.draft_placement,
-                "binding_stage_elided": other.binding_elided,
-                "max_total_num_tokens_elided": other.tokens_elided,
-            }
-        if bal is not None:
-            out["balance"] = {
-                "partition": list(bal.balanced.deployment.partition or ()),
-                "plan": bal.balanced.to_dict(),
-                "gain_over_baseline": round(bal.gain_over_baseline, 6),
-            }
-        json.dump(out, sys.stdout, indent=2)
+        json.dump(plan_data(args), sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
+    if is_v4(args.model):
+        from dsakv.cli.plan_v4 import run_v4
+
+        return run_v4(args)
+    d = _deployment(args)
+    rp, bal, other = _plans(args, d)
     spec = d.spec
     print(
         f"model {spec.name} ({spec.model_type}): {spec.num_layers} layers, {len(spec.producers)} producers, "
