@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _API = ("LLM", "Completion", "SamplingParams", "TokenLogprobs", "plan")
-__all__ = ["__version__", *_API]
+__all__ = ["LLM", "Completion", "SamplingParams", "TokenLogprobs", "__version__", "plan"]
 
 if TYPE_CHECKING:
     from dsakv.api import LLM, Completion, SamplingParams, TokenLogprobs

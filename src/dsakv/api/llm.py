@@ -182,8 +182,10 @@ class LLM:
             )
         for s in got:
             if s.n != 1:
-                raise ConfigError(f"SamplingParams(n={s.n}): {WHAT}.generate returns one sequence per prompt: "
-                                  "give n=1 and repeat the prompt")  # fmt: skip
+                raise ConfigError(
+                    f"SamplingParams(n={s.n}): {WHAT}.generate returns one sequence per prompt: "
+                    "give n=1 and repeat the prompt"
+                )
         return got
 
     def _run(
