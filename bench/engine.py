@@ -42,13 +42,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+import dsakv
 from dsakv.cli import options
-from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
+from dsakv.engine.config import LayoutConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
@@ -135,13 +135,21 @@ def make_engine(
     args: argparse.Namespace,
     formats: tuple[str, str] | None = None,
 ) -> Engine:
+    """The engine of one run, built through the public API (dsakv.LLM: the options `dsakv generate` takes) on
+    the weights already loaded from args.model_path."""
     kv, ix = formats or (args.kv_format, args.index_format)
-    cfg = EngineConfig(
-        layout=replace(options.layout_config(args), elide=elide, kv_format=kv, index_format=ix),
-        pool=PoolConfig(max_tokens=batch * (tokens_per_seq + args.page_size)),
-        scheduler=SchedulerConfig(args.max_batch_tokens, max_running_requests=min(64, args.max_batch_tokens)),
+    llm = dsakv.LLM(
+        args.model_path,
+        loaded_model=model,
+        elide=elide,
+        kv_format=kv,
+        index_format=ix,
+        page_size=args.page_size,
+        max_tokens=batch * (tokens_per_seq + args.page_size),
+        max_batch_tokens=args.max_batch_tokens,
+        max_running_requests=min(64, args.max_batch_tokens),
     )
-    return Engine(model, cfg)
+    return llm.engine
 
 
 def prefill_tps(model: tuple, elide: bool, batch: int, args: argparse.Namespace) -> float:
@@ -264,20 +272,20 @@ def hf_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
 
 
 def dsakv_prefill_tps(model: tuple, batch: int, plen: int, args: argparse.Namespace) -> float:
-    """Prompt tokens/s of dsakv's Engine (fp32 formats) prefilling B prompts of plen tokens (max_new_tokens=1)."""
-    cfg = EngineConfig(
-        layout=replace(options.layout_config(args), elide=True, kv_format="fp32", index_format="fp32"),
-        pool=PoolConfig(max_tokens=batch * (plen + 2 * args.page_size)),
-        scheduler=SchedulerConfig(max(args.max_batch_tokens, plen), max_running_requests=max(1, batch)),
+    """Prompt tokens/s of dsakv (dsakv.LLM, fp32 formats) prefilling B prompts of plen tokens (max_new_tokens=1)."""
+    llm = dsakv.LLM(
+        args.model_path,
+        loaded_model=model,
+        kv_format="fp32",
+        index_format="fp32",
+        page_size=args.page_size,
+        max_tokens=batch * (plen + 2 * args.page_size),
+        max_batch_tokens=max(args.max_batch_tokens, plen),
+        max_running_requests=max(1, batch),
     )
-    eng = Engine(model, cfg)
     ps = prompts(batch, plen, model[0].vocab_size, seed=7 + batch)
-    sp = SamplingParams(max_new_tokens=1, ignore_eos=True)
     t0 = time.perf_counter()
-    for p in ps:
-        eng.add_request(p, sp)
-    while eng.has_unfinished():
-        eng.step()
+    llm.generate(ps, SamplingParams(max_new_tokens=1, ignore_eos=True))
     return batch * plen / (time.perf_counter() - t0)
 
 
@@ -539,6 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = make_tiny(Path(tmp) / "tiny", arch=args.arch, seed=0)
         model = load_model(path)
+        args.model_path = path  # make_engine builds dsakv.LLM(path, loaded_model=model, ...)
         spec = model[0]
         n_params = sum(p.numel() for p in model[1].parameters())
         print(
