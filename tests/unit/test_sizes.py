@@ -13,7 +13,6 @@ MAX_CLASS_LINES = 350
 
 # still over the limit (split by concept next: see issue 22), each with its size when listed: it may only shrink
 FILES_OVER = {
-    "cache/hisparse/__init__.py": 915,
     "engine/scheduler.py": 669,
     "engine/engine.py": 627,
     "serve/app.py": 531,
@@ -23,7 +22,6 @@ FILES_OVER = {
     "cache/storage/file.py": 516,
 }
 CLASSES_OVER = {
-    "cache/hisparse/__init__.py:HiSparsePool": 595,
     "engine/engine.py:Engine": 519,
     "engine/scheduler.py:Scheduler": 514,
     "cache/storage/file.py:FileStore": 426,
