@@ -55,6 +55,7 @@ class V4Request:
         return self.prompt + self.output
 
     eos: tuple[int, ...] = ()
+    cached_tokens: int = 0  # prompt tokens a prefix hit (device, host or L3) supplied
 
     @property
     def done(self) -> bool:
@@ -262,13 +263,13 @@ class V4Engine:
                 for skey, t in snap.items():
                     self.pool.state(skey)[req.slot] = t
                 req.page_ids = np.concatenate([ids, fresh])
-                req.num_computed = k * self.page_size
+                req.num_computed = req.cached_tokens = k * self.page_size
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += req.num_computed
             elif hkey is not None:
                 self._load_from_host(hkey, fresh[:hk], req.slot)
                 req.page_ids = fresh
-                req.num_computed = hk * self.page_size
+                req.num_computed = req.cached_tokens = hk * self.page_size
                 self.stats["host_hits"] += 1
                 self.stats["host_hit_tokens"] += req.num_computed
             else:
@@ -276,7 +277,7 @@ class V4Engine:
                 if lk and self.l3 is not None and self.l3.load(req.prompt, lk, self.pool, fresh, req.slot):
                     snap = {s.key: self.pool.state(s.key)[req.slot].clone() for s in self.layout.states}
                     self._insert(tuple(req.prompt[: lk * self.page_size]), fresh[:lk], snap)
-                    req.num_computed = lk * self.page_size
+                    req.num_computed = req.cached_tokens = lk * self.page_size
             self.running.append(req)
 
     def step(self) -> None:
@@ -328,6 +329,18 @@ class V4Engine:
             raise AssertionError(f"pages: {len(held)} held + {self.pages.num_free} free != {self.pages.num_pages}")
         if len(self.running) + len(self.parked) + self.slots.num_free != self.slots.num_slots:
             raise AssertionError("request-state slots leaked")
+
+    def abort(self, rid: int) -> V4Request | None:
+        """Drop a waiting or running request (its pages and slot come back); None if unknown or finished."""
+        for q in (self.waiting, self.running):
+            req = next((r for r in q if r.rid == rid), None)
+            if req is not None:
+                q.remove(req)
+                if q is self.running:
+                    self.pages.release(rid)
+                    self.slots.free(req.slot)
+                return req
+        return None
 
     def has_unfinished(self) -> bool:  # parked requests belong to whoever sends them on
         return bool(self.waiting or self.running)
