@@ -25,6 +25,7 @@ from dsakv.util.procs import die_with_parent, free_ports
 
 NEW = 8
 PAGES = 64
+Started = tuple[subprocess.Popen[bytes], str, Path]  # the server process, its URL, its log
 
 
 def _prompts() -> list[list[int]]:
@@ -38,7 +39,23 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def server(started: Started, reference: list[list[int]]) -> Iterator[tuple[str, Path]]:
+    """The server once it answers /health (started before transformers' reference is computed, which overlaps)."""
+    proc, url, log = started
+    while True:  # until it answers (or exits): the readiness state, no deadline of ours
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+            break
+        except httpx.TransportError:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+    yield url, log
+
+
+@pytest.fixture(scope="module")
+def started(
+    ckpt: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     port = free_ports(1)
     log = tmp_path_factory.mktemp("v4serve-log") / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -46,16 +63,8 @@ def server(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
            "--num-pages", str(PAGES), "--prefix-cache", "--threads", "1"]  # fmt: skip
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent())
-    url = f"http://127.0.0.1:{port}"
     try:
-        while True:  # until it answers (or exits): the readiness state, no deadline of ours
-            try:
-                httpx.get(f"{url}/health", timeout=5)
-                break
-            except httpx.TransportError:
-                assert proc.poll() is None, log.read_text()
-                time.sleep(0.1)
-        yield url, log
+        yield proc, f"http://127.0.0.1:{port}", log
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -97,6 +106,8 @@ def test_completions_equal_transformers_and_prefix_hit(server: tuple[str, Path],
     r = _complete(url, _prompts()[2]).json()  # 40 tokens: its 2 full pages and the boundary state are cached
     assert r["choices"][0]["token_ids"] == reference[2]
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    m = httpx.get(f"{url}/metrics").text
+    assert "dsakv_prefix_cache_device_hit_tokens 32\n" in m and f"dsakv_prefix_cache_lookup_tokens {5 + 20 + 80}\n" in m
     h = httpx.get(f"{url}/health").json()
     assert (h["ok"], h["pages_total"], h["running"], h["waiting"]) == (True, PAGES, 0, 0)
     assert h["pages_used"] == 1 + 2  # the cached prefixes only: 20 tokens' 1 full page, 40 tokens' 2

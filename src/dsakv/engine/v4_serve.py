@@ -92,7 +92,7 @@ class V4ServingEngine:
         self._name: dict[int, str] = {}
         self._sent: dict[int, int] = {}  # tokens reported so far
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
-        self._generated = self._prefill = self._count = 0
+        self._generated = self._prefill = self._count = self._lookup_tokens = 0
 
     @property
     def lock(self) -> threading.RLock:
@@ -119,6 +119,7 @@ class V4ServingEngine:
                 )
             eos = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos)
             rid = self.engine.add_request(list(prompt_ids), p.max_new_tokens, eos)
+            self._lookup_tokens += len(prompt_ids)
             self._rid[rid_name], self._name[rid], self._sent[rid] = rid, rid_name, 0
             return rid_name
 
@@ -208,6 +209,7 @@ class V4ServingEngine:
             if not self.engine.prefix_cache:
                 return None
             st: dict[str, Any] = {**self.engine.stats, "device_hit_tokens": self.engine.stats["hit_tokens"]}
+            st["lookup_tokens"] = self._lookup_tokens
             if self.engine.l3 is not None:
                 st.update(self.engine.l3.stats, disk_hit_tokens=self.engine.l3.stats["l3_hit_tokens"])
             return st
