@@ -88,10 +88,11 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    from dsakv.spec.model import ModelSpec
+    from dsakv.engine.choose import check_tp, checkpoint_vocab_size, open_engine
 
-    tokenizer = load_tokenizer(model_dir, ModelSpec.from_path(model_dir).vocab_size)  # a bad one fails before loading
+    tokenizer = load_tokenizer(model_dir, checkpoint_vocab_size(model_dir))  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
+    check_tp(model_dir, tp)
     ranked = None
     if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
         from dsakv.engine.ranks import RankedEngine, follow, start_ranks
@@ -109,7 +110,7 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
             return follow(engine, ranks)
         ranked = RankedEngine(engine, ranks)
     else:
-        engine = Engine(model_dir, cfg.engine)
+        engine = open_engine(model_dir, cfg.engine)  # by the checkpoint's architecture (Engine or V4)
     name = args.served_model_name or model_dir.resolve().name
     st = engine.stats()
     log.info(
@@ -140,10 +141,13 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
 
 def validate(args: argparse.Namespace) -> None:
     """Refuse bad options before anything loads or binds (cli/validate.py); the checkpoint of roles that load one."""
-    from dsakv.cli.validate import validate_checkpoint, validate_pool, validate_serve
+    from dsakv.cli.validate import validate_checkpoint, validate_pool, validate_serve, validate_v4_checkpoint
+    from dsakv.spec.v4 import is_v4
 
     validate_serve(args)
-    if args.role != "router":
+    if args.role != "router" and args.model and is_v4(str(options.model_dir_of(args))):
+        validate_v4_checkpoint(options.model_dir_of(args), args.role, args.page_size)
+    elif args.role != "router":
         validate_pool(args, validate_checkpoint(options.model_dir_of(args)))
     elif args.model:
         validate_checkpoint(options.model_dir_of(args))

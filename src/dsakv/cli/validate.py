@@ -308,6 +308,30 @@ def validate_checkpoint(model_dir: Path) -> Any:
     return spec
 
 
+def validate_v4_checkpoint(model_dir: Path, role: str, page_size: int) -> Any:
+    """A DeepSeek-V4 checkpoint `dsakv serve` can run: config.json (V4Spec), the safetensors headers, a page size
+    of whole compressed entries, and a role the V4 engine serves (colocated for now); the V4Spec."""
+    from dsakv.spec.v4 import V4Spec
+    from dsakv.spec.v4_layout import V4Layout
+
+    if role != "colocated":
+        raise ConfigError(
+            f"--role {role}: DeepSeek-V4 is served colocated only for now (its PD transfer runs in "
+            "dsakv.testing.v4_pd, not the serve roles); drop --role"
+        )
+    cfg_path = model_dir / "config.json"
+    cfg = read_json(cfg_path)
+    spec = V4Spec.from_dict(cfg, name=model_dir.name)
+    check_config_values(cfg, cfg_path)
+    V4Layout(spec, kv_format="fp32", index_format="fp32", page_size=page_size)  # --page-size of whole entries
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {str(model_dir)!r}: it is not a checkpoint directory")
+    for f in files:
+        check_safetensors(f)
+    return spec
+
+
 def read_json(path: Path) -> Any:
     """A checkpoint's JSON file, or a ConfigError naming it (not UTF-8, not JSON, nested too deeply)."""
     try:
@@ -404,4 +428,5 @@ __all__ = [
     "validate_generate",
     "validate_pool",
     "validate_serve",
+    "validate_v4_checkpoint",
 ]

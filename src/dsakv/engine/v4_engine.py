@@ -15,6 +15,9 @@ min(boundary, num_layers x window) tokens (each layer's window depends on the pr
 `recompute_tokens`. Least-recently-used snapshots (and their pages) are evicted when admission needs pages;
 with `host_pages`, an evicted prefix is first copied to a host V4Pool of the same layout (every paged kind of
 its pages, each only where read, plus the snapshot), and a later hit there loads it into fresh device pages.
+With `storage` (L3: a Mooncake Store or the disk tier, cache/v4_storage), every snapshot is also written through:
+its pages (each paged kind only where read) and the boundary state, MAC-checked on read; a fresh engine (another
+process) whose device and host tiers miss loads the longest stored prefix into fresh pages and its slot.
 Imports torch, numpy, dsakv.cache and dsakv.model; must not import disagg, serve or cli.
 """
 
@@ -27,7 +30,9 @@ import numpy as np
 import torch
 
 from dsakv.cache.allocator import PageAllocator
+from dsakv.cache.storage import StorageConfig
 from dsakv.cache.v4_pool import SlotAllocator, V4Pool
+from dsakv.cache.v4_storage import V4Storage
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
@@ -50,6 +55,7 @@ class V4Request:
         return self.prompt + self.output
 
     eos: tuple[int, ...] = ()
+    cached_tokens: int = 0  # prompt tokens a prefix hit (device, host or L3) supplied
 
     @property
     def done(self) -> bool:
@@ -72,6 +78,8 @@ class V4Engine:
         keep_logits: bool = False,
         prefix_cache: bool = False,
         host_pages: int = 0,
+        storage: StorageConfig | None = None,
+        model_hash: str | None = None,
     ) -> None:
         if chunk_size < 1 or max_batch_tokens < 1:
             raise ConfigError(f"chunk size {chunk_size} and max batch tokens {max_batch_tokens} must be >= 1")
@@ -103,6 +111,16 @@ class V4Engine:
                 raise ConfigError("a V4 host tier holds evicted prefixes: turn the prefix cache on too")
             self.host = V4Pool(self.layout, host_pages, 1, "cpu")
             self.host_pages = PageAllocator(host_pages, "V4 host pool")
+        self.l3: V4Storage | None = None
+        if storage is not None:
+            if not prefix_cache:
+                raise ConfigError("a V4 L3 tier stores cached prefixes: turn the prefix cache on too")
+            self.l3 = V4Storage(self.layout, model_hash, storage, staging_pages=min(num_pages, 16))
+
+    def close(self) -> None:
+        """Release the L3 tier's store clients (a no-op without one)."""
+        if self.l3 is not None:
+            self.l3.close()
 
     @property
     def page_size(self) -> int:
@@ -161,6 +179,8 @@ class V4Engine:
         self._insert(key, req.page_ids[: b // self.page_size], snap)
         self.stats["snapshots"] += 1
         self.stats["snapshot_bytes"] += self.layout.state_bytes_per_request
+        if self.l3 is not None:  # write-through: pages 0..k-1 and the state at k
+            self.l3.put(req.prompt, self.pool, req.page_ids[: b // self.page_size], req.slot)
 
     # ---- host tier: evicted prefixes (every paged kind of their pages + the boundary state) -----
 
@@ -219,6 +239,12 @@ class V4Engine:
                 k, key = 0, None
             else:
                 hk, hkey = 0, None
+            most = (len(req.prompt) - 1) // self.page_size
+            lk = self.l3.lookup(req.prompt, most) if self.l3 is not None and max(k, hk) < most else 0
+            if lk > max(k, hk):  # L3 holds a longer prefix
+                k, key, hk, hkey = 0, None, 0, None
+            else:
+                lk = 0
             if key is not None:
                 self._cache.move_to_end(key)  # evicted last
             if not self.pages.can_alloc(need - k) and not self._evict_for(need - k):
@@ -237,17 +263,21 @@ class V4Engine:
                 for skey, t in snap.items():
                     self.pool.state(skey)[req.slot] = t
                 req.page_ids = np.concatenate([ids, fresh])
-                req.num_computed = k * self.page_size
+                req.num_computed = req.cached_tokens = k * self.page_size
                 self.stats["hits"] += 1
                 self.stats["hit_tokens"] += req.num_computed
             elif hkey is not None:
                 self._load_from_host(hkey, fresh[:hk], req.slot)
                 req.page_ids = fresh
-                req.num_computed = hk * self.page_size
+                req.num_computed = req.cached_tokens = hk * self.page_size
                 self.stats["host_hits"] += 1
                 self.stats["host_hit_tokens"] += req.num_computed
             else:
                 req.page_ids = fresh
+                if lk and self.l3 is not None and self.l3.load(req.prompt, lk, self.pool, fresh, req.slot):
+                    snap = {s.key: self.pool.state(s.key)[req.slot].clone() for s in self.layout.states}
+                    self._insert(tuple(req.prompt[: lk * self.page_size]), fresh[:lk], snap)
+                    req.num_computed = req.cached_tokens = lk * self.page_size
             self.running.append(req)
 
     def step(self) -> None:
@@ -299,6 +329,18 @@ class V4Engine:
             raise AssertionError(f"pages: {len(held)} held + {self.pages.num_free} free != {self.pages.num_pages}")
         if len(self.running) + len(self.parked) + self.slots.num_free != self.slots.num_slots:
             raise AssertionError("request-state slots leaked")
+
+    def abort(self, rid: int) -> V4Request | None:
+        """Drop a waiting or running request (its pages and slot come back); None if unknown or finished."""
+        for q in (self.waiting, self.running):
+            req = next((r for r in q if r.rid == rid), None)
+            if req is not None:
+                q.remove(req)
+                if q is self.running:
+                    self.pages.release(rid)
+                    self.slots.free(req.slot)
+                return req
+        return None
 
     def has_unfinished(self) -> bool:  # parked requests belong to whoever sends them on
         return bool(self.waiting or self.running)

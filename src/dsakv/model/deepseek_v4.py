@@ -90,6 +90,10 @@ class DeepseekV4:
             if self.mlp_types[i] == "hash_moe" and f"model.layers.{i}.ffn.gate.tid2eid" not in self.w:
                 raise ConfigError(f"layer {i} is hash-MoE but the checkpoint has no model.layers.{i}.ffn.gate.tid2eid")
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight by checkpoint name (what the weights fingerprint hashes)."""
+        return dict(sorted(self.w.items()))
+
     def _inv_freq(self, which: str) -> torch.Tensor:
         rp = (self.cfg.get("rope_parameters") or {}).get(which) or {}
         rtype = rp.get("rope_type", "default")

@@ -53,6 +53,7 @@ class EngineBackend:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.features = getattr(engine, "features", self.features)  # a V4ServingEngine does fewer
         self._queues: dict[str, queue.SimpleQueue[TokenEvent]] = {}
         self._choices: dict[str, list[str]] = {}  # request id -> the engine ids of its n choices
         self._qlock = threading.Lock()
@@ -179,7 +180,7 @@ class EngineBackend:
             "backend": self.name,
             "error": self._fatal,
             "model": self.engine.spec.name,
-            "elide": self.engine.layout.elide,
+            "elide": getattr(self.engine.layout, "elide", False),
             "pages_total": st.pages_total,
             "pages_used": st.pages_used,
             "pages_free": st.pages_free,
@@ -199,7 +200,7 @@ class EngineBackend:
             "pool_bytes": st.pool_bytes,
             "capacity_tokens": st.capacity_tokens,
             "kv_bytes_per_token": st.bytes_per_token,
-            "elide": 1.0 if lay.elide else 0.0,
+            "elide": 1.0 if getattr(lay, "elide", False) else 0.0,
             "engine_running": st.num_running,
             "engine_waiting": st.num_waiting,
             "engine_preemptions_total": st.num_preemptions,

@@ -3,6 +3,7 @@ See base.py for the contract; master.py starts a local Mooncake master and store
 
 from dsakv.cache.storage.base import (
     STORAGE_BACKENDS,
+    PageLayout,
     ReadResult,
     Segments,
     StorageBackend,
@@ -12,10 +13,9 @@ from dsakv.cache.storage.base import (
     layout_identity,
     page_checksum,
 )
-from dsakv.spec.layout import KVLayout
 
 
-def make_storage(layout: KVLayout, model_hash: str | None, config: StorageConfig) -> StorageBackend:
+def make_storage(layout: PageLayout, model_hash: str | None, config: StorageConfig) -> StorageBackend:
     """The configured backend (imports the backend modules, which register themselves, on first use; here and not
     in base.py, which they import)."""
     import dsakv.cache.storage.file  # noqa: F401
@@ -26,6 +26,7 @@ def make_storage(layout: KVLayout, model_hash: str | None, config: StorageConfig
 
 __all__ = [
     "STORAGE_BACKENDS",
+    "PageLayout",
     "ReadResult",
     "Segments",
     "StorageBackend",

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +59,25 @@ from dsakv.util import Registry
 from dsakv.util.secret import SECRET_ENV, load_secret
 
 Segments = list[tuple[int, int]]  # one page: (address, bytes) per buffer, layout order
+
+
+class StoredLayout(Protocol):
+    """A page layout other than KVLayout (cache/v4_storage's DeepSeek-V4 pages and boundary states): what the
+    tier reads of it. `identity()` names every buffer it holds (it seeds the page hashes)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def bytes_per_page(self) -> int: ...
+
+    @property
+    def bytes_per_token(self) -> object: ...
+
+    def identity(self) -> dict[str, object]: ...
+
+
+PageLayout = KVLayout | StoredLayout  # what a backend stores pages of
 
 # magic, layout_id, page hash, payload bytes | word sum (page_checksum) | MAC (PageMac): nonce 24 B, tag 16 B: 144 B
 META = struct.Struct("<8s16s64sQQ40s")
@@ -132,8 +151,11 @@ class StorageConfig:
             )
 
 
-def layout_identity(layout: KVLayout, model_hash: str | None = None) -> str:
+def layout_identity(layout: PageLayout, model_hash: str | None = None) -> str:
     """16 hex chars naming everything that shapes a cached page: checkpoint, model shape, layers, formats, keys."""
+    if not isinstance(layout, KVLayout):
+        stored = {"model_hash": model_hash or "", **layout.identity()}
+        return hashlib.sha256(json.dumps(stored, sort_keys=True).encode()).hexdigest()[:16]
     ident = {
         "model_hash": model_hash or "",
         "spec": layout.spec.identity_hash(),
@@ -375,7 +397,7 @@ class StorageBackend:
     synchronous: ClassVar[bool] = True
     needs_registration: ClassVar[bool] = False  # pages must live in memory given to register()
 
-    def __init__(self, layout: KVLayout, model_hash: str | None, config: StorageConfig) -> None:
+    def __init__(self, layout: PageLayout, model_hash: str | None, config: StorageConfig) -> None:
         self.layout = layout
         self.config = config
         self.model_hash = model_hash
@@ -453,6 +475,6 @@ class StorageBackend:
         """Release connections and registrations."""
 
 
-STORAGE_BACKENDS: Registry[Callable[[KVLayout, str | None, StorageConfig], StorageBackend]] = Registry(
+STORAGE_BACKENDS: Registry[Callable[[PageLayout, str | None, StorageConfig], StorageBackend]] = Registry(
     "storage backend", flag="--hicache-storage"
 )

@@ -55,6 +55,7 @@ from dsakv.cache.storage.base import (
     META_MAC_AT,
     META_SUM_AT,
     STORAGE_BACKENDS,
+    PageLayout,
     ReadResult,
     Segments,
     StorageBackend,
@@ -68,7 +69,6 @@ from dsakv.cache.storage.base import (
     page_checksum,
 )
 from dsakv.errors import ConfigError
-from dsakv.spec.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class FileStore(StorageBackend):
     name = "file"
     synchronous = True
 
-    def __init__(self, layout: KVLayout, model_hash: str | None, config: StorageConfig) -> None:
+    def __init__(self, layout: PageLayout, model_hash: str | None, config: StorageConfig) -> None:
         super().__init__(layout, model_hash, config)
         assert config.dir is not None
         self.dir = Path(config.dir) / self.layout_id

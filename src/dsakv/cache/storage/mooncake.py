@@ -35,6 +35,7 @@ import numpy as np
 from dsakv.cache.storage.base import (
     META,
     STORAGE_BACKENDS,
+    PageLayout,
     ReadResult,
     Segments,
     StorageBackend,
@@ -44,7 +45,6 @@ from dsakv.cache.storage.base import (
     secret_key,
 )
 from dsakv.errors import ConfigError
-from dsakv.spec.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class MooncakeStore(StorageBackend):
     synchronous = False
     needs_registration = True
 
-    def __init__(self, layout: KVLayout, model_hash: str | None, config: StorageConfig) -> None:
+    def __init__(self, layout: PageLayout, model_hash: str | None, config: StorageConfig) -> None:
         super().__init__(layout, model_hash, config)
         try:
             from mooncake.store import MooncakeDistributedStore
