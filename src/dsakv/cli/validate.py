@@ -166,10 +166,7 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_int(args, "transfer_staging_slots", 0, 1024, "destination staging slots of the decode (0: none)")
     check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
     check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
-    pp = int(getattr(args, "pp_size", 1) or 1)
-    rank = getattr(args, "pp_rank", None)
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < pp):
-        raise ConfigError(f"--pp-rank {rank!r} must be in 0..{pp - 1} (--pp-size {pp})")
+    pp = int(getattr(args, "pp_size", 1) or 1)  # --pp-rank: engine.config.PipelineConfig validates it (once)
     if getattr(args, "dist_port", None) is not None:
         check_port(args.dist_port, "--dist-port")
     if role == "prefill":

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.config import DecodeConfig, DecodePipelineConfig
+from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.messages import (
     DecodeStageRef,
@@ -62,6 +62,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
+from dsakv.pipeline.batch import split_layers
 from dsakv.pipeline.runner import RoundTripRunner, Stage0
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
 from dsakv.pipeline.step import PipeStep, StepBooks
@@ -101,7 +102,10 @@ def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, 
         raise ConfigError("--speculative-num-steps with a decode pipeline (--pp-size > 1) is not supported yet")
     if ec.hisparse.enabled:
         raise ConfigError("--hisparse with a decode pipeline (--pp-size > 1) is not supported yet: use --pp-size 1")
-    layouts = [ec.layout.layout(spec, a, b) for a, b in cfg.pipeline.ranges(spec.num_layers)]
+    layouts = [
+        ec.layout.layout(spec, a, b)
+        for a, b in split_layers(spec.num_layers, cfg.pipeline.pp_size, cfg.pipeline.partition)
+    ]
     return ec, layouts, ec.pool.pages(layouts)
 
 
@@ -120,7 +124,7 @@ def _group(cfg: DecodeConfig, model: DSAModel, spec: ModelSpec) -> StageGroup:
     if cfg.port == 0:
         raise ConfigError("a decode pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
     return stage_group(
-        p.pp_rank,
+        p.rank,
         p.pp_size,
         host=cfg.host,
         port=cfg.port,
@@ -329,4 +333,4 @@ def _span(layout: KVLayout) -> list[int]:
     return [layout.layer_start, layout.end - 1]
 
 
-__all__ = ["DecodePipeline", "DecodePipelineConfig", "stage_pool_shape"]
+__all__ = ["DecodePipeline", "stage_pool_shape"]

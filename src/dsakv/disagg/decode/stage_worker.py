@@ -31,9 +31,9 @@ class DecodeStageWorker:
     mirror of stage 0's books, and the loop that runs its layers of every decode step."""
 
     def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
-        assert cfg.pipeline is not None and cfg.pipeline.pp_rank > 0
+        assert cfg.pipeline is not None and cfg.pipeline.rank > 0
         self.cfg = cfg
-        self.rank, self.size = cfg.pipeline.pp_rank, cfg.pipeline.pp_size
+        self.rank, self.size = cfg.pipeline.rank, cfg.pipeline.pp_size
         self.spec, self.model = _load(cfg, model)
         self.model.eval()
         _, layouts, self.num_pages = stage_pool_shape(cfg, self.spec)
