@@ -1,7 +1,8 @@
 """The colocated pipeline in one process: stage 0 (PipelinedEngine) here, the later stages (colocated.run_stage)
 in threads, over real gloo groups on 127.0.0.1. Tokens equal the single-process engine's (greedy and seeded, a
-batch, chunked prefill, preemption in a small pool); STOP ends every stage with exit code 0 and their page books
-empty; a malformed step breaks the link naming the field; bad options are refused before anything starts."""
+batch, chunked prefill, preemption in a small pool); STOP ends every stage with exit code 0; prompt logprobs are
+refused naming the option; a malformed step breaks the link naming the field; bad options are refused before any
+stage starts."""
 
 from __future__ import annotations
 
