@@ -156,6 +156,18 @@ CASES = [
     ("generate --model {badgen} --prompt-ids 5", "generation_config.json' is not valid JSON"),
     ("serve --model {listgen}", "generation_config.json' must hold a JSON object"),
     ("serve --role decode --model {tiny} --pp-size 2 --dist-port 70000", "--dist-port 70000 is not a TCP port"),
+    ("serve --model {tiny} --pp-size 2 --pp-rank 1", "--pp-rank 1 is for --role prefill / decode: a colocated"),
+    ("serve --model {tiny} --pp-size 2 --tp-size 2", "--pp-size 2 with --tp-size 2 is not supported yet"),
+    ("generate --model {tiny} --prompt-ids 5 --pp-size 65", "--pp-size 65 must be an integer in 1..64"),
+    ("generate --model {tiny} --prompt-ids 5 --pp-size 2 --stage-timeout 0", "--stage-timeout 0.0"),
+    (
+        "generate --model {tiny} --prompt-ids 5 --pp-size 2 --prefix-cache",
+        "--pp-size 2 with the prefix cache (--prefix-cache / --hicache-*) is not supported yet",
+    ),
+    (
+        "generate --model {tiny} --prompt-ids 5 --pp-size 2 --pp-partition 6,5",
+        "--pp-partition 6,5 must give every stage >= 1 layer and sum to the model's 12 layers (sums to 11)",
+    ),
     ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --kv-timeout 1e9", "most it may be, 3600"),
     ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --rpc-timeout 1e9", "most it may be, 600"),
     ("serve --role router --prefill 127.0.0.1:9200 --decode 127.0.0.1:9100 --queue-timeout 1e12", "--queue-timeout"),

@@ -86,6 +86,10 @@ class LLM:
         generate_cmd.check_engine_args(args)
         if args.enable_dp_attention:
             raise ConfigError(f"{WHAT}: enable_dp_attention is not supported here yet: use `dsakv generate`")
+        if getattr(args, "pp_size", 1) > 1:
+            raise ConfigError(
+                f"{WHAT}: pp_size {args.pp_size} is not supported here yet: use `dsakv generate --pp-size`"
+            )
         if args.tp_size > 1 and loaded_model is not None:
             raise ConfigError(f"{WHAT}: loaded_model with tp_size {args.tp_size}: each rank loads its shard")
         self.args: argparse.Namespace = args

@@ -184,24 +184,12 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     pipe = cfg.pipeline
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
-    from dsakv.disagg.decode.config import DecodePipelineConfig
     from dsakv.disagg.decode.stage_worker import DecodeStageWorker
     from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 
     model_dir = options.model_dir_of(args)
     _threads(args)
-    pcfg = (
-        DecodePipelineConfig(
-            pp_size=pipe.pp_size,
-            pp_rank=pipe.pp_rank or 0,
-            partition=pipe.partition,
-            stage0_host=pipe.stage0_host,
-            dist_port=pipe.dist_port,
-            stage_timeout=pipe.stage_timeout,
-        )
-        if pipe.pp_size > 1
-        else None
-    )
+    pcfg = pipe if pipe.pp_size > 1 else None  # the tree's one pipeline config (its rank: --pp-rank)
     dcfg = DecodeConfig(
         model=str(model_dir),
         host=args.host,
@@ -212,8 +200,8 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         pipeline=pcfg,
         max_kv_timeout=args.max_kv_timeout,
     )
-    worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.pp_rank > 0 else DecodeWorker(dcfg)
-    stage = f" stage {pcfg.pp_rank}/{pcfg.pp_size}" if pcfg is not None else ""
+    worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.rank > 0 else DecodeWorker(dcfg)
+    stage = f" stage {pcfg.rank}/{pcfg.pp_size}" if pcfg is not None else ""
     return _serve_worker(worker, lambda: f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})")
 
 

@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7 --no-elide --kv-format fp8-656 --index-format fp8-132\n"
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7 --temperature 0.8 --top-p 0.95 --seed 1\n"
         "  dsakv generate --model DIR_WITH_TOKENIZER --prompt 'Hello'   (text needs a tokenizer in DIR)\n"
+        "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8 --pp-size 2 --pp-partition 7,5   (2 processes)\n"
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8,9 --prompt-ids 5,6,7,8,10 --sequential \\\n"
         "      --page-size 4 --hicache-ratio 2 --hicache-write-policy write_back --stats\n"
         "\n"
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_engine_arguments(run_g)
     options.add_speculative_argument(run_g)
     options.add_parallel_arguments(run_g)
+    options.add_colocated_pipeline_arguments(run_g)
     options.add_hisparse_arguments(p)
     run_g.add_argument("--json", action="store_true", help="print JSON")
     run_g.add_argument("--stats", action="store_true", help="also print pool and token counters (stderr)")
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     if is_v4(args.model):
         from dsakv.cli.generate_v4 import run_v4
 
+        if getattr(args, "pp_size", 1) > 1:
+            raise ConfigError(f"--pp-size {args.pp_size} with a DeepSeek-V4 checkpoint is not supported yet")
         v4_prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
         v4_prompts += [list(load_tokenizer(model_dir).encode(t)) for t in args.prompt]
         if not v4_prompts or any(not p for p in v4_prompts):
@@ -208,6 +212,17 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
     )
     dp = args.dp_size if args.enable_dp_attention else 1
+    if args.pp_size > 1:  # stage 0 of a colocated pipeline; a stage process runs its stage and exits here
+        from dsakv.pipeline.colocated import start_pipeline
+
+        argv = getattr(args, "_argv", None) or sys.argv[1:]
+        piped = start_pipeline(model_dir, options.engine_config(args), options.pipeline_config(args), argv)
+        if isinstance(piped, int):
+            return piped
+        try:
+            return _generate(args, ranks, piped, prompts, params, dp, tokenizer)
+        finally:
+            piped.close()
     engine = build_engine(args, ranks, model_dir)
     try:
         return _generate(args, ranks, engine, prompts, params, dp, tokenizer)

@@ -302,14 +302,24 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument("--debug-transfer-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
+PP_SIZE_HELP = (
+    "pipeline stages, one process each (colocated: this command is stage 0 and starts the others on 127.0.0.1; "
+    "prefill / decode: stage k on --port + k); a stage holds only its layers' KV and its producers' index-K "
+    "(default 1)"
+)
+PP_PARTITION_HELP = "layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)"
+STAGE_TIMEOUT_HELP = "bound on every activation send/receive between stages (default 10 s)"
+
+
+def add_colocated_pipeline_arguments(g: argparse._ActionsContainer) -> None:
+    """--pp-size, --pp-partition, --stage-timeout of a colocated pipeline (dsakv generate; pipeline/colocated.py)."""
+    g.add_argument("--pp-size", type=int, default=1, metavar="N", help=PP_SIZE_HELP)
+    g.add_argument("--pp-partition", default=None, metavar="N,N,..", help=PP_PARTITION_HELP)
+    g.add_argument("--stage-timeout", type=float, default=10.0, help=STAGE_TIMEOUT_HELP)
+
+
 def add_pipeline_arguments(g: argparse._ActionsContainer) -> None:
-    g.add_argument(
-        "--pp-size",
-        type=int,
-        default=1,
-        help="prefill / decode: pipeline stages, one process each, stage k on --port + k (default 1); a "
-        "decode stage holds only its layers' KV and its producers' index-K",
-    )
+    g.add_argument("--pp-size", type=int, default=1, help=PP_SIZE_HELP)
     g.add_argument(
         "--pp-rank",
         type=int,
@@ -320,8 +330,8 @@ def add_pipeline_arguments(g: argparse._ActionsContainer) -> None:
         "--pp-partition",
         default=None,
         metavar="N,N,..",
-        help="prefill / decode: layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger); any "
-        "prefill partition pairs with any decode partition (each key goes to the decode stage holding it)",
+        help=f"{PP_PARTITION_HELP}; any prefill partition pairs with any decode partition (each key goes to the "
+        "decode stage holding it)",
     )
     g.add_argument(
         "--dist-port",

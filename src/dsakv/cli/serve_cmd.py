@@ -93,7 +93,7 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     tokenizer = load_tokenizer(model_dir, checkpoint_vocab_size(model_dir))  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
     check_tp(model_dir, tp)
-    ranked = None
+    ranked = piped = None
     if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
         from dsakv.engine.ranks import RankedEngine, follow, start_ranks
         from dsakv.model.loader import load_config
@@ -109,6 +109,13 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
         if not ranks.lead:
             return follow(engine, ranks)
         ranked = RankedEngine(engine, ranks)
+    elif cfg.pipeline.pp_size > 1:  # stage 0 of a colocated pipeline (pipeline/colocated.py) serves HTTP
+        from dsakv.pipeline.colocated import start_pipeline
+
+        piped = start_pipeline(model_dir, cfg.engine, cfg.pipeline, args._argv)
+        if isinstance(piped, int):  # a stage process: its stage ran until stage 0 stopped it
+            return piped
+        engine = piped
     else:
         engine = open_engine(model_dir, cfg.engine)  # by the checkpoint's architecture (Engine or V4)
     name = args.served_model_name or model_dir.resolve().name
@@ -134,9 +141,12 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     try:
         return run_http(app, args.host, args.port, args.log_level, limits=http_limits(args))
     finally:
-        if ranked is not None:
+        if ranked is not None or piped is not None:
             backend.stop()
+        if ranked is not None:
             ranked.close()
+        if piped is not None:
+            piped.close()
 
 
 def validate(args: argparse.Namespace) -> None:

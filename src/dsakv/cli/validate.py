@@ -129,6 +129,8 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
     check_seconds(args, "request_timeout", fix="seconds without a token before a request fails, e.g. 600")
     check_tp(args)
+    if role == "colocated":
+        check_pp_colocated(args)
     if getattr(args, "enable_dp_attention", False):
         raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
     if getattr(args, "tp_size", 1) > 1 and role != "colocated":
@@ -164,10 +166,7 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_int(args, "transfer_staging_slots", 0, 1024, "destination staging slots of the decode (0: none)")
     check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
     check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
-    pp = int(getattr(args, "pp_size", 1) or 1)
-    rank = getattr(args, "pp_rank", None)
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < pp):
-        raise ConfigError(f"--pp-rank {rank!r} must be in 0..{pp - 1} (--pp-size {pp})")
+    pp = int(getattr(args, "pp_size", 1) or 1)  # --pp-rank: engine.config.PipelineConfig validates it (once)
     if getattr(args, "dist_port", None) is not None:
         check_port(args.dist_port, "--dist-port")
     if role == "prefill":
@@ -197,9 +196,26 @@ def validate_generate(args: argparse.Namespace) -> None:
     check_int(args, "seed", 0, 2**63 - 1)
     check_ratio(args, "hicache_ratio", "host tier = ratio x device pool bytes, e.g. 2")
     check_tp(args)
+    check_pp_colocated(args)
     disk_dir = getattr(args, "hicache_disk_dir", None)
     if disk_dir is not None:
         check_dir(disk_dir, "--hicache-disk-dir")
+
+
+def check_pp_colocated(args: argparse.Namespace) -> None:
+    """--pp-size of a colocated pipeline (generate, serve --role colocated): this command starts every stage, and
+    not (yet) with TP / DP ranks; the engine options it refuses are named by pipeline/colocated.refusal."""
+    check_int(args, "pp_size", 1, 64, "pipeline stages (one process each)")
+    pp = int(getattr(args, "pp_size", 1) or 1)
+    if getattr(args, "pp_rank", None) is not None:
+        raise ConfigError(
+            f"--pp-rank {args.pp_rank} is for --role prefill / decode: a colocated --pp-size {pp} starts every stage "
+            "itself; drop --pp-rank"
+        )
+    if pp > 1 and (getattr(args, "tp_size", 1) > 1 or getattr(args, "enable_dp_attention", False)):
+        raise ConfigError(f"--pp-size {pp} with --tp-size {args.tp_size} is not supported yet: drop one of them")
+    if pp > 1:
+        check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
 
 
 def check_tp(args: argparse.Namespace) -> None:

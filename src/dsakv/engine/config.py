@@ -333,7 +333,9 @@ class TransferConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Pipeline-parallel prefill: stage k of a worker at --port P listens on P + k."""
+    """The one pipeline config of every pipelined role (validated here, once): a prefill or decode worker's stage k
+    at --port P listens on P + k; a colocated pipeline (pipeline/colocated.py) uses pp_size, partition and
+    stage_timeout only."""
 
     pp_size: int = 1
     pp_rank: int | None = None  # None: start every stage as a child process
@@ -341,6 +343,19 @@ class PipelineConfig:
     dist_port: int | None = None  # gloo rendezvous on stage 0 (None: port + pp_size)
     stage0_host: str | None = None
     stage_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.pp_size < 1:
+            raise ConfigError(f"--pp-size {self.pp_size} must be >= 1")
+        if self.pp_rank is not None and not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
+        if not self.stage_timeout > 0:
+            raise ConfigError(f"--stage-timeout {self.stage_timeout} must be > 0 seconds")
+
+    @property
+    def rank(self) -> int:
+        """This process's stage (0 when pp_rank is None: the supervisor, or stage 0 of a colocated pipeline)."""
+        return self.pp_rank or 0
 
 
 def storage_pp_error(backend: str, pp_size: int) -> str:

@@ -129,10 +129,13 @@ class DSAModel(nn.Module):
             page_size=page_size,
         )
 
-    def check_pool(self, pool: DevicePool | HiSparsePool) -> None:
-        """Raise ValueError unless the pool's layout was built for this model."""
-        if self._checked is not None and self._checked[0]() is pool and self._checked[1] is pool.layout:
-            return
+    def check_pool(self, pool: DevicePool | HiSparsePool) -> PoolAccess | None:
+        """Raise ValueError unless the pool's layout was built for this model; the pool's codec access (None for a
+        HiSparse pool). Thread-safe: stages sharing one model in one process (in-process pipelines) each get their
+        own pool's access (the cached tuple is read once, never re-read after another thread replaced it)."""
+        checked = self._checked
+        if checked is not None and checked[0]() is pool and checked[1] is pool.layout:
+            return checked[2]
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
@@ -141,6 +144,7 @@ class DSAModel(nn.Module):
         # the last pool checked, and its codec access (slots checked once per step in make_context)
         access = PoolAccess(pool, check_slots=False) if isinstance(pool, DevicePool) else None
         self._checked = (weakref.ref(pool), pool.layout, access)
+        return access
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> StepContext:
         """The step's shared tensors, built vectorised on the model's device (no loop over sequences).
@@ -148,9 +152,7 @@ class DSAModel(nn.Module):
         The slot table is checked against the pool once here, so the layers' reads and writes skip the check.
         """
         ext_l, pre_l = _check_batch(batch)
-        self.check_pool(pool)
-        assert self._checked is not None
-        access = self._checked[2]
+        access = self.check_pool(pool)
         dev = self.device
         b, t = batch.batch_size, batch.num_tokens
         ext = batch.extend_lens.to(dev)

@@ -1,11 +1,13 @@
-"""The Engine's StepRunner on a pipeline's stage 0 (a prefill pipeline's leader, a decode pipeline's stage 0): runs
-this stage's layers and leaves the step message for stage 1 in `outbox`. The step message's type is the role's
-(`step_msg` builds it, `encode` puts it on the wire).
+"""The Engine's StepRunner on a pipeline's stage 0: runs this stage's layers and leaves the step message for stage 1
+in `outbox` (PipelineRunner: a prefill pipeline's leader, whose last stage samples), or sends it at once and gets
+the last stage's logits back so the Engine samples on stage 0 (RoundTripRunner: the decode pipeline and the
+colocated `--pp-size`). The step message's type is the role's (`step_msg` builds it, `encode` puts it on the wire).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -15,9 +17,10 @@ from dsakv.engine.model_runner import build_batch, logits_at
 from dsakv.engine.sampling import sample_batch
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.engine.speculative import draft_prefill
+from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
-from dsakv.pipeline.stage_comm import StageMessage
+from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 
 M = TypeVar("M")
 
@@ -101,3 +104,80 @@ class PipelineRunner(Generic[M]):
         out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, hidden, after)
         for i in rows:
             self.draft_out[chunks[i].request.request_id] = self.ctx.draft_hidden(out[i])
+
+
+class RoundTripContext(RunnerContext, Protocol):
+    """What a RoundTripRunner reads of stage 0 beyond a RunnerContext: its group and the bound on the logits' wait."""
+
+    @property
+    def group(self) -> StageGroup: ...
+
+    @property
+    def stage_timeout(self) -> float: ...
+
+
+@dataclass
+class Stage0:
+    """The RoundTripContext of stage 0 of a round-trip pipeline (never its last stage; no MTP draft)."""
+
+    model: DSAModel
+    page_size: int
+    size: int
+    group: StageGroup
+    stage_timeout: float
+    last: bool = False
+    draft: None = None
+
+    def draft_hidden(self, hidden: torch.Tensor) -> bytes:
+        raise ConfigError("stage 0 of a round-trip pipeline runs no MTP draft layer")
+
+
+class RoundTripRunner(PipelineRunner[M]):
+    """Stage 0's StepRunner of a round-trip pipeline: this stage's layers, the step on to stage 1 at once, and the
+    last stage's logits back (float32, one row per chunk), so the Engine samples as a single-process one does.
+
+    `on_sent()` runs after every send (the idle tick's clock); `on_error(e)` turns a broken link into the error the
+    step's requests fail with (e.g. naming a stage process that died); `broken` keeps its text for the caller."""
+
+    ctx: RoundTripContext
+
+    def __init__(
+        self,
+        ctx: RoundTripContext,
+        pool: DevicePool,
+        step_msg: Callable[[Sequence[ScheduledChunk], Any], M],
+        encode: Callable[[M], dict[str, Any]],
+        on_sent: Callable[[], None] | None = None,
+        on_error: Callable[[StageLinkError], Exception] | None = None,
+    ) -> None:
+        super().__init__(ctx, pool, step_msg, encode)
+        self.on_sent = on_sent
+        self.on_error = on_error
+        self.broken: str | None = None
+
+    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        super().run(chunks)
+        assert self.outbox is not None
+        msg, _ = self.outbox
+        self.outbox = None
+        g, last = self.ctx.group, self.ctx.size - 1
+        try:
+            g.send_next(msg)
+            if self.on_sent is not None:
+                self.on_sent()
+            back = g.recv_from(last, self.ctx.stage_timeout, dtype=torch.float32)
+            if back.step != self.step or back.hidden is None or back.hidden.shape[0] != len(chunks):
+                why = (
+                    f"stage 0: step {self.step} got logits of step {back.step} for "
+                    f"{None if back.hidden is None else back.hidden.shape[0]} rows from stage {last}, not "
+                    f"{len(chunks)}"
+                )
+                g.break_(why)
+                raise StageLinkError(why)
+        except StageLinkError as e:
+            err = self.on_error(e) if self.on_error is not None else e
+            self.broken = str(err)
+            if err is e:
+                raise
+            raise err from e
+        return back.hidden.to(self.ctx.model.device)

@@ -1,5 +1,5 @@
 """The configuration of a decode worker process: the configuration tree plus where the process runs
-(DecodeConfig), and, for a pipelined decode (--pp-size > 1), its pipeline (DecodePipelineConfig).
+(DecodeConfig), and, for a pipelined decode (--pp-size > 1), its pipeline (the tree's one PipelineConfig).
 
 Used by the decode worker (decode_worker.py), its pipeline stages (decode_stage.py) and cli/disagg_roles.py; one
 module so that neither of the first two imports the other for its configuration.
@@ -14,30 +14,8 @@ from typing import Any
 
 from dsakv.disagg.protocol.messages import MAX_KV_TIMEOUT
 from dsakv.disagg.protocol.timeouts import Timeouts
-from dsakv.engine.config import Config
+from dsakv.engine.config import Config, PipelineConfig
 from dsakv.errors import ConfigError
-from dsakv.pipeline.batch import split_layers
-
-
-@dataclass(frozen=True)
-class DecodePipelineConfig:
-    """The pipeline of a decode worker: stage k of a worker at --port P listens on P + k."""
-
-    pp_size: int = 1
-    pp_rank: int = 0
-    partition: tuple[int, ...] | None = None
-    stage0_host: str | None = None  # where stage 0 runs (the gloo rendezvous); default --host
-    dist_port: int | None = None  # gloo rendezvous on stage 0; default port + pp_size
-    stage_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
-        if self.stage_timeout <= 0:
-            raise ConfigError(f"--stage-timeout {self.stage_timeout} must be > 0 seconds")
-
-    def ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        return split_layers(num_layers, self.pp_size, self.partition)
 
 
 @dataclass(frozen=True)
@@ -53,7 +31,7 @@ class DecodeConfig:
     backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
-    pipeline: DecodePipelineConfig | None = None  # --pp-size > 1: this process is stage 0 (decode_stage.py)
+    pipeline: PipelineConfig | None = None  # --pp-size > 1: stage `pipeline.rank` (decode/stage*.py)
     max_kv_timeout: float = 120.0  # the longest kv_timeout a prealloc may ask for: bounds how long pages wait for KV
 
     def __post_init__(self) -> None:
@@ -75,4 +53,4 @@ class DecodeConfig:
         )
 
 
-__all__ = ["DecodeConfig", "DecodePipelineConfig"]
+__all__ = ["DecodeConfig"]

@@ -10,10 +10,11 @@
     failing fails only that request, and its pages are freed on every stage (stage 0's books; the others
     mirror them).
 
-A decode step is the prefill's pipeline run for decode (stage_comm, PipelineRunner): stage 0's Engine schedules,
-its DecodeStageRunner runs layers [0, a) and sends StepMsg (rows, ForwardBatch, page holds and drops) + hidden +
-the last producer's top-k to stage 1 ... stage N-1 computes the logits and sends them back to stage 0, where the
-Engine samples (the same sampling, stop rules and seeded streams as a colocated engine). A stage with no producer
+A decode step is the round-trip pipeline of dsakv.pipeline, the one the colocated `--pp-size` runs: stage 0's
+Engine schedules, its RoundTripRunner runs layers [0, a) and sends a PipeStep (ForwardBatch, page holds and drops,
+pipeline/step.py) + hidden + the last producer's top-k to stage 1 ... stage N-1 (pipeline/follower.py) computes
+the logits and sends them back to stage 0, where the Engine samples (the same sampling, stop rules and seeded
+streams as a colocated engine). A stage with no producer
 reuses the carried top-k in its shared layers, as a prefill stage does. Idle, stage 0 sends a tick every
 Timeouts.tick (holds and drops of the books too), so a later stage's receive never times out.
 
@@ -35,26 +36,21 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.config import DecodeConfig, DecodePipelineConfig
-from dsakv.disagg.protocol.codec import to_wire
+from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.messages import (
-    STEP,
-    TICK,
     DecodeStageRef,
     Hello,
     HelloReply,
     StageDone,
     StageInfo,
-    StepMsg,
-    StepRow,
     fetch_health,
 )
 from dsakv.disagg.protocol.rpc import RpcError
@@ -63,12 +59,13 @@ from dsakv.disagg.transfer.bootstrap import StageRegistry
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.config import EngineConfig, PoolConfig
 from dsakv.engine.engine import Engine
-from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
-from dsakv.pipeline.batch import encode_batch
-from dsakv.pipeline.runner import PipelineRunner
+from dsakv.pipeline.batch import split_layers
+from dsakv.pipeline.runner import RoundTripRunner, Stage0
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
+from dsakv.pipeline.step import PipeStep, StepBooks
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
@@ -105,7 +102,10 @@ def stage_pool_shape(cfg: DecodeConfig, spec: ModelSpec) -> tuple[EngineConfig, 
         raise ConfigError("--speculative-num-steps with a decode pipeline (--pp-size > 1) is not supported yet")
     if ec.hisparse.enabled:
         raise ConfigError("--hisparse with a decode pipeline (--pp-size > 1) is not supported yet: use --pp-size 1")
-    layouts = [ec.layout.layout(spec, a, b) for a, b in cfg.pipeline.ranges(spec.num_layers)]
+    layouts = [
+        ec.layout.layout(spec, a, b)
+        for a, b in split_layers(spec.num_layers, cfg.pipeline.pp_size, cfg.pipeline.partition)
+    ]
     return ec, layouts, ec.pool.pages(layouts)
 
 
@@ -124,7 +124,7 @@ def _group(cfg: DecodeConfig, model: DSAModel, spec: ModelSpec) -> StageGroup:
     if cfg.port == 0:
         raise ConfigError("a decode pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
     return stage_group(
-        p.pp_rank,
+        p.rank,
         p.pp_size,
         host=cfg.host,
         port=cfg.port,
@@ -134,57 +134,6 @@ def _group(cfg: DecodeConfig, model: DSAModel, spec: ModelSpec) -> StageGroup:
         hidden_dtype=model.dtype,
         hidden_size=spec.hidden_size,
     )
-
-
-@dataclass
-class DecodeStageContext:
-    """What PipelineRunner reads of a stage (the decode pipeline's stage 0: never the last stage)."""
-
-    model: DSAModel
-    page_size: int
-    size: int
-    group: StageGroup
-    stage_timeout: float
-    last: bool = False
-    draft: None = None  # MTP on a pipelined decode is refused (stage_pool_shape)
-
-    def draft_hidden(self, hidden: torch.Tensor) -> bytes:
-        raise ConfigError("a decode pipeline stage runs no MTP draft layer")
-
-
-class DecodeStageRunner(PipelineRunner[StepMsg]):
-    """Stage 0's StepRunner: the prefill pipeline's runner (this stage's layers, the step for stage 1), then the
-    step goes on at once and the last stage's logits come back, so the Engine samples as a colocated one does."""
-
-    ctx: DecodeStageContext
-
-    def __init__(self, ctx: DecodeStageContext, pool: DevicePool, pipeline: DecodePipeline) -> None:
-        super().__init__(ctx, pool, pipeline.step_msg, to_wire)
-        self.pipeline = pipeline
-        self.broken: str | None = None
-
-    def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
-        super().run(chunks)
-        assert self.outbox is not None
-        msg, _ = self.outbox
-        self.outbox = None
-        g, last = self.ctx.group, self.ctx.size - 1
-        try:
-            g.send_next(msg)
-            self.pipeline.sent()
-            back = g.recv_from(last, self.ctx.stage_timeout, dtype=torch.float32)
-            if back.step != self.step or back.hidden is None or back.hidden.shape[0] != len(chunks):
-                why = (
-                    f"stage 0: step {self.step} got logits of step {back.step} for "
-                    f"{None if back.hidden is None else back.hidden.shape[0]} rows from stage {last}, not "
-                    f"{len(chunks)}"
-                )
-                g.break_(why)
-                raise StageLinkError(why)
-        except StageLinkError as e:
-            self.broken = str(e)
-            raise
-        return back.hidden.to(self.ctx.model.device)
 
 
 class DecodePipeline:
@@ -197,18 +146,17 @@ class DecodePipeline:
         self.spec = spec
         self.layouts = layouts
         self.group = _group(cfg, model, spec)
-        self.ctx = DecodeStageContext(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
+        self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
         self.tick_s = min(1.0, self.cfg.stage_timeout / 4)
         self.health_timeout = min(1.0, cfg.config.transfer.rpc_timeout)
-        self.runner: DecodeStageRunner | None = None
+        self.runner: RoundTripRunner[PipeStep] | None = None
         self.down_reason: str | None = "pipeline not formed yet"
         self.generation = 0
         self.refs: list[DecodeStageRef] = []
         self.manifests: list[tuple[int, Manifest]] = []
         self.pair_bytes: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._hold: dict[str, list[int]] = {}
-        self._drop: list[str] = []
+        self.books = StepBooks()
         self._last_send = 0.0
 
     @classmethod
@@ -223,34 +171,23 @@ class DecodePipeline:
         engine.on_schedule = pipe.on_schedule
         return pipe, engine
 
-    def _make_runner(self, pool: DevicePool) -> DecodeStageRunner:
-        self.runner = DecodeStageRunner(self.ctx, pool, self)
+    def _make_runner(self, pool: DevicePool) -> RoundTripRunner[PipeStep]:
+        """Stage 0's StepRunner: its layers, the step on at once, the last stage's logits back (pipeline/runner.py),
+        so the Engine samples as a colocated one does."""
+        self.runner = RoundTripRunner(self.ctx, pool, self.books.step, PipeStep.meta, self.sent)
         return self.runner
 
     # ---- the books later stages mirror (any thread; never under the worker's lock order) ------------------
 
     def held(self, rid: str, pages: Sequence[int]) -> None:
-        with self._lock:
-            self._hold[rid] = [int(p) for p in pages]
+        self.books.held(rid, pages)
 
     def dropped(self, rid: str) -> None:
-        with self._lock:
-            self._hold.pop(rid, None)
-            self._drop.append(rid)
+        self.books.dropped(rid)
 
     def on_schedule(self, sched: SchedulerOutput) -> None:
         for r in sched.preempted:
             self.dropped(r.request_id)
-
-    def _take(self) -> tuple[dict[str, list[int]], list[str]]:
-        with self._lock:
-            hold, drop, self._hold, self._drop = self._hold, self._drop, {}, []
-        return hold, drop
-
-    def step_msg(self, chunks: Sequence[ScheduledChunk], batch: Any) -> StepMsg:
-        seqs = [StepRow(c.request.request_id, c.start, c.num_tokens, list(c.request.page_ids), False) for c in chunks]
-        hold, drop = self._take()
-        return StepMsg(STEP, seqs=seqs, batch=encode_batch(batch), drop=drop, hold=hold)
 
     def sent(self) -> None:
         self._last_send = time.monotonic()
@@ -274,8 +211,7 @@ class DecodePipeline:
                 return False
             manifests.append((r, Manifest.from_bytes(raw)))
             refs.append(DecodeStageRef(r, str(i["rpc"]), raw, str(i.get("boot", ""))))
-        with self._lock:
-            self._hold, self._drop = {}, []
+        self.books.clear()
         self.generation += 1
         self.manifests, self.refs = manifests, refs
         worker.boot = f"{worker.service.boot}.{self.generation}"
@@ -303,19 +239,15 @@ class DecodePipeline:
         ran, runner.ran = runner.ran, False
         why, runner.broken = runner.broken, None
         if why is None and not ran:
-            with self._lock:
-                pending = bool(self._hold or self._drop)
-            if pending or time.monotonic() - self._last_send >= self.tick_s:
-                hold, drop = self._take()
+            if self.books.pending or time.monotonic() - self._last_send >= self.tick_s:
                 try:
-                    self.group.send_next(StageMessage(runner.step, to_wire(StepMsg(TICK, drop=drop, hold=hold))))
+                    self.group.send_next(StageMessage(runner.step, self.books.tick().meta()))
                     self.sent()
                 except StageLinkError as e:
                     why = str(e)
         if why is not None:
             self.down_reason = why
-            with self._lock:
-                self._hold, self._drop = {}, []
+            self.books.clear()
             worker.on_pipeline_break(f"decode {worker.name}: pipeline broke ({why})")
 
     # ---- RPC hooks --------------------------------------------------------------------------------------------
@@ -401,4 +333,4 @@ def _span(layout: KVLayout) -> list[int]:
     return [layout.layer_start, layout.end - 1]
 
 
-__all__ = ["DecodePipeline", "DecodePipelineConfig", "DecodeStageRunner", "stage_pool_shape"]
+__all__ = ["DecodePipeline", "stage_pool_shape"]

@@ -1,6 +1,7 @@
 """Decode pipeline stage k > 0 (DecodeStageWorker: a process of its own): its layers' pool, registered with its
 transfer engine so prefill stages write it; a mirror of stage 0's books; the loop that runs its layers of every
-decode step and sends the hidden rows on (the last stage: the logits back to stage 0). See decode/stage.py for the
+decode step through the pipeline's StageFollower (pipeline/follower.py, as a colocated `--pp-size` stage does) and
+re-forms the group when it breaks. See decode/stage.py for the
 pipeline as a whole and stage 0's side (DecodePipeline).
 """
 
@@ -10,26 +11,17 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape
-from dsakv.disagg.protocol.codec import from_wire
-from dsakv.disagg.protocol.messages import (
-    DECODE_FOLLOWER_SERVICE,
-    TICK,
-    Health,
-    PingReply,
-    StepMsg,
-)
+from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE, Health, PingReply
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
-from dsakv.model.dsa_model import StageCarry
-from dsakv.pipeline.batch import decode_batch
+from dsakv.pipeline.follower import StageFollower
 from dsakv.pipeline.page_mirror import PageMirror
-from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+from dsakv.pipeline.stage_comm import StageLinkError
+from dsakv.pipeline.step import STOP
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +31,9 @@ class DecodeStageWorker:
     mirror of stage 0's books, and the loop that runs its layers of every decode step."""
 
     def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
-        assert cfg.pipeline is not None and cfg.pipeline.pp_rank > 0
+        assert cfg.pipeline is not None and cfg.pipeline.rank > 0
         self.cfg = cfg
-        self.rank, self.size = cfg.pipeline.pp_rank, cfg.pipeline.pp_size
+        self.rank, self.size = cfg.pipeline.rank, cfg.pipeline.pp_size
         self.spec, self.model = _load(cfg, model)
         self.model.eval()
         _, layouts, self.num_pages = stage_pool_shape(cfg, self.spec)
@@ -55,8 +47,9 @@ class DecodeStageWorker:
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.group = _group(cfg, self.model, self.spec)
         self.stage_timeout = cfg.pipeline.stage_timeout
+        self.follower = StageFollower(self.group, self.model, self.pool, self.mirror, self.stage_timeout)
         self.down_reason: str | None = "pipeline not formed yet"
-        self.counters = dict.fromkeys(("steps", "ticks", "breaks", "pages_peak"), 0)
+        self.breaks = 0
         self.service = WorkerService(
             DECODE_FOLLOWER_SERVICE,
             {},
@@ -122,39 +115,16 @@ class DecodeStageWorker:
                 self._on_break(why)
 
     def iteration(self) -> None:
-        msg = self.group.recv_prev(timeout=self.stage_timeout)
-        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {self.rank - 1}")
-        for rid in meta.drop:
-            self.mirror.release(rid)
-        for rid, pages in meta.hold.items():
-            self.mirror.hold(rid, pages)
-        for row in meta.seqs:
-            self.mirror.hold(row.rid, row.pages)
-        self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
-        if meta.kind == TICK:
-            self.counters["ticks"] += 1
-            if not self.last:
-                self.group.send_next(msg)
-            return
-        if meta.batch is None or msg.hidden is None:
-            raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without its batch or hidden states")
-        with torch.no_grad():
-            carry = self.model.stage_forward(
-                decode_batch(meta.batch), self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk)
-            )
-        if self.last:
-            assert carry.logits is not None
-            self.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
-        else:
-            self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
-        self.counters["steps"] += 1
+        """One message from stage k-1 through the pipeline's follower (pipeline/follower.py); the decode never sends
+        STOP (its stages re-form instead), so one would be a protocol error."""
+        if self.follower.iteration() == STOP:
+            raise StageLinkError(f"stage {self.rank}: a decode pipeline got STOP from stage {self.rank - 1}")
 
     def _on_break(self, why: str) -> None:
         """The pipeline broke: stage 0 fails what it held; this stage forgets its mirror and re-forms."""
         self.down_reason = why
-        self.counters["breaks"] += 1
-        for rid in self.mirror.owners:
-            self.mirror.release(rid)
+        self.breaks += 1
+        self.follower.forget()
         log.warning("decode %s stage %d: pipeline broke (%s)", self.name, self.rank, why)
 
     def integrity(self) -> str:
@@ -177,7 +147,7 @@ class DecodeStageWorker:
             capacity_tokens=self.num_pages * self.layout.page_size,
             bytes_per_token=self.layout.bytes_per_token,
             integrity=self.integrity(),
-            counters=dict(self.counters),
+            counters={**self.follower.counters, "breaks": self.breaks},
             stage=self.rank,
             num_stages=self.size,
             epoch=self.group.epoch,

@@ -1,0 +1,308 @@
+"""The colocated pipeline: `dsakv generate --pp-size N` and `dsakv serve --pp-size N` on one machine.
+
+The command a user starts is stage 0: it starts stages 1..N-1 as copies of itself (same argv, DSAKV_PP_RANK /
+DSAKV_PP_PORT / DSAKV_PP_SIZE set; each dies with stage 0), and the stages form a gloo group on 127.0.0.1
+(stage_comm.StageGroup, the rendezvous on a free port). Every stage loads the checkpoint and builds a pool over
+its layer range (`--pp-partition a,b,..`, default an even split), all with stage 0's page count.
+
+    stage 0: an Engine over layers [0, a) (scheduler, allocator, sampling) whose RoundTripRunner sends each step
+             (PipeStep: batch + the books) with the hidden states and top-k to stage 1 and gets the last
+             stage's logits back; the Engine samples there, so tokens equal the single-process engine's
+    stage k: StageFollower (pipeline/follower.py), until stage 0 sends STOP (exit 0) or the link breaks (exit 1)
+
+Liveness: stage 0 polls its stage processes (a watcher thread); a stage that dies makes the step in flight and
+every later one fail with StageDown naming it and its exit status (/health 503 under serve; generate exits 2).
+The group is not re-formed: restart the command. Refused with N > 1 (clear errors, before anything starts):
+speculative decoding, HiSparse, the prefix cache and its tiers, prompt logprobs, tensor / data parallel ranks.
+Imports torch, dsakv.{util, spec, plan, engine, cache, model} and the pipeline's own modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsakv.engine.config import EngineConfig, PipelineConfig, PoolConfig
+from dsakv.engine.engine import Engine
+from dsakv.engine.ranks import dead_child
+from dsakv.engine.request import RequestOutput, SamplingParams
+from dsakv.engine.scheduler import SchedulerOutput
+from dsakv.errors import ConfigError, Unavailable
+from dsakv.pipeline.batch import split_layers
+from dsakv.pipeline.runner import RoundTripRunner, Stage0
+from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
+from dsakv.pipeline.step import STOP, PipeStep, StepBooks
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
+
+log = logging.getLogger(__name__)
+
+RANK_ENV, PORT_ENV, SIZE_ENV = "DSAKV_PP_RANK", "DSAKV_PP_PORT", "DSAKV_PP_SIZE"
+ADDR = "127.0.0.1"
+POLL_S = 0.1  # how often stage 0 polls its stage processes
+STARTUP_S = 300.0  # the longest the stages may take to load and form the group
+EXIT_TIMEOUT_S = 30.0
+
+
+class StageDown(Unavailable):
+    """A stage of the colocated pipeline died or its link broke: names it; no step can run any more."""
+
+
+def refusal(ec: EngineConfig, pp_size: int) -> str | None:
+    """Why the engine branch cannot run as a colocated pipeline of `pp_size` stages (None: it can)."""
+    if pp_size <= 1:
+        return None
+    for flag, on in (
+        ("--speculative-num-steps", ec.speculative_num_steps),
+        ("--hisparse", ec.hisparse.enabled),
+        ("the prefix cache (--prefix-cache / --hicache-*)", ec.cache.enabled),
+    ):
+        if on:
+            return f"--pp-size {pp_size} with {flag} is not supported yet: drop one of them"
+    return None
+
+
+def stage_shape(ec: EngineConfig, spec: ModelSpec, pipe: PipelineConfig) -> tuple[list[KVLayout], int]:
+    """Every stage's layout and the one page count all stage pools share (with --kv-budget: the planner's figure
+    for the stage holding the most per token)."""
+    why = refusal(ec, pipe.pp_size)
+    if why is not None:
+        raise ConfigError(why)
+    layouts = [ec.layout.layout(spec, a, b) for a, b in split_layers(spec.num_layers, pipe.pp_size, pipe.partition)]
+    return layouts, ec.pool.pages(layouts)
+
+
+def _load(model_dir: Path, ec: EngineConfig) -> tuple[ModelSpec, Any]:
+    from dsakv.model.loader import load_model
+
+    spec, model = load_model(model_dir, dtype=getattr(torch, ec.dtype), weight_dtype=ec.weight_dtype)
+    model.eval()
+    return spec, model
+
+
+class PipelinedEngine:
+    """Stage 0 of a colocated pipeline: the Engine API (add_request, abort, step; the rest passed through) over an
+    Engine whose steps run through every stage. `close()` stops the stages."""
+
+    def __init__(self, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, port: int, children: Sequence[Proc]):
+        self.children = list(children)
+        self.size = pipe.pp_size
+        self.stage_timeout = pipe.stage_timeout
+        self.tick_s = min(1.0, pipe.stage_timeout / 4)
+        self.down: str | None = None
+        self.books = StepBooks()
+        self._last_send = 0.0
+        self._closed = False
+        spec, model = _load(model_dir, ec)
+        layouts, pages = stage_shape(ec, spec, pipe)
+        self.group = StageGroup(0, self.size, ADDR, port, pipe.stage_timeout, model.dtype, spec.hidden_size)
+        self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, pipe.stage_timeout)
+        self.runner: RoundTripRunner[PipeStep] | None = None
+        self.engine = Engine(
+            (spec, model),
+            replace(ec, pool=PoolConfig(num_pages=pages)),
+            model_dir=model_dir,
+            layout=layouts[0],
+            runner=self._make_runner,
+        )
+        self.engine.on_schedule = self._on_schedule
+        self._form(pages)
+        threading.Thread(target=self._watch, name="dsakv-stage-watch", daemon=True).start()
+        log.info(
+            "pipeline: %d stages formed (epoch %s): %s; %d pages each",
+            self.size, self.group.epoch, ", ".join(f"stage {k} layers {lay.describe_range()}"
+                                                   for k, lay in enumerate(layouts)), pages,
+        )  # fmt: skip
+
+    def _on_schedule(self, sched: SchedulerOutput) -> None:
+        for r in sched.preempted:  # the later stages drop their books of these
+            self.books.dropped(r.request_id)
+
+    def _make_runner(self, pool: Any) -> RoundTripRunner[PipeStep]:
+        self.runner = RoundTripRunner(self.ctx, pool, self.books.step, PipeStep.meta, self._sent, self._link_error)
+        return self.runner
+
+    def _sent(self) -> None:
+        self._last_send = time.monotonic()
+
+    def _form(self, pages: int) -> None:
+        """Form the group (bounded by STARTUP_S); a stage that dies first, or whose pool differs, fails at once."""
+        end = time.monotonic() + STARTUP_S
+        while not self.group.form({"pid": os.getpid(), "pages": pages}):
+            dead = dead_child(self.children)
+            if dead is not None:
+                raise StageDown(f"{dead} before joining the pipeline of {self.size} stages (its error is above)")
+            if time.monotonic() > end:
+                raise StageDown(f"the pipeline of {self.size} stages did not form within {STARTUP_S:g} s")
+        for k, info in sorted(self.group.peer_info.items()):
+            if info.get("pages") != pages:
+                raise ConfigError(f"pipeline stage {k} built {info.get('pages')} pages, stage 0 {pages}: a bug")
+
+    def _watch(self) -> None:
+        while not self._closed and self.down is None:
+            dead = dead_child(self.children)
+            if dead is not None and not self._closed:
+                self._set_down(f"pipeline stage down: {dead}")
+                return
+            time.sleep(POLL_S)
+
+    def _set_down(self, why: str) -> None:
+        if self.down is None:
+            self.down = why
+            log.error("%s: every request in flight fails; restart to re-form the pipeline", why)
+
+    def _link_error(self, e: StageLinkError) -> Exception:
+        """The error a broken link fails the step with: the stage process that died, when one did (its death can
+        take a moment to be seen after its sockets closed: polled up to the stage timeout)."""
+        end = time.monotonic() + self.stage_timeout
+        while self.down is None and time.monotonic() < end:
+            dead = dead_child(self.children)
+            if dead is not None:
+                self._set_down(f"pipeline stage down: {dead}")
+                break
+            time.sleep(POLL_S / 2)
+        if self.down is None:
+            self._set_down(f"pipeline link broken: {e}")
+        return StageDown(f"{self.down} ({e})")
+
+    # ---- the Engine API ------------------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        if params is not None and params.prompt_logprobs is not None:
+            raise ConfigError(
+                f"prompt_logprobs with --pp-size {self.size} is not supported yet (the logits of prompt positions "
+                "stay on the last stage): leave prompt_logprobs out or serve with --pp-size 1"
+            )
+        if self.down is not None:
+            raise StageDown(self.down)
+        return str(self.engine.add_request(prompt_ids, params, request_id=request_id))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self.books.dropped(request_id)
+        return out
+
+    def step(self) -> list[RequestOutput]:
+        """One step through every stage (an idle tick when due); StageDown naming the stage once one died."""
+        if self.down is not None:
+            raise StageDown(self.down)
+        assert self.runner is not None
+        outs = self.engine.step()
+        for o in outs:
+            if o.finished:
+                self.books.dropped(o.request_id)
+        ran, self.runner.ran = self.runner.ran, False
+        broken, self.runner.broken = self.runner.broken, None
+        if broken is not None:
+            raise StageDown(broken)
+        if not ran and (self.books.pending or time.monotonic() - self._last_send >= self.tick_s):
+            self._send(self.books.tick())
+        return outs
+
+    def _send(self, step: PipeStep) -> None:
+        try:
+            self.group.send_next(StageMessage(self.runner.step if self.runner else 0, step.meta()))
+            self._sent()
+        except StageLinkError as e:
+            raise self._link_error(e) from e
+
+    def close(self) -> None:
+        """STOP to the stages and wait (bounded) for their exit; with a stage down, kill the others."""
+        if self._closed:
+            return
+        self._closed = True  # the watcher stops: the stages exit now
+        if self.down is None:
+            try:
+                self._send(self.books.tick(STOP))
+            except StageDown:
+                pass
+        bad = []
+        for p in self.children:
+            if self.down is not None:
+                p.kill()
+                continue
+            try:
+                rc: int | None = p.wait(EXIT_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (a stage that does not exit in time is killed and named)
+                rc = p.kill()
+            if rc != 0:
+                bad.append(f"{p.name} exited {rc}")
+        self.group.close()
+        if bad:
+            raise StageDown(f"pipeline stages failed: {', '.join(bad)} (their errors are above)")
+
+
+def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv: Sequence[str]) -> Any:
+    """Stage 0 (this command as the user started it): start stages 1..N-1 as copies of `dsakv *argv` and return
+    the PipelinedEngine. A stage process (DSAKV_PP_RANK set): run the stage until stage 0 stops it and return
+    its exit code (an int)."""
+    why = refusal(ec, pipe.pp_size)
+    if why is not None:
+        raise ConfigError(why)
+    split_layers(ModelSpec.from_path(model_dir).num_layers, pipe.pp_size, pipe.partition)  # a bad partition: now
+    env_rank = os.environ.get(RANK_ENV)
+    if env_rank is not None:
+        if int(os.environ.get(SIZE_ENV, pipe.pp_size)) != pipe.pp_size:
+            raise ConfigError(f"this stage was started for {os.environ[SIZE_ENV]} stages, not --pp-size {pipe.pp_size}")
+        return run_stage(int(env_rank), int(os.environ[PORT_ENV]), model_dir, ec, pipe)
+    port = free_ports(1)
+    children = []
+    for k in range(1, pipe.pp_size):
+        env = {**os.environ, **CHILD_ENV, RANK_ENV: str(k), PORT_ENV: str(port), SIZE_ENV: str(pipe.pp_size)}
+        children.append(Proc(f"pipeline stage {k}", dsakv_cmd(*argv), env=env, new_session=False).start())
+    try:
+        return PipelinedEngine(model_dir, ec, pipe, port, children)
+    except BaseException:
+        for p in children:
+            p.kill()
+        raise
+
+
+def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig) -> int:
+    """Stage `rank` > 0: its layers' pool, the group, then StageFollower steps until STOP (0) or a broken link (1)."""
+    from dsakv.cache.device_pool import DevicePool
+    from dsakv.pipeline.follower import StageFollower
+    from dsakv.pipeline.page_mirror import PageMirror
+
+    if not 0 < rank < pipe.pp_size:
+        raise ConfigError(f"{RANK_ENV}={rank} must be in 1..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
+    spec, model = _load(model_dir, ec)
+    layouts, pages = stage_shape(ec, spec, pipe)
+    pool = DevicePool(layouts[rank], pages, device=model.device)
+    group = StageGroup(rank, pipe.pp_size, ADDR, port, pipe.stage_timeout, model.dtype, spec.hidden_size)
+    end = time.monotonic() + STARTUP_S
+    while not group.form({"pid": os.getpid(), "pages": pages}):
+        if time.monotonic() > end:
+            log.error("pipeline stage %d: stage 0 did not form the pipeline within %g s", rank, STARTUP_S)
+            return 1
+    log.info("pipeline stage %d/%d: layers %s, %d pages", rank, pipe.pp_size, layouts[rank].describe_range(), pages)
+    follower = StageFollower(group, model, pool, PageMirror(pages, f"pipeline stage {rank} pool"), IDLE_WAIT_S)
+    while True:
+        try:
+            kind = follower.iteration()
+        except StageLinkError as e:
+            log.error("pipeline stage %d: %s: exiting (stage 0 fails what was in flight)", rank, e)
+            group.close()
+            return 1
+        if kind == STOP:
+            group.close()
+            return 0
+
+
+IDLE_WAIT_S = 24 * 3600.0  # a stage waits this long for stage 0's next message (stage 0 ticks while idle; its
+# death closes the link at once, and stage 0's exit sends this process its parent-death signal)

@@ -1,0 +1,108 @@
+"""PipeStep: what stage 0 of a round-trip pipeline (colocated `--pp-size`, the decode pipeline) tells the later
+stages with every step, while idle, and at shutdown:
+
+    kind   STEP (a forward: `batch` holds the ForwardBatch fields, encode_batch), TICK (books only, so an idle
+           stage's receive never times out) or STOP (the pipeline shuts down: every stage exits)
+    hold   request id -> its pages as of this step (each later stage mirrors them in its PageMirror)
+    drop   requests whose pages stage 0 freed (finished, aborted, preempted, failed); applied before `hold`
+
+It travels as the StageMessage meta (msgpack of plain data); `of_meta` checks every field's type, so a
+malformed message breaks the link with a StageLinkError naming the field instead of failing later. StepBooks
+is stage 0's side of those books. Imports dsakv.{engine.scheduler, model.batch} and the pipeline's own modules.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.engine.scheduler import ScheduledChunk
+from dsakv.model.batch import ForwardBatch
+from dsakv.pipeline.batch import encode_batch
+from dsakv.pipeline.stage_comm import StageLinkError
+
+STEP, TICK, STOP = "step", "tick", "stop"
+KINDS = (STEP, TICK, STOP)
+
+
+@dataclass(frozen=True)
+class PipeStep:
+    kind: str
+    batch: dict[str, Any] | None = None
+    hold: dict[str, list[int]] = field(default_factory=dict)
+    drop: list[str] = field(default_factory=list)
+
+    def meta(self) -> dict[str, Any]:
+        return {"kind": self.kind, "batch": self.batch, "hold": self.hold, "drop": self.drop}
+
+    @classmethod
+    def of_meta(cls, meta: Any, where: str) -> PipeStep:
+        """The PipeStep of a received meta map; StageLinkError naming `where` and the bad field otherwise."""
+
+        def bad(what: str) -> StageLinkError:
+            return StageLinkError(f"{where}: malformed pipeline step: {what}")
+
+        if not isinstance(meta, dict) or set(meta) - {"kind", "batch", "hold", "drop"}:
+            raise bad(f"meta {str(meta)[:120]!r} is not a map of kind, batch, hold, drop")
+        kind = meta.get("kind")
+        if kind not in KINDS:
+            raise bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        batch = meta.get("batch")
+        if batch is not None and not isinstance(batch, dict):
+            raise bad(f"batch is a {type(batch).__name__}, not a map")
+        if kind == STEP and batch is None:
+            raise bad("a step without its batch")
+        hold = meta.get("hold") or {}
+        if not isinstance(hold, dict) or not all(
+            isinstance(r, str) and isinstance(p, list) and all(isinstance(i, int) for i in p) for r, p in hold.items()
+        ):
+            raise bad("hold is not a map of request id -> page ids")
+        drop = meta.get("drop") or []
+        if not isinstance(drop, list) or not all(isinstance(r, str) for r in drop):
+            raise bad("drop is not a list of request ids")
+        return cls(kind, batch, {r: list(p) for r, p in hold.items()}, list(drop))
+
+
+class StepBooks:
+    """Stage 0's side of the books later stages mirror: pages held per request since the last message, requests
+    dropped since; thread-safe (drops come from the stepping thread and from aborts on other threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hold: dict[str, list[int]] = {}
+        self._drop: list[str] = []
+
+    def held(self, rid: str, pages: Sequence[int]) -> None:
+        with self._lock:
+            self._hold[rid] = [int(p) for p in pages]
+
+    def dropped(self, rid: str) -> None:
+        with self._lock:
+            self._hold.pop(rid, None)
+            self._drop.append(rid)
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._hold or self._drop)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._hold, self._drop = {}, []
+
+    def take(self) -> tuple[dict[str, list[int]], list[str]]:
+        with self._lock:
+            hold, drop, self._hold, self._drop = self._hold, self._drop, {}, []
+        return hold, drop
+
+    def step(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch) -> PipeStep:
+        """The STEP message of a forward over `chunks` (every row's pages held as of this step)."""
+        hold, drop = self.take()
+        hold.update({c.request.request_id: [int(p) for p in c.request.page_ids] for c in chunks})
+        return PipeStep(STEP, encode_batch(batch), hold, drop)
+
+    def tick(self, kind: str = TICK) -> PipeStep:
+        hold, drop = self.take()
+        return PipeStep(kind, None, hold, drop)
