@@ -129,10 +129,13 @@ class DSAModel(nn.Module):
             page_size=page_size,
         )
 
-    def check_pool(self, pool: DevicePool | HiSparsePool) -> None:
-        """Raise ValueError unless the pool's layout was built for this model."""
-        if self._checked is not None and self._checked[0]() is pool and self._checked[1] is pool.layout:
-            return
+    def check_pool(self, pool: DevicePool | HiSparsePool) -> PoolAccess | None:
+        """Raise ValueError unless the pool's layout was built for this model; the pool's codec access (None: a
+        HiSparse pool). Threads may share one model, each stepping its own pool (PP stages, or prefill and decode
+        roles, in one process): the memo is read once and the access returned is always `pool`'s."""
+        last = self._checked  # one read: another thread's step may replace the memo at any moment
+        if last is not None and last[0]() is pool and last[1] is pool.layout:
+            return last[2]
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
@@ -141,6 +144,7 @@ class DSAModel(nn.Module):
         # the last pool checked, and its codec access (slots checked once per step in make_context)
         access = PoolAccess(pool, check_slots=False) if isinstance(pool, DevicePool) else None
         self._checked = (weakref.ref(pool), pool.layout, access)
+        return access
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> StepContext:
         """The step's shared tensors, built vectorised on the model's device (no loop over sequences).
@@ -148,9 +152,7 @@ class DSAModel(nn.Module):
         The slot table is checked against the pool once here, so the layers' reads and writes skip the check.
         """
         ext_l, pre_l = _check_batch(batch)
-        self.check_pool(pool)
-        assert self._checked is not None
-        access = self._checked[2]
+        access = self.check_pool(pool)  # never self._checked here: another thread may have replaced it
         dev = self.device
         b, t = batch.batch_size, batch.num_tokens
         ext = batch.extend_lens.to(dev)
