@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsakv.cache.allocator import IntegrityError
+from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.events import EventLog
 from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
 from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage, split_layers
@@ -31,6 +32,7 @@ from dsakv.disagg.router.backend import RouterBackend, RouterConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
+from dsakv.model.batch import ForwardBatch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.testing.cluster import free_ports, role_config
 from dsakv.testing.engines import tiny_model
@@ -185,6 +187,52 @@ def test_router_queue_deadline_names_the_reason():
         r.stop()
     finally:
         dec.stop()
+
+
+@pytest.mark.parametrize("other", ["stage 0", "whole model"])
+def test_stages_sharing_one_model_each_step_their_own_pool(monkeypatch, other):
+    """The in-process roles below share one model object (tiny_model is cached): stage 1's step must run on stage
+    1's pool even when another thread's step (stage 0's, or a decode's on a whole-model pool) checks its own pool
+    in the middle of it. CI saw the PP-2 round trip's r0..r2 fail with no token: stage 1 wrote layer 4 through
+    stage 0's pool access ('layer 4 is outside this layout's layers 0-3'), the pipeline broke, the batch failed."""
+    model = tiny_model("glm_moe_dsa")[1]
+    fmt = dict(kv_format="fp32", index_format="fp32", page_size=4)
+    stage0, stage1 = (
+        DevicePool(model.layout_for(**fmt, layer_end=4), 2),
+        DevicePool(model.layout_for(**fmt, layer_start=4), 2),
+    )
+    batch = ForwardBatch(
+        input_ids=torch.tensor([5, 6, 7]),
+        positions=torch.tensor([0, 1, 2]),
+        prefix_lens=torch.tensor([0]),
+        extend_lens=torch.tensor([3]),
+        slot_table=torch.tensor([[0, 1, 2]]),
+        out_slots=torch.tensor([0, 1, 2]),
+    )
+    carry = model.stage_forward(batch, stage0)
+    want = model.stage_forward(batch, stage1, carry)  # alone: nothing interleaves
+    assert want.logits is not None
+    snapshot = {k: stage1.tensor(k).clone() for k in stage1.keys}
+    for k in stage1.keys:
+        stage1.tensor(k).zero_()
+    other_pool = stage0 if other == "stage 0" else DevicePool(model.layout_for(**fmt), 2)
+    before = {k: other_pool.tensor(k).clone() for k in other_pool.keys}
+    check = model.check_pool
+    interleaved: list[DevicePool] = []
+
+    def check_then_other_thread(pool):  # the other thread's step checks its pool right after this one's check
+        access = check(pool)
+        if pool is stage1 and not interleaved:
+            check(other_pool)
+            interleaved.append(other_pool)
+        return access
+
+    monkeypatch.setattr(model, "check_pool", check_then_other_thread)
+    got = model.stage_forward(batch, stage1, carry)
+    assert interleaved == [other_pool] and model._checked[0]() is other_pool  # the model's memo: the other pool
+    assert got.logits is not None and torch.equal(got.logits, want.logits) and torch.equal(got.hidden, want.hidden)
+    assert all(torch.equal(stage1.tensor(k), v) for k, v in snapshot.items())  # stage 1's KV, written in its pool
+    assert all(torch.equal(other_pool.tensor(k), v) for k, v in before.items())  # and nothing in the other's
 
 
 def test_pp2_round_trip_one_sided_elision_and_abort():

@@ -130,12 +130,12 @@ class DSAModel(nn.Module):
         )
 
     def check_pool(self, pool: DevicePool | HiSparsePool) -> PoolAccess | None:
-        """Raise ValueError unless the pool's layout was built for this model; the pool's codec access (None for a
-        HiSparse pool). Thread-safe: stages sharing one model in one process (in-process pipelines) each get their
-        own pool's access (the cached tuple is read once, never re-read after another thread replaced it)."""
-        checked = self._checked
-        if checked is not None and checked[0]() is pool and checked[1] is pool.layout:
-            return checked[2]
+        """Raise ValueError unless the pool's layout was built for this model; the pool's codec access (None: a
+        HiSparse pool). Threads may share one model, each stepping its own pool (PP stages, or prefill and decode
+        roles, in one process): the memo is read once and the access returned is always `pool`'s."""
+        last = self._checked  # one read: another thread's step may replace the memo at any moment
+        if last is not None and last[0]() is pool and last[1] is pool.layout:
+            return last[2]
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
@@ -152,7 +152,7 @@ class DSAModel(nn.Module):
         The slot table is checked against the pool once here, so the layers' reads and writes skip the check.
         """
         ext_l, pre_l = _check_batch(batch)
-        access = self.check_pool(pool)
+        access = self.check_pool(pool)  # never self._checked here: another thread may have replaced it
         dev = self.device
         b, t = batch.batch_size, batch.num_tokens
         ext = batch.extend_lens.to(dev)
