@@ -199,7 +199,13 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         backend_options=_backend_options(args.host, cfg.transfer),
         pipeline=pcfg,
         max_kv_timeout=args.max_kv_timeout,
+        tp_size=getattr(args, "tp_size", 1),
+        rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
     )
+    if dcfg.tp_size > 1 and os.environ.get("DSAKV_TP_RANK") is not None:  # a follower rank (decode/ranks.py)
+        from dsakv.disagg.decode.ranks import follow_decode
+
+        return _exit_now(follow_decode(dcfg))
     worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.rank > 0 else DecodeWorker(dcfg)
     stage = f" stage {pcfg.rank}/{pcfg.pp_size}" if pcfg is not None else ""
     return _serve_worker(worker, lambda: f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -37,6 +38,7 @@ SIZE_ENV = "DSAKV_TP_SIZE"
 ADDR = "127.0.0.1"
 EXIT_TIMEOUT_S = 60.0
 POLL_S = 0.1  # how often rank 0 polls its rank processes
+IDLE_STEP_S = 0.25  # an idle rank 0 (nothing logged, nothing to run) broadcasts a step at most this often
 
 
 class RanksDiverged(ConfigError):
@@ -252,10 +254,12 @@ class RankedEngine:
     """Rank 0's engine in a served TP group: the Engine API (add_request, abort, step, everything else passed
     through), with each step's request log broadcast to ranks 1..T-1 before the step runs (`follow`).
 
-    The log holds the adds (with the seed drawn here when a request gives none) and aborts applied since the last
-    step, in the order rank 0 applied them; one lock covers applying + logging and taking the log + stepping, so
-    every rank starts every step from the same requests. The serving loop steps at least every 0.5 s while idle,
-    which keeps the followers' receive inside the group's timeout."""
+    The log holds the adds (with the seed drawn here when a request gives none), aborts and, on a decode worker,
+    the preallocs (with rank 0's page ids: a follower that reserves other pages stops, RanksDiverged) and
+    start_decodes applied since the last step, in the order rank 0 applied them; one lock covers applying +
+    logging and taking the log + stepping, so every rank starts every step from the same requests. An idle step
+    (empty log, nothing to run) is skipped unless IDLE_STEP_S passed since the last one; the serving loop steps
+    at least every 0.5 s while idle, which keeps the followers' receive inside the group's timeout."""
 
     def __init__(self, engine: Any, ranks: Ranks) -> None:
         import random
@@ -266,22 +270,39 @@ class RankedEngine:
         self._lock = threading.Lock()
         self._rng = random.Random(getattr(getattr(engine, "config", None), "seed", None))  # as Engine draws
         self._closed = False
+        self._last = 0.0  # monotonic time of the last step broadcast
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def add_request(self, prompt_ids: Sequence[int], params: Any = None, request_id: str | None = None) -> str:
+    def _seeded(self, params: Any) -> Any:
         from dataclasses import replace
 
         from dsakv.engine.request import SamplingParams
 
         params = params or SamplingParams()
-        if params.seed is None:
-            params = replace(params, seed=self._rng.getrandbits(63))
+        return replace(params, seed=self._rng.getrandbits(63)) if params.seed is None else params
+
+    def add_request(self, prompt_ids: Sequence[int], params: Any = None, request_id: str | None = None) -> str:
+        params = self._seeded(params)
         with self._lock:
             rid = self.engine.add_request(prompt_ids, params, request_id=request_id)
             self._log.append(("add", list(prompt_ids), params, rid))
         return str(rid)
+
+    def prealloc(self, request_id: str, prompt_ids: Sequence[int], params: Any = None) -> Any:
+        """Engine.prealloc on every rank (a decode worker: each rank's pool receives the request's KV)."""
+        params = self._seeded(params)
+        with self._lock:
+            pages = self.engine.prealloc(request_id, prompt_ids, params)
+            self._log.append(("prealloc", request_id, list(prompt_ids), params, [int(p) for p in pages]))
+        return pages
+
+    def start_decode(self, request_id: str, *args: Any, **kw: Any) -> Any:
+        with self._lock:
+            out = self.engine.start_decode(request_id, *args, **kw)
+            self._log.append(("start", request_id, args, kw))
+        return out
 
     def abort(self, request_id: str) -> Any:
         with self._lock:
@@ -296,6 +317,11 @@ class RankedEngine:
                 return []
             if self.ranks.down is not None:
                 raise RankDown(self.ranks.down)
+            sch = self.engine.scheduler
+            if not self._log and not (sch.running or sch.ready or sch.waiting or getattr(self.engine, "_pending", 1)):
+                if time.monotonic() - self._last < IDLE_STEP_S:
+                    return []
+            self._last = time.monotonic()
             log_, self._log = self._log, []
             try:
                 self.ranks.broadcast(log_)
@@ -331,6 +357,16 @@ def follow(engine: Any, ranks: Ranks) -> int:
             if entry[0] == "add":
                 _, prompt, params, rid = entry
                 engine.add_request(prompt, params, request_id=rid)
+            elif entry[0] == "prealloc":
+                _, rid, prompt, params, pages = entry
+                got = [int(p) for p in engine.prealloc(rid, prompt, params)]
+                if got != pages:
+                    raise RanksDiverged(
+                        f"TP rank {ranks.rank} reserved pages {got[:8]} for request {rid}, rank 0 {pages[:8]}: the "
+                        "ranks diverged (the prefill wrote rank 0's pages into every rank's pool)"
+                    )
+            elif entry[0] == "start":
+                engine.start_decode(entry[1], *entry[2], **entry[3])
             else:
                 engine.abort(entry[1])
         engine.step()

@@ -33,6 +33,8 @@ class DecodeConfig:
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
     pipeline: PipelineConfig | None = None  # --pp-size > 1: stage `pipeline.rank` (decode/stage*.py)
     max_kv_timeout: float = 120.0  # the longest kv_timeout a prealloc may ask for: bounds how long pages wait for KV
+    tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 (decode/ranks.py) and starts ranks 1..T-1
+    rank_argv: tuple[str, ...] = ()  # the `dsakv` arguments the rank processes re-run (this process's argv)
 
     def __post_init__(self) -> None:
         if not 0 < self.max_kv_timeout <= MAX_KV_TIMEOUT:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from dsakv.disagg.decode import stage as decode_stage
 from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.disagg.decode.ranks import DecodeTP
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import Health, StageInfo
 from dsakv.disagg.transfer.staging import StagingSlots
@@ -33,6 +34,7 @@ class DecodeState(decode_stage.DecodeWorker, Protocol):
     inbound: Ledger[InboundKv]
     pipeline: decode_stage.DecodePipeline | None
     slots: StagingSlots | None
+    tp: DecodeTP
 
     @property
     def _lock(self) -> AbstractContextManager[Any]: ...
@@ -67,7 +69,7 @@ def health(w: DecodeState) -> Health:
     with w._lock:
         failed_held = len(w.inbound.in_phase(Phase.FAILED))
         inbound = len(w.inbound) - failed_held
-    extra = w.pipeline.health_fields(w) if w.pipeline is not None else {}
+    extra = w.pipeline.health_fields(w) if w.pipeline is not None else w.tp.health_fields()
     return Health(
         ok=not w.service.stopping.is_set() and extra.get("down") is None,
         role="decode",

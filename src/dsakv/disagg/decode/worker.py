@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +37,7 @@ from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.events import EventLog
 from dsakv.disagg.decode.inbound import InboundBook
 from dsakv.disagg.decode.outputs import DecodeOutputs
+from dsakv.disagg.decode.ranks import DecodeTP
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.lifecycle import DECODE, InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import (
@@ -67,7 +67,6 @@ from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.bootstrap import StageRegistry
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.staging import decode_slots, offer_slot, written_keys
-from dsakv.engine.engine import Engine
 from dsakv.errors import ConfigError, NoFreePages
 from dsakv.util import ceil_div
 
@@ -96,19 +95,21 @@ class DecodeWorker:
         self.cfg = cfg
         self.t = cfg.timeouts
         self.pipeline: DecodePipeline | None = None
+        self.tp = DecodeTP()  # --tp-size > 1: the other ranks' pools and reports (decode/ranks.py)
         if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline
             from dsakv.disagg.decode.stage import DecodePipeline
 
             self.pipeline, self.engine = DecodePipeline.build(cfg, model)
         else:
-            self.engine = Engine(
-                model if model is not None else Path(cfg.model), cfg.config.engine, model_dir=cfg.model
-            )
+            self.tp, self.engine = DecodeTP.build(cfg, model)
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
         self.backend.register(self.engine.pool.regions())
         tc = cfg.config.transfer  # destination staging (disagg.staging): slots for fragmented destinations
         self.slots = decode_slots(
-            self.backend, tc.staging_bytes(self.engine.pool.nbytes), tc.staging_slots, self.pipeline is not None
+            self.backend,
+            tc.staging_bytes(self.engine.pool.nbytes),
+            tc.staging_slots,
+            bool(self.pipeline or self.tp.refs),
         )
         self.service = WorkerService(
             DECODE_SERVICE,
@@ -159,15 +160,10 @@ class DecodeWorker:
         )
         st = self.engine.stats()
         log.info(
-            "decode %s: %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
-            self.name,
-            st.pages_total,
-            st.page_size,
-            st.bytes_per_token,
-            self.engine.layout.elide,
-            cfg.config.transfer.backend,
-            self.address,
-        )
+            "decode %s: %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s, tp %d", self.name,
+            st.pages_total, st.page_size, st.bytes_per_token, self.engine.layout.elide, cfg.config.transfer.backend,
+            self.address, self.tp.size,
+        )  # fmt: skip
 
     @property
     def address(self) -> str:
@@ -192,6 +188,7 @@ class DecodeWorker:
         self.service.stop(join_timeout=5)
         if self.pipeline is not None:
             self.pipeline.group.close()
+        self.tp.close(self.engine)
         if self.slots is not None:
             self.slots.close()
         self.backend.close()
@@ -213,7 +210,8 @@ class DecodeWorker:
         if self.pipeline is not None:
             return self.pipeline.handshake(self, hello)
         self.registry.accept(hello)  # IncompatiblePeer / ManifestError travel back to the stage
-        return HelloReply(manifest=self.manifest.to_bytes(), boot=self.boot, name=self.name, grant_key=self.grant_key)
+        m = self.manifest.to_bytes()
+        return HelloReply(manifest=m, boot=self.boot, name=self.name, grant_key=self.grant_key, ranks=self.tp.refs)
 
     def prealloc(self, p: Prealloc) -> Preallocated:
         """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
@@ -295,11 +293,10 @@ class DecodeWorker:
                 raise self.book.refuse_report(
                     f"stage_done of {rid} stage {stage}", "it does not carry the request's grant"
                 )
-            if self.pipeline is not None:  # every (prefill stage, decode stage) pair must have landed
-                wrong = self.pipeline.check_parts(self, p)
-                if wrong is not None:
-                    p = replace(p, ok=False, error=wrong)
-                    ok = False
+            wrong = (self.pipeline or self.tp).check_parts(self, p)  # every (prefill stage, decode stage|rank) pair
+            if wrong is not None:  # must have landed
+                p = replace(p, ok=False, error=wrong)
+                ok = False
             if ok and p.slot != inb.slot:  # the grant named the slot: a stage that wrote elsewhere left it partial
                 p = replace(p, ok=False, error=f"it wrote into staging slot {p.slot}, the grant named {inb.slot}")
                 ok = False

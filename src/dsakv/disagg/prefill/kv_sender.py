@@ -58,6 +58,7 @@ from dsakv.disagg.protocol.worker_service import Notifier
 from dsakv.disagg.transfer.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.transfer.bootstrap import DecodeLink, DecodeLinks, LinkPart
 from dsakv.disagg.transfer.plan import Strategy, TransferPlan
+from dsakv.disagg.transfer.rank_routes import part_routes, request_rotation
 from dsakv.disagg.transfer.staging import StagingBuffer
 from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import DsakvError
@@ -185,17 +186,23 @@ class KvSender:
             for x, handles, err, staged, slot in started:
                 quarantine = 0.0
                 parts: dict[int, int] = {}
-                for j, h in handles:
+                ranks: dict[int, int] = {}  # decode TP rank -> bytes (a TP decode: one part per rank)
+                for part, h in handles:
+                    j = part.stage
                     try:
-                        parts[j] = self.backend.wait(h).nbytes
+                        n = self.backend.wait(h).nbytes
+                        parts[j] = parts.get(j, 0) + n
+                        ranks[part.rank] = ranks.get(part.rank, 0) + n
                     except DsakvError as e:
-                        err = err or f"transfer of prefill stage {self.stage}'s layers to decode stage {j} failed: {e}"
+                        err = err or f"transfer of prefill stage {self.stage}'s layers to decode stage {j} " + (
+                            f"rank {part.rank} failed: {e}" if part.rank else f"failed: {e}"
+                        )
                         if isinstance(e, TransferTimeout) and h.job is not None:  # the engine had it: it may
                             quarantine = self.backend.quarantine_s  # still write the decode's pages a while
                 if staged and self.staging is not None:
                     self.staging.release(quarantine)
                 self._end_write(x.job, quarantine)  # (a write that never began: nothing booked)
-                self._report(x, err, quarantine, parts, slot)
+                self._report(x, err, quarantine, parts, slot, {} if set(ranks) <= {0} else ranks)
 
     def _injected(self, j: int) -> str | None:
         """Testing (debug_fail = (decode stage, n)): the n-th transfer to decode stage j fails before it starts."""
@@ -241,7 +248,7 @@ class KvSender:
         off = part.manifest.slot_offsets(n)
         return TransferPlan.into_slot(part.table, src, region.slot_addr(g.slot), [off[p.key] for p in part.table.pairs])
 
-    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[int, TransferHandle]], str | None, bool, int]:
+    def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[LinkPart, TransferHandle]], str | None, bool, int]:
         """Submit the request's pages to every decode stage this stage shares layers with (one plan per stage:
         its paired keys only); an error stops the rest (what was submitted is still waited for). The fourth
         value says whether one part holds the staging buffer (released after the waits), the last which
@@ -250,7 +257,7 @@ class KvSender:
         left = job.deadline - self.clock()
         if left <= 0:
             return x, [], f"prefill stage {self.stage}: the KV deadline passed before the transfer started", False, -1
-        handles: list[tuple[int, TransferHandle]] = []
+        handles: list[tuple[LinkPart, TransferHandle]] = []
         staged = False
         slot = -1
         try:
@@ -267,9 +274,9 @@ class KvSender:
             revoked = self._begin_write(job)
             if revoked is not None:
                 return x, handles, revoked, staged, slot
-            for part in link.parts:
+            for part, table in part_routes(link, self.stage, rotate=request_rotation(job.rid)):
                 into = g.slot >= 0
-                plan = self._into_slot(link, part, g, src) if into else TransferPlan.build(part.table, src, dst)
+                plan = self._into_slot(link, part, g, src) if into else TransferPlan.build(table, src, dst)
                 injected = self._injected(part.stage)
                 if injected is not None:
                     return x, handles, injected, staged, slot
@@ -278,12 +285,15 @@ class KvSender:
                 if into:
                     plan, slot = plan.coalesced(), g.slot
                     self.counters["transfers_into_slot"] = self.counters.get("transfers_into_slot", 0) + 1
-                handles.append((part.stage, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
+                handles.append((part, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
             return x, handles, None, staged, slot
         except (DsakvError, ValueError) as e:
             return x, handles, f"prefill stage {self.stage} could not start the transfer: {e}", staged, slot
 
-    def _report(self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int], slot: int = -1) -> None:
+    def _report(
+        self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int], slot: int = -1,
+        ranks: dict[int, int] | None = None,
+    ) -> None:  # fmt: skip
         job = x.job
         nbytes = sum(parts.values())
         done = StageDone(
@@ -303,6 +313,7 @@ class KvSender:
             boot=self.links.hello.boot,
             grant=job.grant,
             slot=slot,
+            rank_parts=ranks or {},
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

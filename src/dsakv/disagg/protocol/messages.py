@@ -330,9 +330,8 @@ class HelloReply:
     manifest: bytes
     boot: str
     name: str
-    # a pipelined decode (--pp-size > 1): every stage with its manifest; the prefill stage transfers each of its
-    # keys to the decode stage that holds it (empty: a single-stage decode holds every layer)
-    stages: list[DecodeStageRef] = field(default_factory=list)
+    stages: list[DecodeStageRef] = field(default_factory=list)  # a pipelined decode: every stage (its keys there)
+    ranks: list[DecodeStageRef] = field(default_factory=list)  # a TP decode: ranks 1.. (stage = rank), own pools
     grant_key: bytes = b""  # verifies this decode's page grants (only registered stages get it)
 
 
@@ -364,8 +363,7 @@ class StageDone:
     stage: int = field(metadata=bounds(0, MAX_STAGES - 1))
     ok: bool
     error: str | None = None
-    quarantine_s: float = field(default=0.0, metadata=bounds(0.0, MAX_QUARANTINE))  # a timed-out transfer may
-    # still write the pages this long
+    quarantine_s: float = field(default=0.0, metadata=bounds(0.0, MAX_QUARANTINE))  # a timed-out write may land
     bytes: int = field(default=0, metadata=bounds(0, 2**48))
     first_token: int | None = field(default=None, metadata=bounds(0, MAX_ID))  # the last stage's sampled token
     first_logprobs: WireLogprobs | None = None  # last stage: the first token's (params.logprobs)
@@ -373,6 +371,7 @@ class StageDone:
     cached_tokens: int = field(default=0, metadata=bounds(0, 2**48))  # stage 0: prompt tokens its prefix cache supplied
     draft_hidden: Blob | None = None  # last stage with MTP: float32 [H], the draft's output at the last entry
     parts: dict[int, int] = field(default_factory=dict)  # pipelined decode: decode stage -> bytes landed there
+    rank_parts: dict[int, int] = field(default_factory=dict)  # TP decode: decode rank -> bytes landed there
     boot: str = ""  # the reporting stage's process: must be the one registered for this stage
     grant: Blob = b""  # the request's page grant, as the stage received it
     slot: int = field(default=-1, metadata=bounds(-1, 2**16))  # the staging slot it wrote into (the grant's; -1: none)

@@ -8,7 +8,9 @@
     IncompatiblePeer naming layer, kind and both sizes (the stage's connect fails loudly).
     stage k then connects its TransferBackend to the decode's (backend meta in the manifest) and keeps a
     DecodeLink (peer + PairTable) per decode address, keyed by the decode's boot id: a restarted decode
-    (new boot id) is handshaken again on the next request.
+    (new boot id) is handshaken again on the next request. A TP decode's reply lists its ranks 1.. (HelloReply.
+    ranks, each rank's pool and backend endpoint in its manifest): one part per rank (rank_routes picks the keys
+    this prefill rank writes into each).
 
 The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their boot id,
 RPC address, layer range, what was skipped), so it can check a request's prefill is complete, ping the stages a
@@ -46,13 +48,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LinkPart:
-    """One decode stage this prefill stage shares layers with: its keys paired, its engine connected."""
+    """One decode stage (and TP rank: its own pool) this prefill stage shares layers with: its keys paired, its
+    engine connected."""
 
     stage: int
     manifest: Manifest
     pairing: Pairing
     table: PairTable
     peer: Peer
+    rank: int = 0  # the decode TP rank whose pool this is (HelloReply.ranks: rank r >= 1 holds rank 0's keys)
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,12 @@ class DecodeLinks:
                 continue
             pairing = check_pair(self.manifest, m)
             parts.append(LinkPart(j, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m)))
+        for r, ref in enumerate(reply.ranks, 1):  # a TP decode: every rank holds the keys in a pool of its own
+            m = Manifest.from_bytes(ref.manifest)
+            if ref.stage != r or not parts or m.keys != theirs.keys:
+                raise IncompatiblePeer(f"decode {addr}: TP rank {ref.stage} (#{r}) does not hold rank 0's keys")
+            pairing = check_pair(self.manifest, m)
+            parts.append(LinkPart(0, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m), rank=r))
         if not parts:
             raise IncompatiblePeer(
                 f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "

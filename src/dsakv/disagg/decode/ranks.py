@@ -1,0 +1,136 @@
+"""A decode worker with tensor-parallel ranks (`dsakv serve --role decode --tp-size T`).
+
+    rank 0 (the DecodeWorker, RPC):   engine = RankedEngine (engine/ranks.py): prealloc / start_decode / abort are
+                                      logged and replayed on every rank before its next step
+    rank r (a child process, no RPC): its shard of the model, its own pool (the full keys: latent KV and index-K
+                                      are replicated), its own transfer backend with that pool registered, and
+                                      its manifest gathered by rank 0 at start-up (`follow_decode`)
+    handshake:                        HelloReply.ranks carries ranks 1.. (each manifest holds its pool's regions
+                                      and backend endpoint): the prefill pairs with every rank and writes each
+                                      rank's pool per the sender rule (disagg/transfer/rank_routes.py)
+    STAGE_DONE:                       rank_parts = bytes landed per decode rank; a report that misses a rank fails
+                                      the request (no rank may decode on pages it never received)
+
+Every rank reserves the same page ids (same log, same allocator: a rank that does not stops with RanksDiverged),
+so one grant of rank 0's pages serves every rank's pool; destination staging slots are off (each rank would need
+its own slot and scatter). The prefill reports a request only after every rank's write completed, so a rank
+applying start_decode at its next step finds the KV in place. A dead rank is named by the ranks' watcher: the
+worker's health says down (the router takes it out of routing).
+Imports torch, dsakv.engine, dsakv.model and dsakv.disagg.{protocol, transfer}; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.disagg.protocol.messages import DecodeStageRef, StageDone
+from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def rank_name(cfg: DecodeConfig, rank: int) -> str:
+    return f"{cfg.name or f'decode@{cfg.host}:{cfg.port}'}.tp{rank}"
+
+
+def _tp_engine(cfg: DecodeConfig) -> tuple[Any, Engine]:
+    """(ranks, this rank's engine on its shard): joins (rank 0: starts) the TP group of cfg.tp_size ranks."""
+    import torch
+
+    from dsakv.engine.ranks import start_ranks
+    from dsakv.model.loader import load_config
+    from dsakv.model.parallel import load_tp_model, shard_config
+
+    shard_config(load_config(Path(cfg.model)), cfg.tp_size)  # a TP size the checkpoint cannot split fails here
+    ranks = start_ranks(cfg.tp_size, cfg.rank_argv)
+    try:
+        model = load_tp_model(cfg.model, ranks.group, dtype=getattr(torch, cfg.config.engine.dtype))
+        return ranks, Engine(model, cfg.config.engine, model_dir=cfg.model)
+    except BaseException:
+        for p in ranks.children:
+            p.kill()
+        raise
+
+
+class DecodeTP:
+    """Rank 0's side of a decode worker's TP group (one rank: every method a no-op): the other ranks'
+    manifests for the handshake, the bytes each (prefill stage, decode rank) pair received, the group's state."""
+
+    def __init__(self, ranks: Any = None, refs: list[DecodeStageRef] | None = None) -> None:
+        self.ranks, self.refs = ranks, refs or []
+        self.size = 1 if ranks is None else int(ranks.size)
+        self.pair_bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(cls, cfg: DecodeConfig, model: Any = None) -> tuple[DecodeTP, Any]:
+        """(the view, the engine the worker runs): a plain Engine for one rank; for T > 1 a RankedEngine over
+        this rank's shard, once every rank registered its pool and sent its manifest."""
+        if cfg.tp_size <= 1:
+            return cls(), Engine(
+                model if model is not None else Path(cfg.model), cfg.config.engine, model_dir=cfg.model
+            )
+        from dsakv.engine.ranks import RankedEngine
+
+        ranks, engine = _tp_engine(cfg)
+        manifests = ranks.gather(b"")  # every follower's, in rank order (rank 0's is the worker's own)
+        refs = [DecodeStageRef(stage=r, rpc="", manifest=m) for r, m in enumerate(manifests) if r > 0]
+        log.info("decode %s: %d TP ranks, each its own pool registered for KV transfer", rank_name(cfg, 0), ranks.size)
+        return cls(ranks, refs), RankedEngine(engine, ranks)
+
+    def check_parts(self, worker: Any, p: StageDone) -> str | None:
+        """Record the bytes per (prefill stage, decode rank) pair; an error if an ok report misses a rank."""
+        if self.size == 1:
+            return None
+        with self._lock:
+            for r, n in p.rank_parts.items():
+                key = f"{p.prefill}:{p.stage}->tp{r}"
+                self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+        if p.ok and sorted(p.rank_parts) != list(range(self.size)):
+            return (
+                f"prefill {p.prefill} stage {p.stage} wrote decode rank(s) {sorted(p.rank_parts)}, but this decode "
+                f"has {self.size} TP ranks, each with its own pool: every rank must receive the KV"
+            )
+        return None
+
+    def health_fields(self) -> dict[str, Any]:
+        if self.size == 1:
+            return {}
+        with self._lock:
+            pairs = dict(self.pair_bytes)
+        return {"down": self.ranks.down, "kv_bytes_pairs": pairs}
+
+    def close(self, engine: Any) -> None:
+        """Tell the other ranks to stop and wait for them (with a rank down: kill the rest, the dead one named)."""
+        if self.size == 1:
+            return
+        try:
+            engine.close()
+        except Exception as e:  # noqa: BLE001 (a stop never raises: the rank's error is logged)
+            log.warning("decode: closing the TP group: %s", e)
+
+
+def follow_decode(cfg: DecodeConfig) -> int:
+    """A follower rank of a TP decode worker: load the shard, register the pool, hand rank 0 the manifest, then
+    replay rank 0's log and run every step until it says stop."""
+    from dsakv.engine.ranks import follow
+
+    ranks, engine = _tp_engine(cfg)
+    backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+    try:
+        backend.register(engine.pool.regions())
+        manifest = Manifest.from_pool(engine.pool, backend.meta(), rank_name(cfg, ranks.rank))
+        ranks.gather(manifest.to_bytes())
+        log.info("decode TP rank %d/%d: pool registered, following rank 0", ranks.rank, ranks.size)
+        return follow(engine, ranks)
+    finally:
+        backend.close()
+
+
+__all__ = ["DecodeTP", "follow_decode", "rank_name"]

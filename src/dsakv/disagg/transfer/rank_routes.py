@@ -1,0 +1,61 @@
+"""The sender rule (rank_assign.assign) on one handshaken link: which of a link's parts (decode stage x decode
+TP rank) this prefill rank writes, and which keys of each.
+
+    routes = part_routes(link, stage=k, tp_rank=t, tp_size=T, rotate=request_rotation(rid))
+    for part, table in routes: TransferPlan.build(table, src, dst) -> backend.submit(part.peer, ...)
+
+Grid as rank_assign sees it: the senders are the T TP ranks of prefill stage k (each holds the stage's keys:
+latent KV and index-K are replicated over TP, so every rank holds every key of its stage), the receivers are
+the link's parts, `RankId(decode stage, 0, decode rank)`, each needing the keys it pairs with this stage. The
+rule gives each (receiver, key) exactly one sender and no sender more than ceil(receivers / senders) of one key's
+receivers; with T = 1 every part gets all its keys from this rank (TP 1 -> TP 2: the one prefill rank writes both
+decode ranks' pools). The rotation is a pure function of the request id, so every prefill rank computes the same
+routes without talking to the others. Imports dsakv.disagg.transfer.{bootstrap, plan, rank_assign}; no torch.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from dsakv.disagg.transfer.bootstrap import DecodeLink, LinkPart
+from dsakv.disagg.transfer.plan import PairTable
+from dsakv.disagg.transfer.rank_assign import Assignment, RankId, assign
+
+
+def request_rotation(rid: str) -> int:
+    """The tie-order rotation of request `rid` (the same on every prefill rank: crc32 of its id)."""
+    return zlib.crc32(rid.encode())
+
+
+def receiver(part: LinkPart) -> RankId:
+    return RankId(part.stage, 0, part.rank)
+
+
+def link_assignment(link: DecodeLink, stage: int, tp_size: int = 1, rotate: int = 0) -> Assignment:
+    """The rule over a link: senders = prefill stage `stage`'s TP ranks, receivers = the link's parts, each key
+    weighed by its page bytes (the bytes spread over the senders)."""
+    needs = {receiver(p): [kp.key for kp in p.table.pairs] for p in link.parts}
+    held = sorted({k for keys in needs.values() for k in keys})
+    weight = {kp.key: kp.page_bytes for p in link.parts for kp in p.table.pairs}
+    senders = {RankId(stage, 0, t): held for t in range(tp_size)}
+    return assign(senders, needs, weight, rotate=rotate)
+
+
+def part_routes(
+    link: DecodeLink, stage: int, tp_rank: int = 0, tp_size: int = 1, rotate: int = 0
+) -> list[tuple[LinkPart, PairTable]]:
+    """The parts prefill rank `tp_rank` of stage `stage` writes, each with the table of the keys it sends there
+    (a part it sends nothing to is left out: no empty plan, no dummy transfer)."""
+    a = link_assignment(link, stage, tp_size, rotate)
+    mine = a.keys_from(RankId(stage, 0, tp_rank))
+    out = []
+    for part in link.parts:
+        keys = set(mine.get(receiver(part), ()))
+        if not keys:
+            continue
+        pairs = [kp for kp in part.table.pairs if kp.key in keys]
+        out.append((part, part.table if len(pairs) == len(part.table.pairs) else PairTable.of(pairs)))
+    return out
+
+
+__all__ = ["link_assignment", "part_routes", "receiver", "request_rotation"]
