@@ -46,7 +46,10 @@ class RanksDiverged(ConfigError):
 
 
 class RankDown(Unavailable):
-    """A rank of this TP group died: names it and its exit status; the group cannot run a step any more."""
+    """A rank of this TP group died: names it and its exit status; the group cannot run a step any more.
+    `outputs`: the outputs of the step it broke, when the engine failed its requests itself."""
+
+    outputs: Sequence[Any] = ()
 
 
 def exit_text(rc: int) -> str:
@@ -332,7 +335,9 @@ class RankedEngine:
             # among the causes): then RankDown, so that every request in flight gets the rank's name, not gloo's
             bad = next((o.error for o in outs if o.finished and o.finish_reason == "error"), None)
             if bad is not None and isinstance(self.ranks.guard(RuntimeError(bad)), RankDown):
-                raise RankDown(f"{self.ranks.down} (its step failed: {bad})")
+                down = RankDown(f"{self.ranks.down} (its step failed: {bad})")
+                down.outputs = outs  # a decode worker reports them (disagg/decode/ranks.py)
+                raise down
             return outs
 
     def close(self) -> None:

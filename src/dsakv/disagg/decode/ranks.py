@@ -14,8 +14,10 @@
 Every rank reserves the same page ids (same log, same allocator: a rank that does not stops with RanksDiverged),
 so one grant of rank 0's pages serves every rank's pool; destination staging slots are off (each rank would need
 its own slot and scatter). The prefill reports a request only after every rank's write completed, so a rank
-applying start_decode at its next step finds the KV in place. A dead rank is named by the ranks' watcher: the
-worker's health says down (the router takes it out of routing).
+applying start_decode at its next step finds the KV in place. A dead rank is named by the ranks' watcher: every
+request the worker holds fails with its name and exit status (waiting ones free their pages once no prefill can
+still write them), preallocs are refused and the health says down (the router takes it out of routing); the
+group is not re-formed: restart the worker.
 Imports torch, dsakv.engine, dsakv.model and dsakv.disagg.{protocol, transfer}; never serve or cli.
 """
 
@@ -23,6 +25,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,8 @@ from dsakv.disagg.protocol.messages import DecodeStageRef, StageDone
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.engine import Engine
+from dsakv.engine.ranks import RankDown, RankedEngine
+from dsakv.errors import NoFreePages
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +65,26 @@ def _tp_engine(cfg: DecodeConfig) -> tuple[Any, Engine]:
         raise
 
 
+class RankedDecode(RankedEngine):
+    """RankedEngine on a decode worker: once a rank is down, a prealloc is refused (NoFreePages: the router
+    places the request on another decode) and a step returns nothing (the requests were failed by the watcher's
+    callback, DecodeTP.attach), so the worker's step loop idles instead of raising every turn."""
+
+    def prealloc(self, request_id: str, prompt_ids: Sequence[int], params: Any = None) -> Any:
+        if self.ranks.down is not None:
+            raise NoFreePages(f"{self.ranks.down}: this decode takes no request until it is restarted")
+        return super().prealloc(request_id, prompt_ids, params)
+
+    def step(self) -> Any:
+        if self.ranks.down is not None:
+            time.sleep(0.05)
+            return []
+        try:
+            return super().step()
+        except RankDown as e:  # the step's failed requests, each with the rank's name (not gloo's error alone)
+            return [replace(o, error=str(e)) if o.finished and o.error else o for o in e.outputs]
+
+
 class DecodeTP:
     """Rank 0's side of a decode worker's TP group (one rank: every method a no-op): the other ranks'
     manifests for the handshake, the bytes each (prefill stage, decode rank) pair received, the group's state."""
@@ -76,13 +103,25 @@ class DecodeTP:
             return cls(), Engine(
                 model if model is not None else Path(cfg.model), cfg.config.engine, model_dir=cfg.model
             )
-        from dsakv.engine.ranks import RankedEngine
-
         ranks, engine = _tp_engine(cfg)
         manifests = ranks.gather(b"")  # every follower's, in rank order (rank 0's is the worker's own)
         refs = [DecodeStageRef(stage=r, rpc="", manifest=m) for r, m in enumerate(manifests) if r > 0]
         log.info("decode %s: %d TP ranks, each its own pool registered for KV transfer", rank_name(cfg, 0), ranks.size)
-        return cls(ranks, refs), RankedEngine(engine, ranks)
+        return cls(ranks, refs), RankedDecode(engine, ranks)
+
+    def attach(self, worker: Any) -> None:
+        """A rank's death (the ranks' watcher) fails every request the worker holds, naming the rank and its exit
+        status; its pages on rank 0 are freed as each request settles (nothing is left held)."""
+        if self.ranks is None:
+            return
+
+        def down(why: str) -> None:  # in a thread of its own: the caller may be the step thread, which holds the
+            # ranked engine's lock the break's aborts take (Ranks.guard polls the ranks from inside the step)
+            brk = threading.Thread(target=worker.on_pipeline_break, args=(f"decode {worker.name}: {why}",))
+            brk.daemon = True
+            brk.start()
+
+        self.ranks.on_down(down)
 
     def check_parts(self, worker: Any, p: StageDone) -> str | None:
         """Record the bytes per (prefill stage, decode rank) pair; an error if an ok report misses a rank."""

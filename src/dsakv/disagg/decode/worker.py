@@ -138,11 +138,8 @@ class DecodeWorker:
         self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
         self._lock = threading.RLock()
         self._wake = threading.Event()
-        self.counters = dict.fromkeys(
-            ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused")
-            + ("staged_in", "staging_no_slot"),
-            0,
-        )
+        names = ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused")
+        self.counters = dict.fromkeys((*names, "staged_in", "staging_no_slot"), 0)
         self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
         self.book = InboundBook(
             self.inbound,
@@ -170,6 +167,7 @@ class DecodeWorker:
         return self.service.address
 
     def start(self) -> DecodeWorker:
+        self.tp.attach(self)  # a TP rank's death fails every request this worker holds (on_pipeline_break)
         self.service.start(
             [
                 (self._step_loop, "decode-step"),
