@@ -1,0 +1,73 @@
+"""rank_routes: the sender rule on a handshaken link (parts = decode stage x decode TP rank), for GLM-5.2's
+elided decode keys (latent KV + producers' index-K, replicated on every decode rank's pool).
+
+How it maps: prefill TP 1 -> decode TP 2: the one prefill rank writes every key into both pools (cap
+ceil(2/1) = 2); prefill TP 2 -> decode TP 1: each key is sent once, by one of the two prefill ranks, the bytes
+split between them; prefill TP 2 -> decode TP 2: each prefill rank serves one receiver per key (cap 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsakv.disagg.transfer import BackendMeta, Manifest, RegionInfo, check_pair
+from dsakv.disagg.transfer.bootstrap import DecodeLink, LinkPart
+from dsakv.disagg.transfer.plan import PairTable
+from dsakv.disagg.transfer.rank_routes import link_assignment, part_routes, request_rotation
+from dsakv.spec import KVLayout, load_spec
+from dsakv.util import ceil_div
+
+
+def manifest(layout: KVLayout, worker: str, base: int) -> Manifest:
+    regions, addr = {}, base
+    for b in layout.buffers:
+        regions[b.key] = RegionInfo(addr, b.page_bytes, 8)
+        addr += b.page_bytes * 8
+    return Manifest.from_layout(layout, regions, BackendMeta("local", b""), worker)
+
+
+@pytest.fixture(scope="module")
+def layout() -> KVLayout:
+    return KVLayout(load_spec("glm-5.2"), draft_layers=1, elide=True)
+
+
+def link(layout: KVLayout, ranks: int) -> DecodeLink:
+    src = manifest(layout, "prefill", 1 << 32)
+    parts = []
+    for r in range(ranks):
+        dst = manifest(layout, f"decode.tp{r}", (r + 2) << 36)
+        pairing = check_pair(src, dst)
+        parts.append(LinkPart(0, dst, pairing, PairTable.of(pairing.pairs), None, rank=r))  # type: ignore[arg-type]
+    return DecodeLink("127.0.0.1:1", "boot", parts[0].manifest, tuple(parts))
+
+
+def test_tp1_prefill_writes_every_key_into_every_decode_rank(layout) -> None:
+    lk = link(layout, 2)
+    routes = part_routes(lk, 0, 0, 1, rotate=request_rotation("r1"))
+    assert [(p.rank, len(t.pairs)) for p, t in routes] == [(0, len(layout.keys)), (1, len(layout.keys))]
+    assert all(t is p.table for p, t in routes)  # the handshake's table, not a copy
+    pair_bytes = link_assignment(lk, 0).pair_bytes({b.key: b.page_bytes for b in layout.buffers})
+    assert sorted(pair_bytes.values()) == [layout.bytes_per_page] * 2  # == the layout figure per rank pair
+
+
+@pytest.mark.parametrize("rid", ["a", "b", "req-17"])
+def test_tp2_prefill_to_tp1_decode_sends_each_key_once_split_by_bytes(layout, rid) -> None:
+    lk = link(layout, 1)
+    mine = [part_routes(lk, 0, t, 2, rotate=request_rotation(rid)) for t in (0, 1)]
+    keys = [[kp.key for _, tab in m for kp in tab.pairs] for m in mine]
+    assert sorted(keys[0] + keys[1]) == sorted(layout.keys)  # each key once, from one of the two
+    sent = [sum(kp.page_bytes for _, tab in m for kp in tab.pairs) for m in mine]
+    assert sum(sent) == layout.bytes_per_page
+    biggest = max(b.page_bytes for b in layout.buffers)
+    assert abs(sent[0] - sent[1]) <= biggest  # spread within one key's bytes: no rank-0 hotspot
+
+
+def test_tp2_prefill_to_tp2_decode_one_receiver_per_sender_per_key(layout) -> None:
+    lk = link(layout, 2)
+    a = link_assignment(lk, 0, 2, rotate=request_rotation("x"))
+    for key in layout.keys:
+        senders = [a.sender_of(r, key) for r in sorted({r for _, r in a.routes})]
+        assert len(senders) == 2 and len(set(senders)) == 2  # cap ceil(2 / 2) = 1 receiver per sender
+    assert max(a.transfers(s) for s in a.senders) <= ceil_div(2, 2) * len(layout.keys)
+    mine = part_routes(lk, 0, 1, 2, rotate=request_rotation("x"))
+    assert sum(len(t.pairs) for _, t in mine) == a.transfers(a.senders[1])
