@@ -40,6 +40,7 @@ from dsakv.engine.ranks import RankDown, RankedEngine
 from dsakv.errors import NoFreePages
 
 log = logging.getLogger(__name__)
+DEATH_WAIT_S = 5.0  # after a failed step: how long to wait for a rank's death to be seen (to name it)
 
 
 def rank_name(cfg: DecodeConfig, rank: int) -> str:
@@ -80,9 +81,20 @@ class RankedDecode(RankedEngine):
             time.sleep(0.05)
             return []
         try:
-            return super().step()
+            outs = super().step()
         except RankDown as e:  # the step's failed requests, each with the rank's name (not gloo's error alone)
             return [replace(o, error=str(e)) if o.finished and o.error else o for o in e.outputs]
+        if not any(o.finished and o.error for o in outs):
+            return outs
+        # a failed model step on a TP group: a collective that broke because a rank died whose exit was not seen
+        # yet (its sockets close before it is reaped): wait for the watcher's verdict, bounded, then name it
+        end = time.monotonic() + DEATH_WAIT_S
+        while self.ranks.check() is None and time.monotonic() < end:
+            time.sleep(0.05)
+        down = self.ranks.down
+        if down is None:
+            return outs
+        return [replace(o, error=f"{down} (its step failed: {o.error})") if o.finished and o.error else o for o in outs]
 
 
 class DecodeTP:
