@@ -45,3 +45,8 @@ def pytest_collection_modifyitems(items):
         if tier not in TIERS:
             raise pytest.UsageError(f"{rel}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
         item.add_marker(getattr(pytest.mark, tier))
+
+
+# ---- no Python traceback in any server's output (issue 26): dsakv.testing.logscan scans every log of a process the
+# suite starts at the end of each test and fails its teardown with the log's path, line and block.
+pytest_plugins = ("dsakv.testing.logscan",)

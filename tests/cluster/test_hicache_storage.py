@@ -35,6 +35,7 @@ from dsakv.spec.presets import load_spec  # noqa: E402
 from dsakv.testing.hicache import LAYOUT, PS, Harness  # noqa: E402
 from dsakv.testing.hicache import expected_rows as _expected_rows  # noqa: E402
 from dsakv.testing.hicache import toks as _toks  # noqa: E402
+from dsakv.testing.logscan import watch  # noqa: E402
 from dsakv.util.procs import die_with_parent  # noqa: E402
 
 os.environ.setdefault("DSAKV_CACHE_DIR", tempfile.mkdtemp(prefix="dsakv-fp-"))
@@ -50,13 +51,15 @@ def store() -> Iterator[str]:
 def store_master() -> Iterator[str]:
     """Start `dsakv store-master` (128 MiB, loopback), yield its address, stop it (other modules' fixtures too)."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsakv", "store-master", "--port", str(port), "--size", "128MiB"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        preexec_fn=die_with_parent(),  # a killed test run takes the store (and its mooncake_master) with it
-    )
+    log = watch(Path(tempfile.mkdtemp(prefix="dsakv-store-")) / "store-master.log")  # scanned for tracebacks
+    with log.open("ab") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsakv", "store-master", "--port", str(port), "--size", "128MiB"],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            preexec_fn=die_with_parent(),  # a killed test run takes the store (and its mooncake_master) with it
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # blocks until ready (or exit)
     assert "store master ready" in line, line

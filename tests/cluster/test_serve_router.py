@@ -20,6 +20,7 @@ from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.engines import tiny_path
+from dsakv.testing.logscan import find_tracebacks, watch_dir
 from dsakv.testing.servers import make_engine
 from dsakv.util import ceil_div
 from dsakv.util.procs import die_with_parent, free_ports
@@ -51,7 +52,7 @@ def _descendants(pid: int) -> list[int]:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """`dsakv demo` serving (not --once) on a free port; SIGTERM stops it and its workers."""
-    log_dir = tmp_path_factory.mktemp("demo")
+    log_dir = watch_dir(tmp_path_factory.mktemp("demo"))  # demo.out and the workers' logs: scanned for tracebacks
     port = free_ports(1)
     cmd = [
         sys.executable,
@@ -203,6 +204,7 @@ def test_demo_once_json(tmp_path):
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
+    assert find_tracebacks(r.stderr) == [], r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     want = make_engine().generate([demo_prompts(8)[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
     assert summary["completion_ids"] == want[0] == summary["reference_ids"]

@@ -270,6 +270,10 @@ def dsakv_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "dsakv", *args]
 
 
+#: called with every Proc as it starts (the test suite watches their logs for tracebacks: dsakv.testing.logscan)
+ON_START: list[Callable[[Proc], None]] = []
+
+
 class Proc:
     """One child process: environment `env` (default: this one plus CHILD_ENV), output to `log` (appended), to
     /dev/null (log=None, quiet) or inherited (log=None), in its own process group unless `new_session=False`; it
@@ -312,6 +316,8 @@ class Proc:
             if f is not None:
                 f.close()
         self.started_at = time.monotonic()
+        for hook in ON_START:
+            hook(self)
         return self
 
     @property
