@@ -53,4 +53,6 @@ def test_serve_tp2_tokens_equal_single_rank(tmp_path) -> None:
         assert p.stop(timeout=60) in (0, -signal.SIGTERM), p.tail()
     finally:
         p.kill()
-    assert "tensor-parallel ranks failed" not in (tmp_path / "serve.log").read_text()
+    log = (tmp_path / "serve.log").read_text()
+    # a clean stop: rank 0 stops rank 1 (which ignores the group's SIGTERM), so no rank is ever seen down
+    assert "tensor-parallel ranks failed" not in log and "TP rank down" not in log and "RankDown" not in log, log

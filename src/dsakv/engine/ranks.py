@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from signal import SIGKILL
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -82,6 +83,7 @@ class Ranks:
         import threading
 
         self.group, self.children = group, list(children)
+        group.on_error = self.guard  # a model step's reduce broken by a dead rank raises RankDown naming it
         self._down: str | None = None
         self._closing = False
         self._stop = threading.Event()
@@ -206,7 +208,9 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
         port = free_ports(1)
         for r in range(1, size):
             env = {**os.environ, **CHILD_ENV, RANK_ENV: str(r), PORT_ENV: str(port), SIZE_ENV: str(size)}
-            children.append(Proc(f"tp rank {r}", dsakv_cmd(*argv), env=env, new_session=False).start())
+            # SIGKILL when rank 0 dies: a serving follower ignores SIGTERM (see follow)
+            child = Proc(f"tp rank {r}", dsakv_cmd(*argv), env=env, new_session=False, parent_death_signal=SIGKILL)
+            children.append(child.start())
         rank = 0
     else:
         rank, port = int(env_rank), int(os.environ[PORT_ENV])
@@ -352,7 +356,13 @@ class RankedEngine:
 
 
 def follow(engine: Any, ranks: Ranks) -> int:
-    """A follower rank of a served TP group: apply rank 0's log, run the step, until rank 0 says stop."""
+    """A follower rank of a served TP group: apply rank 0's log, run the step, until rank 0 says stop. The stop
+    signals of the server's process group (SIGTERM, Ctrl-C) are rank 0's to handle: it stops the loop, then tells
+    this rank to stop; dying first would be a rank down at every clean stop (rank 0's death kills it: SIGKILL)."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         log_ = ranks.broadcast(None)
         if log_ == _STOP:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,10 +59,14 @@ class TPGroup:
             raise ConfigError(f"TP rank {rank} is outside the group of {size} ranks (0..{size - 1})")
         self.rank, self.size, self.group = rank, size, group
         self.lead = rank == 0
+        self.on_error: Callable[[Exception], BaseException] | None = None  # what a failed reduce raises instead
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            try:
+                dist.all_reduce(x, group=self.group)
+            except Exception as e:  # engine/ranks.py: a rank died -> RankDown naming it, not the transport's error
+                raise (self.on_error(e) if self.on_error else e) from e
         return x
 
     def __repr__(self) -> str:
