@@ -13,7 +13,6 @@ MAX_CLASS_LINES = 350
 
 # still over the limit (split by concept next: see issue 22), each with its size when listed: it may only shrink
 FILES_OVER = {
-    "engine/scheduler.py": 669,
     "serve/app.py": 531,
     "model/attention.py": 544,
     "disagg/protocol/messages.py": 543,
@@ -21,7 +20,6 @@ FILES_OVER = {
     "cache/storage/file.py": 516,
 }
 CLASSES_OVER = {
-    "engine/scheduler.py:Scheduler": 514,
     "cache/storage/file.py:FileStore": 426,
     "disagg/decode/worker.py:DecodeWorker": 397,
     "disagg/prefill/leader.py:PipelineLeader": 357,

@@ -77,83 +77,32 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
 
 import numpy as np
-import numpy.typing as npt
 
 from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.engine.request import FinishReason, Request, RequestStatus
-from dsakv.engine.sampling import stop_reason
+from dsakv.engine.scheduler_kv import SchedulerAwaitingKV
+from dsakv.engine.scheduler_leave import SchedulerLeaving
+from dsakv.engine.scheduler_types import (
+    DEFAULT_MAX_RUNNING,
+    IntArray,
+    PrefixCache,
+    PrefixMatch,
+    ScheduledChunk,
+    SchedulerOutput,
+    _pages_for,
+)
 from dsakv.errors import CapacityError, ConfigError, NoFreePages
-from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
 
-IntArray = npt.NDArray[np.int64]
-DEFAULT_MAX_RUNNING = 64
 
+class Scheduler(SchedulerAwaitingKV, SchedulerLeaving):
+    """Admission and growth here; the awaiting-KV book (scheduler_kv.py); leaving, preemption and the
+    after-step updates (scheduler_leave.py)."""
 
-class PrefixMatch(Protocol):
-    @property
-    def page_ids(self) -> IntArray: ...
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-class PrefixCache(Protocol):
-    """The hook a prefix cache implements; see the module docstring."""
-
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch: ...
-
-    def insert(self, token_ids: Sequence[int], page_ids: IntArray) -> object: ...
-
-    def release(self, match: Any) -> None: ...  # the object match_prefix returned
-
-    def evict(self, num_pages: int) -> int: ...
-
-
-@dataclass
-class ScheduledChunk:
-    """`num_tokens` new tokens of `request`, from token `start` (= num_computed_tokens before the step)."""
-
-    request: Request
-    start: int
-    num_tokens: int
-    num_draft: int = 0  # speculative decoding: draft tokens verified after this (decode) token, pages allocated
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token: its logits give the next token."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-def _pages_for(tokens: int, page_size: int) -> int:
-    return ceil_div(tokens, page_size)
-
-
-class Scheduler:
     def __init__(
         self,
         allocator: PageAllocator,
@@ -257,68 +206,6 @@ class Scheduler:
         self._orphan_forks(req)
         req.finish(FinishReason.ABORT)
         log.debug("aborted %s", req)
-        return req
-
-    # ---- disaggregation -------------------------------------------------------------------
-
-    def prealloc(self, req: Request) -> IntArray:
-        """Decode side: reserve pages for req's prompt and its first generated token (held under its id) and
-        return them; its KV is written there by a prefill worker, then start_decode() lets it run.
-        Raises CapacityError if it can never fit, NoFreePages if it does not fit now."""
-        if req.request_id in self.requests or req.request_id in self.kept:
-            raise ConfigError(f"request id {req.request_id!r} is already in use: give each request a unique id")
-        self.check_fits(req.request_id, req.num_prompt_tokens, req.params.max_new_tokens)
-        need = _pages_for(req.num_prompt_tokens + 1, self.page_size)
-        if not self._reserve(need):
-            raise NoFreePages(
-                f"request {req.request_id}: its {req.num_prompt_tokens} prompt tokens need {need} pages but only "
-                f"{self.allocator.num_free} of {self.allocator.num_pages} are free now: retry when requests finish"
-            )
-        for f in req.forks:
-            if f.request_id in self.requests or f.request_id in self.kept:
-                raise ConfigError(f"request id {f.request_id!r} is already in use: give each request a unique id")
-        req.page_ids = self.allocator.alloc(need, owner=req.request_id).tolist()
-        req.status = RequestStatus.WAITING_KV
-        req.kv_from_peer = True
-        self.requests[req.request_id] = req
-        self.awaiting_kv[req.request_id] = req
-        for f in req.forks:  # n > 1: they fork onto its prompt pages at start_decode
-            self.requests[f.request_id] = f
-            self.unforked[f.request_id] = req
-        return np.asarray(req.page_ids, dtype=np.int64)
-
-    def start_decode(self, request_id: str, first_token: int) -> Request:
-        """Decode side: req's prompt KV is in its pages and the prefill sampled `first_token`. The request is
-        queued to run (or finishes at once if that token stops it)."""
-        req = self.awaiting_kv.pop(request_id, None)
-        if req is None:
-            raise ConfigError(f"request {request_id!r} is not waiting for its KV: prealloc() it first")
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.output_ids.append(int(first_token))
-        reason = stop_reason(req, int(first_token), self.max_seq_len)
-        if reason is not None:
-            if req.forks:
-                self._fork(req)
-            self._finish(req, reason)
-        else:  # n > 1: its other sequences fork now if all n fit max_running_requests, else when it is admitted
-            if req.forks and self._fits_running(req):
-                self._fork(req)
-            req.status = RequestStatus.WAITING
-            self.ready.append(req)
-        return req
-
-    def pages_of(self, request_id: str) -> IntArray:
-        """The page ids a request holds, in token order (running, ready, WAITING_KV or kept)."""
-        req = self.requests.get(request_id) or self.kept.get(request_id)
-        if req is None:
-            raise ConfigError(f"request {request_id!r} is unknown or finished without keep_pages")
-        return np.asarray(req.page_ids, dtype=np.int64)
-
-    def release(self, request_id: str) -> Request | None:
-        """Prefill side: free the pages a finished keep_pages request still holds (after transferring them)."""
-        req = self.kept.pop(request_id, None)
-        if req is not None:
-            self._leave(req, keep_in_cache=True)
         return req
 
     def has_unfinished(self) -> bool:
@@ -477,156 +364,6 @@ class Scheduler:
             del req.page_ids[keep:]
             self.allocator.drop(req.request_id, extra)
 
-    # ---- leaving -----------------------------------------------------------------------------
-
-    def _leave(self, req: Request, *, keep_in_cache: bool) -> None:
-        """Give back everything `req` holds: computed whole pages to the prefix cache, then its references."""
-        if self.prefix_cache is not None:
-            full = req.num_computed_tokens // self.page_size
-            if keep_in_cache and full:
-                self.prefix_cache.insert(
-                    req.token_ids(0, full * self.page_size), np.asarray(req.page_ids[:full], dtype=np.int64)
-                )
-            if req.prefix_match is not None:
-                self.prefix_cache.release(req.prefix_match)
-        self.allocator.release(req.request_id)
-        req.page_ids = []
-        req.prefix_match = None
-
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
-        self._leave(req, keep_in_cache=True)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        req.kv_from_peer = False  # it recomputes its own KV from now on
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
-        log.info("preempted %s: out of KV pages (%d free)", req.request_id, self.allocator.num_free)
-
-    def _fork(self, req: Request) -> None:
-        """req (sequence 0 of an n > 1 request) computed its prompt: its other sequences start running on its
-        whole prompt pages (a reference each), short of the page that holds the prompt's last token (each
-        recomputes that part in its own page, so the last prompt token's logits are its own)."""
-        share = (req.num_prompt_tokens - 1) // self.page_size
-        pages = np.asarray(req.page_ids[:share], dtype=np.int64)
-        for f in req.forks:
-            del self.unforked[f.request_id]
-            if pages.size:
-                self.allocator.incref(pages)
-                self.allocator.hold(f.request_id, pages)
-            f.page_ids = pages.tolist()
-            f.num_computed_tokens = share * self.page_size
-            f.status = RequestStatus.RUNNING
-            self.running.append(f)
-        log.debug("%s: %d sequences share %d prompt pages", req.request_id, len(req.forks) + 1, share)
-        req.forks = []
-
-    def _orphan_forks(self, req: Request) -> None:
-        """req leaves before its prompt was computed: its other sequences queue as requests of their own."""
-        for f in req.forks:
-            del self.unforked[f.request_id]
-            self.waiting.append(f)
-        req.forks = []
-
-    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        self._orphan_forks(req)
-        del self.requests[req.request_id]
-        if req.keep_pages and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            self.kept[req.request_id] = req
-        else:
-            self._leave(req, keep_in_cache=reason is not FinishReason.ERROR)
-        req.finish(reason, error)
-
-    # ---- after the model step ------------------------------------------------------------------
-
-    def update(self, out: SchedulerOutput, next_tokens: Sequence[int | None]) -> list[Request]:
-        """Advance every scheduled request; next_tokens[i] is the token sampled for chunk i (None if it did not
-        sample). Returns the requests that got a new token (finished ones included)."""
-        if len(next_tokens) != len(out.chunks):
-            raise ValueError(f"update: {len(next_tokens)} tokens for {len(out.chunks)} scheduled chunks")
-        got = []
-        for chunk, tok in zip(out.chunks, next_tokens, strict=True):
-            req = chunk.request
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != chunk.start:
-                raise IntegrityError(f"update: {req!r} changed while its chunk {chunk.start}..{chunk.end} ran")
-            req.num_computed_tokens = chunk.end
-            if not chunk.samples:
-                continue
-            if tok is None:
-                raise ValueError(f"update: no token for {req.request_id}, whose chunk reached its last token")
-            if req.forks:
-                self._fork(req)
-            req.output_ids.append(int(tok))
-            got.append(req)
-            reason = stop_reason(req, int(tok), self.max_seq_len)
-            if reason is not None:
-                self._finish(req, reason)
-        return got
-
-    def update_spec(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]]) -> list[Request]:
-        """Speculative update: tokens[i] are the tokens chunk i produced (empty if it did not sample; for a decode
-        chunk with drafts, its accepted drafts then the target's token). The KV of the chunk's tokens and of the
-        accepted drafts stays (num_computed_tokens advances by num_tokens + accepted); rejected drafts' pages are
-        freed. A stop in the middle drops the tokens after it. Returns the requests that got tokens."""
-        if len(tokens) != len(out.chunks):
-            raise ValueError(f"update_spec: {len(tokens)} token lists for {len(out.chunks)} scheduled chunks")
-        got = []
-        for chunk, toks in zip(out.chunks, tokens, strict=True):
-            req = chunk.request
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != chunk.start:
-                raise IntegrityError(f"update_spec: {req!r} changed while its chunk {chunk.start}..{chunk.end} ran")
-            if not chunk.samples:
-                if toks:
-                    raise ValueError(f"update_spec: tokens for {req.request_id}, whose chunk did not sample")
-                req.num_computed_tokens = chunk.end
-                continue
-            if not 1 <= len(toks) <= chunk.num_draft + 1:
-                raise ValueError(
-                    f"update_spec: {len(toks)} tokens for {req.request_id}, whose chunk verified "
-                    f"{chunk.num_draft} drafts"
-                )
-            reason = None
-            appended = 0
-            for tok in toks:
-                req.output_ids.append(int(tok))
-                appended += 1
-                reason = stop_reason(req, int(tok), self.max_seq_len)
-                if reason is not None:
-                    break
-            req.num_computed_tokens = chunk.end + appended - 1
-            got.append(req)
-            if reason is not None:
-                self._finish(req, reason)
-            else:
-                self._trim(req)
-        return got
-
-    def fail(self, out: SchedulerOutput, error: str) -> list[Request]:
-        """The model step for `out` failed: finish its requests with reason 'error' and free their pages."""
-        failed = []
-        for chunk in out.chunks:
-            req = chunk.request
-            if req.status is RequestStatus.RUNNING:
-                self._finish(req, FinishReason.ERROR, error)
-                failed.append(req)
-        return failed
-
-    def fail_rows(self, out: SchedulerOutput, errors: dict[int, str]) -> tuple[SchedulerOutput, list[Request]]:
-        """One row's failure (its logits, penalties, sampling, logprobs, admission) fails that request alone:
-        chunk i of `out` with errors[i] finishes with reason 'error' and frees its pages (none go to the prefix
-        cache); returns `out` without those chunks (the rest of the step goes on) and the failed requests."""
-        failed = []
-        for i, error in sorted(errors.items()):
-            req = out.chunks[i].request
-            if req.status is RequestStatus.RUNNING:
-                self._finish(req, FinishReason.ERROR, error)
-                failed.append(req)
-        kept = [c for i, c in enumerate(out.chunks) if i not in errors]
-        return SchedulerOutput(kept, out.preempted), failed
-
     # ---- integrity --------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -667,3 +404,15 @@ class Scheduler:
                 f"{len(self.requests)} unfinished requests but {len(self.running)} running + {len(self.waiting)} "
                 f"waiting + {len(self.ready)} ready + {len(self.awaiting_kv)} waiting for KV"
             )
+
+
+__all__ = [
+    "DEFAULT_MAX_RUNNING",
+    "IntArray",
+    "NoFreePages",
+    "PrefixCache",
+    "PrefixMatch",
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerOutput",
+]
