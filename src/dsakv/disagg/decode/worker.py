@@ -29,13 +29,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-
 from dsakv.disagg.decode import views as decode_views
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.events import EventLog
 from dsakv.disagg.decode.inbound import InboundBook
+from dsakv.disagg.decode.kv_in import KvIn
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.decode.ranks import DecodeTP
 from dsakv.disagg.protocol import grants
@@ -54,21 +52,16 @@ from dsakv.disagg.protocol.messages import (
     Health,
     Hello,
     HelloReply,
-    KvFailed,
-    Prealloc,
-    Preallocated,
     StageDone,
     StageDoneReply,
     unpack_logprobs,
 )
-from dsakv.disagg.protocol.wire import page_list
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.bootstrap import StageRegistry
 from dsakv.disagg.transfer.manifest import Manifest
-from dsakv.disagg.transfer.staging import decode_slots, offer_slot, written_keys
-from dsakv.errors import ConfigError, NoFreePages
-from dsakv.util import ceil_div
+from dsakv.disagg.transfer.staging import decode_slots
+from dsakv.errors import ConfigError
 
 if TYPE_CHECKING:
     from dsakv.disagg.decode.stage import DecodePipeline
@@ -76,19 +69,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def draft_hidden_of(inb: InboundKv, hidden_size: int) -> torch.Tensor | None:
-    """The prefill's draft hidden state (MTP) of `inb` as a tensor [H]; None if none came or it is malformed
-    (then the first decode step drafts nothing, which changes no output)."""
-    raw = inb.draft_hidden
-    if raw is None:
-        return None
-    if len(raw) != 4 * hidden_size:
-        log.warning("request %s: a %d-byte draft hidden state, expected %d: unused", inb.rid, len(raw), 4 * hidden_size)
-        return None
-    return torch.from_numpy(np.frombuffer(raw, dtype=np.float32).copy())
+class DecodeWorker(KvIn):
+    """The RPCs, loops and views; the inbound-KV path (prealloc, kv_failed, scatter, start) is in kv_in.py."""
 
-
-class DecodeWorker:
     def __init__(
         self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -211,66 +194,6 @@ class DecodeWorker:
         m = self.manifest.to_bytes()
         return HelloReply(manifest=m, boot=self.boot, name=self.name, grant_key=self.grant_key, ranks=self.tp.refs)
 
-    def prealloc(self, p: Prealloc) -> Preallocated:
-        """Reserve the request's pages (held, waiting for KV) and start tracking its stages' reports."""
-        rid, prefill, n, kv_timeout, prompt = p.rid, p.prefill, p.num_stages, p.kv_timeout, p.prompt_ids
-        if kv_timeout > self.t.max_kv:  # every held page waits for its KV at most this long (+ grace, quarantine)
-            raise ConfigError(
-                f"decode {self.name}: request {rid} asks its pages be held {kv_timeout:g}s for its KV, more than "
-                f"this decode's --max-kv-timeout {self.t.max_kv:g}s: lower the router's --kv-timeout (or raise "
-                "--max-kv-timeout)"
-            )
-        stages = self.registry.stages_of(prefill, n)
-        if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
-            self.counters["busy"] += 1
-            raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
-        st = self.engine.stats()
-        need = ceil_div(len(prompt) + 1, st.page_size)
-        if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
-            tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
-            need += (p.params.n - 1) * ceil_div(tail + 1, st.page_size)
-        if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
-            self.counters["busy"] += 1
-            raise NoFreePages(
-                f"decode {self.name}: {st.pages_free} free pages, {need} needed + {st.num_running} kept for the "
-                "running requests: retry when requests finish"
-            )
-        with self._lock:
-            pages = self.engine.prealloc(rid, prompt, p.params)
-            if self.pipeline is not None:
-                self.pipeline.held(rid, page_list(pages))
-            inb = InboundKv(
-                rid=rid,
-                prefill=prefill,
-                num_stages=n,
-                stage_rpc={e.stage: e.rpc for e in stages},
-                stage_boot={e.stage: e.boot for e in stages},
-                kv_timeout=kv_timeout,
-            )
-            self.inbound.add(inb)
-            inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
-            self.outputs.add(rid, p.params.n)
-            written = page_list(pages)[: ceil_div(len(prompt), st.page_size)]  # what the prefill stages write
-            keys = written_keys(self.manifest, stages)
-            force = self.cfg.config.transfer.debug_transfer_strategy  # testing: overrides the rule
-            inb.slot, wanted = offer_slot(self.slots, self.manifest, rid, written, keys, self.backend.name, force)
-            if inb.slot >= 0:
-                inb.slot_dst, inb.slot_keys = written, keys
-            elif wanted:
-                self.counters["staging_no_slot"] += 1
-            inb.grant = grants.sign(
-                self.grant_key,
-                rid=rid,
-                prefill=prefill,
-                boot=self.boot,
-                pages=page_list(pages),
-                expires=time.time() + kv_timeout + self.t.kv_grace,
-                slot=inb.slot,
-                slot_pages=len(inb.slot_dst),
-            )
-            self.counters["prealloc"] += 1
-        return Preallocated(pages=page_list(pages), boot=self.boot, grant=inb.grant)
-
     def stage_done(self, p: StageDone) -> StageDoneReply:
         """Stage p.stage reported its transfer: start decoding once all did, fail the request if it failed."""
         rid, stage, ok = p.rid, p.stage, p.ok
@@ -324,67 +247,6 @@ class DecodeWorker:
             return self._scatter_and_start(inb)
         return StageDoneReply(accepted=True)
 
-    def _scatter_and_start(self, inb: InboundKv) -> StageDoneReply:
-        """Every stage wrote into the request's staging slot: scatter it into its pages, free the slot, start
-        decoding (unless the request failed or was aborted meanwhile: then its pages go the failed way)."""
-        assert self.slots is not None
-        t0 = time.perf_counter()
-        err = None
-        try:
-            nbytes = self.slots.scatter(
-                inb.slot,
-                self.manifest,
-                self.engine.pool.regions(),
-                inb.slot_keys,
-                inb.slot_dst,  # type: ignore[arg-type]
-            )
-        except (ValueError, KeyError) as e:
-            err = f"request {inb.rid}: scatter of staging slot {inb.slot} failed: {e}"
-        with self._lock:
-            inb.scattering = False
-            if err is None:
-                self.counters["staged_in"] += 1
-                log.debug(
-                    "decode %s: %s scattered %d B from staging slot %d into %d pages in %.4fs", self.name, inb.rid,
-                    nbytes, inb.slot, len(inb.slot_dst), time.perf_counter() - t0,
-                )  # fmt: skip
-            self._release_slot(inb)  # every stage reported: nothing more lands in it
-            if inb.phase is Phase.AWAITING_KV:
-                if err is None:
-                    self._start(inb)
-                    return StageDoneReply(accepted=True, started=True)
-                self.book.fail(inb, err)
-            if inb.phase is Phase.FAILED:
-                self.book.maybe_release(inb)
-        return StageDoneReply(accepted=True)
-
-    def _release_slot(self, inb: InboundKv) -> None:
-        """Give the request's staging slot back (after its scatter, or once its failed pages are freed)."""
-        if inb.slot >= 0 and self.slots is not None:
-            self.slots.release(inb.slot, inb.rid)
-            inb.slot = -1
-
-    def kv_failed(self, p: KvFailed) -> bool:
-        """A prefill stage dropped the request before transferring it: accepted only from the process registered
-        for that stage of the request, with the request's grant (Forbidden otherwise)."""
-        with self._lock:
-            inb = self.inbound.get(p.rid)
-            if inb is None or inb.phase is not Phase.AWAITING_KV:
-                return False
-            what = f"kv_failed of {p.rid}"
-            if not 0 <= p.stage < inb.num_stages:
-                raise self.book.refuse_report(what, f"stage {p.stage} is not one of its {inb.num_stages} stages")
-            if p.boot not in self.book.boots(inb, p.stage):
-                raise self.book.refuse_report(
-                    what, f"boot {p.boot or '(none)'} is not the request's stage {p.stage} (boot "
-                    f"{inb.stage_boot.get(p.stage)})",
-                )  # fmt: skip
-            if not hmac.compare_digest(p.grant, inb.grant):
-                raise self.book.refuse_report(what, "it does not carry the request's grant")
-            self.book.fail(inb, p.error or f"prefill {inb.prefill} failed the request")
-            self.book.maybe_release(inb)
-        return True
-
     def _rpc_events(self, p: EventsQuery) -> Events:
         wait = min(self.t.max_poll_wait, max(0.0, p.wait))
         return replace(self.events.since(p.since, wait), boot=self.boot)
@@ -409,23 +271,6 @@ class DecodeWorker:
         for eid in self.outputs.engine_ids(rid):
             found = self.engine.abort(eid) is not None or found
         return found
-
-    # ---- inbound requests ------------------------------------------------------------------------------
-
-    def _start(self, inb: InboundKv) -> None:
-        first = inb.first_token if inb.first_token is not None else 0
-        self.engine.start_decode(
-            inb.rid,
-            first,
-            inb.first_logprobs,
-            inb.prompt_logprobs or (),
-            inb.cached_tokens,
-            draft_hidden=draft_hidden_of(inb, self.engine.spec.hidden_size),
-        )
-        self.inbound.move(inb, Phase.DECODING)
-        self.counters["started"] += 1
-        self.counters["kv_bytes"] += inb.bytes
-        self._wake.set()
 
     # ---- loops ---------------------------------------------------------------------------------------
 
