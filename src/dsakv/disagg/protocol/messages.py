@@ -29,401 +29,54 @@ constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsak
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsakv.disagg.protocol.codec import bounds
+from dsakv.disagg.protocol.messages_base import (
+    MAX_ID,
+    MAX_KV_TIMEOUT,
+    MAX_QUARANTINE,
+    MAX_STAGES,
+    MAX_WAIT,
+    Blob,
+    Health,
+    HealthQuery,
+    IntegrityQuery,
+    LinkSummary,
+    Ping,
+    PingReply,
+    StageInfo,
+    TransferHealth,
+    WireLogprobs,
+    unpack_logprobs,
+)
+from dsakv.disagg.protocol.messages_decode import (
+    DecodeStageRef,
+    EventRow,
+    Events,
+    EventsQuery,
+    Hello,
+    HelloReply,
+    KvFailed,
+    Prealloc,
+    Preallocated,
+    StageDone,
+    StageDoneReply,
+)
+from dsakv.disagg.protocol.messages_prefill import (
+    Abort,
+    CacheEvents,
+    CacheEventsQuery,
+    Connect,
+    Connected,
+    Released,
+    Revoke,
+    Revoked,
+    Submit,
+    Submitted,
+)
 from dsakv.disagg.protocol.rpc import Rpc, Service
-from dsakv.engine.request import SamplingParams, TokenLogprobs
-
-# ---- logprobs on the wire ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WireLogprobs:
-    """Log-probabilities of a run of tokens (engine.request.TokenLogprobs, column-wise): token i is token_ids[i]
-    with logprob logprobs[i], its best alternatives top_ids[i] with top_logprobs[i] (best first). Floats travel
-    as msgpack float64, so float32 values arrive exact."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-    @classmethod
-    def pack(cls, entries: Sequence[TokenLogprobs] | None) -> WireLogprobs | None:
-        if entries is None:
-            return None
-        return cls(
-            [int(e.token_id) for e in entries],
-            [float(e.logprob) for e in entries],
-            [[int(t) for t, _ in e.top] for e in entries],
-            [[float(v) for _, v in e.top] for e in entries],
-        )
-
-    def unpack(self) -> tuple[TokenLogprobs, ...]:
-        n = len(self.token_ids)
-        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == n:
-            raise ValueError(f"logprobs of {n} tokens with {len(self.logprobs)} values and {len(self.top_ids)} tops")
-        return tuple(
-            TokenLogprobs(t, lp, tuple(zip(ids, vals, strict=True)))
-            for t, lp, ids, vals in zip(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs, strict=True)
-        )
-
-
-def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
-    return w.unpack() if w is not None else None
-
-
-Blob = bytes  # a raw-bytes field type where a message also has a field named `bytes`
-
-
-# Bounds of the numeric fields (the codec refuses a value outside them, and NaN / infinities everywhere)
-MAX_KV_TIMEOUT = 3600.0  # seconds: a request's prefill + KV deadline (every page a decode holds has one)
-MAX_QUARANTINE = 600.0  # seconds a timed-out transfer may ask the decode to keep the pages
-MAX_STAGES = 256
-MAX_ID = 2**31 - 1  # token ids, page ids
-MAX_WAIT = 600.0  # seconds: long polls, connect timeouts
-
-
-# ---- common: liveness, health, integrity ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Ping:
-    pass
-
-
-@dataclass(frozen=True)
-class PingReply:
-    pid: int
-    boot: str
-    stage: int | None = None
-    epoch: str | None = None
-
-
-@dataclass(frozen=True)
-class HealthQuery:
-    pass
-
-
-@dataclass(frozen=True)
-class IntegrityQuery:
-    pass
-
-
-@dataclass(frozen=True)
-class LinkSummary:
-    """A prefill stage's handshaken link to one decode worker."""
-
-    addr: str
-    boot: str
-    pairs: int
-    skipped: list[str]
-    bytes_per_page: int
-    decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages this stage sends to
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """One pipeline stage as stage 0 sees it (formation), or a handshaken prefill stage as decode sees it."""
-
-    stage: int
-    rpc: str
-    pid: int | None = None
-    boot: str | None = None
-    prefill: str | None = None
-    layers: list[int] | None = None  # [first, last]
-    # a decode pipeline's stage, as its own health reports it (None when it did not answer)
-    ok: bool | None = None
-    pages_total: int | None = None
-    pages_used: int | None = None
-    bytes_per_token: int | None = None
-    integrity: str | None = None
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class TransferHealth:
-    count: int
-    failures: int
-    bytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class Health:
-    """A worker's state, as the router, demo and tests read it. Role-specific fields are None elsewhere."""
-
-    ok: bool
-    role: str  # "prefill" | "decode"
-    name: str
-    pid: int
-    boot: str
-    elide: bool
-    backend: str
-    page_size: int
-    pages_total: int
-    pages_used: int
-    pages_free: int
-    capacity_tokens: int
-    integrity: str
-    counters: dict[str, int]
-    stages: list[StageInfo] = field(default_factory=list)
-    # prefill stages
-    stage: int = 0
-    num_stages: int = 1
-    epoch: str | None = None
-    down: str | None = None
-    layers: list[int] | None = None
-    jobs: int | None = None
-    transfers_in_flight: int | None = None
-    links: list[LinkSummary] | None = None
-    prefix_cache_enabled: bool | None = None
-    host_tier: bool | None = None
-    cache_pages: int | None = None
-    transfer: TransferHealth | None = None
-    waiting: int | None = None  # stage 0 (and decode)
-    running: int | None = None  # stage 0 (and decode)
-    awaiting_release: int | None = None  # stage 0
-    prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
-    host_replayed: dict[str, int] | None = None  # stages k > 0
-    # decode
-    bytes_per_token: int | None = None
-    max_prompt_tokens: int | None = None
-    inbound: int | None = None
-    failed_held: int | None = None
-    spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
-    pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
-    kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
-    staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
-    vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
-
-
-# ---- prefill ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Connect:
-    """Handshake prefill (every stage) with a decode worker; stage 0 forwards it to stages k > 0."""
-
-    decode: str
-    boot: str | None = None
-    timeout: float | None = field(default=None, metadata=bounds(0.0, MAX_WAIT))
-
-
-@dataclass(frozen=True)
-class Connected:
-    decode: str
-    boot: str
-    epoch: str | None
-    stages: list[LinkSummary]  # stage 0's link first, then every later stage's
-
-
-@dataclass(frozen=True)
-class Submit:
-    """Prefill `prompt_ids` and write the KV to the decode's pages `dst_pages` within kv_timeout seconds.
-    `grant`: the decode's signed page grant for exactly these pages (Preallocated.grant, see grants.py)."""
-
-    rid: str
-    prompt_ids: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
-    params: SamplingParams
-    seed: int
-    decode: str
-    decode_boot: str
-    dst_pages: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
-    kv_timeout: float = field(metadata=bounds(0.001, MAX_KV_TIMEOUT))
-    grant: bytes = b""
-
-
-@dataclass(frozen=True)
-class Submitted:
-    accepted: bool
-    epoch: str | None
-
-
-@dataclass(frozen=True)
-class Abort:
-    rid: str
-    why: str = "aborted"
-    choice: int | None = field(default=None, metadata=bounds(0, 4096))  # decode, n > 1: only this choice (None: all)
-
-
-@dataclass(frozen=True)
-class Released:
-    """Stage `stage` is done with the request's pages (its transfer finished or failed). Stage 0 accepts it only
-    from the process that stage `stage` of its pipeline is (boot: the one it formed the epoch with) and with the
-    request's page grant, for a request whose pages that stage still reads."""
-
-    rid: str
-    stage: int = field(metadata=bounds(0, MAX_STAGES))
-    boot: str = ""  # the releasing stage's process
-    grant: bytes = b""  # the request's page grant, as the stage received it (JobSpec.grant)
-
-
-@dataclass(frozen=True)
-class Revoke:
-    """Decode -> every prefill stage of a request it no longer waits for (aborted, failed): never start writing
-    the pages of `grant`; say whether a write of them is in flight (or may still land: a timed-out one)."""
-
-    rid: str
-    grant: bytes
-
-
-@dataclass(frozen=True)
-class Revoked:
-    in_flight: bool  # a write of the grant's pages is running or in its quarantine: keep the pages for now
-    boot: str = ""  # the answering stage's process (the decode takes the promise only from the one it waits for)
-
-
-@dataclass(frozen=True)
-class CacheEventsQuery:
-    """What changed in the prefix cache after `since` (a cursor from an earlier reply; -1: the whole set)."""
-
-    since: int = field(default=-1, metadata=bounds(-1, 2**62))
-
-
-@dataclass(frozen=True)
-class CacheEvents:
-    """The prefix cache's whole pages stored / removed after the cursor, as chained page hashes (page_hashes.py),
-    each 16 bytes, concatenated; reset: `stored` is the whole set (the cursor was unknown or too old)."""
-
-    boot: str
-    epoch: str | None
-    page_size: int
-    cursor: int
-    reset: bool
-    stored: bytes
-    removed: bytes
-    pages: int  # pages cached now
-    capacity: int  # the most pages the cache can hold (device + host tier)
-
-
-# ---- decode -----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A prefill stage's handshake: its manifest, where it is, which pipeline it belongs to."""
-
-    prefill: str
-    stage: int = field(metadata=bounds(0, MAX_STAGES - 1))
-    num_stages: int = field(metadata=bounds(1, MAX_STAGES))
-    rpc: str
-    manifest: bytes
-    boot: str = ""  # the stage's process (its ping answers with it); the decode registers the stage under it
-
-
-@dataclass(frozen=True)
-class DecodeStageRef:
-    """One stage of a pipelined decode worker, as its stage 0 tells a prefill stage at handshake."""
-
-    stage: int
-    rpc: str
-    manifest: bytes
-    boot: str = ""
-
-
-@dataclass(frozen=True)
-class HelloReply:
-    manifest: bytes
-    boot: str
-    name: str
-    stages: list[DecodeStageRef] = field(default_factory=list)  # a pipelined decode: every stage (its keys there)
-    ranks: list[DecodeStageRef] = field(default_factory=list)  # a TP decode: ranks 1.. (stage = rank), own pools
-    grant_key: bytes = b""  # verifies this decode's page grants (only registered stages get it)
-
-
-@dataclass(frozen=True)
-class Prealloc:
-    """Reserve pages for a prompt that prefill worker `prefill` (num_stages stages) computes."""
-
-    rid: str
-    prompt_ids: list[int] = field(metadata=bounds(0, MAX_ID, each=True))
-    params: SamplingParams
-    prefill: str
-    num_stages: int = field(metadata=bounds(1, MAX_STAGES))
-    kv_timeout: float = field(metadata=bounds(0.001, MAX_KV_TIMEOUT))
-
-
-@dataclass(frozen=True)
-class Preallocated:
-    pages: list[int]
-    boot: str
-    grant: bytes = b""  # signed: (rid, prefill, this boot, pages, expiry); the prefill writes only these pages
-
-
-@dataclass(frozen=True)
-class StageDone:
-    """Stage `stage` of prefill `prefill` finished (ok) or failed its transfer of request `rid`."""
-
-    rid: str
-    prefill: str
-    stage: int = field(metadata=bounds(0, MAX_STAGES - 1))
-    ok: bool
-    error: str | None = None
-    quarantine_s: float = field(default=0.0, metadata=bounds(0.0, MAX_QUARANTINE))  # a timed-out write may land
-    bytes: int = field(default=0, metadata=bounds(0, 2**48))
-    first_token: int | None = field(default=None, metadata=bounds(0, MAX_ID))  # the last stage's sampled token
-    first_logprobs: WireLogprobs | None = None  # last stage: the first token's (params.logprobs)
-    prompt_logprobs: WireLogprobs | None = None  # last stage: prompt tokens 1.. (params.prompt_logprobs)
-    cached_tokens: int = field(default=0, metadata=bounds(0, 2**48))  # stage 0: prompt tokens its prefix cache supplied
-    draft_hidden: Blob | None = None  # last stage with MTP: float32 [H], the draft's output at the last entry
-    parts: dict[int, int] = field(default_factory=dict)  # pipelined decode: decode stage -> bytes landed there
-    rank_parts: dict[int, int] = field(default_factory=dict)  # TP decode: decode rank -> bytes landed there
-    boot: str = ""  # the reporting stage's process: must be the one registered for this stage
-    grant: Blob = b""  # the request's page grant, as the stage received it
-    slot: int = field(default=-1, metadata=bounds(-1, 2**16))  # the staging slot it wrote into (the grant's; -1: none)
-
-
-@dataclass(frozen=True)
-class StageDoneReply:
-    accepted: bool
-    started: bool = False
-
-
-@dataclass(frozen=True)
-class KvFailed:
-    """A prefill dropped the request before its transfer (deadline, abort, broken pipeline)."""
-
-    rid: str
-    error: str
-    source: str = ""
-    boot: str = ""  # the reporting stage's process: must be the one registered for `stage` of the request
-    stage: int = field(default=-1, metadata=bounds(-1, MAX_STAGES - 1))  # the reporting stage (-1: none: refused)
-    grant: Blob = b""  # the request's page grant, as the stage received it
-
-
-@dataclass(frozen=True)
-class EventsQuery:
-    since: int = field(default=0, metadata=bounds(0, 2**62))
-    wait: float = field(default=0.0, metadata=bounds(0.0, MAX_WAIT))
-
-
-@dataclass(frozen=True)
-class EventRow:
-    """One token event of the decode worker's event log."""
-
-    seq: int
-    rid: str
-    tokens: list[int]
-    finished: bool
-    reason: str | None = None
-    error: str | None = None
-    choice: int = 0  # which of the request's params.n choices (rid is the request's)
-    logprobs: WireLogprobs | None = None  # of `tokens`, when params.logprobs is set
-    prompt_logprobs: WireLogprobs | None = None  # choice 0's first event, when params.prompt_logprobs is set
-    cached_tokens: int = 0  # the prefill's prefix-cache hit (prompt tokens), choice 0
-
-
-@dataclass(frozen=True)
-class Events:
-    cursor: int
-    events: list[EventRow]
-    lost: bool
-    boot: str = ""
-
+from dsakv.engine.request import SamplingParams
 
 # ---- pipeline steps (stage k -> stage k+1, in stage_comm's header) -----------------------------------------
 
@@ -540,3 +193,71 @@ def fetch_health(addr: str, timeout: float = 5.0) -> Health:
         return client.request(HEALTH, HealthQuery())
     finally:
         client.close()
+
+
+__all__ = [
+    "ABORT",
+    "ANY",
+    "Abort",
+    "Blob",
+    "CACHE_EVENTS",
+    "CHECK_INTEGRITY",
+    "CONNECT",
+    "CacheEvents",
+    "CacheEventsQuery",
+    "Connect",
+    "Connected",
+    "DECODE_FOLLOWER_SERVICE",
+    "DECODE_SERVICE",
+    "DecodeStageRef",
+    "EVENTS",
+    "EventRow",
+    "Events",
+    "EventsQuery",
+    "HANDSHAKE",
+    "HEALTH",
+    "Health",
+    "HealthQuery",
+    "Hello",
+    "HelloReply",
+    "HostOp",
+    "IntegrityQuery",
+    "JobSpec",
+    "KV_FAILED",
+    "KvFailed",
+    "LinkSummary",
+    "MAX_ID",
+    "MAX_KV_TIMEOUT",
+    "MAX_QUARANTINE",
+    "MAX_STAGES",
+    "MAX_WAIT",
+    "PING",
+    "PREALLOC",
+    "PREFILL_FOLLOWER_SERVICE",
+    "PREFILL_LEADER_SERVICE",
+    "Ping",
+    "PingReply",
+    "Prealloc",
+    "Preallocated",
+    "RELEASED",
+    "REVOKE",
+    "Released",
+    "Revoke",
+    "Revoked",
+    "SERVICES",
+    "STAGE_DONE",
+    "STEP",
+    "SUBMIT",
+    "StageDone",
+    "StageDoneReply",
+    "StageInfo",
+    "StepMsg",
+    "StepRow",
+    "Submit",
+    "Submitted",
+    "TICK",
+    "TransferHealth",
+    "WireLogprobs",
+    "fetch_health",
+    "unpack_logprobs",
+]

@@ -1,0 +1,173 @@
+"""The messages every role shares (re-exported by protocol.messages, whose docstring draws the RPC graph):
+logprobs on the wire, the numeric fields' bounds, liveness, health and integrity."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsakv.engine.request import TokenLogprobs
+
+# ---- logprobs on the wire ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireLogprobs:
+    """Log-probabilities of a run of tokens (engine.request.TokenLogprobs, column-wise): token i is token_ids[i]
+    with logprob logprobs[i], its best alternatives top_ids[i] with top_logprobs[i] (best first). Floats travel
+    as msgpack float64, so float32 values arrive exact."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    @classmethod
+    def pack(cls, entries: Sequence[TokenLogprobs] | None) -> WireLogprobs | None:
+        if entries is None:
+            return None
+        return cls(
+            [int(e.token_id) for e in entries],
+            [float(e.logprob) for e in entries],
+            [[int(t) for t, _ in e.top] for e in entries],
+            [[float(v) for _, v in e.top] for e in entries],
+        )
+
+    def unpack(self) -> tuple[TokenLogprobs, ...]:
+        n = len(self.token_ids)
+        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == n:
+            raise ValueError(f"logprobs of {n} tokens with {len(self.logprobs)} values and {len(self.top_ids)} tops")
+        return tuple(
+            TokenLogprobs(t, lp, tuple(zip(ids, vals, strict=True)))
+            for t, lp, ids, vals in zip(self.token_ids, self.logprobs, self.top_ids, self.top_logprobs, strict=True)
+        )
+
+
+def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
+    return w.unpack() if w is not None else None
+
+
+Blob = bytes  # a raw-bytes field type where a message also has a field named `bytes`
+
+
+# Bounds of the numeric fields (the codec refuses a value outside them, and NaN / infinities everywhere)
+MAX_KV_TIMEOUT = 3600.0  # seconds: a request's prefill + KV deadline (every page a decode holds has one)
+MAX_QUARANTINE = 600.0  # seconds a timed-out transfer may ask the decode to keep the pages
+MAX_STAGES = 256
+MAX_ID = 2**31 - 1  # token ids, page ids
+MAX_WAIT = 600.0  # seconds: long polls, connect timeouts
+
+
+# ---- common: liveness, health, integrity ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ping:
+    pass
+
+
+@dataclass(frozen=True)
+class PingReply:
+    pid: int
+    boot: str
+    stage: int | None = None
+    epoch: str | None = None
+
+
+@dataclass(frozen=True)
+class HealthQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class IntegrityQuery:
+    pass
+
+
+@dataclass(frozen=True)
+class LinkSummary:
+    """A prefill stage's handshaken link to one decode worker."""
+
+    addr: str
+    boot: str
+    pairs: int
+    skipped: list[str]
+    bytes_per_page: int
+    decode_stages: list[int] = field(default_factory=lambda: [0])  # the decode stages this stage sends to
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """One pipeline stage as stage 0 sees it (formation), or a handshaken prefill stage as decode sees it."""
+
+    stage: int
+    rpc: str
+    pid: int | None = None
+    boot: str | None = None
+    prefill: str | None = None
+    layers: list[int] | None = None  # [first, last]
+    # a decode pipeline's stage, as its own health reports it (None when it did not answer)
+    ok: bool | None = None
+    pages_total: int | None = None
+    pages_used: int | None = None
+    bytes_per_token: int | None = None
+    integrity: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class TransferHealth:
+    count: int
+    failures: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Health:
+    """A worker's state, as the router, demo and tests read it. Role-specific fields are None elsewhere."""
+
+    ok: bool
+    role: str  # "prefill" | "decode"
+    name: str
+    pid: int
+    boot: str
+    elide: bool
+    backend: str
+    page_size: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    capacity_tokens: int
+    integrity: str
+    counters: dict[str, int]
+    stages: list[StageInfo] = field(default_factory=list)
+    # prefill stages
+    stage: int = 0
+    num_stages: int = 1
+    epoch: str | None = None
+    down: str | None = None
+    layers: list[int] | None = None
+    jobs: int | None = None
+    transfers_in_flight: int | None = None
+    links: list[LinkSummary] | None = None
+    prefix_cache_enabled: bool | None = None
+    host_tier: bool | None = None
+    cache_pages: int | None = None
+    transfer: TransferHealth | None = None
+    waiting: int | None = None  # stage 0 (and decode)
+    running: int | None = None  # stage 0 (and decode)
+    awaiting_release: int | None = None  # stage 0
+    prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
+    host_replayed: dict[str, int] | None = None  # stages k > 0
+    # decode
+    bytes_per_token: int | None = None
+    max_prompt_tokens: int | None = None
+    inbound: int | None = None
+    failed_held: int | None = None
+    spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
+    pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
+    kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
+    staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
+    vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
