@@ -14,7 +14,6 @@ MAX_CLASS_LINES = 350
 # still over the limit (split by concept next: see issue 22), each with its size when listed: it may only shrink
 FILES_OVER = {
     "serve/app.py": 531,
-    "cli/demo_cmd.py": 532,
 }
 CLASSES_OVER = {
 }
