@@ -12,11 +12,9 @@ MAX_FILE_LINES = 500
 MAX_CLASS_LINES = 350
 
 # still over the limit (split by concept next: see issue 22), each with its size when listed: it may only shrink
-FILES_OVER = {
-    "serve/app.py": 531,
-}
-CLASSES_OVER = {
-}
+# (empty since the split2 branch: no file or class under src/dsakv is over)
+FILES_OVER: dict[str, int] = {}
+CLASSES_OVER: dict[str, int] = {}
 
 
 def sizes() -> tuple[dict[str, int], dict[str, int]]:
