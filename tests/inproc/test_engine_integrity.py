@@ -77,6 +77,7 @@ class FailingModel:
         return self.model.forward(batch, pool)
 
 
+@pytest.mark.expect_traceback("an injected model bug must be logged with its traceback")
 def test_failed_model_step_fails_its_requests_and_frees_their_pages() -> None:
     eng = engine("glm_moe_dsa", page_size=4, max_tokens=128)
     real = eng.runner.model

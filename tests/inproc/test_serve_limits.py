@@ -235,6 +235,7 @@ def test_connection_cap_is_503_json(server):
     _assert_still_serving(srv.url)
 
 
+@pytest.mark.expect_traceback("an injected handler bug must be logged with its traceback")
 def test_server_errors_are_json_and_counted(server):
     srv, backend = server
     before = scrape(srv.url)["dsakv_http_server_errors_total"]

@@ -10,6 +10,10 @@ error, or a known one logged with log.exception.
 The pytest plugin is this module (tests/conftest.py: pytest_plugins); `python -m pytest -p dsakv.testing.logscan`
 runs it anywhere.
 
+In-process servers, roles and engines of the cluster and inproc tiers log into pytest's captured log records,
+which are scanned too; a test that injects an unexpected error on purpose (so that the code under test logs its
+traceback, as it must for a bug) says so with `@pytest.mark.expect_traceback(reason)`.
+
 ALLOWED is the narrow list of third-party output we cannot change, each entry with its reason. Native (C++) lines
 of NIXL or Mooncake are not Python tracebacks and never match.
 """
@@ -180,14 +184,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _report_tracebacks(item: pytest.Item, report: pytest.TestReport) -> list[str]:
     """What the teardown of `item` must fail for: new tracebacks in every watched log; for a cluster-tier test also
-    in the logs under its tmp_path (a launcher's) and in its captured stderr (children that inherit it)."""
+    in the logs under its tmp_path (a launcher's) and in its captured stderr (children that inherit it); for a
+    cluster or in-process test in its captured log records too (the servers, roles and engines it runs in this
+    process log there: a log.exception of theirs is a traceback in a server log)."""
     cluster = item.get_closest_marker("cluster") is not None
+    inproc = item.get_closest_marker("inproc") is not None
+    if item.get_closest_marker("expect_traceback") is not None:  # a test injecting an unexpected error on purpose:
+        inproc = False  # its own process's log.exception is what it checks; processes it starts are still scanned
     funcargs = getattr(item, "funcargs", {})
     tmp = funcargs.get("tmp_path") if cluster else None
     out = [str(f) for f in WATCH.scan([tmp] if tmp is not None else [])]
-    if cluster:
+    if cluster or inproc:
         for name, text in report.sections:
-            if name.startswith("Captured stderr"):
+            if name.startswith("Captured log") or (cluster and name.startswith("Captured stderr")):
                 out += [f"{name}, line {n}: a Python traceback:\n{ex}" for n, ex in find_tracebacks(text)]
     return out
 
