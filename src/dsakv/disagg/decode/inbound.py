@@ -58,6 +58,7 @@ class InboundBook:
         self.inbound, self.name, self.lock, self.counters = inbound, name, lock, counters
         self.outputs, self.registry, self.quarantine_s = outputs, registry, quarantine_s
         self.abort_choices, self.wake, self.t, self.stopping = abort_choices, wake, timeouts, stopping
+        self.silent_since: dict[str, float] = {}  # stage address -> when its pings began to go unanswered
         self.release_slot = release_slot  # frees a request's destination staging slot with its pages
 
     def fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
@@ -175,8 +176,16 @@ class InboundBook:
             if not waits:
                 continue
             last_ping = now
+            for addr in [a for a in self.silent_since if a not in waits]:
+                del self.silent_since[addr]
             for addr, items in waits.items():
                 verdict, boot = ping_stage(addr, self.t.ping)
+                if verdict == "not answering":  # one missed ping is a busy or descheduled stage, not a dead one:
+                    first = self.silent_since.setdefault(addr, now)  # its requests fail once it stayed silent
+                    if self.inbound.now() - first < self.t.silent:  # for t.silent (a refused connect: at once)
+                        continue
+                else:
+                    self.silent_since.pop(addr, None)
                 if verdict is None and boot is not None:  # it answers: as the process the requests wait for?
                     with self.lock:
                         gone = [(inb, k) for inb, k in items if boot not in self.boots(inb, k)]

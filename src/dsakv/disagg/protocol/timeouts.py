@@ -30,6 +30,7 @@ class Timeouts:
     connect_retry: float = 2.0  # router: between handshake attempts of a pair that failed
     liveness_interval: float = 0.5  # decode: ping the prefill stages that requests wait for this often
     ping: float = 1.0  # decode: one liveness ping (connect: half of it)
+    silent: float = 3.0  # decode: a stage whose pings go unanswered this long is 'not answering' (its requests fail)
     busy_backoff: float = 0.02  # router: a decode that said NoFreePages is not asked again for this long
     side_call: float = 2.0  # router: one best-effort abort (at most `rpc`)
     report_floor: float = 0.5  # prefill: a stage_done report gets at least this long, past the KV deadline
