@@ -147,6 +147,7 @@ def test_router_keeps_serving_after_every_oversized_integer(world, want):
     assert_clean([world["decode"]])
 
 
+@pytest.mark.expect_traceback("an injected placing bug must be logged with its traceback")
 def test_dispatch_failure_fails_that_request_alone(world, want, monkeypatch):
     """A request whose placing raises (as the 2**64 top_k once did in the prealloc's packing) gets its own error;
     the dispatch thread goes on and the next request returns exact tokens."""
@@ -169,6 +170,7 @@ def test_dispatch_failure_fails_that_request_alone(world, want, monkeypatch):
     assert router.loops()["router-dispatch"]["error"] is None
 
 
+@pytest.mark.expect_traceback("an injected event-handling bug must be logged with its traceback")
 def test_event_failure_fails_that_request_alone(world, want, monkeypatch):
     """An event the router cannot hand over fails its request alone; the poller goes on."""
     router = world["router"]

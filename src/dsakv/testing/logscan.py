@@ -189,14 +189,15 @@ def _report_tracebacks(item: pytest.Item, report: pytest.TestReport) -> list[str
     process log there: a log.exception of theirs is a traceback in a server log)."""
     cluster = item.get_closest_marker("cluster") is not None
     inproc = item.get_closest_marker("inproc") is not None
-    if item.get_closest_marker("expect_traceback") is not None:  # a test injecting an unexpected error on purpose:
-        inproc = False  # its own process's log.exception is what it checks; processes it starts are still scanned
+    # a test injecting an unexpected error on purpose: its own process's log.exception is what it checks (the
+    # processes it starts, and for a cluster test its captured stderr, are still scanned)
+    own_log = item.get_closest_marker("expect_traceback") is None
     funcargs = getattr(item, "funcargs", {})
     tmp = funcargs.get("tmp_path") if cluster else None
     out = [str(f) for f in WATCH.scan([tmp] if tmp is not None else [])]
     if cluster or inproc:
         for name, text in report.sections:
-            if name.startswith("Captured log") or (cluster and name.startswith("Captured stderr")):
+            if (own_log and name.startswith("Captured log")) or (cluster and name.startswith("Captured stderr")):
                 out += [f"{name}, line {n}: a Python traceback:\n{ex}" for n, ex in find_tracebacks(text)]
     return out
 
