@@ -4,33 +4,18 @@ keeps a finished request's pages (keep_pages) until release. See engine/schedule
 
 from __future__ import annotations
 
-from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dsakv.cache.allocator import PageAllocator
 from dsakv.engine.request import FinishReason, Request, RequestStatus
 from dsakv.engine.sampling import stop_reason
-from dsakv.engine.scheduler_types import IntArray, PrefixCache, _pages_for
+from dsakv.engine.scheduler_types import IntArray, SchedulerState, _pages_for
 from dsakv.errors import ConfigError, NoFreePages
 
 
-class SchedulerAwaitingKV:
-    """Needs (set by Scheduler.__init__) the attributes below."""
-
-    allocator: PageAllocator
-    page_size: int
-    max_seq_len: int | None
-    prefix_cache: PrefixCache | None
-    waiting: deque[Request]
-    running: list[Request]
-    ready: deque[Request]
-    awaiting_kv: dict[str, Request]
-    kept: dict[str, Request]
-    requests: dict[str, Request]
-    unforked: dict[str, Request]
-    num_preemptions: int
+class SchedulerAwaitingKV(SchedulerState):
+    """Reads the books SchedulerState declares."""
 
     if TYPE_CHECKING:
 

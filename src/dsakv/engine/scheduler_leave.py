@@ -5,35 +5,21 @@ step's tokens advance (update, update_spec) or its rows fail (fail, fail_rows)."
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dsakv.cache.allocator import IntegrityError, PageAllocator
+from dsakv.cache.allocator import IntegrityError
 from dsakv.engine.request import FinishReason, Request, RequestStatus
 from dsakv.engine.sampling import stop_reason
-from dsakv.engine.scheduler_types import PrefixCache, SchedulerOutput
+from dsakv.engine.scheduler_types import SchedulerOutput, SchedulerState
 
 log = logging.getLogger("dsakv.engine.scheduler")
 
 
-class SchedulerLeaving:
-    """Needs (set by Scheduler.__init__) the attributes below."""
-
-    allocator: PageAllocator
-    page_size: int
-    max_seq_len: int | None
-    prefix_cache: PrefixCache | None
-    waiting: deque[Request]
-    running: list[Request]
-    ready: deque[Request]
-    awaiting_kv: dict[str, Request]
-    kept: dict[str, Request]
-    requests: dict[str, Request]
-    unforked: dict[str, Request]
-    num_preemptions: int
+class SchedulerLeaving(SchedulerState):
+    """Reads the books SchedulerState declares."""
 
     if TYPE_CHECKING:
 

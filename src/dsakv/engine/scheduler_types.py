@@ -3,15 +3,19 @@ a step's ScheduledChunk / SchedulerOutput. Re-exported by engine.scheduler."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from dsakv.engine.request import Request
 from dsakv.util import ceil_div
+
+if TYPE_CHECKING:
+    from dsakv.cache.allocator import PageAllocator
 
 IntArray = npt.NDArray[np.int64]
 DEFAULT_MAX_RUNNING = 64
@@ -72,3 +76,21 @@ class SchedulerOutput:
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return ceil_div(tokens, page_size)
+
+
+class SchedulerState:
+    """The scheduler's books (set by Scheduler.__init__), declared once for the mixins that read them
+    (scheduler_kv.SchedulerAwaitingKV, scheduler_leave.SchedulerLeaving) and for Scheduler itself."""
+
+    allocator: PageAllocator
+    page_size: int
+    max_seq_len: int | None
+    prefix_cache: PrefixCache | None
+    waiting: deque[Request]
+    running: list[Request]
+    ready: deque[Request]
+    awaiting_kv: dict[str, Request]
+    kept: dict[str, Request]
+    requests: dict[str, Request]
+    unforked: dict[str, Request]
+    num_preemptions: int
