@@ -16,20 +16,32 @@ from dsakv.errors import ConfigError
 from dsakv.serve.limits import HttpLimits, find_lone_surrogate, json_depth_exceeds
 from dsakv.testing.servers import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
 
+# Size, depth and connection limits are tight; timeouts are generous, so that on a starved box (two suites at once)
+# no well-formed request from a real client is ever timed out (ci: one legit httpx POST got a 408 from a 0.6 s
+# body timeout: its body had arrived, but the event loop woke only after the deadline).
 LIMITS = HttpLimits(
     max_request_bytes=64 * 1024,
     max_json_depth=32,
-    header_timeout=0.6,
-    body_timeout=0.6,
-    keep_alive_timeout=0.6,
+    header_timeout=30.0,
+    body_timeout=30.0,
+    keep_alive_timeout=30.0,
     max_connections=6,
 )
+# The three timeout tests run against a second server with 0.6 s timeouts; every well-formed request to it is sent
+# head and body in one write, so the whole request is read before the app asks for its body and no timer races it.
+TIGHT = HttpLimits(header_timeout=0.6, body_timeout=0.6, keep_alive_timeout=0.6)
 OK = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server():
     with live_server(make_engine(), limits=LIMITS) as (srv, backend):
+        yield srv, backend
+
+
+@pytest.fixture(scope="module")
+def tight():
+    with live_server(make_engine(), limits=TIGHT) as (srv, backend):
         yield srv, backend
 
 
@@ -44,11 +56,35 @@ def _error(r: httpx.Response, status: int, code: str) -> dict:
     return err
 
 
-def _assert_still_serving(url: str) -> None:
+def _post_one_write(port: int, payload: dict) -> tuple[bytes, dict]:
+    """POST /v1/completions with head and body in one sendall; (status line, JSON body) of the answer."""
+    body = json.dumps(payload).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    s = _connect(port)
+    s.settimeout(30)
+    s.sendall(head.encode() + body)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    status_line, _, rest = data.partition(b"\r\n")
+    return status_line, json.loads(rest.split(b"\r\n\r\n", 1)[1])
+
+
+def _assert_still_serving(url: str, port: int | None = None) -> None:
+    """The pool is empty and a completion still succeeds: through httpx, or (port given: the tight server) in one
+    write."""
     h = wait_idle(url)
     assert h["pages_used"] == 0 and h["pages_free"] == NUM_PAGES
-    r = httpx.post(f"{url}/v1/completions", json=OK, timeout=30)
-    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+    if port is None:
+        r = httpx.post(f"{url}/v1/completions", json=OK, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2, r.text
+    else:
+        status_line, out = _post_one_write(port, OK)
+        assert status_line.startswith(b"HTTP/1.1 200") and len(out["choices"][0]["token_ids"]) == 2, out
 
 
 def _connect(port: int) -> socket.socket:
@@ -154,8 +190,8 @@ def test_streamed_large_body_is_413(server):
     _assert_still_serving(srv.url)
 
 
-def test_slow_body_is_408(server):
-    srv, _ = server
+def test_slow_body_is_408(tight):
+    srv, _ = tight
     s = _connect(srv.port)
     body = json.dumps(OK).encode()
     head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}"
@@ -172,13 +208,13 @@ def test_slow_body_is_408(server):
     status_line, _, rest = data.partition(b"\r\n")
     assert status_line.startswith(b"HTTP/1.1 408"), data[:200]
     assert json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
-    assert took < LIMITS.body_timeout + 2.0
+    assert took < TIGHT.body_timeout + 2.0
     assert scrape(srv.url)["dsakv_http_body_timeouts_total"] >= 1
-    _assert_still_serving(srv.url)
+    _assert_still_serving(srv.url, srv.port)
 
 
-def test_slow_request_head_is_closed(server):
-    srv, _ = server
+def test_slow_request_head_is_closed(tight):
+    srv, _ = tight
     before = scrape(srv.url)["dsakv_http_header_timeouts_total"]
     s = _connect(srv.port)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
@@ -186,26 +222,26 @@ def test_slow_request_head_is_closed(server):
     for _ in range(3):  # a dribbling client does not extend the deadline
         time.sleep(0.1)
         s.sendall(b"X")
-    _closed_after(s, LIMITS.header_timeout + 3.0)
+    _closed_after(s, TIGHT.header_timeout + 3.0)
     took = time.monotonic() - t0
     s.close()
-    assert LIMITS.header_timeout - 0.1 <= took <= LIMITS.header_timeout + 2.0
+    assert TIGHT.header_timeout - 0.1 <= took <= TIGHT.header_timeout + 2.0
     assert scrape(srv.url)["dsakv_http_header_timeouts_total"] == before + 1
     s = _connect(srv.port)  # a silent connection is closed too
-    assert _closed_after(s, LIMITS.header_timeout + 3.0) <= LIMITS.header_timeout + 2.0
+    assert _closed_after(s, TIGHT.header_timeout + 3.0) <= TIGHT.header_timeout + 2.0
     s.close()
-    _assert_still_serving(srv.url)
+    _assert_still_serving(srv.url, srv.port)
 
 
-def test_idle_keep_alive_is_closed(server):
-    srv, _ = server
+def test_idle_keep_alive_is_closed(tight):
+    srv, _ = tight
     s = _connect(srv.port)
     s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
     data = b""
     while b"\r\n\r\n" not in data:
         data += s.recv(65536)
     assert data.startswith(b"HTTP/1.1 200")
-    assert _closed_after(s, LIMITS.keep_alive_timeout + 3.0) <= LIMITS.keep_alive_timeout + 2.0
+    assert _closed_after(s, TIGHT.keep_alive_timeout + 3.0) <= TIGHT.keep_alive_timeout + 2.0
     s.close()
 
 
