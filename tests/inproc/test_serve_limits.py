@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from dsakv.errors import ConfigError
-from dsakv.serve.limits import HttpLimits, find_lone_surrogate, json_depth_exceeds
+from dsakv.serve.limits import HttpGuard, HttpLimits, LimitsMiddleware, find_lone_surrogate, json_depth_exceeds
 from dsakv.testing.servers import MODEL, NUM_PAGES, live_server, make_engine, scrape, wait_idle
 
 # Size, depth and connection limits are tight; timeouts are generous, so that on a starved box (two suites at once)
@@ -290,3 +290,51 @@ def test_server_errors_are_json_and_counted(server):
     assert m["dsakv_http_server_errors_total"] == before + 1
     assert m['dsakv_http_responses_total{code="500"}'] >= 1
     _assert_still_serving(srv.url)
+
+
+def _late_loop_body(limits: HttpLimits, arrives: bool) -> tuple[list[int], list[bytes], int]:
+    """Drive LimitsMiddleware on an event loop that wakes late: a callback holds the loop past the body deadline
+    and then (arrives) hands over the body in the same loop iteration as the deadline fires, as a starved process
+    sees a body that arrived in time. (statuses sent, bodies the app read, 408s counted)."""
+    import asyncio
+
+    guard = HttpGuard(limits)
+    arrived = asyncio.Event()
+    statuses: list[int] = []
+    read: list[bytes] = []
+
+    async def receive() -> dict:
+        await arrived.wait()
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg: dict) -> None:
+        if msg["type"] == "http.response.start":
+            statuses.append(msg["status"])
+
+    async def app(scope, receive_, send_) -> None:
+        read.append((await receive_())["body"])
+        await send_({"type": "http.response.start", "status": 200, "headers": []})
+        await send_({"type": "http.response.body", "body": b""})
+
+    def starve() -> None:
+        time.sleep(limits.body_timeout * 2)  # the loop is held: the deadline passes meanwhile
+        if arrives:
+            # due after the deadline's timer, in the same batch (libuv, uvicorn's loop when uvloop is installed,
+            # runs timers before it reads sockets: the deadline cancels the read, then the body is there)
+            asyncio.get_running_loop().call_later(0, arrived.set)
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_later(0.02, starve)
+        scope = {"type": "http", "headers": [(b"content-length", b"2")]}
+        await LimitsMiddleware(app, guard)(scope, receive, send)
+
+    asyncio.run(main())
+    return statuses, read, guard.body_timeouts
+
+
+def test_body_that_arrived_before_a_late_deadline_is_read():
+    """A loop that wakes late fires the body deadline in the same iteration as the body's arrival: the body is
+    taken (200), not answered 408; a body that really is missing is still a 408."""
+    limits = HttpLimits(body_timeout=0.1)
+    assert _late_loop_body(limits, arrives=True) == ([200], [b"{}"], 0)
+    assert _late_loop_body(limits, arrives=False) == ([408], [], 1)

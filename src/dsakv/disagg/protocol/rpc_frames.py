@@ -19,6 +19,7 @@ FRAME_TIMEOUT = 10.0  # seconds for an announced request frame to arrive
 MAX_CONNECTIONS = 256  # open connections per server (one thread each); more are closed at once
 MAX_PER_PEER = 128  # open connections from one peer address (host)
 AUTH_TIMEOUT = 2.0  # seconds a new connection has to send its first (authenticated) frame, else it is closed
+LATE_READ_S = 0.02  # a server past a read deadline still takes what already arrived, waiting at most this long
 MAX_PENDING = 64  # connections not authenticated yet, in total; one more closes the oldest of them
 MAX_PENDING_PER_PEER = 32  # ... and from one peer address
 _HDR = struct.Struct(">I")

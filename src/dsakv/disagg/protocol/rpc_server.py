@@ -22,6 +22,7 @@ from dsakv.disagg.protocol.rpc_frames import (
     AUTH_TIMEOUT,
     DEFAULT,
     FRAME_TIMEOUT,
+    LATE_READ_S,
     MAX_CONNECTIONS,
     MAX_PENDING,
     MAX_PENDING_PER_PEER,
@@ -277,9 +278,8 @@ class RpcServer:
             (n,) = _HDR.unpack(head + _recv_exact(sock, _HDR.size - 1))
             if n > self.max_request:
                 raise ConnectionError(f"message of {n} bytes exceeds the {self.max_request}-byte limit")
-            left = min(self.frame_timeout, deadline - time.monotonic())
-            if left <= 0:
-                raise TimeoutError
+            # past the deadline (a thread woken late), what already arrived is still taken: a short last read
+            left = max(min(self.frame_timeout, deadline - time.monotonic()), LATE_READ_S)
             sock.settimeout(left)
             try:
                 return _recv_exact(sock, n)
