@@ -165,14 +165,16 @@ PICKER = (
     "open(sys.argv[2], 'w').close()  # ready\n"
     "while not os.path.exists(sys.argv[1]): time.sleep(0.005)\n"
     "print(' '.join(str(procs.free_ports(3)) for _ in range(40)), flush=True)\n"
+    "sys.stdin.read()  # alive (its ledger entries with it) until the test closes stdin\n"
 )
 
 
-def _pick_concurrently(tmp_path, ledger: str) -> list[list[int]]:
+def _pick_concurrently(tmp_path, ledger: str, on_picked=None) -> list[list[int]]:
     """Two pickers started together and released at once (each says it is ready, then waits for `go`), so their
-    picks interleave; each returns the bases of its 40 spans of 3 ports. Their bind checks are off: what keeps the
-    two apart is the ledger alone, and without it they draw the very same spans (the control), whatever else runs
-    on the machine (a bind check would make two racing pickers diverge on a port the other is probing)."""
+    picks interleave; each returns the bases of its 40 spans of 3 ports. Both stay alive until both have picked and
+    on_picked() has run (a picker that exited early would have its entries dropped by the other's next read).
+    Their bind checks are off: what keeps the two apart is the ledger alone, and without it they draw the very same
+    spans (the control), whatever else runs on the machine (a bind check would make two racing pickers diverge on a port the other is probing)."""
     go = tmp_path / "go"
     go.unlink(missing_ok=True)
     ready = [tmp_path / f"ready{i}" for i in range(2)]
@@ -180,25 +182,38 @@ def _pick_concurrently(tmp_path, ledger: str) -> list[list[int]]:
         r.unlink(missing_ok=True)
     env = {**os.environ, "DSAKV_PORT_LEDGER": ledger}
     procs = [
-        subprocess.Popen([sys.executable, "-c", PICKER, str(go), str(r)], stdout=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", PICKER, str(go), str(r)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for r in ready
     ]
     while not all(r.exists() for r in ready):
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         time.sleep(0.01)
     go.touch()
-    outs = [p.communicate(timeout=120)[0] for p in procs]
+    lines = ["", ""]
+    try:
+        lines = [p.stdout.readline() for p in procs]  # both picked; both still alive
+        if on_picked is not None:
+            on_picked()
+    finally:
+        outs = [line + p.communicate(timeout=120)[0] for line, p in zip(lines, procs, strict=True)]
     assert [p.returncode for p in procs] == [0, 0], outs
     return [[int(b) for b in out.split()] for out in outs]
 
 
 def test_free_ports_two_processes_at_once_get_disjoint_ports(tmp_path, monkeypatch):
     ledger = tmp_path / "ports.ledger"
-    a, b = _pick_concurrently(tmp_path, str(ledger))
+    held: list[str] = []
+    a, b = _pick_concurrently(tmp_path, str(ledger), lambda: held.extend(ledger.read_text().splitlines()))
     spans_a = {p for base in a for p in range(base, base + 3)}
     spans_b = {p for base in b for p in range(base, base + 3)}
     assert len(spans_a) == len(spans_b) == 120 and not spans_a & spans_b
-    assert {int(line.split()[0]) for line in ledger.read_text().splitlines()} == spans_a | spans_b
+    assert {int(line.split()[0]) for line in held} == spans_a | spans_b  # while both pickers lived
     monkeypatch.setenv("DSAKV_PORT_LEDGER", str(ledger))
     mine = free_ports(1)  # the pickers exited: the next reader drops their entries and leaves only its own
     assert [line.split()[:2] for line in ledger.read_text().splitlines()] == [[str(mine), str(os.getpid())]]
