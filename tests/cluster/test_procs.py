@@ -174,7 +174,8 @@ def _pick_concurrently(tmp_path, ledger: str, on_picked=None) -> list[list[int]]
     picks interleave; each returns the bases of its 40 spans of 3 ports. Both stay alive until both have picked and
     on_picked() has run (a picker that exited early would have its entries dropped by the other's next read).
     Their bind checks are off: what keeps the two apart is the ledger alone, and without it they draw the very same
-    spans (the control), whatever else runs on the machine (a bind check would make two racing pickers diverge on a port the other is probing)."""
+    spans (the control), whatever else runs on the machine (a bind check would make two racing pickers diverge on
+    a port the other is probing)."""
     go = tmp_path / "go"
     go.unlink(missing_ok=True)
     ready = [tmp_path / f"ready{i}" for i in range(2)]
