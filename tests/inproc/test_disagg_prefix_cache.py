@@ -68,7 +68,7 @@ def _pipeline(num_pages: int, **kw) -> tuple[DecodeWorker, list[PrefillStage], R
                 config=role_config(
                     {"page_size": 16, "num_pages": num_pages, "enable_prefix_cache": True, **kw},
                     "mooncake",
-                    {"pp_size": 2, "pp_rank": k, "partition": (7, 5), "stage_timeout": 3.0},
+                    {"pp_size": 2, "pp_rank": k, "partition": (7, 5), "stage_timeout": 60.0},
                 ),
                 port=port,
             ),
