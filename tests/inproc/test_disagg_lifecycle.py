@@ -314,6 +314,7 @@ class FakeDecode:
     def __init__(self) -> None:
         self.held: dict[str, list[int]] = {}
         self.busy = 0  # refuse this many preallocs with NoFreePages
+        self.down: str | None = None  # its health says not ok (a TP rank died), though it still answers
         self.events: list[EventRow] = []
         self.service = WorkerService(
             DECODE_SERVICE,
@@ -328,7 +329,9 @@ class FakeDecode:
             "127.0.0.1",
             0,
             "fake-decode",
-            health=lambda: _health("decode", "db", 64 - sum(map(len, self.held.values()))),
+            health=lambda: replace(
+                _health("decode", "db", 64 - sum(map(len, self.held.values()))), ok=self.down is None, down=self.down
+            ),
             integrity=lambda: "ok",
         )
         self.service.start([])
@@ -340,8 +343,10 @@ class FakeDecode:
         self.held[p.rid] = pages = [len(self.held) * 2, len(self.held) * 2 + 1]
         return Preallocated(pages, "db")
 
-    def emit(self, rid: str, tokens: list[int], finished: bool, reason: str | None = None) -> None:
-        self.events.append(EventRow(len(self.events) + 1, rid, tokens, finished, reason))
+    def emit(
+        self, rid: str, tokens: list[int], finished: bool, reason: str | None = None, error: str | None = None
+    ) -> None:
+        self.events.append(EventRow(len(self.events) + 1, rid, tokens, finished, reason, error))
         if finished:
             self.held.pop(rid, None)
 
@@ -395,6 +400,10 @@ ROUTER_CASES = [
     ("queue deadline", ["busy", "late"], P.DONE, ("error", "no prefill/decode pair could take it within 2s"), 0, 0),
     # the error names what refused it (the decode had no free pages), not "no pair handshaken yet"
     ("queue deadline names the refusal", ["busy", "late"], P.DONE, ("error", "prealloc: no pages now)"), 0, 0),
+    # ci14: a TP decode whose rank died says not ok on /health and fails its requests; the router must still read
+    # those failures (it stopped polling a not-ok decode's events: the request stayed 'decoding' for ever)
+    ("decode says it is down, then fails it", ["dispatch", "tokens", "down", "failed"], P.DONE,
+     ("error", "tp rank 1 was killed"), 1, 0),
 ]
 
 
@@ -439,6 +448,12 @@ def test_router_lifecycle(name, steps, phase, last, submits, held):
             elif step == "finish":
                 dec.emit(rec.wire, [8], True, "length")
                 r.poll_events(dec.service.address, client, 0)
+            elif step == "down":
+                dec.down = "tp rank 1 was killed by signal 9"
+                r.poll_health()
+            elif step == "failed":
+                dec.emit(rec.wire, [], True, "error", "tp rank 1 was killed by signal 9 (SIGKILL)")
+                assert r.poll_events(dec.service.address, client, 0)
             elif step == "abort":
                 r.abort("q")
             r.drain_side()  # the aborts the router sent on the side

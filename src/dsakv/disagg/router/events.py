@@ -46,7 +46,9 @@ class EventPoller:
 
     def poll(self, addr: str, client: RpcClient, wait: float) -> bool:
         dec = self.peers.decodes[addr]
-        if not dec.ok:
+        if not dec.ok and not dec.ready:
+            # unreachable (mark_down failed its requests) or not synced yet. A decode that answers but says not
+            # ok (a TP rank died, its pipeline broke) is still polled: it fails its requests through its events.
             return False
         try:
             if not dec.ready:
