@@ -402,8 +402,14 @@ ROUTER_CASES = [
     ("queue deadline names the refusal", ["busy", "late"], P.DONE, ("error", "prealloc: no pages now)"), 0, 0),
     # ci14: a TP decode whose rank died says not ok on /health and fails its requests; the router must still read
     # those failures (it stopped polling a not-ok decode's events: the request stayed 'decoding' for ever)
-    ("decode says it is down, then fails it", ["dispatch", "tokens", "down", "failed"], P.DONE,
-     ("error", "tp rank 1 was killed"), 1, 0),
+    (
+        "decode says it is down, then fails it",
+        ["dispatch", "tokens", "down", "failed"],
+        P.DONE,
+        ("error", "tp rank 1 was killed"),
+        1,
+        0,
+    ),
 ]
 
 
