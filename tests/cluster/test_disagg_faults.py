@@ -122,6 +122,12 @@ def _none_queued(router, rids) -> bool:
     return all((rec := router.record(rid)) is None or rec.phase is not Phase.QUEUED for rid in rids)
 
 
+def _all_submitted(router, rids, prefill: str) -> bool:
+    """None of rids is queued at the router and prefill stage 0 holds a job for each one still live."""
+    live = sum(router.record(rid) is not None for rid in rids)
+    return _none_queued(router, rids) and (fetch_health(prefill).jobs or 0) >= live
+
+
 def _wait_transferring(addr: str, procs) -> None:
     wait_for(lambda: (fetch_health(addr).transfers_in_flight or 0) > 0, 20, f"{addr} transferring", procs)
 
@@ -262,7 +268,9 @@ def test_peer_that_never_answers(world, reference):
         _wait_transferring(procs["P2s0"].addr, cluster.procs)
         # every request handed to the stage before it stops (one still queued at the router would wait out its
         # queue deadline instead of failing at the decode: the race that made this test flaky)
-        wait_for(lambda: _none_queued(r, rids), 20, "every hung request dispatched", cluster.procs)
+        # ... and taken by it: a record goes DISPATCHED before its SUBMIT returns, and a SUBMIT cut off by the stop
+        # re-queues the request (ci15: hung-2 then waited in the queue, not at the decode)
+        wait_for(lambda: _all_submitted(r, rids, procs["P2s0"].addr), 20, "every hung request taken", cluster.procs)
         t_stop = time.monotonic()
         procs["P2s0"].signal(signal.SIGSTOP)
         try:
