@@ -319,8 +319,7 @@ def _late_loop_body(limits: HttpLimits, arrives: bool) -> tuple[list[int], list[
     def starve() -> None:
         time.sleep(limits.body_timeout * 2)  # the loop is held: the deadline passes meanwhile
         if arrives:
-            # due after the deadline's timer, in the same batch (libuv, uvicorn's loop when uvloop is installed,
-            # runs timers before it reads sockets: the deadline cancels the read, then the body is there)
+            # due after the deadline's timer, in the same batch: the deadline cancels the read, then the body is there
             asyncio.get_running_loop().call_later(0, arrived.set)
 
     async def main() -> None:
