@@ -56,3 +56,6 @@ def test_serve_tp2_tokens_equal_single_rank(tmp_path) -> None:
     log = (tmp_path / "serve.log").read_text()
     # a clean stop: rank 0 stops rank 1 (which ignores the group's SIGTERM), so no rank is ever seen down
     assert "tensor-parallel ranks failed" not in log and "TP rank down" not in log and "RankDown" not in log, log
+    # rank 0 stopped rank 1 before it exited itself: uvicorn's re-raised SIGTERM used to end rank 0 first, and
+    # rank 1 then saw the group's connection close (a traceback) until its parent-death SIGKILL came
+    assert "serve: stopped" in log and "TP group stopped: tp rank 1 exited 0" in log, log

@@ -66,13 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args._run(args) or 0)
+        rc = int(args._run(args) or 0)
     except DsakvError as e:
         print(f"dsakv {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
     except KeyboardInterrupt:
         print(f"dsakv {args.command}: interrupted", file=sys.stderr)
-        return 130
+        rc = 130
+    if "dsakv.serve.server" in sys.modules:  # a server stopped by SIGTERM: that signal's exit status, now that
+        sys.modules["dsakv.serve.server"].reraise_stop_signals()  # its caller stopped what it started
+    return rc
 
 
 if __name__ == "__main__":

@@ -194,6 +194,8 @@ class Ranks:
                 bad.append(f"{p.name} exited {rc}")
         if bad:
             raise ConfigError(f"tensor-parallel ranks failed: {', '.join(bad)} (their errors are above)")
+        if self.children:
+            log.info("TP group stopped: %s exited 0", ", ".join(p.name for p in self.children))
 
 
 def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:

@@ -245,6 +245,8 @@ class PipelinedEngine:
         self.group.close()
         if bad:
             raise StageDown(f"pipeline stages failed: {', '.join(bad)} (their errors are above)")
+        if self.down is None and self.children:
+            log.info("pipeline stopped: %s exited 0", ", ".join(p.name for p in self.children))
 
 
 def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv: Sequence[str]) -> Any:
