@@ -104,6 +104,38 @@ def test_greedy_with_mtp_equals_without(fitted, k, kw):
     assert e.allocator.num_free + sum(len(v) for v in e.allocator.owners.values()) == e.allocator.num_pages
 
 
+def test_prompt_logprobs_with_mtp_equal_without(fitted):
+    """Prompt logprobs come from the speculative step's own forward (they were silently left out): the same
+    prompt tokens, the same top-3 token ids and logprobs as the engine without speculation, chunked prefill too."""
+    prompts = _prompts()[12:20]
+    sp = SamplingParams(max_new_tokens=6, logprobs=2, prompt_logprobs=3, ignore_eos=True)
+
+    def run(e: Engine) -> list[tuple[list[int], list]]:
+        rids = [e.add_request(p, sp) for p in prompts]
+        out: dict[str, tuple[list[int], list]] = {r: ([], []) for r in rids}
+        while e.has_unfinished():
+            for o in e.step():
+                out[o.request_id][0].extend(o.new_token_ids)
+                if o.prompt_logprobs is not None:
+                    out[o.request_id][1].extend(o.prompt_logprobs)
+        return [out[r] for r in rids]
+
+    want = run(Engine((fitted[1], fitted[2]), page_size=4))
+    spec = _engine(fitted, 2, max_batch_tokens=24)  # prompts of 48+ tokens: chunked prefill
+    got = run(spec)
+    assert spec.speculator.stats.draft_tokens > 0
+    for p, (w_ids, w_lps), (g_ids, g_lps) in zip(prompts, want, got, strict=True):
+        assert len(g_ids) == 6 and g_ids == w_ids
+        assert [t.token_id for t in g_lps] == p[1:] == [t.token_id for t in w_lps]
+        assert [[i for i, _ in t.top] for t in g_lps] == [[i for i, _ in t.top] for t in w_lps]
+        torch.testing.assert_close(
+            torch.tensor([[t.logprob, *(lp for _, lp in t.top)] for t in g_lps]),
+            torch.tensor([[t.logprob, *(lp for _, lp in t.top)] for t in w_lps]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
 def test_rejected_kv_is_never_visible(fitted):
     """Rejected positions are NaN after each step (poison_rejected); the outputs match, so no step read one.
     Control: a NaN row inside the visible sequence does change the logits."""

@@ -152,11 +152,15 @@ class EngineStep:
     def _spec_step(self, sched: Any, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """step() with speculative decoding (engine/speculative.py): draft, verify, accept, roll back."""
         chunks = sched.chunks
+        positions = [self._prompt_logprob_positions(c) for c in chunks]
         try:
-            produced = self.speculator.run(chunks)
+            produced = self.speculator.run(chunks, positions)
         except Exception as e:  # the step failed: its requests finish with the error, pages come back
             return self._fail_step(sched, outputs, e, "speculative")
         errors = dict(self.speculator.errors)
+        if any(positions):  # prompt logprobs of the prefill chunks that asked (a NaN fails that request alone)
+            for i, err in self._add_prompt_logprobs(chunks, positions, self.speculator.prompt_logits).items():
+                errors.setdefault(i, err)
         if errors:
             produced = [t for i, t in enumerate(produced) if i not in errors]
             sched = self._fail_rows(sched, outputs, errors)

@@ -43,6 +43,7 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.kv_access import PoolAccess
+from dsakv.engine.model_runner import logits_at
 from dsakv.engine.request import Request, TokenLogprobs
 from dsakv.engine.sampling import SamplingError, filter_logits, process_rows, sample_batch, token_seed, top_logprobs
 from dsakv.engine.scheduler import ScheduledChunk
@@ -296,6 +297,7 @@ class Speculator:
         self.errors: dict[int, str] = {}  # the last run()'s failed rows (chunk index -> error): they failed alone
         # the last run()'s logprobs per request id, one per produced token (the engine keeps those update_spec kept)
         self.logprobs: dict[str, list[TokenLogprobs]] = {}
+        self.prompt_logits: list[torch.Tensor] = []  # the last run()'s logits at the positions it was asked for
         self.stats = SpecStats()
         self._access = PoolAccess(pool)
 
@@ -336,8 +338,10 @@ class Speculator:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def run(self, chunks: Sequence[ScheduledChunk]) -> list[list[int]]:
-        """Chain, verify, accept and extend for the scheduled chunks; the tokens each chunk produced."""
+    def run(self, chunks: Sequence[ScheduledChunk], positions: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+        """Chain, verify, accept and extend for the scheduled chunks; the tokens each chunk produced. `positions`:
+        per chunk, the token positions whose float32 logits the engine wants for prompt logprobs (left in
+        `prompt_logits`, from the same forward: ModelRunner.run_with_prompt_logits' rule)."""
         page = self.pool.page_size
         drafts: list[list[int]] = []
         qs: list[list[torch.Tensor | None]] = []
@@ -351,6 +355,8 @@ class Speculator:
         with torch.inference_mode():
             carry = self.target.stage_forward(batch, self.pool)
             hidden = self.target.model.norm(carry.hidden)
+            spans = [(r.start, r.start + len(r.ids)) for r in rows]
+            self.prompt_logits = logits_at(self.target, carry.hidden, spans, positions) if any(positions) else []
         produced: list[list[int]] = []
         self.errors = {}
         self.logprobs = {}
