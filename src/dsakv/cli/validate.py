@@ -318,11 +318,7 @@ def validate_checkpoint(model_dir: Path) -> Any:
     for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (model_dir / name).is_file() and not isinstance(read_json(model_dir / name), dict):
             raise ConfigError(f"{str(model_dir / name)!r} must hold a JSON object: fix or remove it")
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors files in {str(model_dir)!r}: it is not a checkpoint directory")
-    for f in files:
-        check_safetensors(f)
+    check_weight_files(model_dir)
     return spec
 
 
@@ -342,12 +338,17 @@ def validate_v4_checkpoint(model_dir: Path, role: str, page_size: int) -> Any:
     spec = V4Spec.from_dict(cfg, name=model_dir.name)
     check_config_values(cfg, cfg_path)
     V4Layout(spec, kv_format="fp32", index_format="fp32", page_size=page_size)  # --page-size of whole entries
+    check_weight_files(model_dir)
+    return spec
+
+
+def check_weight_files(model_dir: Path) -> None:
+    """At least one *.safetensors file, each with a header dsakv can read (check_safetensors)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors files in {str(model_dir)!r}: it is not a checkpoint directory")
     for f in files:
         check_safetensors(f)
-    return spec
 
 
 def read_json(path: Path) -> Any:
