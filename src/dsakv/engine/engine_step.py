@@ -73,11 +73,7 @@ class EngineStep:
                 next_tokens = [t for i, t in enumerate(next_tokens) if i not in errors]
                 sched = self._fail_rows(sched, outputs, errors)
                 chunks = sched.chunks
-            for c in chunks:
-                if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
-                    self._decode_tokens += 1
-                else:
-                    self._prefill_tokens += c.num_tokens
+            self._count_tokens(chunks)
             got = self.scheduler.update(sched, next_tokens)
             self._generated += len(got)
             outputs.extend(RequestOutput.of(r, 1) for r in got)
@@ -165,11 +161,7 @@ class EngineStep:
             produced = [t for i, t in enumerate(produced) if i not in errors]
             sched = self._fail_rows(sched, outputs, errors)
             chunks = sched.chunks
-        for c in chunks:
-            if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
-                self._decode_tokens += 1 + c.num_draft
-            else:
-                self._prefill_tokens += c.num_tokens
+        self._count_tokens(chunks)
         before = {c.request.request_id: c.request.num_output_tokens for c in chunks}
         got = self.scheduler.update_spec(sched, produced)
         for r in got:
@@ -188,6 +180,14 @@ class EngineStep:
         """Speculative decoding counters (acceptance rate, mean accepted length, ...), None without speculation."""
         with self._lock:
             return self.speculator.stats.to_dict() if self.speculator is not None else None
+
+    def _count_tokens(self, chunks: Sequence[Any]) -> None:
+        """The step's decode tokens (a decode chunk: its token and its verified drafts) and prefill tokens."""
+        for c in chunks:
+            if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens:
+                self._decode_tokens += 1 + c.num_draft
+            else:
+                self._prefill_tokens += c.num_tokens
 
     @staticmethod
     def _prompt_logprob_positions(c: Any) -> list[int]:
