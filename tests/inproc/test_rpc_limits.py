@@ -102,9 +102,8 @@ def _raw(server: RpcServer, source: str = "127.0.0.1") -> socket.socket:
 
 
 def test_idle_connections_are_closed_at_the_auth_deadline():
-    srv = RpcServer(
-        {"echo": lambda p: p}, auth_timeout=1.0
-    ).start()  # a legit caller sends its first frame well within it
+    # 1 s: the legit caller below must send its first frame within it, starved test process or not
+    srv = RpcServer({"echo": lambda p: p}, auth_timeout=1.0).start()
     try:
         idle = [_raw(srv) for _ in range(10)]
         _wait(lambda: srv.refused["auth_timeout"] == 10 and srv.open_connections == 0)
