@@ -36,8 +36,8 @@ from dsakv.disagg.protocol.messages import RELEASED, Released
 from dsakv.disagg.protocol.rpc import Rpc
 from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
-from dsakv.engine.request import Request, TokenLogprobs
-from dsakv.engine.sampling import prompt_token_logprobs, sample_batch
+from dsakv.engine.request import TokenLogprobs
+from dsakv.engine.sampling import first_token_request, prompt_logprob_positions, prompt_token_logprobs, sample_batch
 from dsakv.engine.speculative import draft_prefill
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import StageCarry
@@ -188,10 +188,10 @@ class PrefillFollower(StageHooks[PrefillStep]):
         with self.lock:
             for row in seqs:
                 job = self.ctx.jobs.get(row.rid)
-                if job is None or job.params.prompt_logprobs is None:
+                if job is None:
                     continue
                 end = row.start + row.num_tokens
-                pos = list(range(max(row.start, len(job.prompt_logprobs)), min(end, job.prompt_len - 1)))
+                pos = prompt_logprob_positions(job.params, row.start, end, len(job.prompt_logprobs), job.prompt_len)
                 if pos and (job.prompt_ids is None or pos[0] != len(job.prompt_logprobs)):
                     raise StageLinkError(
                         f"stage {self.ctx.rank}: prompt logprobs of {row.rid} from position {pos[0]} but it has "
@@ -226,16 +226,7 @@ class PrefillFollower(StageHooks[PrefillStep]):
                 job = self.ctx.jobs.get(row.rid)
                 if row.last and job is not None:
                     rows.append(i)
-                    prompt = tuple(job.prompt_ids) if job.prompt_ids else (0,)
-                    reqs.append(
-                        Request(
-                            request_id=row.rid,
-                            prompt_ids=prompt,
-                            params=job.params,
-                            sampling_seed=job.seed,
-                            eos_token_ids=self.eos_token_ids,
-                        )
-                    )
+                    reqs.append(first_token_request(row.rid, job.prompt_ids, job.params, job.seed, self.eos_token_ids))
         if not rows:
             return {}
         got = sample_batch(carry.logits[rows], reqs)
