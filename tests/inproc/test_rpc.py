@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from dsakv.disagg.prefill.step import PrefillRow, PrefillStep
 from dsakv.disagg.protocol.codec import from_wire, to_wire
 from dsakv.disagg.protocol.errors import IncompatiblePeer, MessageError
 from dsakv.disagg.protocol.messages import (
@@ -16,10 +17,8 @@ from dsakv.disagg.protocol.messages import (
     PREFILL_FOLLOWER_SERVICE,
     PREFILL_LEADER_SERVICE,
     SERVICES,
-    STEP,
     Abort,
-    StepMsg,
-    StepRow,
+    JobSpec,
     Submit,
 )
 from dsakv.disagg.protocol.rpc import (
@@ -35,6 +34,9 @@ from dsakv.disagg.protocol.rpc import (
 )
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import NoFreePages
+from dsakv.pipeline.host_replay import HostOp
+from dsakv.pipeline.stage_comm import StageLinkError
+from dsakv.pipeline.step import STEP, TICK, PipeStep
 
 
 def _boom(params: object) -> None:
@@ -89,8 +91,8 @@ def test_codec_round_trip_and_refusals() -> None:
     wire = to_wire(msg)
     assert wire["params"]["stop_token_ids"] == [1, 2] and wire["dst_pages"] == [4, 5]
     assert from_wire(Submit, wire) == msg
-    step = StepMsg(STEP, seqs=[StepRow("r1", 0, 16, [3], True)], cache=b"\x01\x00\x00\x00")
-    assert from_wire(StepMsg, to_wire(step)) == step
+    step = PipeStep(STEP, {}, {"r1": [3]}, [], PrefillStep([PrefillRow("r1", 0, 16, True)], cache=b"\x01\x00\x00\x00"))
+    assert PipeStep.of_meta(step.meta(), "stage 1", PrefillStep.of_meta) == step
     with pytest.raises(MessageError, match=r"Submit.prompt_ids\[1\]: got 'x' \(str\), expected int"):
         from_wire(Submit, {**wire, "prompt_ids": [1, "x"]})
     with pytest.raises(MessageError, match=r"Submit: required field 'kv_timeout' is missing"):
@@ -101,6 +103,37 @@ def test_codec_round_trip_and_refusals() -> None:
         from_wire(Submit, {**wire, "params": {"beams": 2}})
     with pytest.raises(MessageError, match=r"Submit.seed: got True \(bool\), expected int"):
         from_wire(Submit, {**wire, "seed": True})
+
+
+def test_prefill_step_payload_round_trip_and_refusals() -> None:
+    sp = SamplingParams(max_new_tokens=3, seed=9)
+    job = JobSpec("r1", 20, "127.0.0.1:1", "boot1", [4, 5], 2.5, sp, 9, prompt_ids=list(range(20)), grant=b"g")
+    payload = PrefillStep(
+        [PrefillRow("r1", 0, 16, False, 7)], {"r1": job}, b"\x01\x00\x00\x00", [HostOp("o", b"\0" * 8, b"\1" * 8)]
+    )
+    step = PipeStep(STEP, {"input_ids": [[1], b"\0" * 8]}, {"r1": [4, 5]}, ["r0"], payload)
+    assert PipeStep.of_meta(step.meta(), "stage 1", PrefillStep.of_meta) == step
+    tick: PipeStep[PrefillStep] = PipeStep(TICK, payload=PrefillStep())
+    assert PipeStep.of_meta(tick.meta(), "stage 1", PrefillStep.of_meta) == tick
+    meta, raw = step.meta(), step.meta()["payload"]
+
+    def refused(payload: object, match: str) -> None:
+        with pytest.raises(StageLinkError, match=match):
+            PipeStep.of_meta({**meta, "payload": payload}, "stage 1", PrefillStep.of_meta)
+
+    where = r"stage 1: malformed pipeline step: payload: "
+    refused(None, where + r"missing")
+    refused({**raw, "rows": [{**raw["rows"][0], "start": "x"}]}, where + r"PrefillStep.rows\[0\].start: got 'x'")
+    refused({**raw, "evil": 1}, where + r"PrefillStep: unknown field\(s\) \['evil'\]")
+    refused({**raw, "jobs": {"r2": raw["jobs"]["r1"]}}, where + r"PrefillStep.jobs\['r2'\]: the job of request 'r1'")
+    refused({**raw, "cache": b"\0" * 5}, where + r"PrefillStep.cache: 5 bytes are not int32 page ids")
+    refused(
+        {**raw, "host_ops": [{"kind": "x", "src": b"", "dst": b""}]}, where + r"PrefillStep.host_ops\[0\]: kind 'x'"
+    )
+    bad_pair = [{"kind": "l", "src": b"\0" * 8, "dst": b""}]
+    refused({**raw, "host_ops": bad_pair}, where + r"PrefillStep.host_ops\[0\]: 8 source and 0 destination bytes")
+    with pytest.raises(StageLinkError, match=r"a payload, but this pipeline's steps carry none"):
+        PipeStep.of_meta(meta, "stage 1")  # a round-trip stage (decode, colocated) takes none
 
 
 ADD: Rpc[Abort, bool] = Rpc("add", Abort, bool, "test", "")

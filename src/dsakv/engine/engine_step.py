@@ -13,7 +13,7 @@ import torch
 from dsakv.cache.allocator import IntegrityError, PageAllocator
 from dsakv.engine.build import StepRunner
 from dsakv.engine.request import RequestOutput
-from dsakv.engine.sampling import prompt_token_logprobs, sample_batch
+from dsakv.engine.sampling import prompt_logprob_positions, prompt_token_logprobs, sample_batch
 from dsakv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from dsakv.errors import DsakvError
 
@@ -193,9 +193,7 @@ class EngineStep:
     def _prompt_logprob_positions(c: Any) -> list[int]:
         """Positions of chunk c whose logits give a prompt token's logprob (position t -> prompt token t + 1)."""
         req = c.request
-        if req.params.prompt_logprobs is None:
-            return []
-        return list(range(max(c.start, len(req.prompt_logprobs)), min(c.end, req.num_prompt_tokens - 1)))
+        return prompt_logprob_positions(req.params, c.start, c.end, len(req.prompt_logprobs), req.num_prompt_tokens)
 
     @staticmethod
     def _add_prompt_logprobs(

@@ -249,6 +249,30 @@ def top_logprobs(logprobs: torch.Tensor, ids: Sequence[int], ks: Sequence[int]) 
     return out
 
 
+def prompt_logprob_positions(params: SamplingParams, start: int, end: int, have: int, prompt_len: int) -> list[int]:
+    """The positions of a chunk's tokens [start, end) whose logits give a prompt token's logprob (position t: prompt
+    token t + 1), from the first not computed yet (`have` are); none unless params.prompt_logprobs. The one rule
+    of the Engine (engine_step) and of a prefill pipeline's last stage."""
+    if params.prompt_logprobs is None:
+        return []
+    return list(range(max(start, have), min(end, prompt_len - 1)))
+
+
+def first_token_request(
+    rid: str, prompt_ids: Sequence[int] | None, params: SamplingParams, seed: int, eos_token_ids: Sequence[int]
+) -> Request:
+    """The Request a pipeline's last stage draws token 0 of a prompt for (sample_batch), as the Engine on stage 0
+    would: the request's seeded stream (token_seed(seed, 0)), its penalties over `prompt_ids` (None when stage 0
+    sent none: nothing reads them), bias and min_tokens masking eos."""
+    return Request(
+        request_id=rid,
+        prompt_ids=tuple(prompt_ids) if prompt_ids else (0,),
+        params=params,
+        sampling_seed=seed,
+        eos_token_ids=tuple(eos_token_ids),
+    )
+
+
 def prompt_token_logprobs(
     logits: torch.Tensor, prompt_ids: Sequence[int], positions: Sequence[int], k: int
 ) -> list[TokenLogprobs]:

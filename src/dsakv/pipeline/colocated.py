@@ -293,7 +293,9 @@ def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: Pip
             log.error("pipeline stage %d: stage 0 did not form the pipeline within %g s", rank, STARTUP_S)
             return 1
     log.info("pipeline stage %d/%d: layers %s, %d pages", rank, pipe.pp_size, layouts[rank].describe_range(), pages)
-    follower = StageFollower(group, model, pool, PageMirror(pages, f"pipeline stage {rank} pool"), IDLE_WAIT_S)
+    follower: StageFollower[Any] = StageFollower(
+        group, model, pool, PageMirror(pages, f"pipeline stage {rank} pool"), IDLE_WAIT_S
+    )
     while True:
         try:
             kind = follower.iteration()

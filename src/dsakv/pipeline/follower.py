@@ -1,10 +1,18 @@
-"""StageFollower: stage k > 0 of a round-trip pipeline (the colocated `--pp-size`, the decode pipeline).
+"""StageFollower: stage k > 0 of every pipeline (the colocated `--pp-size`, the decode pipeline, the prefill pipeline),
+one loop with the role's hooks (StageHooks):
 
-    msg = receive from stage k-1 (bounded by the stage timeout) -> PipeStep
-    books: drop, then hold, into the stage's PageMirror (stage 0's allocator decides every page id)
-    STEP: this stage's layers over the carried hidden states (and top-k) -> stage k+1; the last stage sends the
-          logits (float32, one row per chunk) back to stage 0, where the Engine samples
+    msg = receive from stage k-1 (bounded by the stage timeout) -> PipeStep (its payload: hooks.payload)
+    books (under hooks.lock): drop (each one hooks.dropped allows), hooks.booked(step) (the payload's books: the
+          prefill's host-tier replay, prefix-cache set and new jobs), then hold, into the stage's PageMirror
+          (stage 0's allocator decides every page id)
+    STEP: this stage's layers over the carried hidden states (and top-k) -> stage k+1 (the meta unchanged); the
+          last stage runs hooks.last_stage instead; then hooks.stepped on every stage
     TICK / STOP: passed on unchanged (STOP: the caller's loop ends)
+
+The default hooks (StageHooks itself) are a round-trip pipeline's: no payload, every drop releases its pages, the
+last stage sends the logits (float32, one row per chunk) back to stage 0, where the Engine samples. The prefill's
+hooks (disagg/prefill/follower.py): the last stage samples the first token, every stage sends its KV, and pages
+are released once the stage's transfer reported.
 
 A failed or timed-out send/receive raises StageLinkError (the group is broken); what to do then (re-form, exit)
 is the caller's. Not thread-safe: one thread (the stage loop) runs it. Imports torch, dsakv.{cache, model} and
@@ -13,36 +21,72 @@ the pipeline's own modules.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Generic
 
 import torch
 
 from dsakv.cache.device_pool import DevicePool
+from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import StageCarry
 from dsakv.pipeline.batch import decode_batch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
-from dsakv.pipeline.step import STEP, STOP, PipeStep
+from dsakv.pipeline.step import STEP, STOP, P, PayloadOf, PipeStep
 
 
-class StageFollower:
+class StageHooks(Generic[P]):
+    """A role's part of a later stage's loop; these defaults are a round-trip pipeline's (decode, colocated)."""
+
+    payload: PayloadOf[P] | None = None  # decodes the steps' payload (None: the steps carry none)
+    lock: AbstractContextManager[Any] = nullcontext()  # held while the books are applied
+
+    def dropped(self, rid: str) -> bool:
+        """Stage 0 dropped `rid`: True if its pages are free on this stage now."""
+        return True
+
+    def booked(self, step: PipeStep[P]) -> None:
+        """The payload's books, after the drops and before the holds."""
+
+    def last_stage(self, f: StageFollower[P], msg: StageMessage, step: PipeStep[P], carry: StageCarry) -> None:
+        """The last stage's action after its layers: the logits back to stage 0 (float32, one row per chunk)."""
+        assert carry.logits is not None
+        f.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
+
+    def stepped(self, step: PipeStep[P], batch: ForwardBatch, carry: StageCarry) -> None:
+        """Every stage, after its layers ran and the step went on (or, on the last stage, after last_stage)."""
+
+
+class StageFollower(Generic[P]):
     def __init__(
-        self, group: StageGroup, model: Any, pool: DevicePool, mirror: PageMirror, stage_timeout: float
+        self,
+        group: StageGroup,
+        model: Any,
+        pool: DevicePool,
+        mirror: PageMirror,
+        stage_timeout: float,
+        hooks: StageHooks[P] | None = None,
     ) -> None:
         self.group, self.model, self.pool, self.mirror = group, model, pool, mirror
         self.stage_timeout = stage_timeout
+        self.hooks: StageHooks[P] = hooks if hooks is not None else StageHooks()
         self.rank, self.size = group.rank, group.size
         self.last = self.rank == self.size - 1
         self.counters = dict.fromkeys(("steps", "ticks", "pages_peak"), 0)
 
     def iteration(self) -> str:
         """Receive, mirror and run (or pass on) one message from stage k-1; its kind (STEP, TICK or STOP)."""
+        hooks = self.hooks
         msg = self.group.recv_prev(timeout=self.stage_timeout)
-        step = PipeStep.of_meta(msg.meta, f"stage {self.rank}: step {msg.step} from stage {self.rank - 1}")
-        for rid in step.drop:
-            self.mirror.release(rid)
-        for rid, pages in step.hold.items():
-            self.mirror.hold(rid, pages)
+        where = f"stage {self.rank}: step {msg.step} from stage {self.rank - 1}"
+        step: PipeStep[P] = PipeStep.of_meta(msg.meta, where, hooks.payload)
+        with hooks.lock:
+            for rid in step.drop:
+                if hooks.dropped(rid):
+                    self.mirror.release(rid)
+            hooks.booked(step)
+            for rid, pages in step.hold.items():
+                self.mirror.hold(rid, pages)
         self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
         if step.kind != STEP:
             self.counters["ticks"] += step.kind != STOP
@@ -51,15 +95,14 @@ class StageFollower:
             return step.kind
         if step.batch is None or msg.hidden is None:
             raise StageLinkError(f"stage {self.rank}: step {msg.step} arrived without its batch or hidden states")
+        batch = decode_batch(step.batch)
         with torch.no_grad():
-            carry = self.model.stage_forward(
-                decode_batch(step.batch), self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk)
-            )
+            carry = self.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
         if self.last:
-            assert carry.logits is not None
-            self.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
+            hooks.last_stage(self, msg, step, carry)
         else:
             self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
+        hooks.stepped(step, batch, carry)
         self.counters["steps"] += 1
         return STEP
 

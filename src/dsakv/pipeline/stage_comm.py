@@ -1,9 +1,9 @@
-"""StageGroup: the prefill worker's PP stages as a gloo group, every send and receive bounded in time.
+"""StageGroup: the stages of a pipeline (prefill, decode, colocated) as a gloo group, every send and receive bounded.
 
 Stage k sends stage k+1 one message per step (torch.distributed point-to-point, gloo on CPU):
 
     header  int64[6]   MAGIC | step | meta bytes | tokens T | hidden bytes per token | top-k width K
-    meta    uint8      msgpack: messages.StepMsg (ForwardBatch fields, step rows, new jobs, drops, cache)
+    meta    uint8      msgpack: pipeline.step.PipeStep (ForwardBatch fields, page holds, drops, the role payload)
     hidden  uint8      [T, hidden bytes per token]  the residual stream, raw bytes of the model dtype
     topk    int64      [T, K]                       the last producer's top-k (-1 padded), if any
 

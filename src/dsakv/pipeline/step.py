@@ -1,22 +1,25 @@
-"""PipeStep: what stage 0 of a round-trip pipeline (colocated `--pp-size`, the decode pipeline) tells the later
-stages with every step, while idle, and at shutdown:
+"""PipeStep: what stage 0 of every pipeline (the colocated `--pp-size`, the decode pipeline, the prefill pipeline)
+tells the later stages with every step, while idle, and at shutdown:
 
-    kind   STEP (a forward: `batch` holds the ForwardBatch fields, encode_batch), TICK (books only, so an idle
-           stage's receive never times out) or STOP (the pipeline shuts down: every stage exits)
-    hold   request id -> its pages as of this step (each later stage mirrors them in its PageMirror)
-    drop   requests whose pages stage 0 freed (finished, aborted, preempted, failed); applied before `hold`
+    kind     STEP (a forward: `batch` holds the ForwardBatch fields, encode_batch), TICK (books only, so an idle
+             stage's receive never times out) or STOP (the pipeline shuts down: every stage exits)
+    hold     request id -> its pages as of this step (each later stage mirrors them in its PageMirror)
+    drop     requests whose pages stage 0 freed (finished, aborted, preempted, failed); applied before `hold`
+    payload  the role's own part, typed (None for a round-trip pipeline; the prefill's PrefillStep: its rows, new
+             jobs, prefix-cache set and host-tier copies); the role's StageHooks.payload decodes it
 
-It travels as the StageMessage meta (msgpack of plain data); `of_meta` checks every field's type, so a
-malformed message breaks the link with a StageLinkError naming the field instead of failing later. StepBooks
-is stage 0's side of those books. Imports dsakv.{engine.scheduler, model.batch} and the pipeline's own modules.
+It travels as the StageMessage meta (msgpack of plain data); `of_meta` checks every field's type (the payload:
+its own of_meta), so a malformed message breaks the link with a StageLinkError naming the field instead of
+failing later. StepBooks is stage 0's side of those books. Imports dsakv.{engine.scheduler, model.batch} and
+the pipeline's own modules.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.model.batch import ForwardBatch
@@ -25,27 +28,43 @@ from dsakv.pipeline.stage_comm import StageLinkError
 
 STEP, TICK, STOP = "step", "tick", "stop"
 KINDS = (STEP, TICK, STOP)
+FIELDS = ("kind", "batch", "hold", "drop", "payload")
+
+
+class StepPayload(Protocol):
+    """A role's typed part of a step: its wire form (plain data); the role decodes it with its own of_meta."""
+
+    def meta(self) -> Any: ...
+
+
+P = TypeVar("P", bound=StepPayload)
+PayloadOf = Callable[[Any, str], P]  # (the payload's wire form, where) -> the payload; StageLinkError if malformed
 
 
 @dataclass(frozen=True)
-class PipeStep:
+class PipeStep(Generic[P]):
     kind: str
     batch: dict[str, Any] | None = None
     hold: dict[str, list[int]] = field(default_factory=dict)
     drop: list[str] = field(default_factory=list)
+    payload: P | None = None
 
     def meta(self) -> dict[str, Any]:
-        return {"kind": self.kind, "batch": self.batch, "hold": self.hold, "drop": self.drop}
+        m = {"kind": self.kind, "batch": self.batch, "hold": self.hold, "drop": self.drop}
+        if self.payload is not None:
+            m["payload"] = self.payload.meta()
+        return m
 
     @classmethod
-    def of_meta(cls, meta: Any, where: str) -> PipeStep:
-        """The PipeStep of a received meta map; StageLinkError naming `where` and the bad field otherwise."""
+    def of_meta(cls, meta: Any, where: str, payload: PayloadOf[P] | None = None) -> PipeStep[P]:
+        """The PipeStep of a received meta map (its payload decoded by `payload`, which a role whose steps carry one
+        gives); StageLinkError naming `where` and the bad field otherwise."""
 
         def bad(what: str) -> StageLinkError:
             return StageLinkError(f"{where}: malformed pipeline step: {what}")
 
-        if not isinstance(meta, dict) or set(meta) - {"kind", "batch", "hold", "drop"}:
-            raise bad(f"meta {str(meta)[:120]!r} is not a map of kind, batch, hold, drop")
+        if not isinstance(meta, dict) or set(meta) - set(FIELDS):
+            raise bad(f"meta {str(meta)[:120]!r} is not a map of {', '.join(FIELDS)}")
         kind = meta.get("kind")
         if kind not in KINDS:
             raise bad(f"kind {kind!r} is not one of {', '.join(KINDS)}")
@@ -62,7 +81,11 @@ class PipeStep:
         drop = meta.get("drop") or []
         if not isinstance(drop, list) or not all(isinstance(r, str) for r in drop):
             raise bad("drop is not a list of request ids")
-        return cls(kind, batch, {r: list(p) for r, p in hold.items()}, list(drop))
+        raw = meta.get("payload")
+        if payload is None and raw is not None:
+            raise bad("a payload, but this pipeline's steps carry none")
+        got = payload(raw, f"{where}: malformed pipeline step: payload") if payload is not None else None
+        return cls(kind, batch, {r: list(p) for r, p in hold.items()}, list(drop), got)
 
 
 class StepBooks:
@@ -97,12 +120,12 @@ class StepBooks:
             hold, drop, self._hold, self._drop = self._hold, self._drop, {}, []
         return hold, drop
 
-    def step(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch) -> PipeStep:
+    def step(self, chunks: Sequence[ScheduledChunk], batch: ForwardBatch, payload: P | None = None) -> PipeStep[P]:
         """The STEP message of a forward over `chunks` (every row's pages held as of this step)."""
         hold, drop = self.take()
         hold.update({c.request.request_id: [int(p) for p in c.request.page_ids] for c in chunks})
-        return PipeStep(STEP, encode_batch(batch), hold, drop)
+        return PipeStep(STEP, encode_batch(batch), hold, drop, payload)
 
-    def tick(self, kind: str = TICK) -> PipeStep:
+    def tick(self, kind: str = TICK, payload: P | None = None) -> PipeStep[P]:
         hold, drop = self.take()
-        return PipeStep(kind, None, hold, drop)
+        return PipeStep(kind, None, hold, drop, payload)

@@ -47,7 +47,9 @@ class DecodeStageWorker:
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.group = _group(cfg, self.model, self.spec)
         self.stage_timeout = cfg.pipeline.stage_timeout
-        self.follower = StageFollower(self.group, self.model, self.pool, self.mirror, self.stage_timeout)
+        self.follower: StageFollower[Any] = StageFollower(
+            self.group, self.model, self.pool, self.mirror, self.stage_timeout
+        )
         self.down_reason: str | None = "pipeline not formed yet"
         self.breaks = 0
         self.service = WorkerService(

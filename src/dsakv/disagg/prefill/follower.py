@@ -1,8 +1,9 @@
-"""PipelineFollower: stage k > 0 of a prefill worker -- mirror stage 0's books, replay its host copies, run
-this stage's layers, pass the step on, send the KV.
+"""PrefillFollower: stage k > 0 of a prefill worker -- the prefill's hooks on the pipeline's one StageFollower loop
+(pipeline/follower.py, as a decode or colocated stage runs it):
 
-    recv (StepMsg + hidden + top-k from stage k-1) ─► drop what stage 0 dropped ─► replay host-tier copies
-        ─► book the prefix cache's page set (PageMirror) ─► book new jobs and each row's pages
+    recv (PipeStep + PrefillStep payload + hidden + top-k from stage k-1) ─► drop what stage 0 dropped (a job
+        not transferring yet: done, its pages free) ─► replay host-tier copies (pipeline.host_replay)
+        ─► book the prefix cache's page set (PageMirror) ─► book new jobs ─► each row's pages (the step's hold)
         ─► this stage's layers ─► send to stage k+1 (not on the last stage)
         ─► last stage: prompt logprobs of the step's chunks (params.prompt_logprobs); the first token of every
            finished prompt (the request's seeded stream, penalties and bias; with its logprobs)
@@ -10,9 +11,9 @@ this stage's layers, pass the step on, send the KV.
            hidden of every finished prompt)
         ─► every finished prompt: KvSender (this stage's layers -> the decode's pages)
     a tick: the same books, forwarded (no compute)
-    transfer reported ─► mirror release, RELEASED to stage 0
+    transfer reported ─► mirror release, RELEASED to stage 0 (which frees the pages once every stage released)
 
-Imports torch, dsakv.{cache, engine, model} and dsakv.disagg; never serve or cli.
+Imports torch, dsakv.{cache, engine, model, pipeline} and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
@@ -24,35 +25,39 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
-from dsakv.disagg.prefill.host_replay import replay
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.stage_context import StageContext, job_of
-from dsakv.disagg.protocol.codec import from_wire
+from dsakv.disagg.prefill.step import PrefillRow, PrefillStep
 from dsakv.disagg.protocol.lifecycle import Phase, StageJob
-from dsakv.disagg.protocol.messages import RELEASED, TICK, Released, StepMsg, StepRow
+from dsakv.disagg.protocol.messages import RELEASED, Released
 from dsakv.disagg.protocol.rpc import Rpc
 from dsakv.engine.engine import read_eos_token_ids
 from dsakv.engine.model_runner import logits_at
-from dsakv.engine.request import Request, TokenLogprobs
-from dsakv.engine.sampling import prompt_token_logprobs, sample_batch
+from dsakv.engine.request import TokenLogprobs
+from dsakv.engine.sampling import first_token_request, prompt_logprob_positions, prompt_token_logprobs, sample_batch
 from dsakv.engine.speculative import draft_prefill
+from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import StageCarry
-from dsakv.pipeline.batch import decode_batch
+from dsakv.pipeline.follower import StageFollower, StageHooks
+from dsakv.pipeline.host_replay import replay
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+from dsakv.pipeline.step import STOP, PipeStep
 from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
 
+Firsts = dict[str, tuple[int, TokenLogprobs | None]]  # request id -> its first token and that token's logprobs
 
-class PipelineFollower:
+
+class PrefillFollower(StageHooks[PrefillStep]):
     def __init__(self, ctx: StageContext) -> None:
         self.ctx = ctx
         self.lock = threading.RLock()
+        self.payload = PrefillStep.of_meta
         self.pool = DevicePool(ctx.layout, ctx.num_pages, device=ctx.model.device)
         self.mirror = PageMirror(ctx.num_pages, name=f"{ctx.name} stage {ctx.rank} pool")
         self.host_pool: HostPool | None = None
@@ -64,44 +69,82 @@ class PipelineFollower:
             self.host_pool.check_compatible(self.pool)
         self.replayed = {"offload_pages": 0, "load_pages": 0}
         self._row_errors: dict[str, str] = {}  # request id -> its own error, failed at its last chunk
+        self._firsts: Firsts = {}  # the last stage: this step's first tokens (last_stage -> stepped)
         model_dir = ctx.cfg.model
         self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(model_dir)) if model_dir else ()  # min_tokens masks them
+        self.stage = StageFollower(ctx.group, ctx.model, self.pool, self.mirror, ctx.t.stage, hooks=self)
 
     def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
         return {}
 
     def iteration(self) -> None:
+        """One message from stage k-1 through the pipeline's follower; a prefill pipeline never sends STOP (its
+        stages re-form instead), so one is a protocol error."""
+        if self.stage.iteration() == STOP:
+            raise StageLinkError(f"stage {self.ctx.rank}: a prefill pipeline got STOP from stage {self.ctx.rank - 1}")
+
+    # ---- the hooks (pipeline/follower.py) ----------------------------------------------------------------------
+
+    def dropped(self, rid: str) -> bool:
+        """Stage 0 dropped `rid` (abort, deadline, preemption): a job not transferring yet is done here and its
+        pages free; one transferring keeps them until its transfer reported (on_transferred)."""
+        self._row_errors.pop(rid, None)
+        job = self.ctx.jobs.get(rid)
+        if job is None or job.transferring:
+            return False
+        self.ctx.jobs.move(job, Phase.DONE)
+        return True
+
+    def booked(self, step: PipeStep[PrefillStep]) -> None:
+        ctx, meta = self.ctx, step.payload
+        assert meta is not None  # PrefillStep.of_meta refuses a step without one
+        if meta.host_ops is not None:
+            if self.host_pool is None:
+                raise StageLinkError(
+                    f"stage {ctx.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
+                    "every stage with the same --hicache-* options"
+                )
+            off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
+            self.replayed["offload_pages"] += off
+            self.replayed["load_pages"] += loaded
+        if meta.cache is not None:
+            self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
+        now = ctx.jobs.now()
+        for spec in meta.jobs.values():
+            job = job_of(spec)
+            ctx.jobs.pop(job.rid)  # a request preempted on stage 0 comes back as new
+            ctx.jobs.add(job)
+            job.deadline = now + spec.left
+        missing = [row.rid for row in meta.rows if row.rid not in step.hold]
+        if missing:
+            raise StageLinkError(f"stage {ctx.rank}: step rows of {missing[:4]} came without their pages")
+
+    def last_stage(
+        self, f: StageFollower[PrefillStep], msg: StageMessage, step: PipeStep[PrefillStep], carry: StageCarry
+    ) -> None:
+        """The last stage: the prompt logprobs of the step's chunks and the first token of every finished prompt
+        (the decode gets them with the KV); nothing goes back to stage 0."""
+        assert step.payload is not None
+        self._prompt_logprobs(carry, step.payload.rows)
+        self._firsts = self._sample(carry, step.payload.rows)
+
+    def stepped(self, step: PipeStep[PrefillStep], batch: ForwardBatch, carry: StageCarry) -> None:
+        """Every stage: the KV of every finished prompt to its decode (with the first token from the last stage)."""
         ctx = self.ctx
-        msg = ctx.group.recv_prev(timeout=ctx.t.stage)
-        meta = from_wire(StepMsg, msg.meta, f"step {msg.step} from stage {ctx.rank - 1}")
-        with self.lock:
-            self._book(meta)
-        if meta.kind == TICK:
-            if not ctx.last:
-                ctx.group.send_next(msg)
-            return
-        if meta.batch is None or msg.hidden is None:
-            raise StageLinkError(f"stage {ctx.rank}: step {msg.step} arrived without its batch or hidden states")
-        batch = decode_batch(meta.batch)
-        with torch.no_grad():
-            carry = ctx.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
-        if not ctx.last:
-            ctx.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
-        firsts: dict[str, tuple[int, TokenLogprobs | None]] = {}
-        if ctx.last:
-            self._prompt_logprobs(carry, meta.seqs)
-            firsts = self._sample(carry, meta.seqs)
-        drafts = self._draft(batch, carry, meta.seqs, firsts) if ctx.draft is not None else {}
+        assert step.payload is not None
+        rows = step.payload.rows
+        firsts, self._firsts = self._firsts, {}
+        drafts = self._draft(batch, carry, rows, firsts) if ctx.draft is not None else {}
         with self.lock:
             ctx.counters["steps"] += 1
-            for row in meta.seqs:
+            for row in rows:
                 job = ctx.jobs.get(row.rid)
                 why = self._row_errors.pop(row.rid, None) if row.last else None
                 if why is not None and job is not None:
                     self._fail_row(job, why)
                 elif row.last and job is not None:
                     ctx.jobs.move(job, Phase.TRANSFERRING)
-                    src = row.pages[: ceil_div(job.prompt_len, ctx.page_size)]
+                    src = step.hold[row.rid][: ceil_div(job.prompt_len, ctx.page_size)]
                     tok, lps = firsts.get(row.rid, (None, None))
                     plps = tuple(job.prompt_logprobs) if ctx.last and job.params.prompt_logprobs is not None else None
                     ctx.sender.queue(Transfer(job, src, tok, lps, plps, draft_hidden=drafts.get(row.rid)))
@@ -121,7 +164,7 @@ class PipelineFollower:
             )
 
     def _draft(
-        self, batch: Any, carry: StageCarry, seqs: list[StepRow], firsts: dict[str, tuple[int, TokenLogprobs | None]]
+        self, batch: ForwardBatch, carry: StageCarry, seqs: list[PrefillRow], firsts: Firsts
     ) -> dict[str, bytes]:
         """Last stage with MTP: the draft layer's KV for the step's tokens (entry i: hidden i + token i+1; after a
         chunk, the next prompt token stage 0 sent, or the first token); the draft hidden of each finished prompt."""
@@ -138,45 +181,17 @@ class PipelineFollower:
         out = draft_prefill(self.ctx.model, self.ctx.draft, self.pool, batch, carry.hidden, after)
         return {row.rid: self.ctx.draft_hidden(out[i]) for i, row in enumerate(seqs) if row.rid in firsts}
 
-    def _book(self, meta: StepMsg) -> None:
-        ctx = self.ctx
-        for rid in meta.drop:
-            self._row_errors.pop(rid, None)
-            job = ctx.jobs.get(rid)
-            if job is not None and not job.transferring:
-                ctx.jobs.move(job, Phase.DONE)
-                self.mirror.release(rid)
-        if meta.host_ops is not None:
-            if self.host_pool is None:
-                raise StageLinkError(
-                    f"stage {ctx.rank}: stage 0 sent host-tier copies but this stage has no host tier: start "
-                    "every stage with the same --hicache-* options"
-                )
-            off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
-            self.replayed["offload_pages"] += off
-            self.replayed["load_pages"] += loaded
-        if meta.cache is not None:
-            self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
-        now = ctx.jobs.now()
-        for spec in meta.jobs.values():
-            job = job_of(spec)
-            ctx.jobs.pop(job.rid)  # a request preempted on stage 0 comes back as new
-            ctx.jobs.add(job)
-            job.deadline = now + spec.left
-        for row in meta.seqs:
-            self.mirror.hold(row.rid, row.pages)
-
-    def _prompt_logprobs(self, carry: StageCarry, seqs: list[StepRow]) -> None:
+    def _prompt_logprobs(self, carry: StageCarry, seqs: list[PrefillRow]) -> None:
         """Last stage: the prompt logprobs of this step's chunks (params.prompt_logprobs), from the hidden states of
         the same forward; position t gives prompt token t + 1 (stage 0 skips the prefix cache for these)."""
-        want: list[tuple[StageJob, StepRow, list[int]]] = []
+        want: list[tuple[StageJob, PrefillRow, list[int]]] = []
         with self.lock:
             for row in seqs:
                 job = self.ctx.jobs.get(row.rid)
-                if job is None or job.params.prompt_logprobs is None:
+                if job is None:
                     continue
                 end = row.start + row.num_tokens
-                pos = list(range(max(row.start, len(job.prompt_logprobs)), min(end, job.prompt_len - 1)))
+                pos = prompt_logprob_positions(job.params, row.start, end, len(job.prompt_logprobs), job.prompt_len)
                 if pos and (job.prompt_ids is None or pos[0] != len(job.prompt_logprobs)):
                     raise StageLinkError(
                         f"stage {self.ctx.rank}: prompt logprobs of {row.rid} from position {pos[0]} but it has "
@@ -200,7 +215,7 @@ class PipelineFollower:
             except Exception as e:  # this request alone fails, at its last chunk (_fail_row)
                 self._row_errors.setdefault(job.rid, f"prompt logprobs failed: {type(e).__name__}: {e}")
 
-    def _sample(self, carry: StageCarry, seqs: list[StepRow]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+    def _sample(self, carry: StageCarry, seqs: list[PrefillRow]) -> Firsts:
         """Last stage: the first generated token (and its logprobs) of every sequence whose prompt completed this
         step: token 0 of the request's seeded stream, drawn from the logits after its penalties, bias, min_tokens
         and temperature (the decode worker draws tokens 1.. from the same seed and params)."""
@@ -211,20 +226,11 @@ class PipelineFollower:
                 job = self.ctx.jobs.get(row.rid)
                 if row.last and job is not None:
                     rows.append(i)
-                    prompt = tuple(job.prompt_ids) if job.prompt_ids else (0,)
-                    reqs.append(
-                        Request(
-                            request_id=row.rid,
-                            prompt_ids=prompt,
-                            params=job.params,
-                            sampling_seed=job.seed,
-                            eos_token_ids=self.eos_token_ids,
-                        )
-                    )
+                    reqs.append(first_token_request(row.rid, job.prompt_ids, job.params, job.seed, self.eos_token_ids))
         if not rows:
             return {}
         got = sample_batch(carry.logits[rows], reqs)
-        firsts = {}
+        firsts: Firsts = {}
         for req, t, lp, err in zip(reqs, got.tokens, got.logprobs, got.errors, strict=True):
             if err is not None:  # its own error: that request fails alone (iteration -> _fail_row)
                 self._row_errors.setdefault(req.request_id, f"first token: {err}")

@@ -3,9 +3,10 @@
     SUBMIT ─► engine.add_request(prompt, params with max_new_tokens=1, keep_pages=True)   (+ a StageJob)
     loop: control (RELEASED / ABORT from other threads, KV deadlines) ─► engine.step():
           scheduler (chunked prefill, prefix cache, preemption) ─► PipelineRunner.run(chunks):
-              ForwardBatch ─► this stage's layers ─► StepMsg (rows, new jobs, drops, cache set, host copies)
-              + hidden + top-k; logits only if stage 0 is also the last stage (then, with MTP, the draft
-              layer's KV for the step's tokens and the draft's hidden state of every finished prompt)
+              ForwardBatch ─► this stage's layers ─► PipeStep (batch, each row's pages, drops: StepBooks) with
+              its PrefillStep payload (rows, new jobs, cache set, host copies) + hidden + top-k; logits only if
+              stage 0 is also the last stage (then, with MTP, the draft layer's KV for the step's tokens and the
+              draft's hidden state of every finished prompt)
           ─► once Engine.step returned (its lock released): the step to stage 1 (StageGroup, gloo)
           ─► outputs: a request whose prompt finished goes TRANSFERRING (KvSender; first token if last stage);
              a failed step's requests are dropped (decode told)
@@ -13,7 +14,7 @@
     every stage's release (its transfer reported) ─► once all N released, engine.release(rid) frees the pages
 
 The Engine is the one scheduler/allocator/prefix cache (HiCache) of the worker: later stages mirror its books
-(PageMirror) and replay its host-tier copies (a HiCache observer, host_replay.HostCopyLog). The leader's
+(PageMirror) and replay its host-tier copies (a HiCache observer, pipeline.host_replay.HostCopyLog). The leader's
 lock is the engine's lock. Imports torch, dsakv.{engine, model} and dsakv.disagg; never serve or cli.
 """
 
@@ -31,28 +32,24 @@ import numpy as np
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache
-from dsakv.disagg.prefill.host_replay import HostCopyLog
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.leader_views import LeaderViews
 from dsakv.disagg.prefill.prefix_events import PrefixEvents
 from dsakv.disagg.prefill.stage_context import StageContext, job_spec
+from dsakv.disagg.prefill.step import PrefillRow, PrefillStep
 from dsakv.disagg.protocol import grants
-from dsakv.disagg.protocol.codec import to_wire
 from dsakv.disagg.protocol.errors import Forbidden, GrantRefused, Unavailable
 from dsakv.disagg.protocol.lifecycle import Phase, StageJob
 from dsakv.disagg.protocol.messages import (
     ABORT,
     CACHE_EVENTS,
     RELEASED,
-    STEP,
     SUBMIT,
-    TICK,
     Abort,
     CacheEvents,
     CacheEventsQuery,
+    JobSpec,
     Released,
-    StepMsg,
-    StepRow,
     Submit,
     Submitted,
 )
@@ -63,9 +60,10 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import FinishReason, RequestOutput
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput
 from dsakv.errors import CapacityError, ConfigError
-from dsakv.pipeline.batch import encode_batch
+from dsakv.pipeline.host_replay import HostCopyLog
 from dsakv.pipeline.runner import PipelineRunner
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
+from dsakv.pipeline.step import PipeStep, StepBooks
 from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
@@ -97,14 +95,14 @@ class PipelineLeader(LeaderViews):
             self.cache.add_observer(self.copy_log)
         self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
         self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, arg): abort / released
-        self._drops: list[str] = []
+        self.books = StepBooks()  # the drops later stages apply with the next step or tick (each row's pages: hold)
         self._last_send = 0.0
         self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
         self.boot = ""  # the worker's boot id (PrefillStage sets it once its service exists)
         self.spent = grants.SpentGrants()  # page grants submitted already (each is good for one submit)
 
-    def _runner(self, pool: DevicePool) -> PipelineRunner[StepMsg]:
-        self.runner = PipelineRunner(self.ctx, pool, self._step_msg, to_wire)
+    def _runner(self, pool: DevicePool) -> PipelineRunner[PipeStep[PrefillStep]]:
+        self.runner = PipelineRunner(self.ctx, pool, self._step_msg, PipeStep.meta)
         return self.runner
 
     # ---- RPC (other threads) ------------------------------------------------------------------------
@@ -233,12 +231,12 @@ class PipelineLeader(LeaderViews):
             ran, out = self.runner.ran, self.runner.outbox
             if ran:
                 ctx.counters["steps"] += 1
-            elif ctx.size > 1 and (self._drops or time.monotonic() - self._last_send >= ctx.t.tick):
-                tick = self._with_cache(StepMsg(TICK, drop=self._take_drops()))
+            elif ctx.size > 1 and (self.books.pending or time.monotonic() - self._last_send >= ctx.t.tick):
+                tick = self.books.tick(payload=self._payload())
         if out is not None:
             self._send_step(*out)
         if tick is not None:
-            self._send(StageMessage(self.runner.step, to_wire(tick)))
+            self._send(StageMessage(self.runner.step, tick.meta()))
         if not ran:
             ctx.wake.wait(ctx.t.tick / 4 if ctx.size > 1 else 0.05)
             ctx.wake.clear()
@@ -280,7 +278,7 @@ class PipelineLeader(LeaderViews):
     def _drop(self, job: StageJob, why: str) -> None:
         """A request still computing leaves: the engine frees its pages, later stages drop it, decode is told."""
         self.engine.abort(job.rid)
-        self._drops.append(job.rid)
+        self._dropped(job.rid)
         self.ctx.fail(job, why)
 
     def _free(self, job: StageJob) -> None:
@@ -289,17 +287,23 @@ class PipelineLeader(LeaderViews):
         self.engine.release(job.rid)
 
     def _on_schedule(self, sched: SchedulerOutput) -> None:
-        self._drops += [r.request_id for r in sched.preempted]  # later stages drop their books of these
+        for r in sched.preempted:  # later stages drop their books of these
+            self._dropped(r.request_id)
 
-    def _send_step(self, msg: StageMessage, meta: StepMsg) -> None:
+    def _dropped(self, rid: str) -> None:
+        if self.ctx.size > 1:  # (one stage: no later stage keeps books)
+            self.books.dropped(rid)
+
+    def _send_step(self, msg: StageMessage, step: PipeStep[PrefillStep]) -> None:
         """Send a step on; if the pipeline broke, the requests whose prompt completed in it never reach the later
         stages: their decode is told now (what still computes fails in on_break)."""
         try:
             self._send(msg)
         except StageLinkError as e:
             why = f"prefill {self.ctx.name}: the pipeline broke during its step ({e})"
+            assert step.payload is not None
             with self.lock:
-                for row in meta.seqs:
+                for row in step.payload.rows:
                     job = self.ctx.jobs.get(row.rid)
                     if row.last and job is not None and job.transferring:
                         self.ctx.sender.fail(job, why)
@@ -326,38 +330,33 @@ class PipelineLeader(LeaderViews):
             else:
                 ctx.sender.queue(Transfer(job, src, None, cached_tokens=o.num_cached_tokens))
 
-    def _take_drops(self) -> list[str]:
-        drops, self._drops = self._drops, []
-        return drops
-
-    def _step_msg(self, chunks: Sequence[ScheduledChunk], batch: Any) -> StepMsg:
-        """Called by the runner (engine lock held): what stage 1 needs to run this step."""
-        seqs, new_jobs = [], {}
+    def _step_msg(self, chunks: Sequence[ScheduledChunk], batch: Any) -> PipeStep[PrefillStep]:
+        """Called by the runner (engine lock held): what stage 1 needs to run this step (each row's pages are the
+        step's hold)."""
+        rows, new_jobs = [], {}
         now = self.ctx.jobs.now()
         for c in chunks:
             rid = c.request.request_id
             last = c.end == c.request.num_prompt_tokens
             after = None if last else c.request.token_ids(c.end, c.end + 1)[0]  # the last stage's draft entry
-            seqs.append(StepRow(rid, c.start, c.num_tokens, list(c.request.page_ids), last, after))
+            rows.append(PrefillRow(rid, c.start, c.num_tokens, last, after))
             job = self.ctx.jobs.get(rid)
             if job is not None and c.start == c.request.num_cached_tokens:  # its first chunk since admission
                 new_jobs[rid] = job_spec(job, now)
-        return self._with_cache(
-            StepMsg(STEP, seqs=seqs, jobs=new_jobs, batch=encode_batch(batch), drop=self._take_drops())
-        )
+        return self.books.step(chunks, batch, self._payload(rows, new_jobs))
 
-    def _with_cache(self, msg: StepMsg) -> StepMsg:
-        """`msg` with the host-tier copies to replay and, when the prefix cache's page set changed since the
-        last message (always in the first message of an epoch), the set (packed int32 page ids)."""
-        if self.cache is None:
-            return msg
-        host_ops = self.copy_log.drain() or None if self.copy_log is not None else None
-        now = tuple(self.cached_pages())
-        cache = None
-        if now != self._cache_sent:
-            self._cache_sent = now
-            cache = np.asarray(now, dtype=np.int32).tobytes()
-        return replace(msg, host_ops=host_ops, cache=cache)
+    def _payload(self, rows: list[PrefillRow] | None = None, jobs: dict[str, JobSpec] | None = None) -> PrefillStep:
+        """The prefill payload of a step (or, without rows, a tick): with the host-tier copies to replay and, when
+        the prefix cache's page set changed since the last message (always in the first message of an epoch),
+        the set (packed int32 page ids)."""
+        host_ops, cache = None, None
+        if self.cache is not None:
+            host_ops = self.copy_log.drain() or None if self.copy_log is not None else None
+            now = tuple(self.cached_pages())
+            if now != self._cache_sent:
+                self._cache_sent = now
+                cache = np.asarray(now, dtype=np.int32).tobytes()
+        return PrefillStep(rows or [], jobs or {}, cache, host_ops)
 
     def _send(self, msg: StageMessage) -> None:
         self.ctx.group.send_next(msg)
@@ -376,7 +375,7 @@ class PipelineLeader(LeaderViews):
                     ctx.fail(job, why)
                 else:
                     self._free(job)
-            self._drops.clear()
+            self.books.clear()
             if self.cache is not None:
                 self.cache.clear()
             self._cache_sent = None

@@ -2,8 +2,10 @@
 
     router ──SUBMIT Submit(rid, prompt, decode addr, decode pages, kv_timeout)──► stage 0
     stage 0 (PipelineLeader: an engine.Engine over its layers, a PipelineRunner injected) ─ step ─► stage 1 ─►
-        ... ─► stage N-1 (PipelineFollower; the last one samples the first token)
-        StepMsg (rows, new jobs, drops, prefix-cache set, host-tier copies) + hidden [T, H] + top-k over gloo
+        ... ─► stage N-1 (PrefillFollower: the prefill's hooks on the pipeline's StageFollower; the last one
+        samples the first token)
+        PipeStep (batch, each row's pages, drops) + its PrefillStep payload (rows, new jobs, prefix-cache set,
+        host-tier copies) + hidden [T, H] + top-k over gloo
     every stage, when a request's last prompt chunk ran: KvSender -- TransferPlan(its own layers' paired keys,
         its pages -> the decode's pages) on its TransferBackend, bounded by the request's deadline, then
         STAGE_DONE StageDone(rid, stage, ok, error, first token + MTP draft hidden (last stage)) to the decode.
@@ -11,7 +13,7 @@
         released them, so a page is never reused while a stage still reads it.
 
 The parts: WorkerService (RPC, ping/health/integrity, threads; shared with the decode worker), the role
-(chosen once, by `make_role`: PipelineLeader on rank 0, PipelineFollower on rank > 0), the KvSender (every
+(chosen once, by `make_role`: PipelineLeader on rank 0, PrefillFollower on rank > 0), the KvSender (every
 stage), and the StageContext they share (config, layer range, StageGroup, the request ledger, counters).
 
 Stage 0's Engine decides page ids for every stage (all stage pools have the same page count); later stages
@@ -46,7 +48,7 @@ from typing import Any
 
 import torch
 
-from dsakv.disagg.prefill.follower import PipelineFollower
+from dsakv.disagg.prefill.follower import PrefillFollower
 from dsakv.disagg.prefill.kv_sender import KvSender
 from dsakv.disagg.prefill.leader import PipelineLeader
 from dsakv.disagg.prefill.stage_context import PrefillConfig, StageContext, split_layers
@@ -73,12 +75,12 @@ from dsakv.pipeline.stage_comm import StageLinkError
 
 log = logging.getLogger(__name__)
 
-StageRole = PipelineLeader | PipelineFollower
+StageRole = PipelineLeader | PrefillFollower
 
 
 def make_role(ctx: StageContext) -> StageRole:
     """The one place a stage's role is chosen: the leader (rank 0) or a follower."""
-    return PipelineLeader(ctx) if ctx.rank == 0 else PipelineFollower(ctx)
+    return PipelineLeader(ctx) if ctx.rank == 0 else PrefillFollower(ctx)
 
 
 class PrefillStage:
@@ -166,8 +168,8 @@ class PrefillStage:
         return self.role
 
     @property
-    def follower(self) -> PipelineFollower:
-        assert isinstance(self.role, PipelineFollower), "stage 0 is the pipeline leader"
+    def follower(self) -> PrefillFollower:
+        assert isinstance(self.role, PrefillFollower), "stage 0 is the pipeline leader"
         return self.role
 
     @property

@@ -1,15 +1,16 @@
 """The typed control plane: every message of disaggregated serving as a dataclass, and every role's RPCs.
 
 Messages travel through the one codec (dsakv.disagg.protocol.codec: a dataclass is a msgpack map of its fields,
-checked against its type hints on arrival) inside the RPC frames of dsakv.disagg.protocol.rpc, or (StepMsg) inside
-the per-step header of dsakv.pipeline.stage_comm. The RPC graph (who calls what; `Rpc.caller`):
+checked against its type hints on arrival) inside the RPC frames of dsakv.disagg.protocol.rpc, or (JobSpec, in the
+prefill's PrefillStep payload of a pipeline.step.PipeStep) inside the per-step header of dsakv.pipeline.stage_comm.
+The RPC graph (who calls what; `Rpc.caller`):
 
     router ──────────────── health / ping ─────────────────────────► every worker (prefill stage 0, decode)
     router ── connect(Connect) ──► prefill stage 0 ── connect ──► stage k > 0        (-> Connected)
     prefill stage k ─────── handshake(Hello) ─────────────────────► decode            (-> HelloReply)
     router ── prealloc(Prealloc) ─────────────────────────────────► decode            (-> Preallocated: pages)
     router ── submit(Submit: the decode's pages) ─► prefill stage 0                   (-> Submitted)
-    prefill stage 0 ═══ step/tick (StepMsg + hidden + top-k, gloo) ═══► stage 1 ═══► ... stage N-1
+    prefill stage 0 ═══ step/tick (PipeStep + PrefillStep, hidden, top-k; gloo) ═══► stage 1 ═══► ... stage N-1
     every stage k ── KV of its layers (TransferBackend) ─────────► decode's pages
     every stage k ── stage_done(StageDone) ───────────────────────► decode            (-> StageDoneReply)
     prefill stage k > 0 ── released(Released) ─► prefill stage 0: frees the pages once every stage did
@@ -29,8 +30,7 @@ constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsak
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from dsakv.disagg.protocol.messages_base import (
     MAX_ID,
@@ -78,22 +78,7 @@ from dsakv.disagg.protocol.messages_prefill import (
 from dsakv.disagg.protocol.rpc import Rpc, Service
 from dsakv.engine.request import SamplingParams
 
-# ---- pipeline steps (stage k -> stage k+1, in stage_comm's header) -----------------------------------------
-
-STEP = "step"
-TICK = "tick"
-
-
-@dataclass(frozen=True)
-class StepRow:
-    """One sequence of a pipeline step: tokens [start, start + num_tokens) of request rid, on `pages`."""
-
-    rid: str
-    start: int
-    num_tokens: int
-    pages: list[int]
-    last: bool  # the prompt's last chunk: the stage transfers the request after this step
-    next_token: int | None = None  # the prompt token after this chunk (not last): the draft layer's last entry
+# ---- the prefill pipeline step's new jobs (disagg/prefill/step.py: PrefillStep.jobs) -------------------------
 
 
 @dataclass(frozen=True)
@@ -110,29 +95,6 @@ class JobSpec:
     seed: int
     prompt_ids: list[int] | None = None  # for the last stage: prompt logprobs / repetition penalty need them
     grant: bytes = b""
-
-
-@dataclass(frozen=True)
-class HostOp:
-    """One host-tier copy stage 0 made, to replay: kind "o" (device -> host) or "l" (host -> device)."""
-
-    kind: str
-    src: bytes  # int64 page ids
-    dst: bytes
-
-
-@dataclass(frozen=True)
-class StepMsg:
-    """What stage 0 tells the later stages with every step (kind STEP) or while idle (kind TICK)."""
-
-    kind: str
-    seqs: list[StepRow] = field(default_factory=list)
-    jobs: dict[str, JobSpec] = field(default_factory=dict)  # requests whose first chunk is in this step
-    batch: dict[str, Any] | None = None  # ForwardBatch fields (encode_batch)
-    drop: list[str] = field(default_factory=list)  # requests stage 0 dropped (abort, deadline, preemption)
-    cache: bytes | None = None  # int32 page ids of the prefix cache, when the set changed
-    host_ops: list[HostOp] | None = None  # host-tier copies to replay (host_replay)
-    hold: dict[str, list[int]] = field(default_factory=dict)  # decode pipeline: new preallocations (mirrored)
 
 
 # ---- the RPCs and the services ------------------------------------------------------------------------------
@@ -220,7 +182,6 @@ __all__ = [
     "HealthQuery",
     "Hello",
     "HelloReply",
-    "HostOp",
     "IntegrityQuery",
     "JobSpec",
     "KV_FAILED",
@@ -246,16 +207,12 @@ __all__ = [
     "Revoked",
     "SERVICES",
     "STAGE_DONE",
-    "STEP",
     "SUBMIT",
     "StageDone",
     "StageDoneReply",
     "StageInfo",
-    "StepMsg",
-    "StepRow",
     "Submit",
     "Submitted",
-    "TICK",
     "TransferHealth",
     "WireLogprobs",
     "fetch_health",

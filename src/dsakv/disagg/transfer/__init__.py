@@ -15,7 +15,7 @@ Serving roles (see docs/architecture.md "disagg: serving roles" for the RPC grap
     messages / codec / rpc          typed control plane: message dataclasses, one codec, service specs
     lifecycle / timeouts            per-request state machines and ledgers; every time bound
     worker_service                  RPC service + liveness/health/integrity + threads of every worker
-    prefill_worker                  PrefillStage: StageContext + make_role(PipelineLeader | PipelineFollower)
+    prefill_worker                  PrefillStage: StageContext + make_role(PipelineLeader | PrefillFollower)
                                     + KvSender (kv_sender)
     decode_worker                   DecodeWorker: decode_outputs (DecodeOutputs), liveness (stage pings)
     router                          RouterBackend: router_peers (PeerTable), router_requests (RequestBook),
