@@ -46,6 +46,7 @@ from dsakv.disagg.protocol.messages import (
     Abort,
     CacheEvents,
     Connected,
+    DecodeHealth,
     EventRow,
     Events,
     Health,
@@ -53,6 +54,7 @@ from dsakv.disagg.protocol.messages import (
     KvFailed,
     Prealloc,
     Preallocated,
+    PrefillHealth,
     Revoked,
     StageDone,
     StageDoneReply,
@@ -381,11 +383,13 @@ class FakePrefill:
 
 
 def _health(role: str, boot: str, free: int) -> Health:
-    return Health(
+    common = dict(
         ok=True, role=role, name=f"{role}-x", pid=1, boot=boot, elide=True, backend="local", page_size=16,
         pages_total=64, pages_used=64 - free, pages_free=free, capacity_tokens=1024, integrity="ok", counters={},
-        epoch="e1" if role == "prefill" else None, max_prompt_tokens=1023 if role == "decode" else None,
     )  # fmt: skip
+    if role == "prefill":
+        return PrefillHealth(**common, epoch="e1")
+    return DecodeHealth(**common, max_prompt_tokens=1023)
 
 
 # (name, what happens, phase of the router's record after, the client's last event (reason, error part),

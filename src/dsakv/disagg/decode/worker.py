@@ -47,9 +47,9 @@ from dsakv.disagg.protocol.messages import (
     PREALLOC,
     STAGE_DONE,
     Abort,
+    DecodeHealth,
     Events,
     EventsQuery,
-    Health,
     Hello,
     HelloReply,
     StageDone,
@@ -183,7 +183,7 @@ class DecodeWorker(KvIn):
         """decode_views.integrity: 'ok', or what does not balance in the engine's and the inbound ledger's books."""
         return decode_views.integrity(self)
 
-    def health(self) -> Health:
+    def health(self) -> DecodeHealth:
         """decode_views.health: the HEALTH reply."""
         return decode_views.health(self)
 

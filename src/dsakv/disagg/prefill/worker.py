@@ -58,9 +58,9 @@ from dsakv.disagg.protocol.messages import (
     REVOKE,
     Connect,
     Connected,
-    Health,
     Hello,
     PingReply,
+    PrefillHealth,
     TransferHealth,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient
@@ -197,12 +197,12 @@ class PrefillStage:
     def integrity(self) -> str:
         return self.role.integrity()
 
-    def health(self) -> Health:
+    def health(self) -> PrefillHealth:
         ctx, cfg = self.ctx, self.cfg
         with self.role.lock:
             used = self.role.pages_used()
             t = self.backend.stats.totals()
-            return Health(
+            return PrefillHealth(
                 ok=ctx.group.formed and ctx.down_reason is None and not ctx.stop.is_set(),
                 role="prefill",
                 name=self.name,

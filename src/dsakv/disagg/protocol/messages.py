@@ -5,6 +5,7 @@ checked against its type hints on arrival) inside the RPC frames of dsakv.disagg
 the per-step header of dsakv.pipeline.stage_comm. The RPC graph (who calls what; `Rpc.caller`):
 
     router ──────────────── health / ping ─────────────────────────► every worker (prefill stage 0, decode)
+                                             (-> PrefillHealth / DecodeHealth: a Health, decoded by its role)
     router ── connect(Connect) ──► prefill stage 0 ── connect ──► stage k > 0        (-> Connected)
     prefill stage k ─────── handshake(Hello) ─────────────────────► decode            (-> HelloReply)
     router ── prealloc(Prealloc) ─────────────────────────────────► decode            (-> Preallocated: pages)
@@ -30,8 +31,9 @@ constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsak
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from dsakv.disagg.protocol.errors import MessageError
 from dsakv.disagg.protocol.messages_base import (
     MAX_ID,
     MAX_KV_TIMEOUT,
@@ -46,11 +48,11 @@ from dsakv.disagg.protocol.messages_base import (
     Ping,
     PingReply,
     StageInfo,
-    TransferHealth,
     WireLogprobs,
     unpack_logprobs,
 )
 from dsakv.disagg.protocol.messages_decode import (
+    DecodeHealth,
     DecodeStageRef,
     EventRow,
     Events,
@@ -69,14 +71,18 @@ from dsakv.disagg.protocol.messages_prefill import (
     CacheEventsQuery,
     Connect,
     Connected,
+    PrefillHealth,
     Released,
     Revoke,
     Revoked,
     Submit,
     Submitted,
+    TransferHealth,
 )
 from dsakv.disagg.protocol.rpc import Rpc, Service
 from dsakv.engine.request import SamplingParams
+
+H = TypeVar("H", bound=Health)
 
 # ---- pipeline steps (stage k -> stage k+1, in stage_comm's header) -----------------------------------------
 
@@ -185,7 +191,8 @@ SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE, DE
 
 
 def fetch_health(addr: str, timeout: float = 5.0) -> Health:
-    """One worker's Health (a fresh connection, closed after): for the demo, benches and tests."""
+    """One worker's Health (a fresh connection, closed after): for the demo, benches and tests. It is the
+    worker's role's subclass (PrefillHealth or DecodeHealth); prefill_health / decode_health also check which."""
     from dsakv.disagg.protocol.rpc import RpcClient
 
     client = RpcClient(addr, timeout=timeout, connect_timeout=min(2.0, timeout))
@@ -193,6 +200,22 @@ def fetch_health(addr: str, timeout: float = 5.0) -> Health:
         return client.request(HEALTH, HealthQuery())
     finally:
         client.close()
+
+
+def _of_role(addr: str, h: Health, want: type[H]) -> H:
+    if not isinstance(h, want):
+        raise MessageError(f"health reply from {addr}: a {h.role} worker, expected a {want.ROLE} one")
+    return h
+
+
+def prefill_health(addr: str, timeout: float = 5.0) -> PrefillHealth:
+    """fetch_health of a prefill stage (MessageError if `addr` is another role's worker)."""
+    return _of_role(addr, fetch_health(addr, timeout), PrefillHealth)
+
+
+def decode_health(addr: str, timeout: float = 5.0) -> DecodeHealth:
+    """fetch_health of a decode worker or decode pipeline stage (MessageError if it is another role's)."""
+    return _of_role(addr, fetch_health(addr, timeout), DecodeHealth)
 
 
 __all__ = [
@@ -209,6 +232,7 @@ __all__ = [
     "Connected",
     "DECODE_FOLLOWER_SERVICE",
     "DECODE_SERVICE",
+    "DecodeHealth",
     "DecodeStageRef",
     "EVENTS",
     "EventRow",
@@ -237,6 +261,7 @@ __all__ = [
     "PREFILL_LEADER_SERVICE",
     "Ping",
     "PingReply",
+    "PrefillHealth",
     "Prealloc",
     "Preallocated",
     "RELEASED",
@@ -258,6 +283,8 @@ __all__ = [
     "TICK",
     "TransferHealth",
     "WireLogprobs",
+    "decode_health",
     "fetch_health",
+    "prefill_health",
     "unpack_logprobs",
 ]

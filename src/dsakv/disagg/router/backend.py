@@ -272,7 +272,8 @@ class RouterBackend:
         if self.cfg.vocab_size is not None:
             return self.cfg.vocab_size
         with self._lock:
-            vs = [p.health.vocab_size for p in self.decodes.values() if p.health is not None and p.health.vocab_size]
+            hs = [p.decode_health for p in self.decodes.values()]
+            vs = [h.vocab_size for h in hs if h is not None and h.vocab_size]
         return min(vs) if vs else None
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
@@ -364,18 +365,15 @@ class RouterBackend:
             out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
             out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
             out.update(self.peers.instance_metrics())  # per prefill / decode instance, labelled
-            out.update(decode_stage_metrics((a, p.health) for a, p in self.decodes.items()))
+            out.update(decode_stage_metrics((a, p.decode_health) for a, p in self.decodes.items()))
             return out
 
     def max_prompt_tokens(self) -> int:
         if self.cfg.max_prompt_tokens is not None:
             return self.cfg.max_prompt_tokens
         with self._lock:
-            caps = [
-                p.health.max_prompt_tokens
-                for p in self.decodes.values()
-                if p.health is not None and p.health.max_prompt_tokens is not None
-            ]
+            hs = [p.decode_health for p in self.decodes.values()]
+            caps = [h.max_prompt_tokens for h in hs if h is not None and h.max_prompt_tokens is not None]
             caps += [p.health.capacity_tokens - 1 for p in self.prefills.values() if p.health is not None]
         return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
 
