@@ -31,6 +31,7 @@ import numpy as np
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache
+from dsakv.disagg.prefill.control import AbortJob, ControlEvent, StageReleased
 from dsakv.disagg.prefill.host_replay import HostCopyLog
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.leader_views import LeaderViews
@@ -96,7 +97,7 @@ class PipelineLeader(LeaderViews):
             self.copy_log = HostCopyLog()
             self.cache.add_observer(self.copy_log)
         self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
-        self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, arg): abort / released
+        self._control: deque[ControlEvent] = deque()  # from the RPC threads and the sender, for the loop
         self._drops: list[str] = []
         self._last_send = 0.0
         self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
@@ -180,7 +181,7 @@ class PipelineLeader(LeaderViews):
 
     def abort(self, p: Abort) -> bool:
         with self.lock:
-            self._control.append(("abort", p.rid, p.why or "aborted by the router"))
+            self._control.append(AbortJob(p.rid, p.why or "aborted by the router"))
         self.ctx.wake.set()
         return True
 
@@ -204,7 +205,7 @@ class PipelineLeader(LeaderViews):
                 raise self._refuse_release(p, "it does not carry the request's grant")
             if not job.transferring or p.stage not in job.pending:
                 return False
-            self._control.append(("released", p.rid, str(p.stage)))
+            self._control.append(StageReleased(p.rid, p.stage))
         ctx.wake.set()
         return True
 
@@ -217,7 +218,7 @@ class PipelineLeader(LeaderViews):
     def on_transferred(self, job: StageJob, ok: bool) -> None:
         """KvSender: this stage's transfer of `job` reported (ok or not): one of N releases."""
         with self.lock:
-            self._control.append(("released", job.rid, "0"))
+            self._control.append(StageReleased(job.rid, 0))
         self.ctx.wake.set()
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -247,16 +248,16 @@ class PipelineLeader(LeaderViews):
         ctx = self.ctx
         with self.lock:
             while self._control:
-                op, rid, arg = self._control.popleft()
-                job = ctx.jobs.get(rid)
+                ev = self._control.popleft()
+                job = ctx.jobs.get(ev.rid)
                 if job is None:
                     continue
-                if op == "released" and job.transferring:
-                    job.pending.discard(int(arg))
+                if isinstance(ev, StageReleased) and job.transferring:
+                    job.pending.discard(ev.stage)
                     if not job.pending:
                         self._free(job)
-                elif op == "abort" and not job.transferring:
-                    self._drop(job, f"prefill {ctx.name}: {arg}")
+                elif isinstance(ev, AbortJob) and not job.transferring:
+                    self._drop(job, f"prefill {ctx.name}: {ev.why}")
             now = ctx.jobs.now()
             for job in ctx.jobs.expired():
                 if not job.transferring:
