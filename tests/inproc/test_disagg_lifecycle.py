@@ -209,7 +209,7 @@ def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after
         assert dec.engine.stats().pages_used == held and dec.integrity() == "ok"
         events = dec.events.since(0).events
         if phase is P.DECODING:
-            assert events == [] and dec.counters["started"] == 1 and dec.counters["kv_bytes"] == 100 * stages
+            assert events == [] and dec.stats.started == 1 and dec.stats.kv_bytes == 100 * stages
             assert dec.abort(Abort("r"))  # the engine owns it now: abort frees its pages
         else:
             (ev,) = events

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from dsakv.disagg.decode import stage as decode_stage
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.ranks import DecodeTP
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import DecodeHealth, StageInfo
 from dsakv.disagg.transfer.staging import StagingSlots
@@ -30,7 +31,7 @@ class DecodeState(decode_stage.DecodeWorker, Protocol):
     """What the views read of a decode worker (decode_worker.DecodeWorker), on top of what its pipeline reads."""
 
     cfg: DecodeConfig
-    counters: dict[str, int]
+    stats: DecodeStats
     inbound: Ledger[InboundKv]
     pipeline: decode_stage.DecodePipeline | None
     slots: StagingSlots | None
@@ -94,7 +95,7 @@ def health(w: DecodeState) -> DecodeHealth:
             StageInfo(stage=e.stage, rpc=e.rpc, prefill=e.prefill, layers=[e.layer_start, e.layer_end - 1])
             for e in w.registry.entries()
         ],
-        counters=dict(w.counters),
+        counters=w.stats.as_dict(),
         integrity=w.integrity(),
         spec=spec_counters(w.engine),
         staging_slots=[w.slots.free, w.slots.num_slots] if w.slots is not None else None,

@@ -93,7 +93,7 @@ class PipelineFollower:
             firsts = self._sample(carry, meta.seqs)
         drafts = self._draft(batch, carry, meta.seqs, firsts) if ctx.draft is not None else {}
         with self.lock:
-            ctx.counters["steps"] += 1
+            ctx.stats.steps += 1
             for row in meta.seqs:
                 job = ctx.jobs.get(row.rid)
                 why = self._row_errors.pop(row.rid, None) if row.last else None

@@ -156,7 +156,7 @@ class PipelineLeader(LeaderViews):
             )
             ctx.jobs.add(job)
             job.deadline = ctx.jobs.now() + p.kv_timeout
-            ctx.counters["submitted"] += 1
+            ctx.stats.submitted += 1
         ctx.wake.set()
         return Submitted(accepted=True, epoch=ctx.group.epoch)
 
@@ -175,7 +175,7 @@ class PipelineLeader(LeaderViews):
                 raise GrantRefused(f"request {p.rid}: the decode revoked its page grant (it gave up on the request)")
             self.spent.spend(g)
         except GrantRefused as e:
-            ctx.counters["grants_refused"] = ctx.counters.get("grants_refused", 0) + 1
+            ctx.stats.grants_refused += 1
             log.warning("prefill %s: submit of %s refused: %s", ctx.name, p.rid, e)
             raise
 
@@ -211,7 +211,7 @@ class PipelineLeader(LeaderViews):
 
     def _refuse_release(self, p: Released, why: str) -> Forbidden:
         ctx = self.ctx
-        ctx.counters["releases_refused"] = ctx.counters.get("releases_refused", 0) + 1
+        ctx.stats.releases_refused += 1
         log.warning("prefill %s: refused the release of %s by stage %d: %s", ctx.name, p.rid, p.stage, why)
         return Forbidden(f"prefill {ctx.name}: released of {p.rid} stage {p.stage} refused: {why}")
 
@@ -233,7 +233,7 @@ class PipelineLeader(LeaderViews):
             self._settle(outs)
             ran, out = self.runner.ran, self.runner.outbox
             if ran:
-                ctx.counters["steps"] += 1
+                ctx.stats.steps += 1
             elif ctx.size > 1 and (self._drops or time.monotonic() - self._last_send >= ctx.t.tick):
                 tick = self._with_cache(StepMsg(TICK, drop=self._take_drops()))
         if out is not None:

@@ -132,7 +132,7 @@ class PrefillStage:
             stage=self.rank,
             timeouts=ctx.t,
             notifier=ctx.notifier,
-            counters=ctx.counters,
+            stats=ctx.stats,
             on_done=self.role.on_transferred,
             debug_delay=cfg.config.transfer.debug_transfer_delay,
             debug_fail=cfg.debug_fail_transfer,
@@ -172,7 +172,7 @@ class PrefillStage:
 
     @property
     def counters(self) -> dict[str, int]:
-        return dict(self.ctx.counters)
+        return self.ctx.stats.as_dict()
 
     @property
     def num_jobs(self) -> int:
@@ -223,7 +223,7 @@ class PrefillStage:
                 jobs=len(ctx.jobs),
                 transfers_in_flight=ctx.sender.in_flight,
                 links=[link.summary() for link in self.links.links()],
-                counters=dict(ctx.counters),
+                counters=ctx.stats.as_dict(),
                 integrity=self.role.integrity(),
                 prefix_cache_enabled=ctx.cache.enabled,
                 host_tier=ctx.cache.host_tier,

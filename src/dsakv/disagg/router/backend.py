@@ -130,7 +130,7 @@ class RouterBackend:
         self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule)
         self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
         self.book = RequestBook(self.peers, self._lock, clock, t.queue)
-        self.counters = self.book.counters
+        self.stats = self.book.stats
         self.dispatcher = Dispatcher(self.book, self.peers, t, self._lock)
         self.poller = EventPoller(self.book, self.peers, t, self._lock)
         self._wake = threading.Event()
@@ -143,6 +143,12 @@ class RouterBackend:
         # a loop that has not turned for this long is stuck: its longest turn is two control RPCs (dispatch) or
         # one long poll (events), each bounded by the RPC timeout
         self.stuck_after = 3 * t.rpc + t.poll_wait + 5.0
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The router's counters by name (RouterStats.as_dict(): what /metrics shows as dsakv_<name>)."""
+        with self._lock:
+            return self.stats.as_dict()
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -290,7 +296,7 @@ class RouterBackend:
                 return
             wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
             self.book.finish(req, "abort", None)
-            self.counters["aborted_total"] += 1
+            self.stats.aborted_total += 1
         if wire is not None and decode is not None:
             self.peers.post((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and phase is Phase.DISPATCHED:
@@ -354,7 +360,7 @@ class RouterBackend:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+            out: dict[str, float] = {k: float(v) for k, v in self.stats.as_dict().items()}
             out["router_in_flight"] = float(len(self.book.live()))
             out["router_queued"] = float(len(self.book.queue))
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
