@@ -13,6 +13,7 @@ the pipeline's own modules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,16 @@ from dsakv.pipeline.batch import decode_batch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 from dsakv.pipeline.step import STEP, STOP, PipeStep
+from dsakv.util.stats import Stats
+
+
+@dataclass
+class FollowerStats(Stats):
+    """A following stage's counters (a decode stage's health shows them)."""
+
+    steps: int = 0  # steps this stage ran
+    ticks: int = 0  # idle ticks passed on
+    pages_peak: int = 0  # the most pages its mirror held at once
 
 
 class StageFollower:
@@ -33,7 +44,7 @@ class StageFollower:
         self.stage_timeout = stage_timeout
         self.rank, self.size = group.rank, group.size
         self.last = self.rank == self.size - 1
-        self.counters = dict.fromkeys(("steps", "ticks", "pages_peak"), 0)
+        self.stats = FollowerStats()
 
     def iteration(self) -> str:
         """Receive, mirror and run (or pass on) one message from stage k-1; its kind (STEP, TICK or STOP)."""
@@ -43,9 +54,9 @@ class StageFollower:
             self.mirror.release(rid)
         for rid, pages in step.hold.items():
             self.mirror.hold(rid, pages)
-        self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
+        self.stats.pages_peak = max(self.stats.pages_peak, self.mirror.num_used)
         if step.kind != STEP:
-            self.counters["ticks"] += step.kind != STOP
+            self.stats.ticks += step.kind != STOP
             if not self.last:
                 self.group.send_next(msg)
             return step.kind
@@ -60,7 +71,7 @@ class StageFollower:
             self.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
         else:
             self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
-        self.counters["steps"] += 1
+        self.stats.steps += 1
         return STEP
 
     def forget(self) -> None:

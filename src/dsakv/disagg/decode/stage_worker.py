@@ -147,7 +147,7 @@ class DecodeStageWorker:
             capacity_tokens=self.num_pages * self.layout.page_size,
             bytes_per_token=self.layout.bytes_per_token,
             integrity=self.integrity(),
-            counters={**self.follower.counters, "breaks": self.breaks},
+            counters={**self.follower.stats.as_dict(), "breaks": self.breaks},
             stage=self.rank,
             num_stages=self.size,
             epoch=self.group.epoch,

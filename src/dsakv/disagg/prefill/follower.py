@@ -31,6 +31,7 @@ from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
 from dsakv.disagg.prefill.host_replay import replay
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.stage_context import StageContext, job_of
+from dsakv.disagg.prefill.stats import HostReplayStats
 from dsakv.disagg.protocol.codec import from_wire
 from dsakv.disagg.protocol.lifecycle import Phase, StageJob
 from dsakv.disagg.protocol.messages import RELEASED, TICK, Released, StepMsg, StepRow
@@ -62,7 +63,7 @@ class PipelineFollower:
             _, host_pages = host_pages_for(ctx.layouts[0], ctx.num_pages, cache.hicache_ratio, cache.hicache_size)
             self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)
-        self.replayed = {"offload_pages": 0, "load_pages": 0}
+        self.replayed = HostReplayStats()
         self._row_errors: dict[str, str] = {}  # request id -> its own error, failed at its last chunk
         model_dir = ctx.cfg.model
         self.eos_token_ids = read_eos_token_ids(ctx.spec, Path(model_dir)) if model_dir else ()  # min_tokens masks them
@@ -153,8 +154,8 @@ class PipelineFollower:
                     "every stage with the same --hicache-* options"
                 )
             off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
-            self.replayed["offload_pages"] += off
-            self.replayed["load_pages"] += loaded
+            self.replayed.offload_pages += off
+            self.replayed.load_pages += loaded
         if meta.cache is not None:
             self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
         now = ctx.jobs.now()
@@ -275,4 +276,4 @@ class PipelineFollower:
 
     def health_fields(self) -> dict[str, Any]:
         with self.lock:
-            return {"host_replayed": dict(self.replayed)}
+            return {"host_replayed": self.replayed.as_dict()}

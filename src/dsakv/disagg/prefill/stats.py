@@ -22,4 +22,12 @@ class PrefillStats(Stats):
     transfers_into_slot: int = on_first_use()  # transfers into a decode's staging slot
 
 
-__all__ = ["PrefillStats"]
+@dataclass
+class HostReplayStats(Stats):
+    """A stage k > 0's replays of stage 0's host-tier copies (its health's `host_replayed`)."""
+
+    offload_pages: int = 0  # pages copied device -> host
+    load_pages: int = 0  # pages copied host -> device
+
+
+__all__ = ["HostReplayStats", "PrefillStats"]
