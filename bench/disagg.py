@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from dsakv.cli import options  # noqa: E402
 from dsakv.disagg.protocol.auth import SECRET_ENV, launch_secret  # noqa: E402
-from dsakv.disagg.protocol.messages import Health, fetch_health  # noqa: E402
+from dsakv.disagg.protocol.messages import Health, PrefillHealth, fetch_health  # noqa: E402
 from dsakv.disagg.protocol.rpc import RpcError  # noqa: E402
 from dsakv.disagg.router.backend import RouterBackend, RouterConfig  # noqa: E402
 from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig  # noqa: E402
@@ -132,7 +132,7 @@ def _routing_arm(args: argparse.Namespace, model: Path, prompts: list[list[int]]
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        stats = [(h.prefix_cache or {}) if (h := _health(a)) is not None else {} for a in prefills]
+        stats = [(h.prefix_cache or {}) if isinstance(h := _health(a), PrefillHealth) else {} for a in prefills]
         counters = dict(router.counters)
         router.stop()
     finally:

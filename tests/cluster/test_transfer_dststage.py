@@ -325,7 +325,7 @@ def test_decode_slot_books(name, step, phase, free, release_after):
                 pb = dec.manifest.region(key).page_bytes
                 t = dec.engine.pool.tensor(key).numpy()
                 assert np.array_equal(t[[0, 1]].reshape(-1), view[off[key] : off[key] + 2 * pb])
-            assert (dec.counters["staged_in"], dec.slots.held()) == (1, {})
+            assert (dec.stats.staged_in, dec.slots.held()) == (1, {})
             assert dec.abort(Abort("r"))
         else:
             if release_after:
@@ -334,7 +334,7 @@ def test_decode_slot_books(name, step, phase, free, release_after):
                 assert dec.slots.free == free and dec.engine.stats().pages_used == 2  # late writes may still land
                 clock.t += 0.01
             dec.check_deadlines()
-            assert "r" not in dec.inbound and dec.counters["staged_in"] == 0
+            assert "r" not in dec.inbound and dec.stats.staged_in == 0
         dec.engine.step()
         assert (dec.engine.stats().pages_used, dec.slots.free, dec.integrity()) == (0, 4, "ok")
     finally:

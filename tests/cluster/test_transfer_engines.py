@@ -242,15 +242,16 @@ def test_kv_sender_applies_the_rule(decode, glm) -> None:
     ends), one in runs of 2 pages on mooncake only (25 us a descriptor vs nixl's 9 us), one in runs of 4 on
     neither; every variant lands exactly."""
     from dsakv.disagg.prefill.kv_sender import KvSender
+    from dsakv.disagg.prefill.stats import PrefillStats
     from dsakv.disagg.protocol.timeouts import Timeouts
 
     engine, peer = decode
     pool, be, mine = sender(engine, KVLayout(glm, 20, 40), 16, seed=17)
     pairing = check_pair(mine, peer.manifest)
     staging = StagingBuffer(be, pool.nbytes)
-    counters: dict[str, int] = {}
+    stats = PrefillStats()
     ks = KvSender(
-        backend=be, links=None, prefill="p", stage=0, timeouts=Timeouts(), notifier=None, counters=counters,
+        backend=be, links=None, prefill="p", stage=0, timeouts=Timeouts(), notifier=None, stats=stats,
         on_done=lambda job, ok: None, staging=staging,
     )  # type: ignore[arg-type]  # fmt: skip
     conn = be.connect(peer.manifest)
@@ -276,5 +277,5 @@ def test_kv_sender_applies_the_rule(decode, glm) -> None:
         assert m.ok and m.nbytes == 16 * STAGE_BYTES_PER_PAGE, i
         theirs = peer.checksums(dst)
         assert {k: theirs[k] for k in map(str, keys)} == page_checksums(pool, src, keys), i
-    assert counters.get("transfers_staged", 0) == sum(c[2][engine] for c in cases)
+    assert stats.transfers_staged == sum(c[2][engine] for c in cases)
     be.close()

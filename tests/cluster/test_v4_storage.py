@@ -90,7 +90,7 @@ def test_objects_hold_each_kind_only_where_read(model: DeepseekV4, store: str) -
     base, _ = _workload(1)
     eng.generate([base], NEW)
     lay, l3 = eng.layout, eng.l3
-    assert l3 is not None and l3.stats["l3_page_writes"] == 2 and l3.stats["l3_state_writes"] == 1
+    assert l3 is not None and l3.stats.l3_page_writes == 2 and l3.stats.l3_state_writes == 1
     # per page of 16 tokens (fp32 tiny: KV entry 128 B, index-K entry 64 B): 2 CSA layers x (4 x 128 + 4 x 64)
     # + 2 HCA layers x 1 x 128
     by_kind = {k: sum(b.page_bytes for b in lay.paged if b.key.kind is k) for k in Kind}
@@ -126,8 +126,8 @@ def test_hit_in_a_fresh_engine_equals_no_hit(model: DeepseekV4, store: str) -> N
     assert fresh.l3 is not None
     # then[0] loads 2 pages + the state from L3; then[1] hits them on the device; then[2]: page 0 is stored but
     # no state at token 16, so it computes (and stores its own boundary)
-    assert (fresh.l3.stats["l3_hits"], fresh.l3.stats["l3_hit_tokens"], fresh.stats["hits"]) == (1, 32, 1)
-    assert fresh.l3.stats["l3_refused"] == fresh.l3.stats["l3_errors"] == 0
+    assert (fresh.l3.stats.l3_hits, fresh.l3.stats.l3_hit_tokens, fresh.stats.hits) == (1, 32, 1)
+    assert fresh.l3.stats.l3_refused == fresh.l3.stats.l3_errors == 0
     fresh.check_integrity()
     fresh.close()
 
@@ -161,7 +161,7 @@ def test_forged_pages_and_states_fail_the_mac(model: DeepseekV4, store: str) -> 
         eng = _engine(model, _mooncake(store))
         assert eng.l3 is not None and eng.l3.lookup(then[0], 2) == 2  # present: only the read tells
         assert [r.output for r in eng.generate([then[0]], NEW)] == want
-        assert (eng.l3.stats["l3_hits"], eng.l3.stats["l3_refused"]) == (0, 1)
+        assert (eng.l3.stats.l3_hits, eng.l3.stats.l3_refused) == (0, 1)
         assert eng.l3.last_refusal.endswith("MAC mismatch"), eng.l3.last_refusal
         assert eng.l3.last_refusal.startswith("page 1" if key == pkey else "state")
         assert bytes(raw.get(key)) == genuine[key]  # dropped, then written back by the compute's snapshot
@@ -178,7 +178,7 @@ def test_disk_tier_hit_equals_no_hit(model: DeepseekV4, tmp_path: Path) -> None:
     got = [r.output for r in first.generate([base], NEW)]
     fresh = _engine(model, disk)
     got += [r.output for r in fresh.generate([then[1]], NEW)]
-    assert got == want and fresh.l3 is not None and fresh.l3.stats["l3_hit_tokens"] == 32
+    assert got == want and fresh.l3 is not None and fresh.l3.stats.l3_hit_tokens == 32
     files = sorted(p.stat().st_size for p in (tmp_path / "l3").rglob("*.page"))
     assert files == [META.size + 1792] * 2 + [META.size + 19200]
     with pytest.raises(ConfigError, match="turn the prefix cache on too"):

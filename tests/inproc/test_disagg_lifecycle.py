@@ -46,6 +46,7 @@ from dsakv.disagg.protocol.messages import (
     Abort,
     CacheEvents,
     Connected,
+    DecodeHealth,
     EventRow,
     Events,
     Health,
@@ -53,6 +54,7 @@ from dsakv.disagg.protocol.messages import (
     KvFailed,
     Prealloc,
     Preallocated,
+    PrefillHealth,
     Revoked,
     StageDone,
     StageDoneReply,
@@ -207,7 +209,7 @@ def test_decode_lifecycle(name, stages, steps, phase, error, held, release_after
         assert dec.engine.stats().pages_used == held and dec.integrity() == "ok"
         events = dec.events.since(0).events
         if phase is P.DECODING:
-            assert events == [] and dec.counters["started"] == 1 and dec.counters["kv_bytes"] == 100 * stages
+            assert events == [] and dec.stats.started == 1 and dec.stats.kv_bytes == 100 * stages
             assert dec.abort(Abort("r"))  # the engine owns it now: abort frees its pages
         else:
             (ev,) = events
@@ -381,11 +383,13 @@ class FakePrefill:
 
 
 def _health(role: str, boot: str, free: int) -> Health:
-    return Health(
+    common = dict(
         ok=True, role=role, name=f"{role}-x", pid=1, boot=boot, elide=True, backend="local", page_size=16,
         pages_total=64, pages_used=64 - free, pages_free=free, capacity_tokens=1024, integrity="ok", counters={},
-        epoch="e1" if role == "prefill" else None, max_prompt_tokens=1023 if role == "decode" else None,
     )  # fmt: skip
+    if role == "prefill":
+        return PrefillHealth(**common, epoch="e1")
+    return DecodeHealth(**common, max_prompt_tokens=1023)
 
 
 # (name, what happens, phase of the router's record after, the client's last event (reason, error part),

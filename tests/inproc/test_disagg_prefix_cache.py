@@ -121,7 +121,7 @@ def test_pp2_host_tier_write_back_replayed_on_every_stage():
         assert stats is not None
         assert stats["load_pages"] == 2 and stats["offload_pages"] >= 2
         replayed = stages[1].follower.replayed
-        assert replayed == {"offload_pages": stats["offload_pages"], "load_pages": 2}
+        assert replayed.as_dict() == {"offload_pages": stats["offload_pages"], "load_pages": 2}
         pages = sum(ceil_div(len(p), 16) for p in (p0, big, p1))
         for s in stages:
             assert s.backend.stats.totals().bytes == pages * s.layout.bytes_per_page

@@ -11,6 +11,7 @@ import pytest
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.prefill.kv_sender import KvSender
+from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol.lifecycle import StageJob
 from dsakv.disagg.protocol.messages import Prealloc, Revoke
 from dsakv.disagg.protocol.timeouts import Timeouts
@@ -35,7 +36,7 @@ def sender():
     notifier = Notifier(1.0, 0.5)
     links = SimpleNamespace(hello=SimpleNamespace(boot="stage-boot"))
     s = KvSender(
-        backend=be, links=links, prefill="P", stage=1, timeouts=Timeouts(), notifier=notifier, counters={},
+        backend=be, links=links, prefill="P", stage=1, timeouts=Timeouts(), notifier=notifier, stats=PrefillStats(),
         on_done=lambda job, ok: None,
     )  # fmt: skip
     yield s

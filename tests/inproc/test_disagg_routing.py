@@ -12,7 +12,16 @@ import pytest
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.radix import RadixCache
 from dsakv.disagg.prefill.prefix_events import PrefixEvents
-from dsakv.disagg.protocol.messages import CACHE_EVENTS, CONNECT, HEALTH, CacheEvents, Connected, Health
+from dsakv.disagg.protocol.messages import (
+    CACHE_EVENTS,
+    CONNECT,
+    HEALTH,
+    CacheEvents,
+    Connected,
+    DecodeHealth,
+    Health,
+    PrefillHealth,
+)
 from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.backend import RouterConfig
 from dsakv.disagg.router.peers import PeerTable
@@ -142,7 +151,8 @@ def test_pick_prefill_affinity_threshold_and_imbalance():
 
 
 def _health(role: str, name: str, used: int, running: int = 0, boot: str = "b1", epoch: str | None = None):
-    return Health(
+    extra = {"prefix_cache_enabled": True} if role == "prefill" else {}
+    return (PrefillHealth if role == "prefill" else DecodeHealth)(
         ok=True,
         role=role,
         name=name,
@@ -160,7 +170,7 @@ def _health(role: str, name: str, used: int, running: int = 0, boot: str = "b1",
         epoch=epoch,
         running=running,
         waiting=0,
-        prefix_cache_enabled=role == "prefill" or None,
+        **extra,
     )
 
 

@@ -84,11 +84,11 @@ def test_authenticated_calls_and_roles(server):
     with pytest.raises(Forbidden, match="route may be called by router only, not by a prefill"):
         p.call("route")
     assert p.call("echo", "still") == "still"  # a refused role keeps its connection
-    assert server.refused["forbidden"] == 1 and server.refused["unauthenticated"] == 0
+    assert server.refused.forbidden == 1 and server.refused.unauthenticated == 0
 
 
 def test_unauthenticated_wrong_secret_and_replays_refused(server):
-    before = dict(server.refused)
+    before = server.refused.as_dict()
     # a plain frame (no secret): refused before its body is parsed (the body is not even msgpack)
     s, _ = _raw(server)
     send_frame(s, b"\xc1 not msgpack at all")
@@ -117,7 +117,7 @@ def test_unauthenticated_wrong_secret_and_replays_refused(server):
     s, _ = _raw(server)
     send_frame(s, b"A1\x06router\0\0")
     assert "truncated" in _refused(s)
-    assert server.refused["unauthenticated"] - before["unauthenticated"] == 6
+    assert server.refused.unauthenticated - before["unauthenticated"] == 6
     assert RpcClient(server.address, auth=ROUTER).call("echo", "ok") == "ok"
 
 
@@ -165,7 +165,7 @@ def test_fuzz_authenticated_frames(server):
     time.sleep(0.2)
     assert ran == []
     assert RpcClient(server.address, auth=ROUTER).call("route", "last") == "routed" and ran == ["last"]
-    assert server.open_connections <= 1 and server.refused["unauthenticated"] >= 110
+    assert server.open_connections <= 1 and server.refused.unauthenticated >= 110
 
 
 # ---- one-shot retry on a fresh connection after a peer restart --------------------------------------------

@@ -57,7 +57,7 @@ def test_oversized_frame_refused_unread(server):
     s.sendall(struct.pack(">I", 200 * 2**20))  # announces 200 MB, sends nothing more
     assert _closed(s, 3.0)
     s.close()
-    assert server.refused["too_large"] == 1
+    assert server.refused.too_large == 1
     _echo_ok(server)
 
 
@@ -68,7 +68,7 @@ def test_slow_frame_times_out(server):
     assert _closed(s, 3.0)
     assert time.monotonic() - t0 < 2.5
     s.close()
-    assert server.refused["timeout"] == 1
+    assert server.refused.timeout == 1
     _echo_ok(server)
 
 
@@ -80,7 +80,7 @@ def test_connection_cap(server):
     extra = socket.create_connection((server.host, server.port))
     assert _closed(extra, 3.0)
     extra.close()
-    assert server.refused["connections"] == 1 and server.refused["evicted"] == 0
+    assert server.refused.connections == 1 and server.refused.evicted == 0
     for c in held:
         c.close()
     _wait(lambda: server.open_connections == 0)
@@ -106,15 +106,15 @@ def test_idle_connections_are_closed_at_the_auth_deadline():
     srv = RpcServer({"echo": lambda p: p}, auth_timeout=1.0).start()
     try:
         idle = [_raw(srv) for _ in range(10)]
-        _wait(lambda: srv.refused["auth_timeout"] == 10 and srv.open_connections == 0)
+        _wait(lambda: srv.refused.auth_timeout == 10 and srv.open_connections == 0)
         assert all(_closed(s, 5.0) for s in idle)
-        assert srv.refused["evicted"] == 0 and srv.pending_connections == 0
+        assert srv.refused.evicted == 0 and srv.pending_connections == 0
         c = RpcClient(srv.address, timeout=5)  # a caller that authenticated stays, idle or not
         assert c.call("echo", 1) == 1
         assert srv.pending_connections == 0 and srv.open_connections == 1
         for s in idle:
             s.close()
-        assert c.call("echo", 2) == 2 and srv.refused["auth_timeout"] == 10
+        assert c.call("echo", 2) == 2 and srv.refused.auth_timeout == 10
         c.close()
     finally:
         srv.stop()
@@ -124,17 +124,17 @@ def test_pending_caps_per_peer_and_in_total_close_the_oldest():
     srv = RpcServer({"echo": lambda p: p}, auth_timeout=60, max_pending=5, max_pending_per_peer=3).start()
     try:
         a = [_raw(srv, "127.0.0.2") for _ in range(5)]  # one peer: its 4th and 5th close its 1st and 2nd
-        _wait(lambda: srv.refused["evicted"] == 2)
+        _wait(lambda: srv.refused.evicted == 2)
         assert _closed(a[0], 5.0) and _closed(a[1], 5.0) and not any(_closed(s, 0.05) for s in a[2:])
         b = [_raw(srv, "127.0.0.3") for _ in range(3)]  # 6 waiting > 5 in total: the oldest (a[2]) is closed
-        _wait(lambda: srv.refused["evicted"] == 3)
+        _wait(lambda: srv.refused.evicted == 3)
         assert _closed(a[2], 5.0) and not any(_closed(s, 0.05) for s in a[3:] + b)
         assert srv.pending_connections == 5
         _echo_ok(srv)  # a real caller always gets in: the 6th waiting one closes the oldest (a[3])
-        assert _closed(a[3], 5.0) and srv.refused["evicted"] == 4
+        assert _closed(a[3], 5.0) and srv.refused.evicted == 4
         for _ in range(3):  # 4 waiting now: a caller gets in without closing anyone
             _echo_ok(srv)
-        assert srv.refused["evicted"] == 4 and srv.refused["connections"] == 0 and srv.pending_connections == 4
+        assert srv.refused.evicted == 4 and srv.refused.connections == 0 and srv.pending_connections == 4
         for s in a + b:
             s.close()
     finally:
@@ -149,10 +149,10 @@ def test_a_connection_that_began_its_frame_is_closed_after_the_silent_ones():
         _wait(lambda: any(c.speaking for c in srv._conns.values()), "the server to see the first byte")
         silent = [_raw(srv) for _ in range(2)]
         newer = [_raw(srv) for _ in range(2)]  # each closes the oldest silent one, never `began`
-        _wait(lambda: srv.refused["evicted"] == 2)
+        _wait(lambda: srv.refused.evicted == 2)
         assert _closed(silent[0], 5.0) and _closed(silent[1], 5.0) and not _closed(began, 0.05)
         last = _raw(srv)  # only `began` and the newer silent ones wait: the oldest silent (newer[0]) goes first
-        _wait(lambda: srv.refused["evicted"] == 3)
+        _wait(lambda: srv.refused.evicted == 3)
         assert _closed(newer[0], 5.0) and not _closed(began, 0.05) and srv.pending_connections == 3
         for x in [began, *silent, *newer, last]:
             x.close()
@@ -168,7 +168,7 @@ def test_connections_per_peer_are_capped():
             assert c.call("echo", 1) == 1
         extra = socket.create_connection((srv.host, srv.port))
         assert _closed(extra, 3.0)  # a third from the same host: refused at once
-        assert srv.refused["connections"] == 1
+        assert srv.refused.connections == 1
         other = socket.create_connection((srv.host, srv.port), source_address=("127.0.0.2", 0))
         assert recv_msg(other)["auth"] == "none"  # another host still gets in
         for c in mine:
@@ -187,8 +187,8 @@ def test_three_hundred_idle_connections_do_not_stop_callers():
             c = RpcClient(srv.address, timeout=10)
             assert c.call("echo", i) == i
             c.close()
-        _wait(lambda: srv.refused["evicted"] + srv.refused["auth_timeout"] == 300 and srv.open_connections == 0)
-        assert srv.refused["connections"] == 0
+        _wait(lambda: srv.refused.evicted + srv.refused.auth_timeout == 300 and srv.open_connections == 0)
+        assert srv.refused.connections == 0
         assert all(_closed(s, 5.0) for s in idle)
         for s in idle:
             s.close()

@@ -136,13 +136,13 @@ def test_prefix_hit_equals_no_hit(ckpts) -> None:
     want = [r.output for r in plain.generate(first + then, NEW)]
     eng = V4Engine(model, num_pages=64, max_running=4, chunk_size=7, max_batch_tokens=20, prefix_cache=True)
     got = [r.output for r in eng.generate(first, NEW)]
-    assert eng.stats["snapshots"] == 1 and eng.cached_tokens() == 32
-    assert eng.stats["snapshot_bytes"] == eng.layout.state_bytes_per_request
+    assert eng.stats.snapshots == 1 and eng.cached_tokens() == 32
+    assert eng.stats.snapshot_bytes == eng.layout.state_bytes_per_request
     got += [r.output for r in eng.generate(then, NEW)]
     assert got == want
     # base[:33]+t and base+t hit the stored 32-token boundary; base[:20]+t misses (no state is stored at 16: it
     # stores its own); base[:16] has no full page before its last token, so it does not look up
-    assert eng.stats["hits"] == 2 and eng.stats["hit_tokens"] == 64
+    assert eng.stats.hits == 2 and eng.stats.hit_tokens == 64
     assert eng.recompute_tokens(32) == 32 and eng.recompute_tokens(4096) == 6 * 8
     eng.check_integrity()
     assert eng.pages.num_free == 64 - len({int(p) for ids, _ in eng._cache.values() for p in ids})
@@ -161,9 +161,9 @@ def test_host_tier_on_equals_off(ckpts) -> None:
         eng = V4Engine(model, num_pages=5, max_running=1, chunk_size=7, max_batch_tokens=20, prefix_cache=True,
                        host_pages=8 if host else 0)  # fmt: skip
         got[host] = [r.output for p in (a, b, c) for r in eng.generate([p], NEW)]
-        assert eng.stats["evicted"] >= 1  # b's 4 pages need a's cached 2
-        assert eng.stats["host_hits"] == (1 if host else 0)
-        assert eng.stats["host_hit_tokens"] == (32 if host else 0) and eng.stats["hits"] == 0
+        assert eng.stats.evicted >= 1  # b's 4 pages need a's cached 2
+        assert eng.stats.host_hits == (1 if host else 0)
+        assert eng.stats.host_hit_tokens == (32 if host else 0) and eng.stats.hits == 0
         eng.check_integrity()
         if host:
             assert eng.host is not None and eng.host.nbytes == eng.layout.pool_bytes(8, 1)

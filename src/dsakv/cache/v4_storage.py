@@ -32,6 +32,7 @@ import torch
 from dsakv.cache.storage import Segments, StorageBackend, StorageConfig, StorageError, make_storage
 from dsakv.cache.v4_pool import V4Pool
 from dsakv.spec.v4_layout import V4Layout
+from dsakv.util.stats import Stats
 
 log = logging.getLogger(__name__)
 PARTS = ("pages", "state")
@@ -72,6 +73,18 @@ class V4StoredLayout:
         return {"arch": "deepseek_v4", "part": self.part, **lay.identity(), "keys": bufs}
 
 
+@dataclass
+class L3Stats(Stats):
+    """The L3 tier's counters (the V4 engine's cache stats show them by these names)."""
+
+    l3_page_writes: int = 0  # pages stored
+    l3_state_writes: int = 0  # prefix states stored
+    l3_hits: int = 0  # prefixes loaded
+    l3_hit_tokens: int = 0  # ... their tokens
+    l3_refused: int = 0  # loads refused (a page or state missing or failing its check)
+    l3_errors: int = 0  # storage errors (store, lookup, load)
+
+
 class V4Storage:
     """L3 of one V4 engine (see module docstring). `stats`: pages / states written, hits, refused reads."""
 
@@ -92,8 +105,7 @@ class V4Storage:
             if hasattr(self, "states"):
                 self.states.close()
             raise
-        self.stats = {"l3_page_writes": 0, "l3_state_writes": 0, "l3_hits": 0, "l3_hit_tokens": 0}
-        self.stats.update({"l3_refused": 0, "l3_errors": 0})
+        self.stats = L3Stats()
         self.last_refusal = ""
 
     # ---- segments of the staging pool ------------------------------------------------
@@ -121,12 +133,12 @@ class V4Storage:
                 m = int(ids.numel())
                 for b in self.layout.paged:
                     self.stage.paged(b.key)[:m] = pool.paged(b.key)[ids].to("cpu")
-                self.stats["l3_page_writes"] += self.pages.put(hs[s : s + m], [self._page_segs(i) for i in range(m)])
+                self.stats.l3_page_writes += self.pages.put(hs[s : s + m], [self._page_segs(i) for i in range(m)])
             for st in self.layout.states:
                 self.stage.state(st.key)[0] = pool.state(st.key)[slot].to("cpu")
-            self.stats["l3_state_writes"] += self.states.put([hs[-1]], [self._state_segs()])
+            self.stats.l3_state_writes += self.states.put([hs[-1]], [self._state_segs()])
         except StorageError as e:
-            self.stats["l3_errors"] += 1
+            self.stats.l3_errors += 1
             log.warning("V4 L3: storing a %d-page prefix failed (%s); it is not a hit", k, e)
             return False
         return True
@@ -144,7 +156,7 @@ class V4Storage:
                 if self.states.count_present([hs[k - 1]]) == 1:
                     return k
         except StorageError as e:
-            self.stats["l3_errors"] += 1
+            self.stats.l3_errors += 1
             log.warning("V4 L3: lookup failed (%s); computing instead", e)
         return 0
 
@@ -166,17 +178,17 @@ class V4Storage:
                 for b in self.layout.paged:
                     pool.paged(b.key)[ids] = self.stage.paged(b.key)[:m].to(pool.device)
         except StorageError as e:
-            self.stats["l3_errors"] += 1
+            self.stats.l3_errors += 1
             log.warning("V4 L3: loading a %d-page prefix failed (%s); computing instead", k, e)
             return False
         for st in self.layout.states:  # the states object was read first, and the staging slot is not reused
             pool.state(st.key)[slot] = self.stage.state(st.key)[0].to(pool.device)
-        self.stats["l3_hits"] += 1
-        self.stats["l3_hit_tokens"] += k * self.layout.page
+        self.stats.l3_hits += 1
+        self.stats.l3_hit_tokens += k * self.layout.page
         return True
 
     def _refused(self, reason: str, what: str) -> bool:
-        self.stats["l3_refused"] += 1
+        self.stats.l3_refused += 1
         self.last_refusal = f"{what}: {reason or 'missing'}"
         log.warning("V4 L3: %s refused (%s); computing the prompt instead", what, reason or "missing")
         return False

@@ -18,7 +18,7 @@ from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
 
 if TYPE_CHECKING:
-    from dsakv.disagg.protocol.messages import Health
+    from dsakv.disagg.protocol.messages import DecodeHealth, PrefillHealth
 
 DEMO_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 DEMO_CHAT = [{"role": "user", "content": "Hello, sparse attention!"}]
@@ -58,10 +58,16 @@ def _complete(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     return dict(r.json()["choices"][0])
 
 
-def _stage_health(addr: str) -> Health:
-    from dsakv.disagg.protocol.messages import fetch_health
+def _prefill_health(addr: str) -> PrefillHealth:
+    from dsakv.disagg.protocol.messages import prefill_health
 
-    return fetch_health(addr, timeout=10)
+    return prefill_health(addr, timeout=10)
+
+
+def _decode_health(addr: str) -> DecodeHealth:
+    from dsakv.disagg.protocol.messages import decode_health
+
+    return decode_health(addr, timeout=10)
 
 
 def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str, int], status: Any) -> dict[str, Any]:
@@ -148,13 +154,13 @@ def _script(args: argparse.Namespace, url: str, model_dir: Path, ports: dict[str
     prompt_pages = sum(ceil_div(len(p), args.page_size) for p in [*prompts, list(chat_prompt)])
     rows = []
     for k in range(args.pp_size):
-        h = _stage_health(f"127.0.0.1:{ports['prefill'] + k}")
+        h = _prefill_health(f"127.0.0.1:{ports['prefill'] + k}")
         rows.append({"stage": k, "layers": h.layers, **(asdict(h.transfer) if h.transfer else {})})
     _print_transfers(args, rows, model_dir, prompt_pages)
     out["transfer"] = rows
     if args.prefill_prefix_cache:
         out["prefill_prefix_cache"] = pc = _prefill_cache_check(args, url, ports["prefill"], prompts[0], got[0])
-    dec = _stage_health(f"127.0.0.1:{ports['decode']}")
+    dec = _decode_health(f"127.0.0.1:{ports['decode']}")
     out["decode_integrity"] = dec.integrity
     if args.speculative_num_steps:
         out["speculative"] = sp = dec.spec or {}
@@ -201,9 +207,9 @@ def _prefill_cache_check(
 ) -> dict[str, Any]:
     """Send request 0 again (its prefix is in the prefill's cache by now) and read stage 0's prefix-cache counters
     (the prefill "health" RPC) before and after."""
-    before = (_stage_health(f"127.0.0.1:{port}").prefix_cache or {}).get("hit_tokens", 0)
+    before = (_prefill_health(f"127.0.0.1:{port}").prefix_cache or {}).get("hit_tokens", 0)
     again = list(_complete(url, prompt, args.max_tokens)["token_ids"])
-    h = _stage_health(f"127.0.0.1:{port}")
+    h = _prefill_health(f"127.0.0.1:{port}")
     stats = h.prefix_cache or {}
     out = {
         "hit_tokens": stats.get("hit_tokens", 0),

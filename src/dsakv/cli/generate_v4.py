@@ -59,7 +59,7 @@ def run_v4(args: argparse.Namespace, prompts: list[list[int]], stop: list[int]) 
         lay = eng.layout
         print(
             json.dumps({"steps": eng.steps, "pool_bytes": eng.pool.nbytes, "bytes_per_page": lay.bytes_per_page,
-                        "state_bytes_per_request": lay.state_bytes_per_request, **eng.stats}),
+                        "state_bytes_per_request": lay.state_bytes_per_request, **eng.stats.as_dict()}),
             file=sys.stderr,
         )  # fmt: skip
     return 0

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from signal import SIGKILL
 from typing import Any, cast
 
@@ -259,6 +260,42 @@ def _join(rank: int, size: int, port: int, device: str, children: Sequence[Proc]
 _STOP = "stop"
 
 
+@dataclass(frozen=True)
+class AddOp:
+    """Rank 0 added request `rid` (its params carry the seed rank 0 drew)."""
+
+    prompt: list[int]
+    params: Any
+    rid: str
+
+
+@dataclass(frozen=True)
+class PreallocOp:
+    """A decode worker's rank 0 reserved `pages` for request `rid` (a follower must reserve the same ones)."""
+
+    rid: str
+    prompt: list[int]
+    params: Any
+    pages: list[int]
+
+
+@dataclass(frozen=True)
+class StartOp:
+    """Rank 0 started decoding request `rid` (its KV landed): Engine.start_decode(rid, *args, **kw)."""
+
+    rid: str
+    args: tuple[Any, ...]
+    kw: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AbortOp:
+    rid: str
+
+
+RankOp = AddOp | PreallocOp | StartOp | AbortOp  # one entry of a step's request log (pickled to the followers)
+
+
 class RankedEngine:
     """Rank 0's engine in a served TP group: the Engine API (add_request, abort, step, everything else passed
     through), with each step's request log broadcast to ranks 1..T-1 before the step runs (`follow`).
@@ -275,7 +312,7 @@ class RankedEngine:
         import threading
 
         self.engine, self.ranks = engine, ranks
-        self._log: list[tuple[Any, ...]] = []
+        self._log: list[RankOp] = []
         self._lock = threading.Lock()
         self._rng = random.Random(getattr(getattr(engine, "config", None), "seed", None))  # as Engine draws
         self._closed = False
@@ -296,7 +333,7 @@ class RankedEngine:
         params = self._seeded(params)
         with self._lock:
             rid = self.engine.add_request(prompt_ids, params, request_id=request_id)
-            self._log.append(("add", list(prompt_ids), params, rid))
+            self._log.append(AddOp(list(prompt_ids), params, rid))
         return str(rid)
 
     def prealloc(self, request_id: str, prompt_ids: Sequence[int], params: Any = None) -> Any:
@@ -304,19 +341,19 @@ class RankedEngine:
         params = self._seeded(params)
         with self._lock:
             pages = self.engine.prealloc(request_id, prompt_ids, params)
-            self._log.append(("prealloc", request_id, list(prompt_ids), params, [int(p) for p in pages]))
+            self._log.append(PreallocOp(request_id, list(prompt_ids), params, [int(p) for p in pages]))
         return pages
 
     def start_decode(self, request_id: str, *args: Any, **kw: Any) -> Any:
         with self._lock:
             out = self.engine.start_decode(request_id, *args, **kw)
-            self._log.append(("start", request_id, args, kw))
+            self._log.append(StartOp(request_id, args, kw))
         return out
 
     def abort(self, request_id: str) -> Any:
         with self._lock:
             out = self.engine.abort(request_id)
-            self._log.append(("abort", request_id))
+            self._log.append(AbortOp(request_id))
         return out
 
     def step(self) -> Any:
@@ -370,20 +407,18 @@ def follow(engine: Any, ranks: Ranks) -> int:
         if log_ == _STOP:
             ranks.close()
             return 0
-        for entry in log_:
-            if entry[0] == "add":
-                _, prompt, params, rid = entry
-                engine.add_request(prompt, params, request_id=rid)
-            elif entry[0] == "prealloc":
-                _, rid, prompt, params, pages = entry
-                got = [int(p) for p in engine.prealloc(rid, prompt, params)]
-                if got != pages:
+        for op in log_:
+            if isinstance(op, AddOp):
+                engine.add_request(op.prompt, op.params, request_id=op.rid)
+            elif isinstance(op, PreallocOp):
+                got = [int(p) for p in engine.prealloc(op.rid, op.prompt, op.params)]
+                if got != op.pages:
                     raise RanksDiverged(
-                        f"TP rank {ranks.rank} reserved pages {got[:8]} for request {rid}, rank 0 {pages[:8]}: the "
-                        "ranks diverged (the prefill wrote rank 0's pages into every rank's pool)"
+                        f"TP rank {ranks.rank} reserved pages {got[:8]} for request {op.rid}, rank 0 {op.pages[:8]}: "
+                        "the ranks diverged (the prefill wrote rank 0's pages into every rank's pool)"
                     )
-            elif entry[0] == "start":
-                engine.start_decode(entry[1], *entry[2], **entry[3])
+            elif isinstance(op, StartOp):
+                engine.start_decode(op.rid, *op.args, **op.kw)
             else:
-                engine.abort(entry[1])
+                engine.abort(op.rid)
         engine.step()

@@ -37,6 +37,7 @@ from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
 from dsakv.util import ceil_div
+from dsakv.util.stats import Stats
 
 
 @dataclass
@@ -64,6 +65,20 @@ class V4Request:
     @property
     def finish_reason(self) -> str:
         return "stop" if self.output and self.output[-1] in self.eos else "length"
+
+
+@dataclass
+class V4CacheStats(Stats):
+    """The V4 engine's prefix-cache counters (its cache stats show them by these names)."""
+
+    hits: int = 0  # prompts that reused a device-cached prefix
+    hit_tokens: int = 0  # ... its tokens
+    snapshots: int = 0  # prefix states snapshotted
+    snapshot_bytes: int = 0
+    evicted: int = 0  # cached prefixes evicted from the device
+    host_writes: int = 0  # evicted prefixes kept on the host tier
+    host_hits: int = 0  # prompts that reused a host-tier prefix
+    host_hit_tokens: int = 0
 
 
 class V4Engine:
@@ -101,8 +116,7 @@ class V4Engine:
         self.prefix_cache = prefix_cache
         # prompt prefix (whole pages) -> (page ids, state snapshot per state key); insertion order = LRU order
         self._cache: OrderedDict[tuple[int, ...], tuple[np.ndarray, dict[BufferKey, torch.Tensor]]] = OrderedDict()
-        self.stats = {"hits": 0, "hit_tokens": 0, "snapshots": 0, "snapshot_bytes": 0, "evicted": 0}
-        self.stats.update({"host_writes": 0, "host_hits": 0, "host_hit_tokens": 0})
+        self.stats = V4CacheStats()
         # host tier: the same layout (each kind only where read) on the CPU, for prefixes evicted from the device
         self.host: V4Pool | None = None
         self._host_cache: OrderedDict[tuple[int, ...], tuple[np.ndarray, dict[BufferKey, torch.Tensor]]] = OrderedDict()
@@ -161,7 +175,7 @@ class V4Engine:
             key, (ids, snap) = self._cache.popitem(last=False)
             self._to_host(key, ids, snap)
             self.pages.release(("prefix", key))
-            self.stats["evicted"] += 1
+            self.stats.evicted += 1
         return self.pages.can_alloc(need)
 
     def _insert(self, key: tuple[int, ...], ids: np.ndarray, snap: dict[BufferKey, torch.Tensor]) -> None:
@@ -177,8 +191,8 @@ class V4Engine:
             return
         snap = {s.key: self.pool.state(s.key)[req.slot].clone() for s in self.layout.states}
         self._insert(key, req.page_ids[: b // self.page_size], snap)
-        self.stats["snapshots"] += 1
-        self.stats["snapshot_bytes"] += self.layout.state_bytes_per_request
+        self.stats.snapshots += 1
+        self.stats.snapshot_bytes += self.layout.state_bytes_per_request
         if self.l3 is not None:  # write-through: pages 0..k-1 and the state at k
             self.l3.put(req.prompt, self.pool, req.page_ids[: b // self.page_size], req.slot)
 
@@ -197,7 +211,7 @@ class V4Engine:
         for b in self.layout.paged:
             self.host.paged(b.key)[torch.from_numpy(hids)] = self.pool.paged(b.key)[dev].to(self.host.device)
         self._host_cache[key] = (hids, {k: t.to(self.host.device) for k, t in snap.items()})
-        self.stats["host_writes"] += 1
+        self.stats.host_writes += 1
 
     def _host_lookup(self, prompt: list[int]) -> tuple[int, tuple[int, ...] | None]:
         if self.host is None:
@@ -264,14 +278,14 @@ class V4Engine:
                     self.pool.state(skey)[req.slot] = t
                 req.page_ids = np.concatenate([ids, fresh])
                 req.num_computed = req.cached_tokens = k * self.page_size
-                self.stats["hits"] += 1
-                self.stats["hit_tokens"] += req.num_computed
+                self.stats.hits += 1
+                self.stats.hit_tokens += req.num_computed
             elif hkey is not None:
                 self._load_from_host(hkey, fresh[:hk], req.slot)
                 req.page_ids = fresh
                 req.num_computed = req.cached_tokens = hk * self.page_size
-                self.stats["host_hits"] += 1
-                self.stats["host_hit_tokens"] += req.num_computed
+                self.stats.host_hits += 1
+                self.stats.host_hit_tokens += req.num_computed
             else:
                 req.page_ids = fresh
                 if lk and self.l3 is not None and self.l3.load(req.prompt, lk, self.pool, fresh, req.slot):

@@ -208,10 +208,10 @@ class V4ServingEngine:
         with self._lock:
             if not self.engine.prefix_cache:
                 return None
-            st: dict[str, Any] = {**self.engine.stats, "device_hit_tokens": self.engine.stats["hit_tokens"]}
+            st: dict[str, Any] = {**self.engine.stats.as_dict(), "device_hit_tokens": self.engine.stats.hit_tokens}
             st["lookup_tokens"] = self._lookup_tokens
             if self.engine.l3 is not None:
-                st.update(self.engine.l3.stats, disk_hit_tokens=self.engine.l3.stats["l3_hit_tokens"])
+                st.update(self.engine.l3.stats.as_dict(), disk_hit_tokens=self.engine.l3.stats.l3_hit_tokens)
             return st
 
     def hisparse_stats(self) -> None:

@@ -22,6 +22,7 @@ the pipeline's own modules.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Generic
 
 import torch
@@ -33,6 +34,16 @@ from dsakv.pipeline.batch import decode_batch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 from dsakv.pipeline.step import STEP, STOP, P, PayloadOf, PipeStep
+from dsakv.util.stats import Stats
+
+
+@dataclass
+class FollowerStats(Stats):
+    """A following stage's counters (a decode stage's health shows them)."""
+
+    steps: int = 0  # steps this stage ran
+    ticks: int = 0  # idle ticks passed on
+    pages_peak: int = 0  # the most pages its mirror held at once
 
 
 class StageHooks(Generic[P]):
@@ -72,7 +83,7 @@ class StageFollower(Generic[P]):
         self.hooks: StageHooks[P] = hooks if hooks is not None else StageHooks()
         self.rank, self.size = group.rank, group.size
         self.last = self.rank == self.size - 1
-        self.counters = dict.fromkeys(("steps", "ticks", "pages_peak"), 0)
+        self.stats = FollowerStats()
 
     def iteration(self) -> str:
         """Receive, mirror and run (or pass on) one message from stage k-1; its kind (STEP, TICK or STOP)."""
@@ -87,9 +98,9 @@ class StageFollower(Generic[P]):
             hooks.booked(step)
             for rid, pages in step.hold.items():
                 self.mirror.hold(rid, pages)
-        self.counters["pages_peak"] = max(self.counters["pages_peak"], self.mirror.num_used)
+        self.stats.pages_peak = max(self.stats.pages_peak, self.mirror.num_used)
         if step.kind != STEP:
-            self.counters["ticks"] += step.kind != STOP
+            self.stats.ticks += step.kind != STOP
             if not self.last:
                 self.group.send_next(msg)
             return step.kind
@@ -103,7 +114,7 @@ class StageFollower(Generic[P]):
         else:
             self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
         hooks.stepped(step, batch, carry)
-        self.counters["steps"] += 1
+        self.stats.steps += 1
         return STEP
 
     def forget(self) -> None:

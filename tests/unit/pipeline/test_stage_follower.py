@@ -99,7 +99,7 @@ def test_books_order_and_ticks_passed_on_unchanged() -> None:
         ("booked", (Note("3"), ["b", "keep"])),
     ]
     assert mirror.held_by("keep") == [3] and mirror.held_by("b") == [4] and mirror.held_by("a") == []
-    assert f.counters["ticks"] == 2
+    assert f.stats.ticks == 2
 
 
 def test_round_trip_default_sends_the_logits_back_to_stage_0() -> None:

@@ -2,7 +2,7 @@
 prefill stage can still write them, deadlines, the liveness verdicts on the stages they wait for, and which
 processes may report for them (the stage registered at prealloc, or its re-registered restart).
 
-    book = InboundBook(ledger, name=..., lock=..., counters=..., outputs=..., registry=..., quarantine_s=...,
+    book = InboundBook(ledger, name=..., lock=..., stats=..., outputs=..., registry=..., quarantine_s=...,
                        abort_choices=..., wake=..., timeouts=..., stopping=...)
     book.fail(inb, error)            FAILED, its one event (DecodeOutputs.failed); pages stay held ...
     book.revoke_failed()             ... while each stage that has not reported is asked to revoke its write (REVOKE:
@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from dsakv.disagg.decode.liveness import ping_stage, revoke_stage, stage_waits
 from dsakv.disagg.decode.outputs import DecodeOutputs
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.errors import Forbidden
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.rpc import RpcError
@@ -45,7 +46,7 @@ class InboundBook:
         *,
         name: str,
         lock: threading.RLock,
-        counters: dict[str, int],
+        stats: DecodeStats,
         outputs: DecodeOutputs,
         registry: StageRegistry,
         quarantine_s: float,
@@ -55,7 +56,7 @@ class InboundBook:
         stopping: threading.Event,
         release_slot: Callable[[InboundKv], None] | None = None,
     ) -> None:
-        self.inbound, self.name, self.lock, self.counters = inbound, name, lock, counters
+        self.inbound, self.name, self.lock, self.stats = inbound, name, lock, stats
         self.outputs, self.registry, self.quarantine_s = outputs, registry, quarantine_s
         self.abort_choices, self.wake, self.t, self.stopping = abort_choices, wake, timeouts, stopping
         self.silent_since: dict[str, float] = {}  # stage address -> when its pings began to go unanswered
@@ -63,7 +64,7 @@ class InboundBook:
 
     def fail(self, inb: InboundKv, error: str, reason: str = "error") -> None:
         self.inbound.move(inb, Phase.FAILED, error)
-        self.counters["kv_failed"] += 1
+        self.stats.kv_failed += 1
         self.outputs.failed(inb.rid, reason, error)
         log.warning("decode %s: request %s failed before decoding: %s", self.name, inb.rid, error)
 
@@ -89,7 +90,7 @@ class InboundBook:
         return {b for b in (inb.stage_boot.get(k), now) if b}
 
     def refuse_report(self, what: str, why: str) -> Forbidden:
-        self.counters["reports_refused"] += 1
+        self.stats.reports_refused += 1
         log.warning("decode %s: refused %s: %s", self.name, what, why)
         return Forbidden(f"decode {self.name}: {what} refused: {why}")
 
@@ -135,7 +136,7 @@ class InboundBook:
                 if r.in_flight or r.boot not in self.boots(inb, k) or self.inbound.get(inb.rid) is not inb:
                     continue
                 inb.revoked.add(k)
-                self.counters["revoked"] = self.counters.get("revoked", 0) + 1
+                self.stats.revoked += 1
                 self.maybe_release(inb)
 
     def stage_verdict(

@@ -16,6 +16,7 @@ import torch
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.inbound import InboundBook
 from dsakv.disagg.decode.outputs import DecodeOutputs
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import KvFailed, Prealloc, Preallocated, StageDoneReply
@@ -64,7 +65,7 @@ class KvIn:
     inbound: Ledger[InboundKv]
     book: InboundBook
     outputs: DecodeOutputs
-    counters: dict[str, int]
+    stats: DecodeStats
     _lock: threading.RLock
     _wake: threading.Event
 
@@ -79,7 +80,7 @@ class KvIn:
             )
         stages = self.registry.stages_of(prefill, n)
         if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
-            self.counters["busy"] += 1
+            self.stats.busy += 1
             raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
         st = self.engine.stats()
         need = ceil_div(len(prompt) + 1, st.page_size)
@@ -87,7 +88,7 @@ class KvIn:
             tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
             need += (p.params.n - 1) * ceil_div(tail + 1, st.page_size)
         if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
-            self.counters["busy"] += 1
+            self.stats.busy += 1
             raise NoFreePages(
                 f"decode {self.name}: {st.pages_free} free pages, {need} needed + {st.num_running} kept for the "
                 "running requests: retry when requests finish"
@@ -114,7 +115,7 @@ class KvIn:
             if inb.slot >= 0:
                 inb.slot_dst, inb.slot_keys = written, keys
             elif wanted:
-                self.counters["staging_no_slot"] += 1
+                self.stats.staging_no_slot += 1
             inb.grant = grants.sign(
                 self.grant_key,
                 rid=rid,
@@ -125,7 +126,7 @@ class KvIn:
                 slot=inb.slot,
                 slot_pages=len(inb.slot_dst),
             )
-            self.counters["prealloc"] += 1
+            self.stats.prealloc += 1
         return Preallocated(pages=page_list(pages), boot=self.boot, grant=inb.grant)
 
     def _scatter_and_start(self, inb: InboundKv) -> StageDoneReply:
@@ -147,7 +148,7 @@ class KvIn:
         with self._lock:
             inb.scattering = False
             if err is None:
-                self.counters["staged_in"] += 1
+                self.stats.staged_in += 1
                 log.debug(
                     "decode %s: %s scattered %d B from staging slot %d into %d pages in %.4fs", self.name, inb.rid,
                     nbytes, inb.slot, len(inb.slot_dst), time.perf_counter() - t0,
@@ -202,6 +203,6 @@ class KvIn:
             draft_hidden=draft_hidden_of(inb, self.engine.spec.hidden_size),
         )
         self.inbound.move(inb, Phase.DECODING)
-        self.counters["started"] += 1
-        self.counters["kv_bytes"] += inb.bytes
+        self.stats.started += 1
+        self.stats.kv_bytes += inb.bytes
         self._wake.set()

@@ -1,7 +1,7 @@
 """The decode worker's engine outputs -> its EventLog: one event stream per request, with the choices of an
 n > 1 request in it, and nothing from a request that failed before decoding.
 
-    outputs = DecodeOutputs(events, counters, lock)
+    outputs = DecodeOutputs(events, stats, lock)
     outputs.add(rid, n)             at PREALLOC: choice 0 runs as `rid`, choice i > 0 as '<rid>/<i>' (the engine
                                     forks them after the first token)
     outputs.engine_ids(rid)         every choice's engine id, the forks first (abort them before choice 0: aborting
@@ -20,13 +20,14 @@ import threading
 from collections.abc import Sequence
 
 from dsakv.disagg.decode.events import EventLog
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.messages import WireLogprobs
 from dsakv.engine.request import RequestOutput
 
 
 class DecodeOutputs:
-    def __init__(self, events: EventLog, counters: dict[str, int], lock: threading.RLock) -> None:
-        self.events, self.counters, self.lock = events, counters, lock
+    def __init__(self, events: EventLog, stats: DecodeStats, lock: threading.RLock) -> None:
+        self.events, self.stats, self.lock = events, stats, lock
         self._suppress: set[str] = set()  # failed while inbound: their abort output is not an event
         self._choices: dict[str, int] = {}  # n > 1 requests: how many choices (the forks '<rid>/<i>' abort with it)
         self._forks_left: dict[str, int] = {}  # ... and how many of its forks have not finished
@@ -65,9 +66,9 @@ class DecodeOutputs:
                 if o.finished:
                     self._suppress.discard(o.request_id)
                 continue
-            self.counters["tokens"] += len(o.new_token_ids)
+            self.stats.tokens += len(o.new_token_ids)
             if o.finished:
-                self.counters["finished"] += 1
+                self.stats.finished += 1
             self._event(o)
         return len(outs)
 

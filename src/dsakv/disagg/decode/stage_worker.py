@@ -14,7 +14,7 @@ from typing import Any
 from dsakv.cache.device_pool import DevicePool
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape
-from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE, Health, PingReply
+from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE, DecodeHealth, PingReply
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
@@ -132,9 +132,9 @@ class DecodeStageWorker:
     def integrity(self) -> str:
         return self.mirror.integrity()
 
-    def health(self) -> Health:
+    def health(self) -> DecodeHealth:
         used = self.mirror.num_used
-        return Health(
+        return DecodeHealth(
             ok=self.group.formed and self.down_reason is None and not self.service.stopping.is_set(),
             role="decode",
             name=self.name,
@@ -149,7 +149,7 @@ class DecodeStageWorker:
             capacity_tokens=self.num_pages * self.layout.page_size,
             bytes_per_token=self.layout.bytes_per_token,
             integrity=self.integrity(),
-            counters={**self.follower.counters, "breaks": self.breaks},
+            counters={**self.follower.stats.as_dict(), "breaks": self.breaks},
             stage=self.rank,
             num_stages=self.size,
             epoch=self.group.epoch,

@@ -1,6 +1,6 @@
 """Read-only views of a DecodeWorker: its HEALTH reply and the integrity check of its books.
 
-    decode_views.health(worker)     -> Health (pools, inbound / failed-held requests, registered prefill stages,
+    decode_views.health(worker)     -> DecodeHealth (pools, inbound / failed-held requests, registered prefill stages,
                                        counters, integrity, MTP counters, a pipeline's fields from stage 0)
     decode_views.integrity(worker)  -> "ok", or what does not balance (the engine's books; the requests the engine
                                        holds waiting for KV == the ones the inbound ledger tracks; the staging
@@ -20,8 +20,9 @@ from typing import Any, Protocol
 from dsakv.disagg.decode import stage as decode_stage
 from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.ranks import DecodeTP
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
-from dsakv.disagg.protocol.messages import Health, StageInfo
+from dsakv.disagg.protocol.messages import DecodeHealth, StageInfo
 from dsakv.disagg.transfer.staging import StagingSlots
 from dsakv.engine.engine import Engine
 
@@ -30,7 +31,7 @@ class DecodeState(decode_stage.DecodeWorker, Protocol):
     """What the views read of a decode worker (decode_worker.DecodeWorker), on top of what its pipeline reads."""
 
     cfg: DecodeConfig
-    counters: dict[str, int]
+    stats: DecodeStats
     inbound: Ledger[InboundKv]
     pipeline: decode_stage.DecodePipeline | None
     slots: StagingSlots | None
@@ -63,14 +64,14 @@ def integrity(w: DecodeState) -> str:
     return "ok"
 
 
-def health(w: DecodeState) -> Health:
+def health(w: DecodeState) -> DecodeHealth:
     """The HEALTH reply of decode worker `w` (stage 0's, with the pipeline's fields, for a pipelined decode)."""
     st = w.engine.stats()
     with w._lock:
         failed_held = len(w.inbound.in_phase(Phase.FAILED))
         inbound = len(w.inbound) - failed_held
     extra = w.pipeline.health_fields(w) if w.pipeline is not None else w.tp.health_fields()
-    return Health(
+    return DecodeHealth(
         ok=not w.service.stopping.is_set() and extra.get("down") is None,
         role="decode",
         name=w.name,
@@ -94,7 +95,7 @@ def health(w: DecodeState) -> Health:
             StageInfo(stage=e.stage, rpc=e.rpc, prefill=e.prefill, layers=[e.layer_start, e.layer_end - 1])
             for e in w.registry.entries()
         ],
-        counters=dict(w.counters),
+        counters=w.stats.as_dict(),
         integrity=w.integrity(),
         spec=spec_counters(w.engine),
         staging_slots=[w.slots.free, w.slots.num_slots] if w.slots is not None else None,

@@ -36,6 +36,7 @@ from dsakv.disagg.decode.inbound import InboundBook
 from dsakv.disagg.decode.kv_in import KvIn
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.decode.ranks import DecodeTP
+from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.lifecycle import DECODE, InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import (
@@ -47,9 +48,9 @@ from dsakv.disagg.protocol.messages import (
     PREALLOC,
     STAGE_DONE,
     Abort,
+    DecodeHealth,
     Events,
     EventsQuery,
-    Health,
     Hello,
     HelloReply,
     StageDone,
@@ -121,14 +122,13 @@ class DecodeWorker(KvIn):
         self.inbound: Ledger[InboundKv] = Ledger(DECODE, clock, keep_done=False)
         self._lock = threading.RLock()
         self._wake = threading.Event()
-        names = ("prealloc", "busy", "started", "kv_failed", "finished", "tokens", "kv_bytes", "reports_refused")
-        self.counters = dict.fromkeys((*names, "staged_in", "staging_no_slot"), 0)
-        self.outputs = DecodeOutputs(self.events, self.counters, self._lock)
+        self.stats = DecodeStats()  # its health's counters
+        self.outputs = DecodeOutputs(self.events, self.stats, self._lock)
         self.book = InboundBook(
             self.inbound,
             name=self.name,
             lock=self._lock,
-            counters=self.counters,
+            stats=self.stats,
             outputs=self.outputs,
             registry=self.registry,
             quarantine_s=self.backend.quarantine_s,
@@ -183,7 +183,7 @@ class DecodeWorker(KvIn):
         """decode_views.integrity: 'ok', or what does not balance in the engine's and the inbound ledger's books."""
         return decode_views.integrity(self)
 
-    def health(self) -> Health:
+    def health(self) -> DecodeHealth:
         """decode_views.health: the HEALTH reply."""
         return decode_views.health(self)
 

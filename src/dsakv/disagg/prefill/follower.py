@@ -30,6 +30,7 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.stage_context import StageContext, job_of
+from dsakv.disagg.prefill.stats import HostReplayStats
 from dsakv.disagg.prefill.step import PrefillRow, PrefillStep
 from dsakv.disagg.protocol.lifecycle import Phase, StageJob
 from dsakv.disagg.protocol.messages import RELEASED, Released
@@ -67,7 +68,7 @@ class PrefillFollower(StageHooks[PrefillStep]):
             _, host_pages = host_pages_for(ctx.layouts[0], ctx.num_pages, cache.hicache_ratio, cache.hicache_size)
             self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)
-        self.replayed = {"offload_pages": 0, "load_pages": 0}
+        self.replayed = HostReplayStats()
         self._row_errors: dict[str, str] = {}  # request id -> its own error, failed at its last chunk
         self._firsts: Firsts = {}  # the last stage: this step's first tokens (last_stage -> stepped)
         model_dir = ctx.cfg.model
@@ -105,8 +106,8 @@ class PrefillFollower(StageHooks[PrefillStep]):
                     "every stage with the same --hicache-* options"
                 )
             off, loaded = replay(meta.host_ops, self.host_pool, self.pool)
-            self.replayed["offload_pages"] += off
-            self.replayed["load_pages"] += loaded
+            self.replayed.offload_pages += off
+            self.replayed.load_pages += loaded
         if meta.cache is not None:
             self.mirror.set_cached(np.frombuffer(meta.cache, dtype=np.int32).tolist())
         now = ctx.jobs.now()
@@ -136,7 +137,7 @@ class PrefillFollower(StageHooks[PrefillStep]):
         firsts, self._firsts = self._firsts, {}
         drafts = self._draft(batch, carry, rows, firsts) if ctx.draft is not None else {}
         with self.lock:
-            ctx.counters["steps"] += 1
+            ctx.stats.steps += 1
             for row in rows:
                 job = ctx.jobs.get(row.rid)
                 why = self._row_errors.pop(row.rid, None) if row.last else None
@@ -281,4 +282,4 @@ class PrefillFollower(StageHooks[PrefillStep]):
 
     def health_fields(self) -> dict[str, Any]:
         with self.lock:
-            return {"host_replayed": dict(self.replayed)}
+            return {"host_replayed": self.replayed.as_dict()}

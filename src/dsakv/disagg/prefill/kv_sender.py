@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import TransferTimeout
 from dsakv.disagg.protocol.lifecycle import StageJob
@@ -89,7 +90,7 @@ class KvSender:
         stage: int,
         timeouts: Timeouts,
         notifier: Notifier,
-        counters: dict[str, int],
+        stats: PrefillStats,
         on_done: Callable[[StageJob, bool], None],
         debug_delay: float = 0.0,
         debug_fail: tuple[int, int] | None = None,
@@ -104,7 +105,7 @@ class KvSender:
         self.stage = stage
         self.t = timeouts
         self.notifier = notifier
-        self.counters = counters
+        self.stats = stats
         self.on_done = on_done
         self.debug_delay = debug_delay
         self.debug_fail = debug_fail
@@ -225,7 +226,7 @@ class KvSender:
         except BaseException:
             st.release()
             raise
-        self.counters["transfers_staged"] = self.counters.get("transfers_staged", 0) + 1
+        self.stats.transfers_staged += 1
         log.debug(
             "prefill %s stage %d: staged %d pages, %d blocks -> %d", self.prefill, self.stage, plan.num_pages,
             plan.num_blocks, staged.num_blocks,
@@ -284,7 +285,7 @@ class KvSender:
                     plan, staged = self._plan(plan)
                 if into:
                     plan, slot = plan.coalesced(), g.slot
-                    self.counters["transfers_into_slot"] = self.counters.get("transfers_into_slot", 0) + 1
+                    self.stats.transfers_into_slot += 1
                 handles.append((part, self.backend.submit(part.peer, plan.blocks, time.monotonic() + left)))
             return x, handles, None, staged, slot
         except (DsakvError, ValueError) as e:
@@ -323,7 +324,10 @@ class KvSender:
                 "prefill %s stage %d: could not report %s to decode %s: %s", self.prefill, self.stage, job.rid,
                 job.decode, e,
             )  # fmt: skip
-        self.counters["transferred" if err is None else "transfer_failed"] += 1
+        if err is None:
+            self.stats.transferred += 1
+        else:
+            self.stats.transfer_failed += 1
         self.on_done(job, err is None)
         with self._lock:
             self._busy -= 1

@@ -32,6 +32,7 @@ import numpy as np
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache
+from dsakv.disagg.prefill.control import AbortJob, ControlEvent, StageReleased
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.leader_views import LeaderViews
 from dsakv.disagg.prefill.prefix_events import PrefixEvents
@@ -94,7 +95,7 @@ class PipelineLeader(LeaderViews):
             self.copy_log = HostCopyLog()
             self.cache.add_observer(self.copy_log)
         self._cache_sent: tuple[int, ...] | None = None  # the cache page set later stages last got
-        self._control: deque[tuple[str, str, str]] = deque()  # (op, rid, arg): abort / released
+        self._control: deque[ControlEvent] = deque()  # from the RPC threads and the sender, for the loop
         self.books = StepBooks()  # the drops later stages apply with the next step or tick (each row's pages: hold)
         self._last_send = 0.0
         self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
@@ -153,7 +154,7 @@ class PipelineLeader(LeaderViews):
             )
             ctx.jobs.add(job)
             job.deadline = ctx.jobs.now() + p.kv_timeout
-            ctx.counters["submitted"] += 1
+            ctx.stats.submitted += 1
         ctx.wake.set()
         return Submitted(accepted=True, epoch=ctx.group.epoch)
 
@@ -172,13 +173,13 @@ class PipelineLeader(LeaderViews):
                 raise GrantRefused(f"request {p.rid}: the decode revoked its page grant (it gave up on the request)")
             self.spent.spend(g)
         except GrantRefused as e:
-            ctx.counters["grants_refused"] = ctx.counters.get("grants_refused", 0) + 1
+            ctx.stats.grants_refused += 1
             log.warning("prefill %s: submit of %s refused: %s", ctx.name, p.rid, e)
             raise
 
     def abort(self, p: Abort) -> bool:
         with self.lock:
-            self._control.append(("abort", p.rid, p.why or "aborted by the router"))
+            self._control.append(AbortJob(p.rid, p.why or "aborted by the router"))
         self.ctx.wake.set()
         return True
 
@@ -202,20 +203,20 @@ class PipelineLeader(LeaderViews):
                 raise self._refuse_release(p, "it does not carry the request's grant")
             if not job.transferring or p.stage not in job.pending:
                 return False
-            self._control.append(("released", p.rid, str(p.stage)))
+            self._control.append(StageReleased(p.rid, p.stage))
         ctx.wake.set()
         return True
 
     def _refuse_release(self, p: Released, why: str) -> Forbidden:
         ctx = self.ctx
-        ctx.counters["releases_refused"] = ctx.counters.get("releases_refused", 0) + 1
+        ctx.stats.releases_refused += 1
         log.warning("prefill %s: refused the release of %s by stage %d: %s", ctx.name, p.rid, p.stage, why)
         return Forbidden(f"prefill {ctx.name}: released of {p.rid} stage {p.stage} refused: {why}")
 
     def on_transferred(self, job: StageJob, ok: bool) -> None:
         """KvSender: this stage's transfer of `job` reported (ok or not): one of N releases."""
         with self.lock:
-            self._control.append(("released", job.rid, "0"))
+            self._control.append(StageReleased(job.rid, 0))
         self.ctx.wake.set()
 
     # ---- the loop ------------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class PipelineLeader(LeaderViews):
             self._settle(outs)
             ran, out = self.runner.ran, self.runner.outbox
             if ran:
-                ctx.counters["steps"] += 1
+                ctx.stats.steps += 1
             elif ctx.size > 1 and (self.books.pending or time.monotonic() - self._last_send >= ctx.t.tick):
                 tick = self.books.tick(payload=self._payload())
         if out is not None:
@@ -245,16 +246,16 @@ class PipelineLeader(LeaderViews):
         ctx = self.ctx
         with self.lock:
             while self._control:
-                op, rid, arg = self._control.popleft()
-                job = ctx.jobs.get(rid)
+                ev = self._control.popleft()
+                job = ctx.jobs.get(ev.rid)
                 if job is None:
                     continue
-                if op == "released" and job.transferring:
-                    job.pending.discard(int(arg))
+                if isinstance(ev, StageReleased) and job.transferring:
+                    job.pending.discard(ev.stage)
                     if not job.pending:
                         self._free(job)
-                elif op == "abort" and not job.transferring:
-                    self._drop(job, f"prefill {ctx.name}: {arg}")
+                elif isinstance(ev, AbortJob) and not job.transferring:
+                    self._drop(job, f"prefill {ctx.name}: {ev.why}")
             now = ctx.jobs.now()
             for job in ctx.jobs.expired():
                 if not job.transferring:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.protocol.messages import JobSpec
 from dsakv.disagg.protocol.timeouts import Timeouts
@@ -156,9 +157,7 @@ class StageContext:
     group: StageGroup
     notifier: Notifier
     jobs: Ledger[StageJob]
-    counters: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys(("submitted", "transferred", "transfer_failed", "dropped", "steps"), 0)
-    )
+    stats: PrefillStats = field(default_factory=PrefillStats)  # its health's counters
     wake: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
     down_reason: str | None = None
@@ -254,5 +253,5 @@ class StageContext:
         """Drop `job` from this stage's books and tell its decode (the one failure path of every stage)."""
         if job.rid in self.jobs:
             self.jobs.move(job, Phase.DONE, why)
-        self.counters["dropped"] += 1
+        self.stats.dropped += 1
         self.sender.fail(job, why)

@@ -60,9 +60,9 @@ from dsakv.disagg.protocol.messages import (
     REVOKE,
     Connect,
     Connected,
-    Health,
     Hello,
     PingReply,
+    PrefillHealth,
     TransferHealth,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient
@@ -134,7 +134,7 @@ class PrefillStage:
             stage=self.rank,
             timeouts=ctx.t,
             notifier=ctx.notifier,
-            counters=ctx.counters,
+            stats=ctx.stats,
             on_done=self.role.on_transferred,
             debug_delay=cfg.config.transfer.debug_transfer_delay,
             debug_fail=cfg.debug_fail_transfer,
@@ -174,7 +174,7 @@ class PrefillStage:
 
     @property
     def counters(self) -> dict[str, int]:
-        return dict(self.ctx.counters)
+        return self.ctx.stats.as_dict()
 
     @property
     def num_jobs(self) -> int:
@@ -199,12 +199,12 @@ class PrefillStage:
     def integrity(self) -> str:
         return self.role.integrity()
 
-    def health(self) -> Health:
+    def health(self) -> PrefillHealth:
         ctx, cfg = self.ctx, self.cfg
         with self.role.lock:
             used = self.role.pages_used()
             t = self.backend.stats.totals()
-            return Health(
+            return PrefillHealth(
                 ok=ctx.group.formed and ctx.down_reason is None and not ctx.stop.is_set(),
                 role="prefill",
                 name=self.name,
@@ -225,7 +225,7 @@ class PrefillStage:
                 jobs=len(ctx.jobs),
                 transfers_in_flight=ctx.sender.in_flight,
                 links=[link.summary() for link in self.links.links()],
-                counters=dict(ctx.counters),
+                counters=ctx.stats.as_dict(),
                 integrity=self.role.integrity(),
                 prefix_cache_enabled=ctx.cache.enabled,
                 host_tier=ctx.cache.host_tier,

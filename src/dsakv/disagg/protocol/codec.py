@@ -9,7 +9,9 @@ plain types inside); a field missing from the map takes its default. Anything th
 message, the field path, the value and the expected type, so a malformed or forged message is refused before
 any handler sees it. Every float must be finite (NaN and infinities are refused everywhere), every int fit in 64
 bits, and a field declared with `field(metadata=bounds(lo, hi))` (`bounds(lo, hi, each=True)` for a list of numbers)
-must lie in [lo, hi]. Imports only the standard library and dsakv.disagg.protocol.errors.
+must lie in [lo, hi]. A dataclass with a `wire_variant(data) -> subclass` classmethod is a tagged family: its map
+decodes as the subclass that names (Health: by "role"). Imports only the standard library and
+dsakv.disagg.protocol.errors.
 """
 
 from __future__ import annotations
@@ -150,6 +152,15 @@ def _decode(tp: Any, data: Any, where: str) -> Any:
 def _decode_dataclass(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
         raise _fail(where, data, f"a {cls.__name__} map")
+    variant = getattr(cls, "wire_variant", None)
+    if variant is not None:  # a tagged family (Health): the subclass the map's tag names
+        try:
+            sub = variant(data)
+        except MessageError as e:
+            raise MessageError(f"{where}.{e}") from None
+        if not issubclass(sub, cls):
+            raise MessageError(f"{where}: a {sub.__name__} map where a {cls.__name__} belongs")
+        cls = sub
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(str(k) for k in data if k not in fields)

@@ -6,6 +6,7 @@ prefill's PrefillStep payload of a pipeline.step.PipeStep) inside the per-step h
 The RPC graph (who calls what; `Rpc.caller`):
 
     router ──────────────── health / ping ─────────────────────────► every worker (prefill stage 0, decode)
+                                             (-> PrefillHealth / DecodeHealth: a Health, decoded by its role)
     router ── connect(Connect) ──► prefill stage 0 ── connect ──► stage k > 0        (-> Connected)
     prefill stage k ─────── handshake(Hello) ─────────────────────► decode            (-> HelloReply)
     router ── prealloc(Prealloc) ─────────────────────────────────► decode            (-> Preallocated: pages)
@@ -31,7 +32,9 @@ constant here and put it in its service. Imports dsakv.disagg.{rpc, codec}, dsak
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
+from dsakv.disagg.protocol.errors import MessageError
 from dsakv.disagg.protocol.messages_base import (
     MAX_ID,
     MAX_KV_TIMEOUT,
@@ -46,11 +49,11 @@ from dsakv.disagg.protocol.messages_base import (
     Ping,
     PingReply,
     StageInfo,
-    TransferHealth,
     WireLogprobs,
     unpack_logprobs,
 )
 from dsakv.disagg.protocol.messages_decode import (
+    DecodeHealth,
     DecodeStageRef,
     EventRow,
     Events,
@@ -69,14 +72,18 @@ from dsakv.disagg.protocol.messages_prefill import (
     CacheEventsQuery,
     Connect,
     Connected,
+    PrefillHealth,
     Released,
     Revoke,
     Revoked,
     Submit,
     Submitted,
+    TransferHealth,
 )
 from dsakv.disagg.protocol.rpc import Rpc, Service
 from dsakv.engine.request import SamplingParams
+
+H = TypeVar("H", bound=Health)
 
 # ---- the prefill pipeline step's new jobs (disagg/prefill/step.py: PrefillStep.jobs) -------------------------
 
@@ -147,7 +154,8 @@ SERVICES = (PREFILL_LEADER_SERVICE, PREFILL_FOLLOWER_SERVICE, DECODE_SERVICE, DE
 
 
 def fetch_health(addr: str, timeout: float = 5.0) -> Health:
-    """One worker's Health (a fresh connection, closed after): for the demo, benches and tests."""
+    """One worker's Health (a fresh connection, closed after): for the demo, benches and tests. It is the
+    worker's role's subclass (PrefillHealth or DecodeHealth); prefill_health / decode_health also check which."""
     from dsakv.disagg.protocol.rpc import RpcClient
 
     client = RpcClient(addr, timeout=timeout, connect_timeout=min(2.0, timeout))
@@ -155,6 +163,22 @@ def fetch_health(addr: str, timeout: float = 5.0) -> Health:
         return client.request(HEALTH, HealthQuery())
     finally:
         client.close()
+
+
+def _of_role(addr: str, h: Health, want: type[H]) -> H:
+    if not isinstance(h, want):
+        raise MessageError(f"health reply from {addr}: a {h.role} worker, expected a {want.ROLE} one")
+    return h
+
+
+def prefill_health(addr: str, timeout: float = 5.0) -> PrefillHealth:
+    """fetch_health of a prefill stage (MessageError if `addr` is another role's worker)."""
+    return _of_role(addr, fetch_health(addr, timeout), PrefillHealth)
+
+
+def decode_health(addr: str, timeout: float = 5.0) -> DecodeHealth:
+    """fetch_health of a decode worker or decode pipeline stage (MessageError if it is another role's)."""
+    return _of_role(addr, fetch_health(addr, timeout), DecodeHealth)
 
 
 __all__ = [
@@ -171,6 +195,7 @@ __all__ = [
     "Connected",
     "DECODE_FOLLOWER_SERVICE",
     "DECODE_SERVICE",
+    "DecodeHealth",
     "DecodeStageRef",
     "EVENTS",
     "EventRow",
@@ -198,6 +223,7 @@ __all__ = [
     "PREFILL_LEADER_SERVICE",
     "Ping",
     "PingReply",
+    "PrefillHealth",
     "Prealloc",
     "Preallocated",
     "RELEASED",
@@ -215,6 +241,8 @@ __all__ = [
     "Submitted",
     "TransferHealth",
     "WireLogprobs",
+    "decode_health",
     "fetch_health",
+    "prefill_health",
     "unpack_logprobs",
 ]

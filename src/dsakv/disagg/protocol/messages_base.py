@@ -3,10 +3,11 @@ logprobs on the wire, the numeric fields' bounds, liveness, health and integrity
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from dsakv.disagg.protocol.errors import MessageError
 from dsakv.engine.request import TokenLogprobs
 
 # ---- logprobs on the wire ----------------------------------------------------------------------------------
@@ -117,16 +118,14 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
-class TransferHealth:
-    count: int
-    failures: int
-    bytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Health:
-    """A worker's state, as the router, demo and tests read it. Role-specific fields are None elsewhere."""
+    """What every worker's HEALTH reply holds, whatever its role: liveness, its pool, counters and integrity, and
+    where it sits in a pipeline. A worker answers with its role's subclass (PrefillHealth in messages_prefill,
+    DecodeHealth in messages_decode), which adds only the fields that role fills; on the wire it is the map of
+    its fields, and the reader's codec decodes it as the subclass its `role` names (`wire_variant`)."""
+
+    ROLE: ClassVar[str] = ""  # the subclass's role ("prefill" | "decode"); the base is never built
+    _BY_ROLE: ClassVar[dict[str, type[Health]]] = {}
 
     ok: bool
     role: str  # "prefill" | "decode"
@@ -142,32 +141,32 @@ class Health:
     capacity_tokens: int
     integrity: str
     counters: dict[str, int]
+    # prefill stage 0: the pipeline's stages; decode: the prefill stages that handshook with it
     stages: list[StageInfo] = field(default_factory=list)
-    # prefill stages
+    # a pipeline stage (prefill, or a pipelined decode)
     stage: int = 0
     num_stages: int = 1
     epoch: str | None = None
     down: str | None = None
     layers: list[int] | None = None
-    jobs: int | None = None
-    transfers_in_flight: int | None = None
-    links: list[LinkSummary] | None = None
-    prefix_cache_enabled: bool | None = None
-    host_tier: bool | None = None
-    cache_pages: int | None = None
-    transfer: TransferHealth | None = None
-    waiting: int | None = None  # stage 0 (and decode)
-    running: int | None = None  # stage 0 (and decode)
-    awaiting_release: int | None = None  # stage 0
-    prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
-    host_replayed: dict[str, int] | None = None  # stages k > 0
-    # decode
-    bytes_per_token: int | None = None
-    max_prompt_tokens: int | None = None
-    inbound: int | None = None
-    failed_held: int | None = None
-    spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
-    pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
-    kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
-    staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
-    vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
+    waiting: int | None = None  # prefill stage 0, decode
+    running: int | None = None  # prefill stage 0, decode (stage k > 0: the requests it mirrors)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        if cls.ROLE:
+            Health._BY_ROLE[cls.ROLE] = cls
+
+    def __post_init__(self) -> None:
+        if not type(self).ROLE:
+            raise TypeError("Health is the common part: build a PrefillHealth or a DecodeHealth")
+        if self.role != type(self).ROLE:
+            raise ValueError(f"a {type(self).__name__} has role {type(self).ROLE!r}, not {self.role!r}")
+
+    @classmethod
+    def wire_variant(cls, data: Mapping[str, Any]) -> type[Health]:
+        """The class a HEALTH map decodes as (codec hook): the subclass its "role" names."""
+        sub = Health._BY_ROLE.get(data.get("role"))  # type: ignore[arg-type]
+        if sub is None:
+            raise MessageError(f"role: got {data.get('role')!r}, expected one of {sorted(Health._BY_ROLE)}")
+        return sub

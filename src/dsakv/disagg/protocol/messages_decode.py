@@ -1,9 +1,10 @@
 """The decode's messages (re-exported by protocol.messages): the prefill stages' and the router's calls to a
-decode (handshake, prealloc, stage_done, kv_failed, events)."""
+decode (handshake, prealloc, stage_done, kv_failed, events), and a decode worker's HEALTH reply (DecodeHealth)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from dsakv.disagg.protocol.codec import bounds
 from dsakv.disagg.protocol.messages_base import (
@@ -13,6 +14,8 @@ from dsakv.disagg.protocol.messages_base import (
     MAX_STAGES,
     MAX_WAIT,
     Blob,
+    Health,
+    StageInfo,
     WireLogprobs,
 )
 from dsakv.engine.request import SamplingParams
@@ -140,3 +143,23 @@ class Events:
     events: list[EventRow]
     lost: bool
     boot: str = ""
+
+
+# ---- health ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeHealth(Health):
+    """A decode worker's (or decode pipeline stage's) HEALTH reply: the common part and what a decode fills."""
+
+    ROLE: ClassVar[str] = "decode"
+
+    bytes_per_token: int | None = None
+    max_prompt_tokens: int | None = None
+    inbound: int | None = None
+    failed_held: int | None = None
+    spec: dict[str, float] | None = None  # decode with MTP: Engine.spec_stats()
+    pipeline: list[StageInfo] | None = None  # pipelined decode, stage 0: every decode stage (rpc, pid, layers)
+    kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
+    staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
+    vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)

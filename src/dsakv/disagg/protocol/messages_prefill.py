@@ -1,9 +1,10 @@
 """The prefill's messages (re-exported by protocol.messages): the router's and the stages' calls to a prefill
-(connect, submit, abort, released, revoke, cache events)."""
+(connect, submit, abort, released, revoke, cache events), and a prefill stage's HEALTH reply (PrefillHealth)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from dsakv.disagg.protocol.codec import bounds
 from dsakv.disagg.protocol.messages_base import (
@@ -11,6 +12,7 @@ from dsakv.disagg.protocol.messages_base import (
     MAX_KV_TIMEOUT,
     MAX_STAGES,
     MAX_WAIT,
+    Health,
     LinkSummary,
 )
 from dsakv.engine.request import SamplingParams
@@ -112,3 +114,32 @@ class CacheEvents:
     removed: bytes
     pages: int  # pages cached now
     capacity: int  # the most pages the cache can hold (device + host tier)
+
+
+# ---- health ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferHealth:
+    count: int
+    failures: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PrefillHealth(Health):
+    """A prefill stage's HEALTH reply: the common part and what a prefill stage fills (None where it does not)."""
+
+    ROLE: ClassVar[str] = "prefill"
+
+    jobs: int | None = None
+    transfers_in_flight: int | None = None
+    links: list[LinkSummary] | None = None
+    prefix_cache_enabled: bool | None = None
+    host_tier: bool | None = None
+    cache_pages: int | None = None
+    transfer: TransferHealth | None = None
+    awaiting_release: int | None = None  # stage 0
+    prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
+    host_replayed: dict[str, int] | None = None  # stages k > 0

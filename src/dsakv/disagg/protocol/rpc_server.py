@@ -40,6 +40,7 @@ from dsakv.disagg.protocol.rpc_frames import (
     send_msg,
     unpack,
 )
+from dsakv.util.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,28 @@ class _Conn:
     speaking: bool = False  # its first frame has begun to arrive (closed for a new one only after the silent ones)
 
 
+@dataclass
+class RpcRefusals(Stats):
+    """What a server refused, by why (WorkerService shows each in its health counters as rpc_refused_<why>)."""
+
+    too_large: int = 0  # a request frame over max_request
+    timeout: int = 0  # a request frame that did not arrive within frame_timeout
+    connections: int = 0  # a connection past max_connections / max_per_peer
+    unauthenticated: int = 0  # a call that failed authentication
+    forbidden: int = 0  # a call from a role its RPC does not allow
+    auth_timeout: int = 0  # a new connection that sent no frame within auth_timeout
+    evicted: int = 0  # a connection not authenticated yet, closed for a newer one
+
+
 class RpcServer:
     """Serves `handlers[method](params) -> result` on (host, port), one thread per connection.
 
     Connection limits (none needs the secret to be enforced): a new connection must send its first frame, which
-    must authenticate, within `auth_timeout` seconds, else it is closed (refused["auth_timeout"]); at most
+    must authenticate, within `auth_timeout` seconds, else it is closed (refused.auth_timeout); at most
     `max_pending` connections (`max_pending_per_peer` from one peer host) may be waiting to authenticate: one more
     closes the oldest waiting one, silent ones before those whose first frame has begun to arrive
-    (refused["evicted"]), so idle connections cannot lock a real caller out. At most `max_connections` connections are
-    open (`max_per_peer` from one host); past that a new one is closed at once (refused["connections"])."""
+    (refused.evicted), so idle connections cannot lock a real caller out. At most `max_connections` connections are
+    open (`max_per_peer` from one host); past that a new one is closed at once (refused.connections)."""
 
     def __init__(
         self,
@@ -116,9 +130,7 @@ class RpcServer:
             auth = cur if cur is not None and cur.require else None
         self.auth: ClusterAuth | None = auth
         self.acl = dict(acl or {})
-        self.refused = dict.fromkeys(
-            ("too_large", "timeout", "connections", "unauthenticated", "forbidden", "auth_timeout", "evicted"), 0
-        )
+        self.refused = RpcRefusals()
         self._count = threading.Lock()
         self._conns: dict[socket.socket, _Conn] = {}  # insertion order: the oldest first
         outer = self
@@ -148,7 +160,10 @@ class RpcServer:
                     except TimeoutError as e:
                         slow = not first or isinstance(e, _SlowFrame)
                         with outer._count:
-                            outer.refused["timeout" if slow else "auth_timeout"] += 1
+                            if slow:
+                                outer.refused.timeout += 1
+                            else:
+                                outer.refused.auth_timeout += 1
                         log.warning(
                             "%s: %s: closed", outer.name,
                             f"a request frame did not arrive within {outer.frame_timeout:g} s" if slow else
@@ -158,7 +173,7 @@ class RpcServer:
                     except ConnectionError as e:
                         if "exceeds" in str(e):
                             with outer._count:
-                                outer.refused["too_large"] += 1
+                                outer.refused.too_large += 1
                             log.warning("%s: %s: closed", outer.name, e)
                         return
                     except (OSError, ValueError):
@@ -173,7 +188,7 @@ class RpcServer:
                         try:
                             role, body = session.open_request(frame)
                         except AuthError as e:
-                            outer._refuse(sock, "unauthenticated", f"call refused: {e}")
+                            outer._refuse_unauthenticated(sock, f"call refused: {e}")
                             return
                         try:
                             msg = unpack(body)
@@ -240,14 +255,14 @@ class RpcServer:
                 evict.append(mine_pending[0])
                 mine_full = False
             if full or mine_full:
-                self.refused["connections"] += 1
+                self.refused.connections += 1
                 log.warning(
                     "%s: %d connections open (%d from %s): refusing one more", self.name, len(conns), len(mine), peer
                 )
                 return None
             for c in evict:
                 self._conns.pop(c.sock, None)
-                self.refused["evicted"] += 1
+                self.refused.evicted += 1
             conn = self._conns[sock] = _Conn(sock, peer, time.monotonic())
         for c in evict:
             log.info(
@@ -301,15 +316,15 @@ class RpcServer:
             return None
         return Session(nonce, self.auth.keyring) if self.auth is not None else None
 
-    def _refuse(self, sock: socket.socket, why: str, message: str) -> None:
+    def _refuse_unauthenticated(self, sock: socket.socket, message: str) -> None:
         with self._count:
-            self.refused[why] += 1
+            self.refused.unauthenticated += 1
         try:
             host, port = sock.getpeername()[:2]
             peer = f"{host}:{port}"
         except OSError:
             peer = "?"
-        log.warning("%s: %s from %s: %s", self.name, why, peer, message)
+        log.warning("%s: unauthenticated from %s: %s", self.name, peer, message)
         try:
             send_frame(sock, REFUSAL + pack(error_frame(None, f"{self.name}: {message}", "Unauthenticated")))
         except OSError:
@@ -324,7 +339,7 @@ class RpcServer:
         allowed = self.acl.get(method) if isinstance(method, str) else None
         if self.auth is not None and allowed is not None and role not in allowed:
             with self._count:
-                self.refused["forbidden"] += 1
+                self.refused.forbidden += 1
             log.warning("%s: refused %s from role %s (allowed: %s)", self.name, method, role, ", ".join(allowed))
             return error_frame(
                 mid, f"{self.name}: {method} may be called by {'/'.join(allowed)} only, not by a {role}", "Forbidden"

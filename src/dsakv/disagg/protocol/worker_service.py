@@ -63,7 +63,7 @@ class WorkerService:
 
     def _health(self, health: Callable[[], Health]) -> Health:
         h = health()
-        refused = {f"rpc_refused_{k}": v for k, v in self.rpc.refused.items()}
+        refused = {f"rpc_refused_{k}": v for k, v in self.rpc.refused.as_dict().items()}
         conns = {
             "rpc_connections_open": self.rpc.open_connections,
             "rpc_connections_pending": self.rpc.pending_connections,

@@ -130,7 +130,7 @@ class RouterBackend:
         self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule)
         self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
         self.book = RequestBook(self.peers, self._lock, clock, t.queue)
-        self.counters = self.book.counters
+        self.stats = self.book.stats
         self.dispatcher = Dispatcher(self.book, self.peers, t, self._lock)
         self.poller = EventPoller(self.book, self.peers, t, self._lock)
         self._wake = threading.Event()
@@ -143,6 +143,12 @@ class RouterBackend:
         # a loop that has not turned for this long is stuck: its longest turn is two control RPCs (dispatch) or
         # one long poll (events), each bounded by the RPC timeout
         self.stuck_after = 3 * t.rpc + t.poll_wait + 5.0
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """The router's counters by name (RouterStats.as_dict(): what /metrics shows as dsakv_<name>)."""
+        with self._lock:
+            return self.stats.as_dict()
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -272,7 +278,8 @@ class RouterBackend:
         if self.cfg.vocab_size is not None:
             return self.cfg.vocab_size
         with self._lock:
-            vs = [p.health.vocab_size for p in self.decodes.values() if p.health is not None and p.health.vocab_size]
+            hs = [p.decode_health for p in self.decodes.values()]
+            vs = [h.vocab_size for h in hs if h is not None and h.vocab_size]
         return min(vs) if vs else None
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
@@ -289,7 +296,7 @@ class RouterBackend:
                 return
             wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
             self.book.finish(req, "abort", None)
-            self.counters["aborted_total"] += 1
+            self.stats.aborted_total += 1
         if wire is not None and decode is not None:
             self.peers.post((decode, ABORT, Abort(wire, "aborted by the client")))
             if prefill is not None and phase is Phase.DISPATCHED:
@@ -353,7 +360,7 @@ class RouterBackend:
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
-            out: dict[str, float] = {k: float(v) for k, v in self.counters.items()}
+            out: dict[str, float] = {k: float(v) for k, v in self.stats.as_dict().items()}
             out["router_in_flight"] = float(len(self.book.live()))
             out["router_queued"] = float(len(self.book.queue))
             out["decode_workers_up"] = float(sum(p.ok for p in self.decodes.values()))
@@ -364,18 +371,15 @@ class RouterBackend:
             out["pool_pages_used"] = float(sum(h.pages_used for h in healths))
             out["pool_pages_free"] = out["pool_pages_total"] - out["pool_pages_used"]
             out.update(self.peers.instance_metrics())  # per prefill / decode instance, labelled
-            out.update(decode_stage_metrics((a, p.health) for a, p in self.decodes.items()))
+            out.update(decode_stage_metrics((a, p.decode_health) for a, p in self.decodes.items()))
             return out
 
     def max_prompt_tokens(self) -> int:
         if self.cfg.max_prompt_tokens is not None:
             return self.cfg.max_prompt_tokens
         with self._lock:
-            caps = [
-                p.health.max_prompt_tokens
-                for p in self.decodes.values()
-                if p.health is not None and p.health.max_prompt_tokens is not None
-            ]
+            hs = [p.decode_health for p in self.decodes.values()]
+            caps = [h.max_prompt_tokens for h in hs if h is not None and h.max_prompt_tokens is not None]
             caps += [p.health.capacity_tokens - 1 for p in self.prefills.values() if p.health is not None]
         return min(caps) if caps else DEFAULT_MAX_PROMPT_TOKENS
 

@@ -116,8 +116,11 @@ class Dispatcher:
             return refused
         self.peers.sent(choice)
         with self.lock:
-            self.book.counters[f"routed_{choice.reason}_total"] += 1
-            self.book.counters["routed_matched_pages_total"] += choice.matched_pages
+            if choice.reason == "affinity":
+                self.book.stats.routed_affinity_total += 1
+            else:
+                self.book.stats.routed_load_total += 1
+            self.book.stats.routed_matched_pages_total += choice.matched_pages
         return True
 
     def _fail(self, req: RouterRequest, why: str) -> None:
@@ -127,7 +130,7 @@ class Dispatcher:
                 return
             wire, decode, prefill, phase = req.wire, req.decode, req.prefill, req.phase
             self.book.finish(req, "error", why)
-            self.book.counters["dispatch_errors_total"] += 1
+            self.book.stats.dispatch_errors_total += 1
         if wire is not None and decode is not None:
             self.peers.post((decode, ABORT, Abort(wire, why)))
             if prefill is not None and phase is Phase.DISPATCHED:
@@ -190,7 +193,7 @@ class Dispatcher:
                 if not isinstance(e, (PeerUnavailable, Unavailable)):
                     self.book.finish(req, "error", f"prefill {p_addr} refused request {req.rid}: {e}")
                     return True
-                self.book.counters["retries_total"] += 1
+                self.book.stats.retries_total += 1
             if isinstance(e, PeerUnavailable):
                 self.peers.mark_down(pre, str(e))
             else:

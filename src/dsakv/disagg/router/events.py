@@ -81,7 +81,7 @@ class EventPoller:
                     self.book.push(req, ev.tokens, ev.finished, ev.reason, ev.error, ev.choice, ev)
                 except Exception as e:  # this request's event is unusable: it fails alone
                     log.exception("router: event of %s from %s could not be handed over", ev.rid, addr)
-                    self.book.counters["event_errors_total"] += 1
+                    self.book.stats.event_errors_total += 1
                     self.book.finish(req, "error", f"request {req.rid}: a bad event from decode {addr}: {e}")
                     self.peers.post((addr, ABORT, Abort(ev.rid, "the router could not use its events")))
             dec.cursor = res.cursor

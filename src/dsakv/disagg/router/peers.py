@@ -34,9 +34,11 @@ from dsakv.disagg.protocol.messages import (
     CacheEvents,
     CacheEventsQuery,
     Connect,
+    DecodeHealth,
     Health,
     HealthQuery,
     Ping,
+    PrefillHealth,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
 from dsakv.disagg.protocol.timeouts import Timeouts
@@ -77,6 +79,16 @@ class PeerState:
     cache_polls: int = 0  # prefill: cache-event replies applied
     slow_since: float | None = None  # HEALTH timed out but PING answered (same process) since then
     slow_health: int = 0  # health polls answered that way (the worker was busy in a step)
+
+    @property
+    def prefill_health(self) -> PrefillHealth | None:
+        """The last health, where a prefill stage answered it (the role's fields); else None."""
+        return self.health if isinstance(self.health, PrefillHealth) else None
+
+    @property
+    def decode_health(self) -> DecodeHealth | None:
+        """The last health, where a decode worker answered it (the role's fields); else None."""
+        return self.health if isinstance(self.health, DecodeHealth) else None
 
 
 class Choice(NamedTuple):
@@ -144,10 +156,11 @@ class PeerTable:
             row["cached_prefix_pages"] = self.affinity.size(p.addr)  # the router's mirror of its cache events
             row["cache_events"] = {"polls": p.cache_polls, "error": p.cache_error}
             row["picked_affinity"] = p.picked_affinity
-            row["prefix_cache"] = h.prefix_cache if h is not None else None  # the prefill's own stats
+            ph = p.prefill_health
+            row["prefix_cache"] = ph.prefix_cache if ph is not None else None  # the prefill's own stats
         else:
             row["busy"] = p.busy_until > time.monotonic()
-            row["stages"] = stage_rows(h)  # a pipelined decode: every stage as it reports itself
+            row["stages"] = stage_rows(p.decode_health)  # a pipelined decode: every stage as it reports itself
         return row
 
     def instance_metrics(self) -> dict[str, float]:
@@ -167,7 +180,8 @@ class PeerTable:
                     "integrity_ok": float(h.integrity == "ok") if h is not None else None,
                 }
                 if p.role == "prefill":
-                    stats = (h.prefix_cache if h is not None else None) or {}
+                    ph = p.prefill_health
+                    stats = (ph.prefix_cache if ph is not None else None) or {}
                     vals["cached_prefix_pages"] = self.affinity.size(p.addr)
                     vals["picked_affinity_total"] = p.picked_affinity
                     vals["prefix_hit_tokens_total"] = stats.get("hit_tokens")
@@ -332,7 +346,7 @@ class PeerTable:
 
     def poll_cache(self, peer: PeerState) -> None:
         """Bring the router's mirror of `peer`'s prefix cache up to date from its cache events (routing.py)."""
-        h = peer.health
+        h = peer.prefill_health
         if h is None or not h.prefix_cache_enabled or not peer.ok:
             with self._lock:
                 self.affinity.forget(peer.addr)

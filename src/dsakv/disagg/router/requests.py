@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from dsakv.disagg.protocol.lifecycle import ROUTER, Ledger, Phase, RouterRequest
 from dsakv.disagg.protocol.messages import EventRow, unpack_logprobs
@@ -29,20 +30,24 @@ from dsakv.disagg.router.peers import PeerState, PeerTable
 from dsakv.engine.backend import TokenEvent
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
+from dsakv.util.stats import Stats
 
-COUNTERS = (
-    "requests_total",
-    "finished_total",
-    "failed_total",
-    "aborted_total",
-    "retries_total",
-    "tokens_total",
-    "routed_affinity_total",
-    "routed_load_total",
-    "routed_matched_pages_total",
-    "dispatch_errors_total",
-    "event_errors_total",
-)
+
+@dataclass
+class RouterStats(Stats):
+    """The router's counters, by these names in its /metrics (dsakv_<name>) and RouterBackend.counters."""
+
+    requests_total: int = 0
+    finished_total: int = 0
+    failed_total: int = 0
+    aborted_total: int = 0
+    retries_total: int = 0
+    tokens_total: int = 0
+    routed_affinity_total: int = 0  # the prefill was chosen for the prompt pages it caches
+    routed_load_total: int = 0  # ... for its load
+    routed_matched_pages_total: int = 0
+    dispatch_errors_total: int = 0
+    event_errors_total: int = 0
 
 
 class RequestBook:
@@ -55,7 +60,7 @@ class RequestBook:
         self.ledger: Ledger[RouterRequest] = Ledger(ROUTER, clock, keep_done=True)  # done: until its events are read
         self.by_wire: dict[str, RouterRequest] = {}
         self.queue: deque[str] = deque()
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.stats = RouterStats()
 
     def add(self, rid: str, prompt: list[int], params: SamplingParams) -> RouterRequest:
         if rid in self.ledger:
@@ -64,7 +69,7 @@ class RequestBook:
         req.t_submit = req.since
         req.deadline = req.since + self.queue_timeout
         self.queue.append(rid)
-        self.counters["requests_total"] += 1
+        self.stats.requests_total += 1
         return req
 
     def get(self, rid: str) -> RouterRequest | None:
@@ -112,7 +117,7 @@ class RequestBook:
             return
         if tokens:
             req.tokens += len(tokens)
-            self.counters["tokens_total"] += len(tokens)
+            self.stats.tokens_total += len(tokens)
             if req.t_first is None:
                 req.t_first = time.monotonic()
         if finished:
@@ -121,9 +126,9 @@ class RequestBook:
             self._release_slot(req)
             self.ledger.move(req, Phase.DONE, error)
             if reason == "error":
-                self.counters["failed_total"] += 1
+                self.stats.failed_total += 1
             elif reason != "abort":
-                self.counters["finished_total"] += 1
+                self.stats.finished_total += 1
         lps = unpack_logprobs(row.logprobs) if row is not None else None
         plps = unpack_logprobs(row.prompt_logprobs) if row is not None else None
         cached = row.cached_tokens if row is not None else 0

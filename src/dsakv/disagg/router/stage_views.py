@@ -1,6 +1,6 @@
 """Per-stage views of pipelined decode workers for the router: its /health rows and labelled /metrics gauges.
 
-A pipelined decode's stage 0 reports every stage in Health.pipeline (StageInfo: ok, layers, pages, integrity, as
+A pipelined decode's stage 0 reports every stage in DecodeHealth.pipeline (StageInfo: ok, layers, pages, integrity, as
 each stage reports itself); the router shows them as `stages` in that decode's row of its instance table and as
 
     decode_stage_up{addr="<stage 0>",stage="k"}   decode_stage_pages_used{...}   decode_stage_pages_total{...}
@@ -15,17 +15,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from dsakv.disagg.protocol.codec import to_wire
-from dsakv.disagg.protocol.messages import Health
+from dsakv.disagg.protocol.messages import DecodeHealth
 
 
-def stage_rows(h: Health | None) -> list[dict[str, Any]] | None:
+def stage_rows(h: DecodeHealth | None) -> list[dict[str, Any]] | None:
     """The decode pipeline's stages as plain rows (None for a single-stage decode or no health yet)."""
     if h is None or not h.pipeline:
         return None
     return [to_wire(s) for s in h.pipeline]
 
 
-def decode_stage_metrics(decodes: Iterable[tuple[str, Health | None]]) -> dict[str, float]:
+def decode_stage_metrics(decodes: Iterable[tuple[str, DecodeHealth | None]]) -> dict[str, float]:
     """Labelled gauges of every stage of every pipelined decode, keyed `name{addr="...",stage="k"}`."""
     out: dict[str, float] = {}
     for addr, h in decodes:
