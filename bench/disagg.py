@@ -39,11 +39,16 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import torch  # noqa: E402
 
 from dsakv.cli import options  # noqa: E402
+from dsakv.config import (  # noqa: E402
+    EngineConfig,
+    LayoutConfig,
+    PoolConfig,
+    RouterConfig,  # noqa: E402
+)
 from dsakv.disagg.protocol.auth import SECRET_ENV, launch_secret  # noqa: E402
 from dsakv.disagg.protocol.messages import Health, PrefillHealth, fetch_health  # noqa: E402
 from dsakv.disagg.protocol.rpc import RpcError  # noqa: E402
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig  # noqa: E402
-from dsakv.engine.config import EngineConfig, LayoutConfig, PoolConfig  # noqa: E402
+from dsakv.disagg.router.backend import RouterBackend  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402

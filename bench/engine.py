@@ -50,7 +50,7 @@ import torch
 
 import dsakv
 from dsakv.cli import options
-from dsakv.engine.config import LayoutConfig
+from dsakv.config import LayoutConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model

@@ -45,7 +45,7 @@ import torch
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.host_pool import HOST_LAYOUTS, make_host_pool
 from dsakv.cli import options
-from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
+from dsakv.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
 from dsakv.spec.presets import load_spec
 
 
@@ -131,8 +131,9 @@ def disk_reads(args: argparse.Namespace, layout, hosts: dict, host_ids: np.ndarr
     the page cache (no fsync) for both; each round writes new files (the old ones deleted outside the timing)."""
     import os
 
-    from dsakv.cache.storage.base import StorageConfig, chain_hashes, layout_identity
+    from dsakv.cache.storage.base import chain_hashes, layout_identity
     from dsakv.cache.storage.file import FileStore
+    from dsakv.config import StorageConfig
 
     n = len(host_ids)
     nbytes = n * layout.bytes_per_page
@@ -340,8 +341,8 @@ def workload(args: argparse.Namespace) -> None:
 def l3(args: argparse.Namespace) -> None:
     from dsakv.cache.allocator import PageAllocator
     from dsakv.cache.hicache import HiCache, HiCacheConfig
-    from dsakv.cache.storage import StorageConfig
     from dsakv.cache.storage.master import MasterProcess, StoreHolder
+    from dsakv.config import StorageConfig
 
     spec = load_spec(args.model)
     layout = options.layout_config(args).layout(spec)

@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from dsakv.cli import options
-from dsakv.engine.config import LayoutConfig
+from dsakv.config import LayoutConfig
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.plan.units import fmt_bytes, parse_size
 from dsakv.spec.model import ModelSpec

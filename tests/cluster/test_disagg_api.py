@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.config import DecodeConfig
+from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.protocol.messages import Abort, Hello, Prealloc, StageDone, WireLogprobs, fetch_health
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from dsakv.cli.options import engine_argv
+from dsakv.config import split_layers
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from dsakv.pipeline.batch import split_layers
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import (

@@ -23,9 +23,9 @@ import pytest
 pytest.importorskip("mooncake.store")
 
 from dsakv.cache.hicache import HiCache, HiCacheConfig  # noqa: E402
-from dsakv.cache.storage import StorageConfig  # noqa: E402
 from dsakv.cache.storage.base import MAC_BYTES, META, META_MAGIC, chain_hashes, finish_checksum  # noqa: E402
 from dsakv.cache.storage.master import MasterProcess, free_port  # noqa: E402
+from dsakv.config import StorageConfig  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.errors import ConfigError  # noqa: E402

@@ -21,8 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
+from dsakv.config import RouterConfig
 from dsakv.disagg.protocol.messages import MAX_ID
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.disagg.router.backend import RouterBackend
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.serve.app import create_app

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+from dsakv.config import DecodeConfig, TransferConfig
+from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import Forbidden
 from dsakv.disagg.protocol.lifecycle import Phase
@@ -34,7 +35,6 @@ from dsakv.disagg.transfer.compat import check_pair
 from dsakv.disagg.transfer.manifest import BackendMeta, Manifest, SlotRegion
 from dsakv.disagg.transfer.plan import Blocks, Strategy, TransferPlan, choose_destination
 from dsakv.disagg.transfer.staging import StagingBuffer, StagingSlots, offer_slot, written_keys
-from dsakv.engine.config import TransferConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec import KVLayout, load_spec

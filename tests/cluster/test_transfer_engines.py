@@ -241,9 +241,9 @@ def test_kv_sender_applies_the_rule(decode, glm) -> None:
     fragmented page by page is staged on both engines (one block per key, the buffer held until the transfer
     ends), one in runs of 2 pages on mooncake only (25 us a descriptor vs nixl's 9 us), one in runs of 4 on
     neither; every variant lands exactly."""
+    from dsakv.config import Timeouts
     from dsakv.disagg.prefill.kv_sender import KvSender
     from dsakv.disagg.prefill.stats import PrefillStats
-    from dsakv.disagg.protocol.timeouts import Timeouts
 
     engine, peer = decode
     pool, be, mine = sender(engine, KVLayout(glm, 20, 40), 16, seed=17)

@@ -18,10 +18,10 @@ import torch
 
 pytest.importorskip("mooncake.store")
 
-from dsakv.cache.storage import StorageConfig  # noqa: E402
 from dsakv.cache.storage.base import MAC_BYTES, META, finish_checksum  # noqa: E402
 from dsakv.cache.storage.master import free_port  # noqa: E402
 from dsakv.cache.v4_storage import V4StoredLayout  # noqa: E402
+from dsakv.config import StorageConfig  # noqa: E402
 from dsakv.engine.v4_engine import V4Engine  # noqa: E402
 from dsakv.errors import ConfigError  # noqa: E402
 from dsakv.model.deepseek_v4 import DeepseekV4, load_v4  # noqa: E402

@@ -1,15 +1,14 @@
-"""The configuration tree (dsakv.engine.config) and its command-line spelling (dsakv.cli.options): argv is read
+"""The configuration tree (dsakv.config) and its command-line spelling (dsakv.cli.options): argv is read
 into the tree once, rendered back to the same tree, and the flat Engine keywords map onto the same tree."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsakv.cache.storage import StorageConfig
 from dsakv.cli import options
 from dsakv.cli.disagg_roles import prefill_config
 from dsakv.cli.main import build_parser
-from dsakv.engine.config import (
+from dsakv.config import (
     CacheConfig,
     Config,
     EngineConfig,
@@ -17,6 +16,7 @@ from dsakv.engine.config import (
     PipelineConfig,
     PoolConfig,
     SchedulerConfig,
+    StorageConfig,
     TransferConfig,
 )
 from dsakv.engine.engine import Engine

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
+from dsakv.config import DecodeConfig, PrefillConfig, RouterConfig
+from dsakv.disagg.decode.worker import DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillStage
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.lifecycle import (
@@ -63,7 +64,7 @@ from dsakv.disagg.protocol.messages import (
 )
 from dsakv.disagg.protocol.rpc import RpcClient
 from dsakv.disagg.protocol.worker_service import WorkerService
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.disagg.router.backend import RouterBackend
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.engine.request import SamplingParams

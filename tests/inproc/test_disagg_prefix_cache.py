@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from dsakv.cache.allocator import IntegrityError
-from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage
+from dsakv.config import DecodeConfig, PrefillConfig, RouterConfig
+from dsakv.disagg.decode.worker import DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillStage
 from dsakv.disagg.protocol.messages import fetch_health
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.disagg.router.backend import RouterBackend
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.pipeline.page_mirror import PageMirror

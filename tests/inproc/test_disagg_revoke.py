@@ -8,13 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.config import DecodeConfig, Timeouts
 from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.prefill.kv_sender import KvSender
 from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol.lifecycle import StageJob
 from dsakv.disagg.protocol.messages import Prealloc, Revoke
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.protocol.worker_service import Notifier
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.engine.request import SamplingParams

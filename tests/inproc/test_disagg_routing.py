@@ -11,6 +11,7 @@ import pytest
 
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.radix import RadixCache
+from dsakv.config import RouterConfig, Timeouts
 from dsakv.disagg.prefill.prefix_events import PrefixEvents
 from dsakv.disagg.protocol.messages import (
     CACHE_EVENTS,
@@ -22,8 +23,6 @@ from dsakv.disagg.protocol.messages import (
     Health,
     PrefillHealth,
 )
-from dsakv.disagg.protocol.timeouts import Timeouts
-from dsakv.disagg.router.backend import RouterConfig
 from dsakv.disagg.router.peers import PeerTable
 from dsakv.disagg.router.routing import (
     AffinityRule,

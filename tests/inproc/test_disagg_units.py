@@ -11,9 +11,10 @@ import torch
 
 from dsakv.cache.allocator import IntegrityError
 from dsakv.cache.device_pool import DevicePool
+from dsakv.config import DecodeConfig, PrefillConfig, RouterConfig, split_layers
 from dsakv.disagg.decode.events import EventLog
-from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
-from dsakv.disagg.prefill.worker import PrefillConfig, PrefillStage, split_layers
+from dsakv.disagg.decode.worker import DecodeWorker
+from dsakv.disagg.prefill.worker import PrefillStage
 from dsakv.disagg.protocol.errors import IncompatiblePeer
 from dsakv.disagg.protocol.messages import (
     CONNECT,
@@ -28,7 +29,7 @@ from dsakv.disagg.protocol.messages import (
 )
 from dsakv.disagg.protocol.rpc import RpcClient, RpcError
 from dsakv.disagg.protocol.wire import params_from_dict, params_to_dict
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+from dsakv.disagg.router.backend import RouterBackend
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError

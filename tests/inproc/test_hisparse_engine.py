@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dsakv.cache.hisparse import HiSparseStep
-from dsakv.engine.config import HiSparseConfig
+from dsakv.config import HiSparseConfig
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.plan.hisparse import hisparse_figures

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsakv.engine.config import WEIGHT_DTYPES as ENGINE_WEIGHT_DTYPES
-from dsakv.engine.config import EngineConfig
+from dsakv.config import WEIGHT_DTYPES as ENGINE_WEIGHT_DTYPES
+from dsakv.config import EngineConfig
 from dsakv.errors import ConfigError
 from dsakv.model.loader import load_model
 from dsakv.model.quant import (

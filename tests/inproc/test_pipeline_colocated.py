@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from dsakv.engine.config import EngineConfig, LayoutConfig, PipelineConfig, PoolConfig, SchedulerConfig
+from dsakv.config import EngineConfig, LayoutConfig, PipelineConfig, PoolConfig, SchedulerConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
+from dsakv.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
 from dsakv.engine.request import FinishReason, SamplingParams
 from dsakv.engine.v4_engine import V4Engine
 from dsakv.engine.v4_serve import V4ServingEngine

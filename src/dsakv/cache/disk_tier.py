@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dsakv.cache.storage.base import META_MAGIC as MAGIC
-from dsakv.cache.storage.base import StorageConfig, layout_identity
+from dsakv.cache.storage.base import layout_identity
 from dsakv.cache.storage.file import FileStore
+from dsakv.config import StorageConfig
 from dsakv.spec.layout import KVLayout
 
 

@@ -29,8 +29,9 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from dsakv.cache.storage import Segments, StorageBackend, StorageConfig, StorageError, make_storage
+from dsakv.cache.storage import Segments, StorageBackend, StorageError, make_storage
 from dsakv.cache.v4_pool import V4Pool
+from dsakv.config import StorageConfig
 from dsakv.spec.v4_layout import V4Layout
 from dsakv.util.stats import Stats
 

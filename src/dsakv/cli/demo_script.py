@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsakv.cli import options
-from dsakv.engine.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
+from dsakv.config import CacheConfig, EngineConfig, LayoutConfig, PoolConfig
 from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
 

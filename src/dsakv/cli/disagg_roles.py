@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from dsakv.cli import options
+from dsakv.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
 from dsakv.disagg.protocol.auth import SECRET_ENV
-from dsakv.engine.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
 from dsakv.errors import ConfigError
 from dsakv.util.procs import Proc, dsakv_cmd, stop_all
 
@@ -184,8 +184,9 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     pipe = cfg.pipeline
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
+    from dsakv.config import DecodeConfig
     from dsakv.disagg.decode.stage_worker import DecodeStageWorker
-    from dsakv.disagg.decode.worker import DecodeConfig, DecodeWorker
+    from dsakv.disagg.decode.worker import DecodeWorker
 
     model_dir = options.model_dir_of(args)
     _threads(args)
@@ -264,7 +265,7 @@ def prefill_cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any:
     """This stage's PrefillConfig: the tree, plus the process's address, name and --decode peers."""
-    from dsakv.disagg.prefill.worker import PrefillConfig
+    from dsakv.config import PrefillConfig
 
     return PrefillConfig(
         model=model_dir,
@@ -293,7 +294,8 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
 
 def run_router(args: argparse.Namespace, cfg: Config) -> int:
     from dsakv.cli.http_options import http_limits
-    from dsakv.disagg.router.backend import RouterBackend, RouterConfig
+    from dsakv.config import RouterConfig
+    from dsakv.disagg.router.backend import RouterBackend
     from dsakv.serve.app import create_app
     from dsakv.serve.server import run_http
     from dsakv.serve.tokenizer import load_tokenizer

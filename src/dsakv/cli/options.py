@@ -1,4 +1,4 @@
-"""The command-line spelling of the configuration tree (dsakv.engine.config), shared by `serve`, `generate`,
+"""The command-line spelling of the configuration tree (dsakv.config), shared by `serve`, `generate`,
 `demo` and the benches: each option is declared once here, read back into the tree once, and rendered back to
 argv for child processes (the demo's workers, the tests' and benches' clusters).
 
@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dsakv.cache.storage.base import StorageConfig
-from dsakv.engine.argv import engine_argv as engine_argv  # re-exported: the inverse of engine_config
-from dsakv.engine.argv import layout_argv as layout_argv
-from dsakv.engine.config import (
+from dsakv.config import (
     DTYPES,
     WEIGHT_DTYPES,
     CacheConfig,
@@ -30,8 +27,11 @@ from dsakv.engine.config import (
     PipelineConfig,
     PoolConfig,
     SchedulerConfig,
+    StorageConfig,
     TransferConfig,
 )
+from dsakv.engine.argv import engine_argv as engine_argv  # re-exported: the inverse of engine_config
+from dsakv.engine.argv import layout_argv as layout_argv
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS

@@ -19,7 +19,7 @@ import logging
 
 from dsakv.cli import disagg_roles, options
 from dsakv.cli.http_options import add_http_arguments, http_limits
-from dsakv.engine.config import Config
+from dsakv.config import Config
 
 log = logging.getLogger("dsakv.serve")
 

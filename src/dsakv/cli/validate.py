@@ -23,7 +23,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dsakv.engine.config import DEFAULT_MAX_TOKENS  # the engine's default pool (engine.config: no torch)
+from dsakv.config import DEFAULT_MAX_TOKENS  # the engine's default pool (dsakv.config: no torch)
 from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
 
@@ -149,7 +149,7 @@ def validate_serve(args: argparse.Namespace) -> None:
             if parse_size(v, _flag(name)) <= 0:
                 raise ConfigError(f"{_flag(name)} {v!r} must be more than 0 bytes, e.g. 64MiB")
     validate_http(args)
-    from dsakv.disagg.protocol.messages import MAX_KV_TIMEOUT, MAX_WAIT
+    from dsakv.config import MAX_KV_TIMEOUT, MAX_WAIT
 
     check_seconds(args, "rpc_timeout", fix="bound on every control-plane call, e.g. 5", hi=MAX_WAIT)
     check_seconds(args, "kv_timeout", fix="seconds for a request's prefill + KV transfer, e.g. 30", hi=MAX_KV_TIMEOUT)
@@ -168,7 +168,7 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_int(args, "transfer_staging_slots", 0, 1024, "destination staging slots of the decode (0: none)")
     check_int(args, "mooncake_timeout", 5, 86400, "mooncake's per-transfer timeout in seconds; its floor is 5")
     check_int(args, "pp_size", 1, 256, "pipeline stages of the prefill worker")
-    pp = int(getattr(args, "pp_size", 1) or 1)  # --pp-rank: engine.config.PipelineConfig validates it (once)
+    pp = int(getattr(args, "pp_size", 1) or 1)  # --pp-rank: dsakv.config.PipelineConfig validates it (once)
     if getattr(args, "dist_port", None) is not None:
         check_port(args.dist_port, "--dist-port")
     if role == "prefill":

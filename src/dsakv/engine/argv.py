@@ -1,13 +1,13 @@
-"""The configuration tree (dsakv.engine.config) rendered back to the command line's flags (dsakv.cli.options
+"""The configuration tree (dsakv.config) rendered back to the command line's flags (dsakv.cli.options
 declares and reads them): argv for child processes, the demo's workers and the test and bench clusters
-(dsakv.testing), so it sits below both. Standard library and engine.config only (no torch).
+(dsakv.testing), so it sits below both. Standard library and dsakv.config only (no torch).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dsakv.engine.config import EngineConfig, LayoutConfig
+from dsakv.config import EngineConfig, LayoutConfig
 
 
 def layout_argv(layout: LayoutConfig) -> list[str]:

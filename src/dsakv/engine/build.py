@@ -22,7 +22,7 @@ import torch
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hisparse import HiSparsePool
-from dsakv.engine.config import EngineConfig
+from dsakv.config import EngineConfig
 from dsakv.engine.model_runner import HiSparseRunner, ModelRunner
 from dsakv.engine.scheduler import DEFAULT_MAX_RUNNING, PrefixCache, ScheduledChunk, Scheduler
 from dsakv.errors import ConfigError
@@ -81,11 +81,11 @@ def build_parts(
     if cfg.cache.enabled:
         if prefix_cache is not None:
             raise ConfigError("give prefix_cache or enable_prefix_cache / hicache_* options, not both")
-        from dsakv.cache.hicache import HiCache, model_fingerprint
+        from dsakv.cache.hicache import HiCache, HiCacheConfig, model_fingerprint
 
         stored = cfg.cache.disk_dir or cfg.cache.storage is not None
         model_hash = model_fingerprint(model, model_dir) if stored else None
-        prefix_cache = HiCache(pool, allocator, cfg.cache.hicache(model_hash))
+        prefix_cache = HiCache(pool, allocator, HiCacheConfig.of(cfg.cache, model_hash))
     max_pos = spec.raw.get("max_position_embeddings")
     max_seq_len = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
     scheduler = Scheduler(

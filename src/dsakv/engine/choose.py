@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, cast
 
-from dsakv.engine.config import EngineConfig
+from dsakv.config import EngineConfig
 from dsakv.errors import ConfigError
 from dsakv.spec.v4 import V4Spec, is_v4
 

@@ -37,8 +37,8 @@ import torch
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hisparse import HiSparsePool
+from dsakv.config import EngineConfig
 from dsakv.engine.build import StepRunner, build_parts
-from dsakv.engine.config import EngineConfig
 from dsakv.engine.engine_requests import EngineRequests
 from dsakv.engine.engine_stats import EngineBooks, EngineStats
 from dsakv.engine.engine_step import EngineStep

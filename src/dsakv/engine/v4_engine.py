@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from dsakv.cache.allocator import PageAllocator
-from dsakv.cache.storage import StorageConfig
 from dsakv.cache.v4_pool import SlotAllocator, V4Pool
 from dsakv.cache.v4_storage import V4Storage
+from dsakv.config import StorageConfig
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey

@@ -19,8 +19,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from dsakv.cache.storage import StorageConfig
-from dsakv.engine.config import DEFAULT_MAX_TOKENS, EngineConfig
+from dsakv.config import DEFAULT_MAX_TOKENS, EngineConfig, StorageConfig
 from dsakv.engine.engine import EngineStats
 from dsakv.engine.request import FinishReason, RequestOutput, SamplingParams
 from dsakv.engine.v4_engine import V4Engine, V4Request

@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 
-from dsakv.engine.config import EngineConfig, PipelineConfig, PoolConfig
+from dsakv.config import EngineConfig, PipelineConfig, PoolConfig, split_layers
 from dsakv.engine.engine import Engine
 from dsakv.engine.ranks import dead_child
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError, Unavailable
-from dsakv.pipeline.batch import split_layers
 from dsakv.pipeline.runner import RoundTripRunner, Stage0
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 from dsakv.pipeline.step import STOP, PipeStep, StepBooks

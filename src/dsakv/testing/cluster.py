@@ -16,19 +16,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsakv.disagg.protocol.messages import fetch_health
-from dsakv.disagg.protocol.rpc import RpcClient, RpcError
-from dsakv.disagg.router.backend import RouterBackend, RouterConfig
-from dsakv.engine.argv import engine_argv
-from dsakv.engine.config import (
+from dsakv.config import (
     Config,
     EngineConfig,
     LayoutConfig,
     PipelineConfig,
     PoolConfig,
+    RouterConfig,
     SchedulerConfig,
     TransferConfig,
 )
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.disagg.protocol.rpc import RpcClient, RpcError
+from dsakv.disagg.router.backend import RouterBackend
+from dsakv.engine.argv import engine_argv
 from dsakv.engine.request import SamplingParams
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 

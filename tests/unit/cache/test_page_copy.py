@@ -207,8 +207,8 @@ DST_IDS = [8, 0, 6, 2, 11]  # and where a reader loads them
 
 
 def _disk_store(tmp_path):
-    from dsakv.cache.storage.base import StorageConfig
     from dsakv.cache.storage.file import FileStore
+    from dsakv.config import StorageConfig
 
     return FileStore(DISK_LAYOUT, None, StorageConfig(backend="file", dir=str(tmp_path)))
 

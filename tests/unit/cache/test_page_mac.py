@@ -16,17 +16,9 @@ import pytest
 import torch
 
 from dsakv.cache.host_pool import make_host_pool
-from dsakv.cache.storage.base import (
-    KEY_FILE,
-    MAC_DOMAIN,
-    META,
-    META_MAC_AT,
-    NONCE_BYTES,
-    TAG_BYTES,
-    PageMac,
-    StorageConfig,
-)
+from dsakv.cache.storage.base import KEY_FILE, MAC_DOMAIN, META, META_MAC_AT, NONCE_BYTES, TAG_BYTES, PageMac
 from dsakv.cache.storage.file import FileStore
+from dsakv.config import StorageConfig
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.presets import load_spec

@@ -10,8 +10,8 @@ import torch
 
 from dsakv.cache.fingerprint import weights_fingerprint
 from dsakv.cache.host_pool import HOST_LAYOUTS
-from dsakv.cache.storage import StorageConfig
 from dsakv.cache.write_policy import WRITE_POLICIES
+from dsakv.config import CacheConfig, StorageConfig
 from dsakv.errors import ConfigError
 
 log = logging.getLogger("dsakv.cache.hicache")
@@ -40,6 +40,22 @@ class HiCacheConfig:
     model_hash: str | None = None  # weights fingerprint for storage keys (weights change -> new keys)
     storage: StorageConfig | None = None  # the L3 tier (file or mooncake); disk_dir is the `file` shorthand
     pin_memory: bool = True  # pin the host pool when the device is CUDA
+
+    @classmethod
+    def of(cls, cache: CacheConfig, model_hash: str | None = None) -> HiCacheConfig:
+        """The cache layer's own options from the tree's cache branch (validated here: layout, write policy,
+        sizes)."""
+        return cls(
+            hicache_ratio=cache.hicache_ratio,
+            hicache_size=cache.hicache_size,
+            layout=cache.layout,
+            write_policy=cache.write_policy,
+            selective_threshold=cache.selective_threshold,
+            disk_dir=str(cache.disk_dir) if cache.disk_dir else None,
+            disk_size=cache.disk_size,
+            model_hash=model_hash,
+            storage=cache.storage,
+        )
 
     def __post_init__(self) -> None:
         if self.hicache_ratio is not None and self.hicache_size is not None:

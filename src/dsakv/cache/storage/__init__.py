@@ -7,12 +7,12 @@ from dsakv.cache.storage.base import (
     ReadResult,
     Segments,
     StorageBackend,
-    StorageConfig,
     StorageError,
     chain_hashes,
     layout_identity,
     page_checksum,
 )
+from dsakv.config import StorageConfig
 
 
 def make_storage(layout: PageLayout, model_hash: str | None, config: StorageConfig) -> StorageBackend:
@@ -30,7 +30,6 @@ __all__ = [
     "ReadResult",
     "Segments",
     "StorageBackend",
-    "StorageConfig",
     "StorageError",
     "chain_hashes",
     "layout_identity",

@@ -44,7 +44,7 @@ import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -53,6 +53,7 @@ import numpy.typing as npt
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from dsakv.cache import native
+from dsakv.config import StorageConfig
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.util import Registry
@@ -113,42 +114,6 @@ _mac_lock = threading.Lock()
 
 class StorageError(RuntimeError):
     """A storage operation failed (the store is down, an I/O error): the caller treats the pages as a miss."""
-
-
-@dataclass(frozen=True)
-class StorageConfig:
-    """Options of a storage backend. `backend` names it in STORAGE_BACKENDS."""
-
-    backend: str = "file"
-    dir: str | None = None  # file: the directory
-    max_bytes: int | None = None  # file: cap on page files (LRU eviction); None = unbounded
-    master: str | None = None  # mooncake: master address HOST:PORT
-    metadata: str | None = None  # mooncake: metadata server URL (default http://HOST:PORT+1/metadata)
-    segment_bytes: int = 0  # mooncake: memory this instance adds to the store (0: objects live elsewhere)
-    local_buffer_bytes: int = 16 << 20  # mooncake: the client's own transfer buffer
-    protocol: str = "tcp"  # mooncake: tcp | rdma
-    device_names: str = ""  # mooncake: RDMA devices
-    local_hostname: str = "127.0.0.1"  # mooncake: the address this client's transfer engine listens on
-    timeout: float = 2.0  # seconds one store operation may take before the request computes instead
-    secret_file: str | None = None  # mooncake: the secret keying page MACs (None: $DSAKV_CLUSTER_SECRET_FILE)
-    extra: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.timeout > 0 or self.timeout != self.timeout or self.timeout == float("inf"):
-            raise ConfigError(f"storage timeout = {self.timeout} s must be a finite number > 0")
-        if self.backend == "file" and not self.dir:
-            raise ConfigError("storage backend 'file' needs a directory (--hicache-disk-dir DIR)")
-        if self.backend == "mooncake" and not self.master:
-            raise ConfigError(
-                "storage backend 'mooncake' needs a master address (--mooncake-master HOST:PORT); "
-                "start one with `dsakv store-master`"
-            )
-        if self.max_bytes is not None and self.max_bytes <= 0:
-            raise ConfigError(f"storage size cap = {self.max_bytes} bytes must be > 0 (or no cap)")
-        if self.segment_bytes < 0 or self.local_buffer_bytes < 0:
-            raise ConfigError(
-                f"mooncake segment {self.segment_bytes} B / local buffer {self.local_buffer_bytes} B must be >= 0"
-            )
 
 
 def layout_identity(layout: PageLayout, model_hash: str | None = None) -> str:

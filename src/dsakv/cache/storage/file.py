@@ -59,7 +59,6 @@ from dsakv.cache.storage.base import (
     ReadResult,
     Segments,
     StorageBackend,
-    StorageConfig,
     StorageError,
     directory_key,
     finish_checksum,
@@ -69,6 +68,7 @@ from dsakv.cache.storage.base import (
     page_checksum,
 )
 from dsakv.cache.storage.file_index import FileStoreIndex
+from dsakv.config import StorageConfig
 from dsakv.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -39,11 +39,11 @@ from dsakv.cache.storage.base import (
     ReadResult,
     Segments,
     StorageBackend,
-    StorageConfig,
     StorageError,
     page_checksum,
     secret_key,
 )
+from dsakv.config import StorageConfig
 from dsakv.errors import ConfigError
 
 log = logging.getLogger(__name__)

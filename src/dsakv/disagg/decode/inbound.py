@@ -27,13 +27,13 @@ import logging
 import threading
 from collections.abc import Callable
 
+from dsakv.config import Timeouts
 from dsakv.disagg.decode.liveness import ping_stage, revoke_stage, stage_waits
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.errors import Forbidden
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.rpc import RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.transfer.bootstrap import StageRegistry
 
 log = logging.getLogger("dsakv.disagg.decode.worker")

@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.config import DecodeConfig, Timeouts
 from dsakv.disagg.decode.inbound import InboundBook
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase
 from dsakv.disagg.protocol.messages import KvFailed, Prealloc, Preallocated, StageDoneReply
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.protocol.wire import page_list
 from dsakv.disagg.transfer.backends.base import TransferBackend
 from dsakv.disagg.transfer.bootstrap import StageRegistry

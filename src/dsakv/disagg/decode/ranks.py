@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.config import DecodeConfig
 from dsakv.disagg.protocol.messages import DecodeStageRef, StageDone
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest

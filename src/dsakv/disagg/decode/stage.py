@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.config import DecodeConfig, EngineConfig, PoolConfig, split_layers
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.messages import (
     DecodeStageRef,
@@ -57,12 +57,10 @@ from dsakv.disagg.protocol.rpc import RpcError
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.bootstrap import StageRegistry
 from dsakv.disagg.transfer.manifest import Manifest
-from dsakv.engine.config import EngineConfig, PoolConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
-from dsakv.pipeline.batch import split_layers
 from dsakv.pipeline.runner import RoundTripRunner, Stage0
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage, stage_group
 from dsakv.pipeline.step import PipeStep, StepBooks

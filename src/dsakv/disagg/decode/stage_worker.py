@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.disagg.decode.config import DecodeConfig
+from dsakv.config import DecodeConfig
 from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape
 from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE, DecodeHealth, PingReply
 from dsakv.disagg.protocol.worker_service import WorkerService

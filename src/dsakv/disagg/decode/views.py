@@ -17,8 +17,8 @@ import os
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from dsakv.config import DecodeConfig
 from dsakv.disagg.decode import stage as decode_stage
-from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.ranks import DecodeTP
 from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol.lifecycle import InboundKv, Ledger, Phase

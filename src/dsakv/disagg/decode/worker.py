@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from dsakv.config import DecodeConfig
 from dsakv.disagg.decode import views as decode_views
-from dsakv.disagg.decode.config import DecodeConfig
 from dsakv.disagg.decode.events import EventLog
 from dsakv.disagg.decode.inbound import InboundBook
 from dsakv.disagg.decode.kv_in import KvIn

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from dsakv.cache.device_pool import DevicePool
+from dsakv.cache.hicache import HiCacheConfig
 from dsakv.cache.host_pool import HostPool, host_pages_for, make_host_pool
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.stage_context import StageContext, job_of
@@ -64,7 +65,7 @@ class PrefillFollower(StageHooks[PrefillStep]):
         self.host_pool: HostPool | None = None
         cache = ctx.cache
         if cache.host_tier:  # the same page count as stage 0's host tier, sized on stage 0's layers
-            cache.hicache()  # validates
+            HiCacheConfig.of(cache)  # validates
             _, host_pages = host_pages_for(ctx.layouts[0], ctx.num_pages, cache.hicache_ratio, cache.hicache_size)
             self.host_pool = make_host_pool(cache.layout, ctx.layout, host_pages)
             self.host_pool.check_compatible(self.pool)

@@ -39,22 +39,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsakv.config import MAX_KV_TIMEOUT, Timeouts
 from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import TransferTimeout
 from dsakv.disagg.protocol.lifecycle import StageJob
-from dsakv.disagg.protocol.messages import (
-    KV_FAILED,
-    MAX_KV_TIMEOUT,
-    STAGE_DONE,
-    KvFailed,
-    Revoke,
-    Revoked,
-    StageDone,
-    WireLogprobs,
-)
+from dsakv.disagg.protocol.messages import KV_FAILED, STAGE_DONE, KvFailed, Revoke, Revoked, StageDone, WireLogprobs
 from dsakv.disagg.protocol.rpc import RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.protocol.worker_service import Notifier
 from dsakv.disagg.transfer.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.transfer.bootstrap import DecodeLink, DecodeLinks, LinkPart

@@ -32,6 +32,7 @@ import numpy as np
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.cache.hicache import HiCache
+from dsakv.config import PoolConfig
 from dsakv.disagg.prefill.control import AbortJob, ControlEvent, StageReleased
 from dsakv.disagg.prefill.kv_sender import Transfer
 from dsakv.disagg.prefill.leader_views import LeaderViews
@@ -56,7 +57,6 @@ from dsakv.disagg.protocol.messages import (
 )
 from dsakv.disagg.protocol.rpc import Rpc
 from dsakv.disagg.protocol.wire import page_list
-from dsakv.engine.config import PoolConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import FinishReason, RequestOutput
 from dsakv.engine.scheduler import ScheduledChunk, SchedulerOutput

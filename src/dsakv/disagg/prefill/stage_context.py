@@ -1,117 +1,37 @@
-"""What every stage of a prefill worker shares: its config, its layer range, the pipeline group, the books
-it keeps for its requests, and how a step's batch travels (encode_batch / decode_batch).
+"""What every stage of a prefill worker shares: its config (dsakv.config.PrefillConfig), its layer range, the
+pipeline group, the books it keeps for its requests, and the wire form of a stage's job (job_spec / job_of).
 
     cfg = PrefillConfig(model, config=Config(engine=..., pipeline=PipelineConfig(pp_size=2, pp_rank=k)), port=9200)
     ctx = StageContext.build(cfg, spec, model)          layer ranges, layouts, page count, StageGroup, notifier
     role = make_role(ctx)                               prefill_worker: PipelineLeader (k = 0) or PipelineFollower
 
-Imports torch, dsakv.{spec, plan, model}, engine.config (the tree) and dsakv.disagg; never serve or cli.
+Imports torch, dsakv.{spec, config, model, pipeline} and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from dsakv.config import CacheConfig, PrefillConfig, Timeouts
 from dsakv.disagg.prefill.stats import PrefillStats
 from dsakv.disagg.protocol.lifecycle import PREFILL_STAGE, Ledger, Phase, StageJob
 from dsakv.disagg.protocol.messages import JobSpec
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.protocol.worker_service import Notifier
-from dsakv.engine.config import CacheConfig, Config, EngineConfig, PipelineConfig, prefill_cache_error
-from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
-from dsakv.pipeline.batch import split_layers
 from dsakv.pipeline.stage_comm import StageGroup, stage_group
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from dsakv.disagg.prefill.kv_sender import KvSender
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """One stage of a prefill worker: the configuration tree and where this process runs. Stage k listens for
-    control RPC on port + k. From the tree: `engine` (layout, pool, scheduler, cache: the prefix cache and host
-    tier, with pp_size 1 also the storage tier; no disk tier), `transfer` (backend, rpc timeout, debug delay),
-    `pipeline` (pp_size, pp_rank, partition, rendezvous, stage timeout)."""
-
-    model: str
-    config: Config = field(default_factory=Config)
-    host: str = "127.0.0.1"
-    port: int = 0  # base port (stage k: port + k); 0 = any free port (pp_size 1 only)
-    name: str | None = None  # worker name; default prefill@<stage0 host>:<port>
-    decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
-    debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
-
-    def __post_init__(self) -> None:
-        pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout  # the pipeline validated itself (rank, timeout)
-        if self.port == 0 and pipe.pp_size > 1:
-            raise ConfigError("a pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
-        if rpc <= 0:
-            raise ConfigError(f"--rpc-timeout {rpc} must be > 0 seconds")
-        num_pages = self.engine.pool.num_pages
-        if num_pages is not None and num_pages < 1:
-            raise ConfigError(f"--num-pages {num_pages} must be >= 1")
-        refusal = prefill_cache_error(self.engine.cache, pipe.pp_size)
-        if refusal is not None:
-            raise ConfigError(refusal)
-
-    @property
-    def engine(self) -> EngineConfig:
-        return self.config.engine
-
-    @property
-    def draft_layers(self) -> int:
-        """Draft (MTP) layers on the last stage: 1 when the decode speculates (it reuses one layer K times); the
-        last stage computes the draft layer's KV / INDEX_K for the prompt and sends it with its other keys."""
-        return self.engine.draft_layers
-
-    @property
-    def pipeline(self) -> PipelineConfig:
-        return self.config.pipeline
-
-    @property
-    def pp_rank(self) -> int:
-        return self.pipeline.rank
-
-    @property
-    def pp_size(self) -> int:
-        return self.pipeline.pp_size
-
-    def ranges(self, spec: ModelSpec) -> list[tuple[int, int]]:
-        """[start, end) of every stage's layers."""
-        return split_layers(spec.num_layers, self.pp_size, self.pipeline.partition)
-
-    def layouts(self, spec: ModelSpec) -> list[KVLayout]:
-        """Every stage's KVLayout: its layer range, and on the last stage with MTP the draft layer's keys."""
-        ranges = self.ranges(spec)
-        drafts = [0] * (len(ranges) - 1) + [self.draft_layers]
-        return [self.engine.layout.layout(spec, a, b, draft_layers=d) for (a, b), d in zip(ranges, drafts, strict=True)]
-
-    def num_pages(self, spec: ModelSpec) -> int:
-        """Pages of every stage's pool (the same on all: stage 0 decides page ids); with a KV budget, the planner's
-        figure for the stage that holds the most per token."""
-        return self.engine.pool.pages(self.layouts(spec))
-
-    @functools.cached_property
-    def timeouts(self) -> Timeouts:
-        rpc = self.config.transfer.rpc_timeout
-        return Timeouts(rpc=rpc, connect=min(2.0, rpc), stage=self.pipeline.stage_timeout)
-
-    @property
-    def worker_name(self) -> str:
-        return self.name or f"prefill@{self.pipeline.stage0_host or self.host}:{self.port}"
 
 
 def job_spec(job: StageJob, now: float) -> JobSpec:

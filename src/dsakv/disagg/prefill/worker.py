@@ -48,10 +48,11 @@ from typing import Any
 
 import torch
 
+from dsakv.config import PrefillConfig
 from dsakv.disagg.prefill.follower import PrefillFollower
 from dsakv.disagg.prefill.kv_sender import KvSender
 from dsakv.disagg.prefill.leader import PipelineLeader
-from dsakv.disagg.prefill.stage_context import PrefillConfig, StageContext, split_layers
+from dsakv.disagg.prefill.stage_context import StageContext
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.messages import (
     CONNECT,
@@ -328,4 +329,4 @@ class PrefillStage:
         log.warning("%s", why)
 
 
-__all__ = ["PrefillConfig", "PrefillStage", "make_role", "split_layers"]
+__all__ = ["PrefillStage", "make_role"]

@@ -37,10 +37,8 @@ from typing import TypeVar
 from dsakv.disagg.protocol.errors import MessageError
 from dsakv.disagg.protocol.messages_base import (
     MAX_ID,
-    MAX_KV_TIMEOUT,
     MAX_QUARANTINE,
     MAX_STAGES,
-    MAX_WAIT,
     Blob,
     Health,
     HealthQuery,
@@ -213,10 +211,8 @@ __all__ = [
     "KvFailed",
     "LinkSummary",
     "MAX_ID",
-    "MAX_KV_TIMEOUT",
     "MAX_QUARANTINE",
     "MAX_STAGES",
-    "MAX_WAIT",
     "PING",
     "PREALLOC",
     "PREFILL_FOLLOWER_SERVICE",

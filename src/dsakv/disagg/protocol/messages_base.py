@@ -52,12 +52,11 @@ def unpack_logprobs(w: WireLogprobs | None) -> tuple[TokenLogprobs, ...] | None:
 Blob = bytes  # a raw-bytes field type where a message also has a field named `bytes`
 
 
-# Bounds of the numeric fields (the codec refuses a value outside them, and NaN / infinities everywhere)
-MAX_KV_TIMEOUT = 3600.0  # seconds: a request's prefill + KV deadline (every page a decode holds has one)
+# Bounds of the numeric fields (the codec refuses a value outside them, and NaN / infinities everywhere); the time
+# bounds MAX_KV_TIMEOUT and MAX_WAIT are dsakv.config.timeouts's (the flags are checked against them too)
 MAX_QUARANTINE = 600.0  # seconds a timed-out transfer may ask the decode to keep the pages
 MAX_STAGES = 256
 MAX_ID = 2**31 - 1  # token ids, page ids
-MAX_WAIT = 600.0  # seconds: long polls, connect timeouts
 
 
 # ---- common: liveness, health, integrity ----------------------------------------------------------------

@@ -6,13 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from dsakv.config import MAX_KV_TIMEOUT, MAX_WAIT
 from dsakv.disagg.protocol.codec import bounds
 from dsakv.disagg.protocol.messages_base import (
     MAX_ID,
-    MAX_KV_TIMEOUT,
     MAX_QUARANTINE,
     MAX_STAGES,
-    MAX_WAIT,
     Blob,
     Health,
     StageInfo,

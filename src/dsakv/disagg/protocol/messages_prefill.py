@@ -6,15 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from dsakv.config import MAX_KV_TIMEOUT, MAX_WAIT
 from dsakv.disagg.protocol.codec import bounds
-from dsakv.disagg.protocol.messages_base import (
-    MAX_ID,
-    MAX_KV_TIMEOUT,
-    MAX_STAGES,
-    MAX_WAIT,
-    Health,
-    LinkSummary,
-)
+from dsakv.disagg.protocol.messages_base import MAX_ID, MAX_STAGES, Health, LinkSummary
 from dsakv.engine.request import SamplingParams
 
 # ---- prefill ----------------------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ Per request (one dispatcher thread):
 A decode that stops answering fails all its requests at once with an error naming it; everything else
 (prefill stage loss, transfer timeouts, deadlines) is failed by the decode worker and arrives as an event.
 
-Imports dsakv.disagg.{rpc, messages, router_*}, dsakv.engine.request and the serving contract
-dsakv.engine.backend (TokenEvent; standard library only) -- no torch: a router process is light.
+Imports dsakv.disagg.{rpc, messages, router_*}, dsakv.config (RouterConfig), dsakv.engine.request and the serving
+contract dsakv.engine.backend (TokenEvent; standard library only) -- no torch: a router process is light.
 """
 
 from __future__ import annotations
@@ -34,15 +34,15 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
+from dsakv.config import RouterConfig
 from dsakv.disagg.protocol.codec import from_wire, to_wire
 from dsakv.disagg.protocol.errors import MessageError
 from dsakv.disagg.protocol.lifecycle import Phase, RouterRequest
-from dsakv.disagg.protocol.messages import ABORT, MAX_KV_TIMEOUT, MAX_WAIT, Abort, Prealloc
+from dsakv.disagg.protocol.messages import ABORT, Abort, Prealloc
 from dsakv.disagg.protocol.rpc import RpcClient
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.dispatch import Dispatcher
 from dsakv.disagg.router.events import EventPoller
 from dsakv.disagg.router.peers import PeerState, PeerTable
@@ -56,62 +56,6 @@ from dsakv.errors import CapacityError, ConfigError
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PROMPT_TOKENS = 4096
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    prefill: tuple[str, ...]
-    decode: tuple[str, ...]
-    kv_timeout: float = 30.0  # prefill + KV transfer of one request, from dispatch
-    rpc_timeout: float = 5.0
-    health_interval: float = 0.5
-    queue_timeout: float = 60.0  # how long a request may wait for a free pair / decode pages
-    poll_wait: float = 0.5
-    connect_retry: float = 2.0  # seconds between handshake attempts of a pair that failed
-    max_prompt_tokens: int | None = None
-    seed: int | None = None
-    affinity_min_gain_pages: int = 1  # prefix affinity only when it saves >= this many pages (routing.py)
-    affinity_max_imbalance: int = 4  # ... and the affine prefill has <= this many more requests in flight
-    vocab_size: int | None = None  # token ids are below it (--model); None: the decodes' health reports it
-
-    @functools.cached_property
-    def timeouts(self) -> Timeouts:
-        return Timeouts(
-            rpc=self.rpc_timeout,
-            kv=self.kv_timeout,
-            queue=self.queue_timeout,
-            health_interval=self.health_interval,
-            poll_wait=self.poll_wait,
-            connect_retry=self.connect_retry,
-        )
-
-    def __post_init__(self) -> None:
-        if not self.prefill or not self.decode:
-            raise ConfigError(
-                f"a router needs at least one prefill and one decode worker (got prefill={list(self.prefill)}, "
-                f"decode={list(self.decode)}): pass --prefill HOST:PORT and --decode HOST:PORT"
-            )
-        for name, hi in (
-            ("kv_timeout", MAX_KV_TIMEOUT),
-            ("rpc_timeout", MAX_WAIT),
-            ("queue_timeout", 86400.0),
-            ("health_interval", MAX_WAIT),
-            ("poll_wait", MAX_WAIT),
-            ("connect_retry", MAX_WAIT),
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{name} = {v!r} ({flag}) must be a number of seconds in (0, {hi:g}]")
-        if self.affinity_min_gain_pages < 1:
-            raise ConfigError(
-                f"affinity_min_gain_pages = {self.affinity_min_gain_pages} must be >= 1 page "
-                "(--affinity-min-gain-pages; a large value routes prefill by load only)"
-            )
-        if self.affinity_max_imbalance < 0:
-            raise ConfigError(f"affinity_max_imbalance = {self.affinity_max_imbalance} must be >= 0 requests")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size < 1):
-            raise ConfigError(f"vocab_size = {self.vocab_size!r} must be a positive number of token ids")
 
 
 class RouterBackend:
@@ -414,4 +358,4 @@ class RouterBackend:
         self.book.fail_decode(dec, f"decode {dec.addr} is unavailable ({why})")
 
 
-__all__ = ["RouterBackend", "RouterConfig", "TokenEvent"]
+__all__ = ["RouterBackend", "TokenEvent"]

@@ -29,11 +29,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from dsakv.config import Timeouts
 from dsakv.disagg.protocol.errors import IncompatiblePeer, Unavailable
 from dsakv.disagg.protocol.lifecycle import Phase, RouterRequest, attempt_id
 from dsakv.disagg.protocol.messages import ABORT, PREALLOC, SUBMIT, Abort, Prealloc, Preallocated, Submit
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.peers import Choice, PeerTable
 from dsakv.disagg.router.requests import RequestBook
 from dsakv.errors import NoFreePages

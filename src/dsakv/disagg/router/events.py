@@ -17,9 +17,9 @@ import logging
 import threading
 from collections.abc import Callable
 
+from dsakv.config import Timeouts
 from dsakv.disagg.protocol.messages import ABORT, EVENTS, Abort, EventsQuery
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.peers import PeerTable
 from dsakv.disagg.router.requests import RequestBook
 

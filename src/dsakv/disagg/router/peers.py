@@ -12,7 +12,7 @@ handshake, and the best-effort side RPCs (aborts) to them.
     peers.sent(choice)           after a SUBMIT: count the pick
     peers.post((addr, ABORT, Abort(rid)))   sent in order by the side thread (side_loop) or drain_side()
 
-Imports dsakv.disagg.{rpc, messages, routing, timeouts}; no torch.
+Imports dsakv.disagg.{rpc, messages, routing} and dsakv.config (Timeouts); no torch.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from dsakv.config import Timeouts
 from dsakv.disagg.protocol.messages import (
     CACHE_EVENTS,
     CONNECT,
@@ -41,7 +42,6 @@ from dsakv.disagg.protocol.messages import (
     PrefillHealth,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, Rpc, RpcClient, RpcError
-from dsakv.disagg.protocol.timeouts import Timeouts
 from dsakv.disagg.router.routing import (
     AffinityRule,
     CacheDelta,

@@ -1,10 +1,10 @@
-"""Every time bound of disaggregated serving, in one dataclass (seconds).
+"""Every time bound of disaggregated serving, in one dataclass (seconds), and the longest any of them may be.
 
-Each role's config hands its code one `Timeouts` (`cfg.timeouts`), built from the fields its command-line flags
-set (RouterConfig's own; PrefillConfig / DecodeConfig: the tree's transfer.rpc_timeout and
-pipeline.stage_timeout, plus the decode's kv_grace / liveness_interval); nothing else in dsakv.disagg spells a
-time constant.
-Imports nothing from dsakv but errors.
+Each role's config (dsakv.config.roles) hands its code one `Timeouts` (`cfg.timeouts`), built from the fields
+its command-line flags set (RouterConfig's own; PrefillConfig / DecodeConfig: the tree's transfer.rpc_timeout
+and pipeline.stage_timeout, plus the decode's kv_grace / liveness_interval); nothing else in dsakv.disagg spells
+a time constant. MAX_KV_TIMEOUT and MAX_WAIT bound the flags here and the wire messages' fields
+(disagg/protocol/messages_base.py). Imports nothing from dsakv but errors.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from dsakv.errors import ConfigError
+
+MAX_KV_TIMEOUT = 3600.0  # seconds: a request's prefill + KV deadline (every page a decode holds has one)
+MAX_WAIT = 600.0  # seconds: long polls, connect timeouts
 
 
 @dataclass(frozen=True)

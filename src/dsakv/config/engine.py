@@ -1,23 +1,19 @@
-"""The configuration tree: every option a process of dsakv runs with, as frozen dataclasses, built once.
+"""The engine branch of the configuration tree (dsakv.config): what an Engine (colocated, decode) or a prefill
+stage runs with, as frozen dataclasses.
 
-    Config
-    ├── engine: EngineConfig          what an Engine (colocated, decode) or a prefill stage runs with
-    │   ├── layout: LayoutConfig      elide, kv_format, index_format, page_size  -> KVLayout per layer range
-    │   ├── pool: PoolConfig          num_pages | max_tokens | kv_budget          -> pages (planner's figure)
-    │   ├── scheduler: SchedulerConfig  max_batch_tokens, max_running_requests
-    │   ├── cache: CacheConfig        prefix cache + host tier + disk tier         -> HiCacheConfig
-    │   ├── hisparse: HiSparseConfig  HiSparse decode: hot KV rows on the device, KV on the host
-    │   └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
-    ├── transfer: TransferConfig      KV transfer backend and control-plane bounds (disaggregated roles)
-    └── pipeline: PipelineConfig      PP prefill: stages, partition, rendezvous, stage timeout
+    EngineConfig
+    ├── layout: LayoutConfig      elide, kv_format, index_format, page_size  -> KVLayout per layer range
+    ├── pool: PoolConfig          num_pages | max_tokens | kv_budget          -> pages (planner's figure)
+    ├── scheduler: SchedulerConfig  max_batch_tokens, max_running_requests
+    ├── cache: CacheConfig        prefix cache + host tier + disk tier        -> HiCacheConfig (cache/hicache)
+    │   └── storage: StorageConfig  the storage (L3) tier's backend options  -> cache/storage backends
+    ├── hisparse: HiSparseConfig  HiSparse decode: hot KV rows on the device, KV on the host
+    └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
 
-`dsakv.cli.options` builds the tree from argv (`serve`, `generate`, `demo` and the benches share it) and
-renders it back to argv for child processes. `Engine(model, config)` takes the engine branch; the flat keyword
-spelling `Engine(model, page_size=4, max_tokens=64)` goes through `EngineConfig.from_options`, the one table
-that maps those names onto the tree. The disaggregated roles take the whole tree (DecodeConfig / PrefillConfig:
-the tree + where the process runs): the transfer and pipeline branches are theirs, and `prefill_cache_error`
-says which cache branches a prefill worker can run. This module imports only spec and plan (no torch), so
-building a tree stays light.
+`Engine(model, config)` takes this branch; the flat keyword spelling `Engine(model, page_size=4, max_tokens=64)`
+goes through `EngineConfig.from_options`, the one table that maps those names onto the tree.
+`prefill_cache_error` says which cache branches a prefill worker can run. Imports only util, errors, spec and
+plan (no torch), so building a tree stays light.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.util import ceil_div
 
 if TYPE_CHECKING:
-    from dsakv.cache.hicache import HiCacheConfig
-    from dsakv.cache.storage.base import StorageConfig
     from dsakv.spec.model import ModelSpec
 
 DEFAULT_MAX_TOKENS = 16384
@@ -117,6 +111,42 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    """Options of a storage backend. `backend` names it in STORAGE_BACKENDS."""
+
+    backend: str = "file"
+    dir: str | None = None  # file: the directory
+    max_bytes: int | None = None  # file: cap on page files (LRU eviction); None = unbounded
+    master: str | None = None  # mooncake: master address HOST:PORT
+    metadata: str | None = None  # mooncake: metadata server URL (default http://HOST:PORT+1/metadata)
+    segment_bytes: int = 0  # mooncake: memory this instance adds to the store (0: objects live elsewhere)
+    local_buffer_bytes: int = 16 << 20  # mooncake: the client's own transfer buffer
+    protocol: str = "tcp"  # mooncake: tcp | rdma
+    device_names: str = ""  # mooncake: RDMA devices
+    local_hostname: str = "127.0.0.1"  # mooncake: the address this client's transfer engine listens on
+    timeout: float = 2.0  # seconds one store operation may take before the request computes instead
+    secret_file: str | None = None  # mooncake: the secret keying page MACs (None: $DSAKV_CLUSTER_SECRET_FILE)
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0 or self.timeout != self.timeout or self.timeout == float("inf"):
+            raise ConfigError(f"storage timeout = {self.timeout} s must be a finite number > 0")
+        if self.backend == "file" and not self.dir:
+            raise ConfigError("storage backend 'file' needs a directory (--hicache-disk-dir DIR)")
+        if self.backend == "mooncake" and not self.master:
+            raise ConfigError(
+                "storage backend 'mooncake' needs a master address (--mooncake-master HOST:PORT); "
+                "start one with `dsakv store-master`"
+            )
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise ConfigError(f"storage size cap = {self.max_bytes} bytes must be > 0 (or no cap)")
+        if self.segment_bytes < 0 or self.local_buffer_bytes < 0:
+            raise ConfigError(
+                f"mooncake segment {self.segment_bytes} B / local buffer {self.local_buffer_bytes} B must be >= 0"
+            )
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """Prefix cache (`prefix_cache`) and its host / disk tiers; any tier option turns the cache on."""
 
@@ -137,22 +167,6 @@ class CacheConfig:
     @property
     def enabled(self) -> bool:
         return self.prefix_cache or self.host_tier or bool(self.disk_dir) or self.storage is not None
-
-    def hicache(self, model_hash: str | None = None) -> HiCacheConfig:
-        """The cache layer's own options (validated there: layout, write policy, sizes)."""
-        from dsakv.cache.hicache import HiCacheConfig
-
-        return HiCacheConfig(
-            hicache_ratio=self.hicache_ratio,
-            hicache_size=self.hicache_size,
-            layout=self.layout,
-            write_policy=self.write_policy,
-            selective_threshold=self.selective_threshold,
-            disk_dir=str(self.disk_dir) if self.disk_dir else None,
-            disk_size=self.disk_size,
-            model_hash=model_hash,
-            storage=self.storage,
-        )
 
 
 @dataclass(frozen=True)
@@ -311,53 +325,6 @@ class EngineConfig:
         }
 
 
-@dataclass(frozen=True)
-class TransferConfig:
-    """KV transfer and control plane of the disaggregated roles."""
-
-    backend: str = "mooncake"  # dsakv.disagg.transfer.backends registry name
-    mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
-    rpc_timeout: float = 5.0  # bound on every control-plane call
-    debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it
-    staging_size: int = 256 << 20  # prefill: staging buffer for fragmented sources; decode: its staging slots' region
-    # (bytes, capped at the pool; 0: off)
-    staging_slots: int = 4  # decode: destination staging slots the region is split into (0: none)
-
-    def staging_bytes(self, pool_nbytes: int) -> int:
-        """The staging buffer / slot region a role with a pool of `pool_nbytes` allocates: staging_size, capped at
-        the pool (a request's pages never exceed it)."""
-        return min(self.staging_size, pool_nbytes)
-
-    debug_transfer_strategy: str = ""  # testing: "blocks" / "staged" overrides the measured rule ("": the rule)
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """The one pipeline config of every pipelined role (validated here, once): a prefill or decode worker's stage k
-    at --port P listens on P + k; a colocated pipeline (pipeline/colocated.py) uses pp_size, partition and
-    stage_timeout only."""
-
-    pp_size: int = 1
-    pp_rank: int | None = None  # None: start every stage as a child process
-    partition: tuple[int, ...] | None = None  # layers per stage (None: even split, earlier stages larger)
-    dist_port: int | None = None  # gloo rendezvous on stage 0 (None: port + pp_size)
-    stage0_host: str | None = None
-    stage_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.pp_size < 1:
-            raise ConfigError(f"--pp-size {self.pp_size} must be >= 1")
-        if self.pp_rank is not None and not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError(f"--pp-rank {self.pp_rank} must be in 0..{self.pp_size - 1} (--pp-size {self.pp_size})")
-        if not self.stage_timeout > 0:
-            raise ConfigError(f"--stage-timeout {self.stage_timeout} must be > 0 seconds")
-
-    @property
-    def rank(self) -> int:
-        """This process's stage (0 when pp_rank is None: the supervisor, or stage 0 of a colocated pipeline)."""
-        return self.pp_rank or 0
-
-
 def storage_pp_error(backend: str, pp_size: int) -> str:
     """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
     return (
@@ -388,12 +355,3 @@ def prefill_cache_error(cache: CacheConfig, pp_size: int) -> str | None:
     if cache.storage is not None and pp_size > 1:
         return storage_pp_error(cache.storage.backend, pp_size)
     return None
-
-
-@dataclass(frozen=True)
-class Config:
-    """The root of the tree."""
-
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
