@@ -148,16 +148,21 @@ class StorageConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Prefix cache (`prefix_cache`) and its host / disk tiers; any tier option turns the cache on."""
+    """Prefix cache (`prefix_cache`) and its host / disk tiers; any tier option turns the cache on.
+
+    The cache layer's HiCacheConfig (cache/hicache/config.py) is this branch plus what only the built cache knows
+    (the weights fingerprint, host-pool pinning): its fields are declared here, once, and checked there, once,
+    when the cache is built (the host layouts and write policies are the cache layer's registries)."""
 
     prefix_cache: bool = False
     hicache_ratio: float | None = None  # host pool = ratio x device pool bytes
     hicache_size: int | None = None  # or host pool bytes
-    layout: str = "layer_first"  # host layout (dsakv.cache.host_pool.HOST_LAYOUTS)
-    write_policy: str = "write_through"  # dsakv.cache.write_policy.WRITE_POLICIES
-    selective_threshold: int = 2
-    disk_dir: str | None = None
-    disk_size: int | None = None  # disk tier cap in bytes; None = unbounded
+    layout: str = "layer_first"  # host layout: layer_first | page_first (dsakv.cache.host_pool.HOST_LAYOUTS)
+    # write_through | write_back | write_through_selective (dsakv.cache.write_policy.WRITE_POLICIES)
+    write_policy: str = "write_through"
+    selective_threshold: int = 2  # hits before write_through_selective backs a run up
+    disk_dir: str | None = None  # third tier on local disk; None = off
+    disk_size: int | None = None  # disk tier cap in bytes (page files, headers included); None = unbounded
     storage: StorageConfig | None = None  # the mooncake storage (L3) tier (the file tier is disk_dir)
 
     @property
@@ -167,6 +172,15 @@ class CacheConfig:
     @property
     def enabled(self) -> bool:
         return self.prefix_cache or self.host_tier or bool(self.disk_dir) or self.storage is not None
+
+    @property
+    def storage_config(self) -> StorageConfig | None:
+        """The L3 tier: the storage given, else the disk tier's directory as a `file` storage, else none."""
+        if self.storage is not None:
+            return self.storage
+        if self.disk_dir:
+            return StorageConfig(backend="file", dir=self.disk_dir, max_bytes=self.disk_size)
+        return None
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,7 @@ def _refuse_options(cfg: EngineConfig) -> None:
 
 def v4_storage_config(cfg: EngineConfig) -> StorageConfig | None:
     """The L3 tier of the cache options: the mooncake storage, else the disk tier's directory, else none."""
-    c = cfg.cache
-    if c.storage is not None:
-        return c.storage
-    if c.disk_dir:
-        return StorageConfig(backend="file", dir=c.disk_dir, max_bytes=c.disk_size)
-    return None
+    return cfg.cache.storage_config
 
 
 class V4ServingEngine:

@@ -86,7 +86,7 @@ class HiCache(StorageIO, HostCopies):
         self.host: HostPool | None = None
         self.host_alloc: PageAllocator | None = None
         self.host_budget_bytes: int | None = None
-        if self.config.host_enabled:
+        if self.config.host_tier:
             budget, pages = host_pages_for(
                 self.layout, device.num_pages, self.config.hicache_ratio, self.config.hicache_size
             )

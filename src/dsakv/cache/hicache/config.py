@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -11,7 +11,7 @@ import torch
 from dsakv.cache.fingerprint import weights_fingerprint
 from dsakv.cache.host_pool import HOST_LAYOUTS
 from dsakv.cache.write_policy import WRITE_POLICIES
-from dsakv.config import CacheConfig, StorageConfig
+from dsakv.config import CacheConfig
 from dsakv.errors import ConfigError
 
 log = logging.getLogger("dsakv.cache.hicache")
@@ -27,35 +27,21 @@ _STORAGE_WHEN = {"write_through": "insert", "write_back": "evict", "write_throug
 
 
 @dataclass(frozen=True)
-class HiCacheConfig:
-    """Prefix cache options. The default is a device-only prefix cache (no host tier, no disk)."""
+class HiCacheConfig(CacheConfig):
+    """Prefix cache options: the tree's cache branch (CacheConfig: its fields are declared there, once; checked
+    here, once) plus what the built cache knows. The default is a device-only prefix cache (no host tier, no
+    disk). `prefix_cache` is not read here (a HiCache is the prefix cache)."""
 
-    hicache_ratio: float | None = None  # host pool = ratio x device pool bytes
-    hicache_size: int | None = None  # or host pool bytes
-    layout: str = "layer_first"  # host layout: layer_first | page_first
-    write_policy: str = "write_through"  # write_through | write_back | write_through_selective
-    selective_threshold: int = 2  # hits before write_through_selective backs a run up
-    disk_dir: str | None = None  # third tier on local disk; None = off
-    disk_size: int | None = None  # disk tier cap in bytes (page files, headers included); None = unbounded
     model_hash: str | None = None  # weights fingerprint for storage keys (weights change -> new keys)
-    storage: StorageConfig | None = None  # the L3 tier (file or mooncake); disk_dir is the `file` shorthand
     pin_memory: bool = True  # pin the host pool when the device is CUDA
 
     @classmethod
     def of(cls, cache: CacheConfig, model_hash: str | None = None) -> HiCacheConfig:
-        """The cache layer's own options from the tree's cache branch (validated here: layout, write policy,
+        """The cache layer's own options from the tree's cache branch (checked here: layout, write policy,
         sizes)."""
-        return cls(
-            hicache_ratio=cache.hicache_ratio,
-            hicache_size=cache.hicache_size,
-            layout=cache.layout,
-            write_policy=cache.write_policy,
-            selective_threshold=cache.selective_threshold,
-            disk_dir=str(cache.disk_dir) if cache.disk_dir else None,
-            disk_size=cache.disk_size,
-            model_hash=model_hash,
-            storage=cache.storage,
-        )
+        shared = {f.name: getattr(cache, f.name) for f in fields(CacheConfig)}
+        shared["disk_dir"] = str(cache.disk_dir) if cache.disk_dir else None
+        return cls(**shared, model_hash=model_hash)
 
     def __post_init__(self) -> None:
         if self.hicache_ratio is not None and self.hicache_size is not None:
@@ -74,15 +60,3 @@ class HiCacheConfig:
             raise ConfigError("give disk_dir (the file tier) or a storage backend, not both")
         if self.selective_threshold < 1:
             raise ConfigError(f"selective_threshold = {self.selective_threshold} must be >= 1")
-
-    @property
-    def host_enabled(self) -> bool:
-        return self.hicache_ratio is not None or self.hicache_size is not None
-
-    @property
-    def storage_config(self) -> StorageConfig | None:
-        if self.storage is not None:
-            return self.storage
-        if self.disk_dir is not None:
-            return StorageConfig(backend="file", dir=self.disk_dir, max_bytes=self.disk_size)
-        return None
