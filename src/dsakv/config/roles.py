@@ -92,8 +92,7 @@ class PrefillConfig:
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
-        rpc = self.config.transfer.rpc_timeout
-        return Timeouts(rpc=rpc, connect=min(2.0, rpc), stage=self.pipeline.stage_timeout)
+        return Timeouts.of(self.config.transfer.rpc_timeout, stage=self.pipeline.stage_timeout)
 
     @property
     def worker_name(self) -> str:
@@ -127,10 +126,8 @@ class DecodeConfig:
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
-        rpc = self.config.transfer.rpc_timeout
-        return Timeouts(
-            rpc=rpc,
-            connect=min(2.0, rpc),
+        return Timeouts.of(
+            self.config.transfer.rpc_timeout,
             kv_grace=self.kv_grace,
             liveness_interval=self.liveness_interval,
             max_kv=self.max_kv_timeout,
@@ -155,8 +152,8 @@ class RouterConfig:
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:
-        return Timeouts(
-            rpc=self.rpc_timeout,
+        return Timeouts.of(
+            self.rpc_timeout,
             kv=self.kv_timeout,
             queue=self.queue_timeout,
             health_interval=self.health_interval,

@@ -1,10 +1,11 @@
 """Every time bound of disaggregated serving, in one dataclass (seconds), and the longest any of them may be.
 
-Each role's config (dsakv.config.roles) hands its code one `Timeouts` (`cfg.timeouts`), built from the fields
-its command-line flags set (RouterConfig's own; PrefillConfig / DecodeConfig: the tree's transfer.rpc_timeout
-and pipeline.stage_timeout, plus the decode's kv_grace / liveness_interval); nothing else in dsakv.disagg spells
-a time constant. MAX_KV_TIMEOUT and MAX_WAIT bound the flags here and the wire messages' fields
-(disagg/protocol/messages_base.py). Imports nothing from dsakv but errors.
+Each role's config (dsakv.config.roles) hands its code one `Timeouts` (`cfg.timeouts`), built one way
+(`Timeouts.of`) from the fields its command-line flags set (RouterConfig's own; PrefillConfig / DecodeConfig:
+the tree's transfer.rpc_timeout and pipeline.stage_timeout, plus the decode's kv_grace / liveness_interval /
+max_kv_timeout); nothing else in dsakv.disagg spells a time constant. MAX_KV_TIMEOUT and MAX_WAIT bound the
+flags here and the wire messages' fields (disagg/protocol/messages_base.py). Imports nothing from dsakv but
+errors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class Timeouts:
     busy_health: float = (
         30.0  # router: a worker that answers PING but not HEALTH (busy in a long step) stays up this long
     )
+
+    @classmethod
+    def of(cls, rpc: float, **bounds: float) -> Timeouts:
+        """The one way a role builds its bounds (each role config's `timeouts`): `rpc` bounds every control call,
+        and so its TCP connect too (at most the default `connect`); `bounds` are the role's other flags."""
+        return cls(rpc=rpc, connect=min(cls.connect, rpc), **bounds)
 
     def __post_init__(self) -> None:
         bad = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if not getattr(self, f.name) > 0]

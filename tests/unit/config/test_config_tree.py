@@ -46,3 +46,20 @@ def test_storage_config_is_the_l3_tier_of_the_branch():
     mc = StorageConfig(backend="mooncake", master="127.0.0.1:50051")
     assert CacheConfig(storage=mc).storage_config is mc
     assert HiCacheConfig.of(CacheConfig(storage=mc)).storage_config is mc
+
+
+def test_every_role_builds_its_timeouts_one_way():
+    """Timeouts.of: rpc bounds every control call and its connect (at most 2 s); the rest are the role's flags."""
+    from dsakv.config import Config, DecodeConfig, PipelineConfig, PrefillConfig, RouterConfig, Timeouts, TransferConfig
+
+    assert Timeouts.of(5.0) == Timeouts() and Timeouts.of(0.5).connect == 0.5
+    tree = Config(transfer=TransferConfig(rpc_timeout=1.5), pipeline=PipelineConfig(stage_timeout=3.0))
+    p = PrefillConfig("m", config=tree).timeouts
+    assert (p.rpc, p.connect, p.stage) == (1.5, 1.5, 3.0)
+    d = DecodeConfig("m", config=tree, kv_grace=0.7, liveness_interval=0.2, max_kv_timeout=90.0).timeouts
+    assert (d.rpc, d.connect, d.kv_grace, d.liveness_interval, d.max_kv) == (1.5, 1.5, 0.7, 0.2, 90.0)
+    r = RouterConfig(("p:1",), ("d:2",), kv_timeout=9.0, rpc_timeout=3.0, queue_timeout=7.0, connect_retry=4.0)
+    r_t = r.timeouts
+    assert (r_t.rpc, r_t.connect, r_t.kv, r_t.queue, r_t.connect_retry) == (3.0, 2.0, 9.0, 7.0, 4.0)
+    with pytest.raises(ConfigError, match="must be > 0 seconds: rpc=0"):
+        Timeouts.of(0.0)
