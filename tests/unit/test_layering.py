@@ -205,9 +205,14 @@ def test_the_checker_sees_lazy_relative_and_from_imports(tmp_path):
 
 
 def test_cli_backend_choices_are_the_registry():
-    """cli/options.py spells the --transfer-backend choices without importing the transfer layer (so
-    `dsakv --help` stays light); they must be the registry's names."""
+    """cli/options.py takes the --transfer-backend choices from dsakv.config's lazy table ("name" ->
+    "module:Class"), without importing the transfer layer (so `dsakv --help` stays light); they must be the
+    registry's names, each resolving to the class registered under it."""
     from dsakv.cli.options import BACKEND_CHOICES
-    from dsakv.disagg.transfer.backends import backend_names
+    from dsakv.config import TRANSFER_BACKENDS
+    from dsakv.disagg.transfer.backends import backend_class, backend_names
 
-    assert set(BACKEND_CHOICES) == set(backend_names()) == {"local", "mooncake", "nixl"}
+    assert set(BACKEND_CHOICES) == set(TRANSFER_BACKENDS) == set(backend_names()) == {"local", "mooncake", "nixl"}
+    for name, where in TRANSFER_BACKENDS.items():
+        cls = backend_class(name)
+        assert cls.name == name and f"{cls.__module__}:{cls.__qualname__}" == where

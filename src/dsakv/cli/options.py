@@ -17,6 +17,8 @@ import argparse
 from pathlib import Path
 
 from dsakv.config import (
+    BACKEND_CHOICES,
+    DEFAULT_BACKEND,
     DTYPES,
     WEIGHT_DTYPES,
     CacheConfig,
@@ -35,11 +37,6 @@ from dsakv.engine.argv import layout_argv as layout_argv
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 from dsakv.spec.layout import INDEX_FORMATS, KV_FORMATS
-
-# --transfer-backend choices (the registry in dsakv.disagg.transfer.backends holds the same names; importing it would
-# pull the transfer engines into `dsakv --help`; tests/unit/test_layering.py checks the two agree)
-BACKEND_CHOICES = ("mooncake", "nixl", "local")
-
 
 # ---- declaring options ------------------------------------------------------------------------------------------
 
@@ -264,7 +261,7 @@ def add_backend_argument(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--transfer-backend",
         choices=BACKEND_CHOICES,
-        default="mooncake",
+        default=DEFAULT_BACKEND,
         help="KV transfer engine (default mooncake; both peers must use the same)",
     )
 

@@ -40,10 +40,13 @@ from dsakv.config.engine import (
 from dsakv.config.parallel import PipelineConfig, split_layers
 from dsakv.config.roles import DecodeConfig, PrefillConfig, RouterConfig
 from dsakv.config.timeouts import MAX_KV_TIMEOUT, MAX_WAIT, Timeouts
-from dsakv.config.transfer import TransferConfig
+from dsakv.config.transfer import BACKEND_CHOICES, DEFAULT_BACKEND, TRANSFER_BACKENDS, TransferConfig
 from dsakv.config.tree import Config
 
 __all__ = [
+    "BACKEND_CHOICES",
+    "DEFAULT_BACKEND",
+    "TRANSFER_BACKENDS",
     "DEFAULT_MAX_TOKENS",
     "DTYPES",
     "MAX_KV_TIMEOUT",

@@ -1,17 +1,30 @@
 """The transfer branch of the configuration tree (dsakv.config): the KV transfer backend and the control-plane
 bounds of the disaggregated roles. Standard library only.
+
+TRANSFER_BACKENDS names every backend as "module:Class" (dsakv.disagg.transfer.backends.registry imports a
+backend's module on first use), so the command line's --transfer-backend choices (BACKEND_CHOICES) and a config
+check know the names without importing a backend or its engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+_BACKENDS_PKG = "dsakv.disagg.transfer.backends"
+TRANSFER_BACKENDS: dict[str, str] = {
+    "mooncake": f"{_BACKENDS_PKG}.mooncake:MooncakeBackend",
+    "nixl": f"{_BACKENDS_PKG}.nixl:NixlBackend",
+    "local": f"{_BACKENDS_PKG}.local:LocalBackend",
+}
+BACKEND_CHOICES: tuple[str, ...] = tuple(TRANSFER_BACKENDS)
+DEFAULT_BACKEND = "mooncake"
+
 
 @dataclass(frozen=True)
 class TransferConfig:
     """KV transfer and control plane of the disaggregated roles."""
 
-    backend: str = "mooncake"  # dsakv.disagg.transfer.backends registry name
+    backend: str = DEFAULT_BACKEND  # a TRANSFER_BACKENDS name
     mooncake_timeout: int | None = None  # MC_TRANSFER_TIMEOUT (s)
     rpc_timeout: float = 5.0  # bound on every control-plane call
     debug_transfer_delay: float = 0.0  # testing: hold each transfer this long before submitting it

@@ -31,7 +31,6 @@ from dsakv.disagg.protocol.errors import (
 )
 from dsakv.disagg.transfer.backends import (
     BACKENDS,
-    DEFAULT_BACKEND,
     LOOPBACK_UCX_ENV,
     Peer,
     TransferBackend,
@@ -48,7 +47,6 @@ from dsakv.disagg.transfer.plan import Blocks, PairTable, TransferPlan, contiguo
 
 __all__ = [
     "BACKENDS",
-    "DEFAULT_BACKEND",
     "LOOPBACK_UCX_ENV",
     "MANIFEST_VERSION",
     "BackendMeta",

@@ -13,7 +13,7 @@ from dsakv.disagg.transfer.backends.mooncake import MooncakeBackend, mooncake_ba
 from dsakv.disagg.transfer.backends.nixl import LOOPBACK_UCX_ENV, NixlBackend
 from dsakv.disagg.transfer.backends.registry import (
     BACKENDS,
-    DEFAULT_BACKEND,
+    backend_class,
     backend_names,
     make_backend,
     register_backend,
@@ -21,7 +21,6 @@ from dsakv.disagg.transfer.backends.registry import (
 
 __all__ = [
     "BACKENDS",
-    "DEFAULT_BACKEND",
     "LOOPBACK_UCX_ENV",
     "LocalBackend",
     "MooncakeBackend",
@@ -31,6 +30,7 @@ __all__ = [
     "TransferBackend",
     "TransferHandle",
     "TransferStatus",
+    "backend_class",
     "backend_names",
     "deadline_in",
     "make_backend",

@@ -4,18 +4,21 @@
     make_backend("nixl")                nixl_cu12 agent with the UCX plugin
     make_backend("local")               same-process memcpy, for unit tests
 
-Importing a backend module never imports its engine; the engine is imported
-when the backend is constructed. Imports disagg.backends.base only.
+The names are dsakv.config.transfer.TRANSFER_BACKENDS ("name" -> "module:Class"): a backend's module is
+imported (and registers its class) the first time its name is asked for. Importing a backend module never
+imports its engine; the engine is imported when the backend is constructed. Imports disagg.backends.base and
+dsakv.config only.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, TypeVar
 
+from dsakv.config.transfer import DEFAULT_BACKEND, TRANSFER_BACKENDS
 from dsakv.disagg.transfer.backends.base import TransferBackend
 from dsakv.util import Registry
 
-DEFAULT_BACKEND = "mooncake"
 BACKENDS: Registry[type[TransferBackend]] = Registry("transfer backend")
 
 B = TypeVar("B", bound=type[TransferBackend])
@@ -30,9 +33,22 @@ def register_backend(cls: B) -> B:
 
 
 def backend_names() -> tuple[str, ...]:
-    return BACKENDS.names()
+    """Every backend's name: the lazy table's, then any registered outside it."""
+    return tuple(dict.fromkeys((*TRANSFER_BACKENDS, *BACKENDS.names())))
+
+
+def backend_class(name: str) -> type[TransferBackend]:
+    """The class registered as `name`, importing its module from TRANSFER_BACKENDS on first use (ConfigError
+    naming the choices for an unknown name)."""
+    if name not in BACKENDS and name in TRANSFER_BACKENDS:
+        module, _, attr = TRANSFER_BACKENDS[name].partition(":")
+        cls = getattr(importlib.import_module(module), attr)
+        if name not in BACKENDS:  # a module that does not register under its table name is a wiring bug
+            raise RuntimeError(f"{TRANSFER_BACKENDS[name]} did not register transfer backend {name!r}")
+        assert BACKENDS.get(name) is cls, f"{TRANSFER_BACKENDS[name]} registered another class as {name!r}"
+    return BACKENDS.get(name)
 
 
 def make_backend(name: str = DEFAULT_BACKEND, **options: Any) -> TransferBackend:
     """Construct the backend registered as `name` with its keyword options."""
-    return BACKENDS.get(name)(**options)
+    return backend_class(name)(**options)
