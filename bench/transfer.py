@@ -44,6 +44,7 @@ import numpy as np
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from dsakv.config import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.transfer import (
     PairTable,  # noqa: E402
     TransferPlan,  # noqa: E402
@@ -51,7 +52,6 @@ from dsakv.disagg.transfer import (
     deadline_in,  # noqa: E402
     make_backend,  # noqa: E402
 )
-from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.transfer.compat import KeyPair  # noqa: E402
 from dsakv.disagg.transfer.manifest import BackendMeta, Manifest  # noqa: E402
 from dsakv.disagg.transfer.plan import (  # noqa: E402

@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from dsakv.cache.device_pool import DevicePool
-from dsakv.config import DecodeConfig, TransferConfig
+from dsakv.config import LOOPBACK_UCX_ENV, DecodeConfig, TransferConfig
 from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import Forbidden
 from dsakv.disagg.protocol.lifecycle import Phase
 from dsakv.disagg.protocol.messages import Abort, Hello, Prealloc, StageDone, fetch_health
-from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV, make_backend
+from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.backends.base import deadline_in
 from dsakv.disagg.transfer.compat import check_pair
 from dsakv.disagg.transfer.manifest import BackendMeta, Manifest, SlotRegion

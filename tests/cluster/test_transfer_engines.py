@@ -19,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dsakv.cache.device_pool import DevicePool, Region  # noqa: E402
+from dsakv.config import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.transfer import (  # noqa: E402
     Manifest,
     RegistrationError,
@@ -29,7 +30,6 @@ from dsakv.disagg.transfer import (  # noqa: E402
     deadline_in,
     make_backend,
 )
-from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.transfer.plan import Strategy  # noqa: E402
 from dsakv.disagg.transfer.staging import STAGING_KEY, StagingBuffer  # noqa: E402
 from dsakv.spec import BufferKey, Kind, KVLayout, load_spec  # noqa: E402

@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dsakv.config import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.protocol.errors import IncompatiblePeer, ManifestError  # noqa: E402
-from dsakv.disagg.transfer.backends import LOOPBACK_UCX_ENV  # noqa: E402
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair  # noqa: E402
 from dsakv.engine.v4_engine import V4Engine  # noqa: E402
 from dsakv.model.deepseek_v4 import load_v4  # noqa: E402

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsakv.cli import options
-from dsakv.config import CacheConfig, Config, TransferConfig, disk_tier_refusal, prefill_cache_error
+from dsakv.config import CacheConfig, Config, disk_tier_refusal, prefill_cache_error
 from dsakv.disagg.protocol.auth import SECRET_ENV
 from dsakv.errors import ConfigError
 from dsakv.util.procs import Proc, dsakv_cmd, stop_all
@@ -117,19 +117,6 @@ def _stage_and_count(text: str | None) -> tuple[int, int] | None:
     return j, n
 
 
-def _backend_options(host: str, transfer: TransferConfig) -> dict[str, Any]:
-    if transfer.backend == "mooncake":
-        opts: dict[str, Any] = {"hostname": host}
-        if transfer.mooncake_timeout is not None:
-            opts["engine_timeout_s"] = transfer.mooncake_timeout
-        return opts
-    if transfer.backend == "nixl":
-        from dsakv.disagg.transfer.backends.nixl import LOOPBACK_UCX_ENV
-
-        return {"env": LOOPBACK_UCX_ENV} if host in ("127.0.0.1", "localhost") else {}
-    return {}
-
-
 def _install_sigterm(stop: Any) -> None:
     def handler(signum: int, frame: Any) -> None:
         stop()
@@ -197,7 +184,7 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         port=args.port,
         name=args.worker_name,
         config=cfg,
-        backend_options=_backend_options(args.host, cfg.transfer),
+        backend_options=cfg.transfer.backend_options(args.host),
         pipeline=pcfg,
         max_kv_timeout=args.max_kv_timeout,
         tp_size=getattr(args, "tp_size", 1),
@@ -274,7 +261,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any
         port=args.port,
         name=args.worker_name,
         decode=tuple(args.decode),
-        backend_options=_backend_options(args.host, cfg.transfer),
+        backend_options=cfg.transfer.backend_options(args.host),
         debug_fail_transfer=_stage_and_count(args.debug_fail_transfer),
     )
 

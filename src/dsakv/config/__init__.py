@@ -9,7 +9,8 @@
     │   │   └── storage: StorageConfig  the storage (L3) tier                     -> cache/storage backends
     │   ├── hisparse: HiSparseConfig  HiSparse decode: hot KV rows on the device, KV on the host
     │   └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
-    ├── transfer: TransferConfig (transfer.py)  KV transfer backend and control-plane bounds (disaggregated roles)
+    ├── transfer: TransferConfig (transfer.py)  KV transfer backend and control-plane bounds (disaggregated roles);
+    │                                 the backends by name (lazy) and each one's typed options (BackendOptions)
     └── pipeline: PipelineConfig (parallel.py)  PP: stages, partition, rendezvous, stage timeout; split_layers
 
     roles.py     PrefillConfig / DecodeConfig = the tree + where the process runs + the role's options;
@@ -40,24 +41,41 @@ from dsakv.config.engine import (
 from dsakv.config.parallel import PipelineConfig, split_layers
 from dsakv.config.roles import DecodeConfig, PrefillConfig, RouterConfig
 from dsakv.config.timeouts import MAX_KV_TIMEOUT, MAX_WAIT, Timeouts
-from dsakv.config.transfer import BACKEND_CHOICES, DEFAULT_BACKEND, TRANSFER_BACKENDS, TransferConfig
+from dsakv.config.transfer import (
+    BACKEND_CHOICES,
+    BACKEND_OPTIONS,
+    DEFAULT_BACKEND,
+    LOOPBACK_UCX_ENV,
+    TRANSFER_BACKENDS,
+    BackendOptions,
+    LocalOptions,
+    MooncakeOptions,
+    NixlOptions,
+    TransferConfig,
+)
 from dsakv.config.tree import Config
 
 __all__ = [
     "BACKEND_CHOICES",
+    "BACKEND_OPTIONS",
     "DEFAULT_BACKEND",
+    "LOOPBACK_UCX_ENV",
     "TRANSFER_BACKENDS",
     "DEFAULT_MAX_TOKENS",
     "DTYPES",
     "MAX_KV_TIMEOUT",
     "MAX_WAIT",
     "WEIGHT_DTYPES",
+    "BackendOptions",
     "CacheConfig",
     "Config",
     "DecodeConfig",
     "EngineConfig",
     "HiSparseConfig",
     "LayoutConfig",
+    "LocalOptions",
+    "MooncakeOptions",
+    "NixlOptions",
     "PipelineConfig",
     "PoolConfig",
     "PrefillConfig",

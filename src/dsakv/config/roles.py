@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any
 
 from dsakv.config.engine import EngineConfig, prefill_cache_error
 from dsakv.config.parallel import PipelineConfig, split_layers
 from dsakv.config.timeouts import MAX_KV_TIMEOUT, MAX_WAIT, Timeouts
+from dsakv.config.transfer import BackendOptions
 from dsakv.config.tree import Config
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
@@ -37,7 +37,7 @@ class PrefillConfig:
     port: int = 0  # base port (stage k: port + k); 0 = any free port (pp_size 1 only)
     name: str | None = None  # worker name; default prefill@<stage0 host>:<port>
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    backend_options: BackendOptions = field(default_factory=BackendOptions)  # TransferConfig.backend_options(host)
     debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
 
     def __post_init__(self) -> None:
@@ -52,6 +52,7 @@ class PrefillConfig:
         refusal = prefill_cache_error(self.engine.cache, pipe.pp_size)
         if refusal is not None:
             raise ConfigError(refusal)
+        self.config.transfer.check_options(self.backend_options)
 
     @property
     def engine(self) -> EngineConfig:
@@ -109,7 +110,7 @@ class DecodeConfig:
     host: str = "127.0.0.1"
     port: int = 0
     name: str | None = None
-    backend_options: dict[str, Any] = field(default_factory=dict, hash=False)
+    backend_options: BackendOptions = field(default_factory=BackendOptions)  # TransferConfig.backend_options(host)
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
     pipeline: PipelineConfig | None = None  # --pp-size > 1: stage `pipeline.rank` (decode/stage*.py)
@@ -118,6 +119,7 @@ class DecodeConfig:
     rank_argv: tuple[str, ...] = ()  # the `dsakv` arguments the rank processes re-run (this process's argv)
 
     def __post_init__(self) -> None:
+        self.config.transfer.check_options(self.backend_options)
         if not 0 < self.max_kv_timeout <= MAX_KV_TIMEOUT:
             raise ConfigError(
                 f"--max-kv-timeout {self.max_kv_timeout} must be in (0, {MAX_KV_TIMEOUT:g}] seconds (the longest a "

@@ -63,3 +63,39 @@ def test_every_role_builds_its_timeouts_one_way():
     assert (r_t.rpc, r_t.connect, r_t.kv, r_t.queue, r_t.connect_retry) == (3.0, 2.0, 9.0, 7.0, 4.0)
     with pytest.raises(ConfigError, match="must be > 0 seconds: rpc=0"):
         Timeouts.of(0.0)
+
+
+def test_each_backend_gets_its_typed_options():
+    """TransferConfig.backend_options(host): what the CLI's role processes hand make_backend (the keywords the
+    old per-name table gave); a role config refuses another backend's options."""
+    from dsakv.config import (
+        BACKEND_OPTIONS,
+        LOOPBACK_UCX_ENV,
+        TRANSFER_BACKENDS,
+        BackendOptions,
+        Config,
+        DecodeConfig,
+        LocalOptions,
+        MooncakeOptions,
+        NixlOptions,
+        PrefillConfig,
+        TransferConfig,
+    )
+
+    assert set(BACKEND_OPTIONS) == set(TRANSFER_BACKENDS)
+    mc = TransferConfig(backend="mooncake").backend_options("10.0.0.2")
+    assert mc == MooncakeOptions(hostname="10.0.0.2") and mc.kwargs() == {"hostname": "10.0.0.2"}
+    mc = TransferConfig(backend="mooncake", mooncake_timeout=9).backend_options("127.0.0.1")
+    assert mc.kwargs() == {"hostname": "127.0.0.1", "engine_timeout_s": 9}
+    nx = TransferConfig(backend="nixl")
+    assert isinstance(nx.backend_options("127.0.0.1"), NixlOptions)
+    assert nx.backend_options("localhost").kwargs() == {"env": LOOPBACK_UCX_ENV}
+    assert nx.backend_options("10.0.0.2").kwargs() == {}
+    assert TransferConfig(backend="local").backend_options("h") == LocalOptions()
+    assert LocalOptions().kwargs() == BackendOptions().kwargs() == {}
+    assert PrefillConfig("m").backend_options == BackendOptions()  # none: the backend's defaults
+    tree = Config(transfer=nx)
+    PrefillConfig("m", config=tree, backend_options=nx.backend_options("127.0.0.1"))
+    for role in (PrefillConfig, DecodeConfig):
+        with pytest.raises(ConfigError, match="backend options MooncakeOptions are not transfer backend 'nixl'"):
+            role("m", config=tree, backend_options=MooncakeOptions())

@@ -173,7 +173,7 @@ def follow_decode(cfg: DecodeConfig) -> int:
     from dsakv.engine.ranks import follow
 
     ranks, engine = _tp_engine(cfg)
-    backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+    backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
     try:
         backend.register(engine.pool.regions())
         manifest = Manifest.from_pool(engine.pool, backend.meta(), rank_name(cfg, ranks.rank))

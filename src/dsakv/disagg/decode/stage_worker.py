@@ -42,7 +42,7 @@ class DecodeStageWorker:
         self.pool = DevicePool(self.layout, self.num_pages, device=self.model.device)
         self.name = cfg.name or f"decode@{cfg.host}:{cfg.port}"
         self.mirror = PageMirror(self.num_pages, name=f"{self.name} stage {self.rank} pool")
-        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
         self.backend.register(self.pool.regions())
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.group = _group(cfg, self.model, self.spec)

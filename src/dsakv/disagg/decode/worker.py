@@ -86,7 +86,7 @@ class DecodeWorker(KvIn):
             self.pipeline, self.engine = DecodePipeline.build(cfg, model)
         else:
             self.tp, self.engine = DecodeTP.build(cfg, model)
-        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
         self.backend.register(self.engine.pool.regions())
         tc = cfg.config.transfer  # destination staging (disagg.staging): slots for fragmented destinations
         self.slots = decode_slots(

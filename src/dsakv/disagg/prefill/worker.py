@@ -103,7 +103,7 @@ class PrefillStage:
         self.rank, self.size = ctx.rank, ctx.size
         self.layout = ctx.layout
         self.layer_start, self.layer_end = ctx.ranges[ctx.rank]
-        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options)
+        self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
         self.backend.register(self.role.pool.regions())
         self.manifest = Manifest.from_pool(self.role.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
         self.service = WorkerService(

@@ -31,7 +31,6 @@ from dsakv.disagg.protocol.errors import (
 )
 from dsakv.disagg.transfer.backends import (
     BACKENDS,
-    LOOPBACK_UCX_ENV,
     Peer,
     TransferBackend,
     TransferHandle,
@@ -47,7 +46,6 @@ from dsakv.disagg.transfer.plan import Blocks, PairTable, TransferPlan, contiguo
 
 __all__ = [
     "BACKENDS",
-    "LOOPBACK_UCX_ENV",
     "MANIFEST_VERSION",
     "BackendMeta",
     "Blocks",

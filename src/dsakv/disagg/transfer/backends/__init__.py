@@ -10,7 +10,7 @@ from dsakv.disagg.transfer.backends.base import (
 )
 from dsakv.disagg.transfer.backends.local import LocalBackend
 from dsakv.disagg.transfer.backends.mooncake import MooncakeBackend, mooncake_batch_limit
-from dsakv.disagg.transfer.backends.nixl import LOOPBACK_UCX_ENV, NixlBackend
+from dsakv.disagg.transfer.backends.nixl import NixlBackend
 from dsakv.disagg.transfer.backends.registry import (
     BACKENDS,
     backend_class,
@@ -21,7 +21,6 @@ from dsakv.disagg.transfer.backends.registry import (
 
 __all__ = [
     "BACKENDS",
-    "LOOPBACK_UCX_ENV",
     "LocalBackend",
     "MooncakeBackend",
     "NixlBackend",

@@ -14,7 +14,7 @@ What the engine does, measured with nixl-cu12 1.5.1 (UCX over TCP on lo):
   land if the hung peer resumes: quarantine_s is a conservative guess, UCX gives no bound.
 - Python logs go to stdout at INFO ("Backend UCX was instantiated"): the 'nixl' logger is set to
   WARNING here. UCX picks its transports from UCX_TLS / UCX_NET_DEVICES; on one host use
-  LOOPBACK_UCX_ENV (tcp on lo) to exercise the network path.
+  dsakv.config.LOOPBACK_UCX_ENV (tcp on lo) to exercise the network path.
 - A peer's metadata lists the memory it had registered when it was taken: register everything
   before publishing the manifest.
 Imports the engine lazily (in __init__). Imports numpy and disagg.backends.{base, registry}.
@@ -39,8 +39,6 @@ from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.plan import Blocks
 
 log = logging.getLogger(__name__)
-
-LOOPBACK_UCX_ENV: dict[str, str] = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
 
 
 def _code(e: BaseException) -> str:
