@@ -14,7 +14,8 @@
     └── pipeline: PipelineConfig (parallel.py)  PP: stages, partition, rendezvous, stage timeout; split_layers
 
     roles.py     PrefillConfig / DecodeConfig = the tree + where the process runs + the role's options;
-                 RouterConfig (addresses, time bounds, affinity)
+                 RouterConfig (addresses, time bounds, affinity); prefill_cache_error (the prefill's
+                 cache rule and its --role prefill refusals)
     timeouts.py  Timeouts: every time bound of disaggregated serving (`cfg.timeouts` of each role);
                  MAX_KV_TIMEOUT, MAX_WAIT
 
@@ -34,12 +35,16 @@ from dsakv.config.engine import (
     PoolConfig,
     SchedulerConfig,
     StorageConfig,
+)
+from dsakv.config.parallel import PipelineConfig, split_layers
+from dsakv.config.roles import (
+    DecodeConfig,
+    PrefillConfig,
+    RouterConfig,
     disk_tier_refusal,
     prefill_cache_error,
     storage_pp_error,
 )
-from dsakv.config.parallel import PipelineConfig, split_layers
-from dsakv.config.roles import DecodeConfig, PrefillConfig, RouterConfig
 from dsakv.config.timeouts import MAX_KV_TIMEOUT, MAX_WAIT, Timeouts
 from dsakv.config.transfer import (
     BACKEND_CHOICES,

@@ -11,9 +11,9 @@ stage runs with, as frozen dataclasses.
     └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
 
 `Engine(model, config)` takes this branch; the flat keyword spelling `Engine(model, page_size=4, max_tokens=64)`
-goes through `EngineConfig.from_options`, the one table that maps those names onto the tree.
-`prefill_cache_error` says which cache branches a prefill worker can run. Imports only util, errors, spec and
-plan (no torch), so building a tree stays light.
+goes through `EngineConfig.from_options`, the one table that maps those names onto the tree (which cache
+branches a prefill worker can run is the prefill role's rule: config/roles.py). Imports only util, errors, spec
+and plan (no torch), so building a tree stays light.
 """
 
 from __future__ import annotations
@@ -337,35 +337,3 @@ class EngineConfig:
             name: getattr(getattr(self, branch) if branch else self, attr)
             for name, (branch, attr) in self.OPTIONS.items()
         }
-
-
-def storage_pp_error(backend: str, pp_size: int) -> str:
-    """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
-    return (
-        f"--hicache-storage {backend} with --pp-size {pp_size}: only a single-stage prefill can use the storage "
-        "tier (later stages would need their own L3 loads); use --pp-size 1 or drop --hicache-storage"
-    )
-
-
-def disk_tier_refusal(flags: Sequence[str]) -> str:
-    """The refusal of the local disk tier on a prefill worker (`flags`: the options that asked for it)."""
-    return (
-        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
-        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
-        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
-    )
-
-
-def prefill_cache_error(cache: CacheConfig, pp_size: int) -> str | None:
-    """Why a prefill worker of `pp_size` stages cannot run this cache branch (None: it can). A prefill runs the
-    prefix cache and host tier on every stage, the storage tier with one stage only, and no disk tier."""
-    disk = [
-        flag
-        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
-        if val is not None
-    ]
-    if disk:
-        return disk_tier_refusal(disk)
-    if cache.storage is not None and pp_size > 1:
-        return storage_pp_error(cache.storage.backend, pp_size)
-    return None

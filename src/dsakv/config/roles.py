@@ -5,16 +5,19 @@ the workers) plus where the process runs plus its own options.
     DecodeConfig    model, config (the tree), host, port, name, kv_grace / liveness / max_kv_timeout, pipeline, tp
     RouterConfig    prefill / decode addresses, the router's time bounds, affinity, vocab_size
 
-Each hands its code one `Timeouts` (`cfg.timeouts`, dsakv.config.timeouts). Imports only errors, spec and the
+Each hands its code one `Timeouts` (`cfg.timeouts`, dsakv.config.timeouts). `prefill_cache_error` is the
+prefill role's rule on the tree's cache branch (the prefix cache and host tier on every stage, the storage tier
+on one stage only, no disk tier), with the refusal texts the CLI gives too. Imports only errors, spec and the
 rest of dsakv.config (no torch): a router or a CLI check builds these without the engine.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dsakv.config.engine import EngineConfig, prefill_cache_error
+from dsakv.config.engine import CacheConfig, EngineConfig
 from dsakv.config.parallel import PipelineConfig, split_layers
 from dsakv.config.timeouts import MAX_KV_TIMEOUT, MAX_WAIT, Timeouts
 from dsakv.config.transfer import BackendOptions
@@ -22,6 +25,38 @@ from dsakv.config.tree import Config
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
+
+
+def storage_pp_error(backend: str, pp_size: int) -> str:
+    """The one-line refusal of a storage tier on a prefill pipeline of more than one stage."""
+    return (
+        f"--hicache-storage {backend} with --pp-size {pp_size}: only a single-stage prefill can use the storage "
+        "tier (later stages would need their own L3 loads); use --pp-size 1 or drop --hicache-storage"
+    )
+
+
+def disk_tier_refusal(flags: Sequence[str]) -> str:
+    """The refusal of the local disk tier on a prefill worker (`flags`: the options that asked for it)."""
+    return (
+        f"--role prefill does not support {', '.join(flags)} (the local disk tier of the prefix cache) yet: "
+        "use --prefix-cache, optionally with --hicache-ratio or --hicache-size (host tier), and with "
+        "--pp-size 1 --hicache-storage mooncake (the shared storage tier)"
+    )
+
+
+def prefill_cache_error(cache: CacheConfig, pp_size: int) -> str | None:
+    """Why a prefill worker of `pp_size` stages cannot run this cache branch (None: it can). A prefill runs the
+    prefix cache and host tier on every stage, the storage tier with one stage only, and no disk tier."""
+    disk = [
+        flag
+        for flag, val in (("--hicache-disk-dir", cache.disk_dir), ("--hicache-disk-size", cache.disk_size))
+        if val is not None
+    ]
+    if disk:
+        return disk_tier_refusal(disk)
+    if cache.storage is not None and pp_size > 1:
+        return storage_pp_error(cache.storage.backend, pp_size)
+    return None
 
 
 @dataclass(frozen=True)
