@@ -177,7 +177,6 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
 
     model_dir = options.model_dir_of(args)
     _threads(args)
-    pcfg = pipe if pipe.pp_size > 1 else None  # the tree's one pipeline config (its rank: --pp-rank)
     dcfg = DecodeConfig(
         model=str(model_dir),
         host=args.host,
@@ -185,11 +184,11 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         name=args.worker_name,
         config=cfg,
         backend_options=cfg.transfer.backend_options(args.host),
-        pipeline=pcfg,
         max_kv_timeout=args.max_kv_timeout,
         tp_size=getattr(args, "tp_size", 1),
         rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
     )
+    pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
     if dcfg.tp_size > 1 and os.environ.get("DSAKV_TP_RANK") is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
 

@@ -2,7 +2,8 @@
 the workers) plus where the process runs plus its own options.
 
     PrefillConfig   model, config (the tree: engine, transfer, pipeline), host, port, name, decode peers
-    DecodeConfig    model, config (the tree), host, port, name, kv_grace / liveness / max_kv_timeout, pipeline, tp
+    DecodeConfig    model, config (the tree: its pipeline when pp_size > 1), host, port, name, kv_grace /
+                    liveness / max_kv_timeout, tp
     RouterConfig    prefill / decode addresses, the router's time bounds, affinity, vocab_size
 
 Each hands its code one `Timeouts` (`cfg.timeouts`, dsakv.config.timeouts). `prefill_cache_error` is the
@@ -148,7 +149,6 @@ class DecodeConfig:
     backend_options: BackendOptions = field(default_factory=BackendOptions)  # TransferConfig.backend_options(host)
     kv_grace: float = 1.0  # wait this long past a request's prefill deadline before failing it
     liveness_interval: float = 0.5  # ping the prefill stages requests wait for this often
-    pipeline: PipelineConfig | None = None  # --pp-size > 1: stage `pipeline.rank` (decode/stage*.py)
     max_kv_timeout: float = 120.0  # the longest kv_timeout a prealloc may ask for: bounds how long pages wait for KV
     tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 (decode/ranks.py) and starts ranks 1..T-1
     rank_argv: tuple[str, ...] = ()  # the `dsakv` arguments the rank processes re-run (this process's argv)
@@ -160,6 +160,12 @@ class DecodeConfig:
                 f"--max-kv-timeout {self.max_kv_timeout} must be in (0, {MAX_KV_TIMEOUT:g}] seconds (the longest a "
                 "request's pages wait for their KV), e.g. 120"
             )
+
+    @property
+    def pipeline(self) -> PipelineConfig | None:
+        """The tree's one pipeline config when the decode is pipelined (--pp-size > 1: this process is stage
+        `pipeline.rank`, decode/stage*.py), else None."""
+        return self.config.pipeline if self.config.pipeline.pp_size > 1 else None
 
     @functools.cached_property
     def timeouts(self) -> Timeouts:

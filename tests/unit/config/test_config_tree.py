@@ -99,3 +99,11 @@ def test_each_backend_gets_its_typed_options():
     for role in (PrefillConfig, DecodeConfig):
         with pytest.raises(ConfigError, match="backend options MooncakeOptions are not transfer backend 'nixl'"):
             role("m", config=tree, backend_options=MooncakeOptions())
+
+
+def test_a_decode_has_one_pipeline_config_the_trees():
+    from dsakv.config import Config, DecodeConfig, PipelineConfig
+
+    assert DecodeConfig("m").pipeline is None  # one stage: not pipelined
+    pipe = PipelineConfig(pp_size=2, pp_rank=1)
+    assert DecodeConfig("m", config=Config(pipeline=pipe)).pipeline is pipe
