@@ -132,15 +132,21 @@ class EngineRequests:
     # ---- disaggregated serving --------------------------------------------------------------
 
     def prealloc(
-        self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        keep_room: bool = False,
     ) -> npt.NDArray[np.int64]:
         """Decode worker: reserve the pages of a request whose prompt is prefilled elsewhere (prompt + its first
         token), held under request_id; returns their ids, in token order, for the prefill worker to write the KV
         to (token t at slot page_ids[t // page_size] * page_size + t % page_size). Then start_decode() it, or
-        abort() it if the transfer fails. Raises CapacityError if it can never fit, NoFreePages if not now."""
+        abort() it if the transfer fails. Raises CapacityError if it can never fit, NoFreePages if not now
+        (`keep_room`: also while running requests would be left no page to grow into: Scheduler.prealloc)."""
         with self._lock:
             req = self._with_forks(self._new_request(request_id, prompt_ids, params, False))
-            return self.scheduler.prealloc(req)
+            return self.scheduler.prealloc(req, keep_room=keep_room)
 
     def start_decode(
         self,

@@ -336,11 +336,14 @@ class RankedEngine:
             self._log.append(AddOp(list(prompt_ids), params, rid))
         return str(rid)
 
-    def prealloc(self, request_id: str, prompt_ids: Sequence[int], params: Any = None) -> Any:
-        """Engine.prealloc on every rank (a decode worker: each rank's pool receives the request's KV)."""
+    def prealloc(
+        self, request_id: str, prompt_ids: Sequence[int], params: Any = None, *, keep_room: bool = False
+    ) -> Any:
+        """Engine.prealloc on every rank (a decode worker: each rank's pool receives the request's KV); the
+        admission rule (`keep_room`) is rank 0's, the followers replay what it admitted."""
         params = self._seeded(params)
         with self._lock:
-            pages = self.engine.prealloc(request_id, prompt_ids, params)
+            pages = self.engine.prealloc(request_id, prompt_ids, params, keep_room=keep_room)
             self._log.append(PreallocOp(request_id, list(prompt_ids), params, [int(p) for p in pages]))
         return pages
 

@@ -33,14 +33,24 @@ class SchedulerAwaitingKV(SchedulerState):
 
     # ---- disaggregation -------------------------------------------------------------------
 
-    def prealloc(self, req: Request) -> IntArray:
+    def prealloc(self, req: Request, *, keep_room: bool = False) -> IntArray:
         """Decode side: reserve pages for req's prompt and its first generated token (held under its id) and
         return them; its KV is written there by a prefill worker, then start_decode() lets it run.
-        Raises CapacityError if it can never fit, NoFreePages if it does not fit now."""
+        Raises CapacityError if it can never fit, NoFreePages if it does not fit now. `keep_room` (a decode
+        worker's admission rule): refuse unless, after this request and the pages its other choices (n > 1)
+        take at start_decode, every running request still has a free page to grow into."""
         if req.request_id in self.requests or req.request_id in self.kept:
             raise ConfigError(f"request id {req.request_id!r} is already in use: give each request a unique id")
         self.check_fits(req.request_id, req.num_prompt_tokens, req.params.max_new_tokens)
         need = _pages_for(req.num_prompt_tokens + 1, self.page_size)
+        if keep_room:
+            n, ps = req.num_prompt_tokens, self.page_size
+            forks = len(req.forks) * _pages_for(n - (n - 1) // ps * ps + 1, ps)  # each recomputes the last page
+            if not self._reserve(need + forks + len(self.running)):
+                raise NoFreePages(
+                    f"{self.allocator.num_free} free pages, {need + forks} needed + {len(self.running)} kept for "
+                    "the running requests: retry when requests finish"
+                )
         if not self._reserve(need):
             raise NoFreePages(
                 f"request {req.request_id}: its {req.num_prompt_tokens} prompt tokens need {need} pages but only "

@@ -354,6 +354,29 @@ def test_prealloc_start_decode_and_abort_while_waiting_for_kv() -> None:
         s.start_decode("a", 1)
 
 
+def test_prealloc_keep_room_leaves_every_running_request_a_page() -> None:
+    """The decode worker's admission rule: a prealloc fits only if each running request still has a page to grow
+    into afterwards, counting the last pages its n > 1 choices recompute; refused, it allocates nothing."""
+    s = make(8, budget=16)
+    s.add(req("a", 4, 6))
+    step(s)
+    s.add(req("b", 4, 6))
+    step(s)
+    assert len(s.running) == 2 and s.allocator.num_free == 5
+    with pytest.raises(CapacityError) as e:
+        s.prealloc(req("c", 12, 2), keep_room=True)  # 12 + 1 tokens: 4 pages; 5 - 4 < 2 running
+    assert str(e.value) == "5 free pages, 4 needed + 2 kept for the running requests: retry when requests finish"
+    d = req("d", 5, 2)  # 5 + 1 tokens: 2 pages, and 1 page (the 1-token last page recomputed) per other choice
+    d.forks.extend(Request(f"d/{i}", d.prompt_ids, d.params, (1,)) for i in (1, 2))
+    with pytest.raises(CapacityError) as e:
+        s.prealloc(d, keep_room=True)
+    assert str(e.value).startswith("5 free pages, 4 needed + 2 kept for the running requests")
+    assert s.allocator.num_free == 5 and "c" not in s.requests and "d" not in s.requests
+    assert s.prealloc(req("e", 5, 2), keep_room=True).tolist() == [3, 4]  # 5 - 2 >= 2 running
+    assert s.prealloc(req("f", 8, 2)).tolist() == [5, 6, 7]  # without the rule every free page may go
+    s.check_integrity()
+
+
 def test_start_decode_with_a_stop_token_finishes_at_once() -> None:
     s = make(4)
     a = req("a", 3, 5)

@@ -81,19 +81,13 @@ class KvIn:
         if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
             self.stats.busy += 1
             raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
-        st = self.engine.stats()
-        need = ceil_div(len(prompt) + 1, st.page_size)
-        if p.params.n > 1:  # the other choices recompute the prompt's last partial page in pages of their own
-            tail = len(prompt) - (len(prompt) - 1) // st.page_size * st.page_size
-            need += (p.params.n - 1) * ceil_div(tail + 1, st.page_size)
-        if st.pages_free - need < st.num_running:  # leave every running request room to grow a page
-            self.stats.busy += 1
-            raise NoFreePages(
-                f"decode {self.name}: {st.pages_free} free pages, {need} needed + {st.num_running} kept for the "
-                "running requests: retry when requests finish"
-            )
+        page_size = self.engine.stats().page_size
         with self._lock:
-            pages = self.engine.prealloc(rid, prompt, p.params)
+            try:  # the admission rule (room for every running request to grow a page) is the scheduler's
+                pages = self.engine.prealloc(rid, prompt, p.params, keep_room=True)
+            except NoFreePages as e:
+                self.stats.busy += 1
+                raise NoFreePages(f"decode {self.name}: {e}") from None
             if self.pipeline is not None:
                 self.pipeline.held(rid, page_list(pages))
             inb = InboundKv(
@@ -107,7 +101,7 @@ class KvIn:
             self.inbound.add(inb)
             inb.deadline = self.inbound.now() + kv_timeout + self.t.kv_grace
             self.outputs.add(rid, p.params.n)
-            written = page_list(pages)[: ceil_div(len(prompt), st.page_size)]  # what the prefill stages write
+            written = page_list(pages)[: ceil_div(len(prompt), page_size)]  # what the prefill stages write
             keys = written_keys(self.manifest, stages)
             force = self.cfg.config.transfer.debug_transfer_strategy  # testing: overrides the rule
             inb.slot, wanted = offer_slot(self.slots, self.manifest, rid, written, keys, self.backend.name, force)

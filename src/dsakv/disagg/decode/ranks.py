@@ -71,10 +71,12 @@ class RankedDecode(RankedEngine):
     places the request on another decode) and a step returns nothing (the requests were failed by the watcher's
     callback, DecodeTP.attach), so the worker's step loop idles instead of raising every turn."""
 
-    def prealloc(self, request_id: str, prompt_ids: Sequence[int], params: Any = None) -> Any:
+    def prealloc(
+        self, request_id: str, prompt_ids: Sequence[int], params: Any = None, *, keep_room: bool = False
+    ) -> Any:
         if self.ranks.down is not None:
             raise NoFreePages(f"{self.ranks.down}: this decode takes no request until it is restarted")
-        return super().prealloc(request_id, prompt_ids, params)
+        return super().prealloc(request_id, prompt_ids, params, keep_room=keep_room)
 
     def step(self) -> Any:
         if self.ranks.down is not None:
