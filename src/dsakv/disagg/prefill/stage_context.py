@@ -3,7 +3,7 @@ pipeline group, the books it keeps for its requests, and the wire form of a stag
 
     cfg = PrefillConfig(model, config=Config(engine=..., pipeline=PipelineConfig(pp_size=2, pp_rank=k)), port=9200)
     ctx = StageContext.build(cfg, spec, model)          layer ranges, layouts, page count, StageGroup, notifier
-    role = make_role(ctx)                               prefill_worker: PipelineLeader (k = 0) or PipelineFollower
+    role = make_role(ctx)                               prefill_worker: PipelineLeader (k = 0) or PrefillFollower
 
 Imports torch, dsakv.{spec, config, model, pipeline} and dsakv.disagg; never serve or cli.
 """
