@@ -261,8 +261,12 @@ def _generate(
     else:
         ranks.agree(got, "output tokens")
     ranks.close()
-    if not ranks.lead:
-        return 0
+    if not ranks.lead:  # a rank process whose group is closed: exit now, skipping the interpreter's teardown, where
+        import os  # a c10d/gloo thread outliving the group aborted a DP/EP rank ("terminate called ...", -6)
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     rows = []
     for i, prompt in enumerate(prompts):
         out_ids, reason, error = got[i]
