@@ -243,3 +243,30 @@ def test_the_port_ledger_drops_expired_dead_garbled_and_forged_entries(tmp_path,
     lines = ledger.read_text().splitlines()
     assert [line.split()[:2] for line in lines] == [["25000", str(me)], ["25005", str(me)], ["25006", str(me)]]
     assert abs(float(lines[1].split()[2]) - (time.time() + procs_mod.PORT_HOLD_S)) < 5
+
+
+RANK_MAIN = (
+    "import atexit, sys\n"
+    "atexit.register(print, 'finalized', flush=True)\n"
+    "from dsakv.cli.main import main\n"
+    "sys.argv = ['dsakv', 'generate', '--model', sys.argv[1], '--prompt-ids', '1']\n"
+    "print('rc', main(), flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("env", [{}, {"DSAKV_TP_RANK": "1"}, {"DSAKV_PP_RANK": "2"}, {"DSAKV_TP_RANK": "0"}])
+def test_a_rank_process_leaves_without_interpreter_teardown(tmp_path, env):
+    """A TP rank / PP stage process (its rank env set, >= 1) returns from `dsakv` with util.procs.exit_now: the
+    status is the command's (2: a refused --model), its error is printed, and nothing of the interpreter's teardown
+    runs (no atexit: where gloo once aborted a rank that had stopped cleanly). Any other process returns normally."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("DSAKV_TP_RANK", "DSAKV_PP_RANK")}
+    got = subprocess.run(
+        [sys.executable, "-c", RANK_MAIN, str(tmp_path / "missing")],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "has no config.json" in got.stderr
+    rank = any(v != "0" for v in env.values())
+    assert (got.returncode, got.stdout) == ((2, "") if rank else (0, "rc 2\nfinalized\n")), got.stderr

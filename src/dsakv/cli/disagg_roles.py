@@ -28,7 +28,7 @@ from dsakv.cli import options
 from dsakv.config import CacheConfig, Config, disk_tier_refusal, prefill_cache_error
 from dsakv.disagg.protocol.auth import SECRET_ENV
 from dsakv.errors import ConfigError
-from dsakv.util.procs import Proc, dsakv_cmd, stop_all
+from dsakv.util.procs import TP_RANK_ENV, Proc, dsakv_cmd, exit_now, stop_all
 
 log = logging.getLogger("dsakv.disagg")
 
@@ -126,12 +126,9 @@ def _install_sigterm(stop: Any) -> None:
 
 
 def _exit_now(rc: int) -> int:
-    """Leave without interpreter finalization: nixl-cu12 1.5.1 segfaults in its agent's teardown at exit
-    (even a bare nixl_agent does), which would turn a clean stop into exit code 139."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    """Leave without interpreter finalization (nixl's teardown segfaults: util/procs.exit_now)."""
+    exit_now(rc)
+    return rc
 
 
 def _start_or_exit(worker: Any, **kw: Any) -> None:
@@ -189,7 +186,7 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
     )
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
-    if dcfg.tp_size > 1 and os.environ.get("DSAKV_TP_RANK") is not None:  # a follower rank (decode/ranks.py)
+    if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
 
         return _exit_now(follow_decode(dcfg))

@@ -261,12 +261,8 @@ def _generate(
     else:
         ranks.agree(got, "output tokens")
     ranks.close()
-    if not ranks.lead:  # a rank process whose group is closed: exit now, skipping the interpreter's teardown, where
-        import os  # a c10d/gloo thread outliving the group aborted a DP/EP rank ("terminate called ...", -6)
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if not ranks.lead:  # a rank process: its group is closed (it exits without finalization: cli/main.py)
+        return 0
     rows = []
     for i, prompt in enumerate(prompts):
         out_ids, reason, error = got[i]

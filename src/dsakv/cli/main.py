@@ -57,6 +57,7 @@ def command_of(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_argv = argv is None  # the process's own command (a rank process is always one), not a caller's call
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = command_of(argv)
     parser = build_parser([chosen] if chosen else [])
@@ -75,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         rc = 130
     if "dsakv.serve.server" in sys.modules:  # a server stopped by SIGTERM: that signal's exit status, now that
         sys.modules["dsakv.serve.server"].reraise_stop_signals()  # its caller stopped what it started
+    if from_argv:
+        from dsakv.util.procs import exit_now, rank_process
+
+        if rank_process():  # a TP rank / PP stage process copy, its group left: no interpreter teardown, where
+            exit_now(rc)  # gloo once aborted a rank that had stopped cleanly (util/procs.exit_now)
     return rc
 
 

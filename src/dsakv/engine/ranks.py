@@ -30,11 +30,11 @@ import torch.distributed as dist
 
 from dsakv.errors import ConfigError, Unavailable
 from dsakv.model.parallel import TPGroup, init_group
-from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
+from dsakv.util.procs import CHILD_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
 
 log = logging.getLogger(__name__)
 
-RANK_ENV = "DSAKV_TP_RANK"
+RANK_ENV = TP_RANK_ENV
 PORT_ENV = "DSAKV_TP_PORT"
 SIZE_ENV = "DSAKV_TP_SIZE"
 ADDR = "127.0.0.1"

@@ -41,11 +41,11 @@ from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 from dsakv.pipeline.step import STOP, PipeStep, StepBooks
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
-from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
+from dsakv.util.procs import CHILD_ENV, PP_RANK_ENV, Proc, dsakv_cmd, free_ports
 
 log = logging.getLogger(__name__)
 
-RANK_ENV, PORT_ENV, SIZE_ENV = "DSAKV_PP_RANK", "DSAKV_PP_PORT", "DSAKV_PP_SIZE"
+RANK_ENV, PORT_ENV, SIZE_ENV = PP_RANK_ENV, "DSAKV_PP_PORT", "DSAKV_PP_SIZE"
 ADDR = "127.0.0.1"
 POLL_S = 0.1  # how often stage 0 polls its stage processes
 STARTUP_S = 300.0  # the longest the stages may take to load and form the group

@@ -59,6 +59,8 @@ except ImportError:  # pragma: no cover - not on Unix
 log = logging.getLogger(__name__)
 
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MC_LOG_LEVEL": "WARNING"}
+TP_RANK_ENV = "DSAKV_TP_RANK"  # set (1..T-1) in the rank processes a TP group's rank 0 starts (engine/ranks.py)
+PP_RANK_ENV = "DSAKV_PP_RANK"  # set (1..P-1) in the stage processes a colocated pipeline starts (pipeline/colocated.py)
 LOWEST_PORT = 20000
 PORT_HOLD_S = 600.0  # how long the machine-wide ledger keeps a port handed out by a live process
 LEDGER_ENV = "DSAKV_PORT_LEDGER"
@@ -272,6 +274,22 @@ def dsakv_cmd(*args: str) -> list[str]:
 
 #: called with every Proc as it starts (the test suite watches their logs for tracebacks: dsakv.testing.logscan)
 ON_START: list[Callable[[Proc], None]] = []
+
+
+def rank_process() -> bool:
+    """True in a rank or stage process that a dsakv command started as a copy of itself (TP rank, PP stage >= 1)."""
+    return any(os.environ.get(k, "0") not in ("", "0") for k in (TP_RANK_ENV, PP_RANK_ENV))
+
+
+def exit_now(rc: int) -> None:
+    """Flush the logs and streams, then leave with `rc` without interpreter finalization. For processes whose work is
+    done and whose teardown is known to fail: nixl-cu12 1.5.1 segfaults in its agent's teardown (even a bare
+    nixl_agent: a clean stop became 139), and a torch.distributed (gloo) rank process, its group destroyed, sometimes
+    aborted in teardown ("terminate called without an active exception", -6: a DP2/EP2 rank in CI)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 class Proc:
