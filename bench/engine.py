@@ -56,6 +56,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.plan.units import parse_size
+from dsakv.testing.config import engine_config
 
 log = logging.getLogger("bench.engine")
 BENCH_LAYOUT = LayoutConfig(kv_format="fp8-656", index_format="fp8-132", page_size=64)
@@ -482,11 +483,13 @@ def _median(xs: list[float]) -> float:
 def dsakv_ms_per_token(model: tuple, ctx: int, args: argparse.Namespace) -> float:
     eng = Engine(
         model,
-        kv_format="fp32",
-        index_format="fp32",
-        page_size=args.page_size,
-        max_tokens=ctx + args.long_tokens + 2 * args.page_size,
-        max_batch_tokens=args.max_batch_tokens,
+        engine_config(
+            kv_format="fp32",
+            index_format="fp32",
+            page_size=args.page_size,
+            max_tokens=ctx + args.long_tokens + 2 * args.page_size,
+            max_batch_tokens=args.max_batch_tokens,
+        ),
     )
     sp = SamplingParams(max_new_tokens=args.long_tokens + 1, ignore_eos=True)
     eng.add_request(prompts(1, ctx, model[0].vocab_size, seed=ctx)[0], sp)

@@ -33,6 +33,7 @@ import torch
 from dsakv.cache.hisparse import HiSparsePool
 from dsakv.plan import Deployment, fmt_bytes, parse_size, plan
 from dsakv.spec import KVLayout, load_spec
+from dsakv.testing.config import engine_config
 from dsakv.util import ceil_div
 
 
@@ -152,7 +153,9 @@ def decode_bench(args: argparse.Namespace) -> dict:
 
     def engine(opts: dict) -> Engine:
         kw = {**opts, **(hs if opts.get("hisparse") else {})}
-        return Engine(loaded, page_size=16, kv_budget=budget, max_batch_tokens=4096, max_running_requests=256, **kw)
+        return Engine(
+            loaded, engine_config(page_size=16, kv_budget=budget, max_batch_tokens=4096, max_running_requests=256, **kw)
+        )
 
     def holds(eng: Engine) -> int:
         per = ceil_div(ctx + new, 16)

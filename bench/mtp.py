@@ -26,13 +26,13 @@ from dsakv.engine.mtp_fit import FIT_NEW_TOKENS, fit_mtp, fit_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_draft, load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.testing.config import engine_config
 
 
 def decode_run(model: tuple, draft: object, k: int, prompts: list[list[int]], new: int) -> tuple[float, list, dict]:
     eng = Engine(
         model,
-        page_size=16,
-        max_tokens=len(prompts) * (max(map(len, prompts)) + new + 32),
+        engine_config(page_size=16, max_tokens=len(prompts) * (max(map(len, prompts)) + new + 32)),
         speculative_num_steps=k,
         draft=draft if k else None,
     )

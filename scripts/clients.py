@@ -111,12 +111,13 @@ class Reference:
         import torch
         import transformers
 
+        from dsakv.config import EngineConfig, LayoutConfig, PoolConfig
         from dsakv.engine.engine import Engine
 
         self.torch = torch
         self.tok = transformers.AutoTokenizer.from_pretrained(str(ckpt))
         self.hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-        self.engine = Engine(ckpt, page_size=16, num_pages=64)
+        self.engine = Engine(ckpt, EngineConfig(layout=LayoutConfig(page_size=16), pool=PoolConfig(num_pages=64)))
 
     def loglikelihood(self, context: str, continuation: str) -> float:
         """As lm-eval splits it: encode(context + continuation), the context's tokens first."""

@@ -35,6 +35,7 @@ from dsakv.testing.cluster import (
     wait_for,
     worker_config,
 )
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.util import ceil_div
 
@@ -83,7 +84,9 @@ def common_bytes_per_page(spec: ModelSpec, src: tuple[int, int], dst: tuple[int,
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[list[int]]]:
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     return {
         "greedy": eng.generate(PROMPTS, GREEDY),
         "sampled": eng.generate(PROMPTS[:2], SAMPLED),

@@ -22,6 +22,7 @@ from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(240)]
@@ -40,7 +41,7 @@ def _prompts(seed: int, n: int = 3) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference():
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+    eng = Engine(tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES))
     cache: dict[tuple[int, ...], list[int]] = {}
 
     def ref(prompts: list[list[int]]) -> list[list[int]]:

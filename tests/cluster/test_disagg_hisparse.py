@@ -14,6 +14,7 @@ import torch
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -30,7 +31,9 @@ def _prompts() -> list[list[int]]:
 
 def test_pd_hisparse_tokens_equal_colocated(tmp_path) -> None:
     prompts = _prompts()
-    ref = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    ref = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     want = ref.generate(prompts, GREEDY)
     cluster = Cluster(tiny_path("glm_moe_dsa"), tmp_path)
     try:

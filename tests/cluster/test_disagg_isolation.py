@@ -19,6 +19,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import ConfigError
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -47,7 +48,7 @@ def solo():
     def ref(prompt: list[int], params: SamplingParams) -> list[int]:
         key = (tuple(prompt), params)
         if key not in cache:
-            eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES)
+            eng = Engine(tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES))
             cache[key] = eng.generate([prompt], params)[0]
         return cache[key]
 

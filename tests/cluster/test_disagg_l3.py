@@ -20,6 +20,7 @@ from dsakv.disagg.protocol.messages import fetch_health  # noqa: E402
 from dsakv.engine.engine import Engine  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for  # noqa: E402
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -45,7 +46,9 @@ def _held_by_requests(addr: str) -> tuple[int, int, str]:
 
 def test_second_prefill_hits_what_the_first_stored(tmp_path, store: str) -> None:
     prompt = torch.randint(2, 512, (50,), generator=torch.Generator().manual_seed(15)).tolist()  # 3 pages + 2
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     want = eng.generate([prompt], GREEDY)[0]
 
     l3 = ["--hicache-ratio", "2", "--hicache-storage", "mooncake", "--mooncake-master", store]

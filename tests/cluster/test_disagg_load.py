@@ -17,6 +17,7 @@ import pytest
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import PAGE_SIZE, Cluster, Proc, assert_clean, free_ports, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -49,7 +50,9 @@ def _workload(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
 def test_few_hundred_requests_nothing_left_in_flight(world):
     cluster, dec, pre = world
     prompts, params = _workload(N_REQUESTS)
-    ref = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=PAGES).generate(prompts, params)
+    ref = Engine(tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=PAGES)).generate(
+        prompts, params
+    )
     router = cluster.router([pre[0].addr], [dec.addr], kv_timeout=30.0, queue_timeout=120.0)
     assert router.wait_ready(60), router.health()
     t0 = time.monotonic()
@@ -99,7 +102,7 @@ def test_router_process_serves_openai_api(world):
     wait_for(up, 90, "router /health 200", [router])
     prompts, _ = _workload(4)
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    ref = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=PAGES).generate(prompts, sp)
+    ref = Engine(tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=PAGES)).generate(prompts, sp)
     for p, want in zip(prompts, ref, strict=True):
         body = {"prompt": p, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)

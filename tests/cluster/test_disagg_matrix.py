@@ -16,6 +16,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -37,7 +38,9 @@ PROMPTS = _prompts()
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[list[int]]]:
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     return {"greedy": eng.generate(PROMPTS, GREEDY), "sampled": eng.generate(PROMPTS[:2], SAMPLED)}
 
 

@@ -33,6 +33,7 @@ from dsakv.plan.capacity import Deployment, plan
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -65,7 +66,7 @@ PROMPTS = _prompts()
 @pytest.fixture(scope="module")
 def reference(ckpt) -> dict[str, list[list[int]]]:
     """Colocated, MTP off."""
-    eng = Engine(load_model(ckpt), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(load_model(ckpt), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256))
     return {"greedy": eng.generate(PROMPTS, GREEDY), "first": eng.generate(PROMPTS, FIRST_STEP)}
 
 
@@ -74,7 +75,7 @@ def test_draft_prefill_writes_what_the_colocated_extend_writes(ckpt):
     returns the same draft hidden state as a colocated MTP engine's prefill step, bit for bit."""
     spec, model = load_model(ckpt)
     draft = load_draft(ckpt)
-    eng = Engine((spec, model), page_size=4, num_pages=64, speculative_num_steps=1, draft=draft)
+    eng = Engine((spec, model), engine_config(page_size=4, num_pages=64), speculative_num_steps=1, draft=draft)
     rids = [eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in PROMPTS[:2] + PROMPTS[3:5]]
     eng.step()  # every prompt's one prefill chunk, its first token and the draft extend
     reqs = [eng.get_request(r) for r in rids]

@@ -24,6 +24,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.util import ceil_div
 
@@ -46,7 +47,7 @@ PROMPTS = _prompts(LENGTHS, 31)
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[list[int]]]:
-    eng = Engine(tiny_model(ARCH), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(tiny_model(ARCH), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256))
     return {"greedy": eng.generate(PROMPTS, GREEDY), "sampled": eng.generate(PROMPTS[:2], SAMPLED)}
 
 

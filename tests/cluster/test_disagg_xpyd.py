@@ -28,6 +28,7 @@ from dsakv.disagg.protocol.page_hashes import page_hashes
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -48,7 +49,9 @@ def _rand(g: torch.Generator, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def reference():
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     cache: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
     def ref(prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:

@@ -32,6 +32,7 @@ from dsakv.errors import ConfigError  # noqa: E402
 from dsakv.model.tiny import make_tiny  # noqa: E402
 from dsakv.spec.layout import Kind, KVLayout  # noqa: E402
 from dsakv.spec.presets import load_spec  # noqa: E402
+from dsakv.testing.engines import flat_engine
 from dsakv.testing.hicache import LAYOUT, PS, Harness  # noqa: E402
 from dsakv.testing.hicache import expected_rows as _expected_rows  # noqa: E402
 from dsakv.testing.hicache import toks as _toks  # noqa: E402
@@ -284,7 +285,7 @@ def _prompts() -> list[list[int]]:
 
 
 def _engine(model: Any, **kw: Any) -> Engine:
-    return Engine(model, page_size=PS, max_tokens=80, check_every_step=True, **kw)
+    return flat_engine(model, page_size=PS, max_tokens=80, check_every_step=True, **kw)
 
 
 def test_engine_l3_hits_identical_across_instances_and_restart(tiny_dir: Path, store: str) -> None:

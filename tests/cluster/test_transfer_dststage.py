@@ -48,6 +48,7 @@ from dsakv.testing.cluster import (
     role_config,
     run_requests,
 )
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.testing.peer_process import PeerProcess, PeerSpec, fill_random, page_checksums
 
@@ -366,7 +367,9 @@ PROMPTS = _prompts()
 
 @pytest.fixture(scope="module")
 def reference() -> list[list[int]]:
-    eng = Engine(tiny_model("glm_moe_dsa"), page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    eng = Engine(
+        tiny_model("glm_moe_dsa"), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256)
+    )
     return eng.generate(PROMPTS, GREEDY)
 
 

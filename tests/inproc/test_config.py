@@ -22,7 +22,8 @@ from dsakv.config import (
 from dsakv.engine.engine import Engine
 from dsakv.errors import ConfigError
 from dsakv.spec.presets import load_spec
-from dsakv.testing.engines import tiny_model
+from dsakv.testing.config import engine_config, flat_options
+from dsakv.testing.engines import flat_engine, tiny_model
 
 
 def _serve(*argv: str) -> Config:
@@ -77,19 +78,22 @@ def test_engine_argv_reads_back_into_the_same_tree():
 
 
 def test_flat_engine_options_are_the_same_tree():
+    """The tests' flat shorthand (dsakv.testing.config) builds the tree the Engine takes; the Engine itself takes
+    only the tree (no flat keyword table in the engine or config layers)."""
     flat = dict(elide=False, page_size=4, max_tokens=64, max_batch_tokens=32, hicache_ratio=2.0, seed=5)
-    cfg = EngineConfig.from_options(**flat)
+    cfg = engine_config(**flat)
     assert cfg.layout == LayoutConfig(elide=False, page_size=4) and cfg.pool == PoolConfig(max_tokens=64)
     assert cfg.cache == CacheConfig(hicache_ratio=2.0) and cfg.scheduler.max_batch_tokens == 32
-    assert EngineConfig.from_options(**cfg.options()) == cfg
-    a, b = Engine(tiny_model("glm_moe_dsa"), cfg), Engine(tiny_model("glm_moe_dsa"), **flat)
+    assert engine_config(**flat_options(cfg)) == cfg
+    a, b = Engine(tiny_model("glm_moe_dsa"), cfg), flat_engine(tiny_model("glm_moe_dsa"), **flat)
     assert a.config == b.config == cfg
     assert (a.pool.num_pages, a.layout.bytes_per_token, a.scheduler.max_batch_tokens) == (16, 5376, 32)
     assert a.prefix_cache is not None and b.prefix_cache is not None
     with pytest.raises(ConfigError, match="unknown engine option.* page_sise"):
-        EngineConfig.from_options(page_sise=4)
-    with pytest.raises(ConfigError, match=r"give config or engine options \(seed\), not both"):
-        Engine(tiny_model("glm_moe_dsa"), cfg, seed=1)
+        engine_config(page_sise=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'seed'"):
+        Engine(tiny_model("glm_moe_dsa"), cfg, seed=1)  # type: ignore[call-arg]
+    assert not hasattr(EngineConfig, "OPTIONS") and not hasattr(EngineConfig, "from_options")
     with pytest.raises(ConfigError, match=r"give kv_budget \(1024 B\) or num_pages"):
         PoolConfig(kv_budget=1024, num_pages=3)
 

@@ -16,11 +16,10 @@ from dsakv.disagg.decode.worker import DecodeWorker
 from dsakv.disagg.prefill.worker import PrefillStage
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.disagg.router.backend import RouterBackend
-from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.testing.cluster import free_ports, role_config
-from dsakv.testing.engines import tiny_model
+from dsakv.testing.engines import flat_engine, tiny_model
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -106,7 +105,7 @@ def test_pp2_host_tier_write_back_replayed_on_every_stage():
     big = torch.randint(2, 512, (170,), generator=g).tolist()
     p1 = prefix + torch.randint(2, 512, (13,), generator=g).tolist()
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate([p0, big, p1], sp)
+    want = flat_engine(tiny_model("glm_moe_dsa"), **ENGINE).generate([p0, big, p1], sp)
     dec, stages, r = _pipeline(12, hicache_ratio=1.0, hicache_write_policy="write_back")
     try:
         r.start()
@@ -145,7 +144,7 @@ def test_pp2_prefix_cache_hits_and_full_transfer():
     prompts = [prefix + tail[:8], prefix + tail[:13], prefix + tail, prefix + tail]  # 40, 45, 75, 75 tokens
     want_hits = [0, 32, 32, 64]  # p1, p2 reuse p0's 2 pages; p3 reuses p2's 4 whole pages
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
+    want = flat_engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
 
     dec, stages, r = _pipeline(64)
     try:

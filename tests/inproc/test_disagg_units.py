@@ -30,13 +30,12 @@ from dsakv.disagg.protocol.messages import (
 from dsakv.disagg.protocol.rpc import RpcClient, RpcError
 from dsakv.disagg.protocol.wire import params_from_dict, params_to_dict
 from dsakv.disagg.router.backend import RouterBackend
-from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.batch import ForwardBatch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.testing.cluster import free_ports, role_config
-from dsakv.testing.engines import tiny_model
+from dsakv.testing.engines import flat_engine, tiny_model
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -263,7 +262,7 @@ def test_pp2_round_trip_one_sided_elision_and_abort():
         g = torch.Generator().manual_seed(3)
         prompts = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (3, 20, 47)]
         sp = SamplingParams(max_new_tokens=5, ignore_eos=True)
-        want = Engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
+        want = flat_engine(tiny_model("glm_moe_dsa"), **ENGINE).generate(prompts, sp)
         for i, p in enumerate(prompts):
             r.submit(f"r{i}", p, sp)
         r.submit("gone", prompts[1], SamplingParams(max_new_tokens=200, ignore_eos=True))

@@ -22,7 +22,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.loader import load_draft, load_model
 from dsakv.model.tiny import make_tiny
-from dsakv.testing.engines import prompts_for, tiny_model
+from dsakv.testing.engines import flat_engine, prompts_for, tiny_model
 from dsakv.testing.servers import MODEL, live_server, make_engine
 
 NEW = 6
@@ -63,9 +63,11 @@ def _engine(kind: str, mtp_model: Any = None, **kw: Any) -> Engine:
     kw.setdefault("check_every_step", True)
     if kind == "mtp":
         model, draft, ckpt = mtp_model
-        return Engine(model, page_size=16, num_pages=64, speculative_num_steps=2, draft=draft, model_dir=ckpt, **kw)
+        return flat_engine(
+            model, page_size=16, num_pages=64, speculative_num_steps=2, draft=draft, model_dir=ckpt, **kw
+        )
     if kind == "hisparse":
-        return Engine(
+        return flat_engine(
             tiny_model("glm_moe_dsa"),
             page_size=16,
             num_pages=96,
@@ -74,7 +76,7 @@ def _engine(kind: str, mtp_model: Any = None, **kw: Any) -> Engine:
             hisparse_host_to_device_ratio=8,
             **kw,
         )
-    return Engine(tiny_model("glm_moe_dsa"), page_size=16, num_pages=64, **kw)
+    return flat_engine(tiny_model("glm_moe_dsa"), page_size=16, num_pages=64, **kw)
 
 
 def _run(eng: Engine, items: Sequence[tuple[str, Sequence[int], SamplingParams]]) -> dict[str, tuple]:

@@ -11,7 +11,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import Request, SamplingParams
 from dsakv.engine.sampling import process_logits, sample_with_logprobs
 from dsakv.errors import ConfigError
-from dsakv.testing.engines import _hf, tiny_model
+from dsakv.testing.engines import _hf, flat_engine, tiny_model
 
 PROMPT = list(range(5, 45))  # 40 tokens: 2 whole pages of 16 and a partial one
 
@@ -20,7 +20,7 @@ def _engine(**kw: object) -> Engine:
     kw.setdefault("page_size", 16)
     kw.setdefault("num_pages", 64)
     kw.setdefault("check_every_step", True)
-    return Engine(tiny_model("glm_moe_dsa"), **kw)  # type: ignore[arg-type]
+    return flat_engine(tiny_model("glm_moe_dsa"), **kw)  # type: ignore[arg-type]
 
 
 def _run(eng: Engine) -> dict[str, list]:

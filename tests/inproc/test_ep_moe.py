@@ -12,6 +12,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.model.layers import MoE
 from dsakv.model.loader import load_model
 from dsakv.model.parallel import EPMoE, TPGroup, attach, attach_ep, idle_forward
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import engine, prompts_for, tiny_path
 from dsakv.util.procs import free_ports
 
@@ -51,4 +52,4 @@ def test_one_rank_tp_hook_is_the_plain_arithmetic() -> None:
     attach(model, TPGroup(0, 1))
     from dsakv.engine.engine import Engine
 
-    assert Engine((spec, model), page_size=4, max_tokens=256).generate(prompts, params) == plain
+    assert Engine((spec, model), engine_config(page_size=4, max_tokens=256)).generate(prompts, params) == plain

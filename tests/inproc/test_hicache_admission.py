@@ -13,6 +13,8 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.testing.config import engine_config
+from dsakv.testing.engines import flat_engine
 
 PS = 4
 SP = SamplingParams(max_new_tokens=3)
@@ -39,8 +41,8 @@ def _drain(eng: Engine) -> dict[str, RequestOutput]:
 def test_admission_retries_count_once(tiny: tuple[Any, Any]) -> None:
     """20 device pages: each of P1..P3 needs the 11 cached SYS pages + 5 own, so only one runs at a time and the
     next one matches SYS (a 44-token hit) and fails to reserve at every step the one before it runs (3 steps)."""
-    eng = Engine(tiny, page_size=PS, max_tokens=80, check_every_step=True, enable_prefix_cache=True)
-    base = Engine(tiny, page_size=PS, max_tokens=80)
+    eng = Engine(tiny, engine_config(page_size=PS, max_tokens=80, enable_prefix_cache=True), check_every_step=True)
+    base = Engine(tiny, engine_config(page_size=PS, max_tokens=80))
     eng.generate([P0], SP)
     rids = [eng.add_request(p, SP) for p in P]
     final = _drain(eng)
@@ -56,16 +58,16 @@ def test_admission_retries_count_once(tiny: tuple[Any, Any]) -> None:
 
 
 def test_capped_disk_tier_keeps_outputs_identical(tiny: tuple[Any, Any], tmp_path: Path) -> None:
-    eng0 = Engine(tiny, page_size=PS, max_tokens=80)
+    eng0 = Engine(tiny, engine_config(page_size=PS, max_tokens=80))
     want = [eng0.generate([p], SP)[0] for p in [P0, *P]]
     cap_pages = 14
     one = tmp_path / "probe"
-    probe = Engine(tiny, page_size=PS, max_tokens=80, hicache_disk_dir=one)
+    probe = Engine(tiny, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=one))
     assert probe.prefix_cache is not None
     file_bytes = probe.prefix_cache.disk.file_bytes  # type: ignore[attr-defined]
     kw: dict[str, Any] = {"hicache_disk_dir": tmp_path / "disk", "hicache_disk_size": cap_pages * file_bytes}
     for run in range(2):  # a second engine is a restarted server reading what the first left (capped)
-        eng = Engine(tiny, page_size=PS, max_tokens=80, check_every_step=True, **kw)
+        eng = flat_engine(tiny, page_size=PS, max_tokens=80, check_every_step=True, **kw)
         got = [eng.generate([p], SP)[0] for p in [P0, *P]]
         assert got == want
         s = eng.cache_stats()

@@ -18,6 +18,7 @@ from dsakv.errors import ConfigError
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.spec.layout import BufferKey, Kind
+from dsakv.testing.engines import flat_engine
 
 PS = 4
 DEVICE_TOKENS = 80  # 20 pages: one session's prefix (13 pages) fits, two do not
@@ -51,7 +52,7 @@ PROMPTS = _prompts()
 
 def _engine(tiny: tuple[Any, Any], fmt: str, **kw: Any) -> Engine:
     kv, index = FORMATS[fmt]
-    return Engine(
+    return flat_engine(
         tiny, page_size=PS, max_tokens=DEVICE_TOKENS, kv_format=kv, index_format=index, check_every_step=True, **kw
     )
 

@@ -23,6 +23,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.testing.config import engine_config
 from dsakv.testing.hicache import FILE, PS  # noqa: E402
 from dsakv.testing.hicache import disk_cache as _cache  # noqa: E402
 from dsakv.testing.hicache import run_request as _run  # noqa: E402
@@ -71,8 +72,8 @@ def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, d
     words, compensating flips) is refused and counted; tokens are exactly the no-tier run's, before, after and
     across restarts."""
     prompts = _prompts()
-    base = [Engine(tiny_dir, page_size=PS, max_tokens=80).generate([p], SP)[0] for p in prompts]
-    first = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path)
+    base = [Engine(tiny_dir, engine_config(page_size=PS, max_tokens=80)).generate([p], SP)[0] for p in prompts]
+    first = Engine(tiny_dir, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path))
     assert [first.generate([p], SP)[0] for p in prompts] == base
     assert len(_pages(tmp_path)) == 3 * 9  # 36 tokens of KV per request
     disk: Any = first.prefix_cache.disk  # type: ignore[union-attr]
@@ -86,7 +87,9 @@ def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, d
         else:
             _same_sum_damage(b, damage, i)
         p.write_bytes(bytes(b))
-    second = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path, check_every_step=True)
+    second = Engine(
+        tiny_dir, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path), check_every_step=True
+    )
     assert [second.generate([p], SP)[0] for p in prompts] == base
     s = second.cache_stats()
     # each prompt loads its page 0, stops at the corrupt page 1 and computes the rest
@@ -94,7 +97,7 @@ def test_corrupt_payloads_never_change_a_token(tiny_dir: Path, tmp_path: Path, d
     assert second.prefix_cache.disk.corrupt_pages == 3  # type: ignore[union-attr]
     assert all(p.exists() for p in bad)  # deleted, then written back by the recompute
     for _ in range(2):  # restarted twice: every page (the rewritten ones too) loads, the same tokens
-        third = Engine(tiny_dir, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path)
+        third = Engine(tiny_dir, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path))
         assert [third.generate([p], SP)[0] for p in prompts] == base
         s = third.cache_stats()
         assert s is not None and (s["storage_corrupt_pages"], s["disk_hit_tokens"]) == (0, 3 * 32)
@@ -202,7 +205,7 @@ def test_same_size_same_mtime_rewrite_invalidates_stored_pages(tiny_dir: Path, t
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny_dir, ckpt)
     prompts = _prompts()
-    first = Engine(ckpt, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path / "disk")
+    first = Engine(ckpt, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path / "disk"))
     [first.generate([p], SP)[0] for p in prompts]
     (f,) = sorted(ckpt.glob("*.safetensors"))
     tensors = load_file(f)
@@ -219,8 +222,8 @@ def test_same_size_same_mtime_rewrite_invalidates_stored_pages(tiny_dir: Path, t
     after = f.stat()
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     assert f.read_bytes() == data.read_bytes()
-    new_base = [Engine(ckpt, page_size=PS, max_tokens=80).generate([p], SP)[0] for p in prompts]
-    second = Engine(ckpt, page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path / "disk")
+    new_base = [Engine(ckpt, engine_config(page_size=PS, max_tokens=80)).generate([p], SP)[0] for p in prompts]
+    second = Engine(ckpt, engine_config(page_size=PS, max_tokens=80, hicache_disk_dir=tmp_path / "disk"))
     assert [second.generate([p], SP)[0] for p in prompts] == new_base
     s = second.cache_stats()
     assert s is not None and s["disk_hit_tokens"] == 0  # the old weights' pages are never read

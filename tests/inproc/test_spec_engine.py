@@ -13,6 +13,8 @@ from dsakv.errors import ConfigError
 from dsakv.model.loader import load_draft, load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.plan.capacity import Deployment, plan
+from dsakv.testing.config import engine_config
+from dsakv.testing.engines import flat_engine
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -41,13 +43,13 @@ _REF: dict[tuple[tuple[int, ...], ...], list[list[int]]] = {}
 def _reference(fitted, prompts):
     key = tuple(tuple(p) for p in prompts)
     if key not in _REF:
-        _REF[key] = Engine((fitted[1], fitted[2]), page_size=4).generate(prompts, GREEDY)
+        _REF[key] = Engine((fitted[1], fitted[2]), engine_config(page_size=4)).generate(prompts, GREEDY)
     return _REF[key]
 
 
 def _engine(fitted, k, **kw):
     _, spec, model, draft = fitted
-    return Engine(
+    return flat_engine(
         (spec, model),
         page_size=4,
         check_every_step=True,
@@ -120,7 +122,7 @@ def test_prompt_logprobs_with_mtp_equal_without(fitted):
                     out[o.request_id][1].extend(o.prompt_logprobs)
         return [out[r] for r in rids]
 
-    want = run(Engine((fitted[1], fitted[2]), page_size=4))
+    want = run(Engine((fitted[1], fitted[2]), engine_config(page_size=4)))
     spec = _engine(fitted, 2, max_batch_tokens=24)  # prompts of 48+ tokens: chunked prefill
     got = run(spec)
     assert spec.speculator.stats.draft_tokens > 0

@@ -15,13 +15,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsakv.engine.engine import Engine
 from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import Request, SamplingParams, TokenLogprobs
 from dsakv.engine.sampling import process_logits
 from dsakv.engine.speculative import accept_with_logprobs
 from dsakv.model.loader import load_draft, load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.testing.engines import flat_engine
 
 NEW = 14
 TOL = 5e-5
@@ -44,7 +44,7 @@ def _run(fitted, k: int, prompts, params: list[SamplingParams]):
     """Each request's tokens and the logprobs the engine reported with them (RequestOutput.new_logprobs)."""
     spec, model, draft = fitted
     kw = {"speculative_num_steps": k, "draft": draft, "spec_poison_rejected": True} if k else {}
-    e = Engine((spec, model), page_size=4, check_every_step=True, eos_token_ids=(1,), **kw)
+    e = flat_engine((spec, model), page_size=4, check_every_step=True, eos_token_ids=(1,), **kw)
     rids = [e.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
     toks: dict[str, list[int]] = {r: [] for r in rids}
     lps: dict[str, list[TokenLogprobs]] = {r: [] for r in rids}

@@ -10,9 +10,9 @@ stage runs with, as frozen dataclasses.
     ├── hisparse: HiSparseConfig  HiSparse decode: hot KV rows on the device, KV on the host
     └── dtype, seed, speculative_num_steps (MTP speculative decoding; 0 = off)
 
-`Engine(model, config)` takes this branch; the flat keyword spelling `Engine(model, page_size=4, max_tokens=64)`
-goes through `EngineConfig.from_options`, the one table that maps those names onto the tree (which cache
-branches a prefill worker can run is the prefill role's rule: config/roles.py). Imports only util, errors, spec
+`Engine(model, config)` takes this branch (`EngineConfig()`: every default); the CLI and dsakv.LLM build it from
+their flags (cli/options.py), the tests from flat keywords (dsakv.testing.config.engine_config). Which cache
+branches a prefill worker can run is the prefill role's rule (config/roles.py). Imports only util, errors, spec
 and plan (no torch), so building a tree stays light.
 """
 
@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
 from dsakv.errors import ConfigError
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
@@ -270,70 +269,3 @@ class EngineConfig:
     def draft_layers(self) -> int:
         """MTP draft layers the pool holds: 1 when the engine speculates (its layout's `draft_layers`)."""
         return 1 if self.speculative_num_steps else 0
-
-    # The flat keyword spelling of Engine(model, page_size=4, ...): name -> (branch, field).
-    OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
-        "elide": ("layout", "elide"),
-        "kv_format": ("layout", "kv_format"),
-        "index_format": ("layout", "index_format"),
-        "page_size": ("layout", "page_size"),
-        "num_pages": ("pool", "num_pages"),
-        "max_tokens": ("pool", "max_tokens"),
-        "kv_budget": ("pool", "kv_budget"),
-        "max_batch_tokens": ("scheduler", "max_batch_tokens"),
-        "max_running_requests": ("scheduler", "max_running_requests"),
-        "enable_prefix_cache": ("cache", "prefix_cache"),
-        "hicache_ratio": ("cache", "hicache_ratio"),
-        "hicache_size": ("cache", "hicache_size"),
-        "hicache_layout": ("cache", "layout"),
-        "hicache_write_policy": ("cache", "write_policy"),
-        "hicache_selective_threshold": ("cache", "selective_threshold"),
-        "hicache_disk_dir": ("cache", "disk_dir"),
-        "hicache_disk_size": ("cache", "disk_size"),
-        "hicache_storage": ("cache", "storage"),
-        "hisparse": ("hisparse", "enabled"),
-        "hisparse_top_k": ("hisparse", "top_k"),
-        "hisparse_device_buffer_size": ("hisparse", "device_buffer_size"),
-        "hisparse_host_to_device_ratio": ("hisparse", "host_to_device_ratio"),
-        "dtype": ("", "dtype"),
-        "weight_dtype": ("", "weight_dtype"),
-        "seed": ("", "seed"),
-        "speculative_num_steps": ("", "speculative_num_steps"),
-    }
-
-    @classmethod
-    def from_options(cls, **options: Any) -> EngineConfig:
-        """The tree from the flat keyword names of OPTIONS (dtype may be a torch.dtype or its name)."""
-        unknown = sorted(set(options) - set(cls.OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}: use {', '.join(cls.OPTIONS)}")
-        branches: dict[str, dict[str, Any]] = {
-            "layout": {},
-            "pool": {},
-            "scheduler": {},
-            "cache": {},
-            "hisparse": {},
-            "": {},
-        }
-        for name, value in options.items():
-            branch, attr = cls.OPTIONS[name]
-            if attr == "dtype" and not isinstance(value, str):
-                value = str(value).removeprefix("torch.")
-            if attr == "disk_dir" and isinstance(value, Path):
-                value = str(value)
-            branches[branch][attr] = value
-        return cls(
-            layout=LayoutConfig(**branches["layout"]),
-            pool=PoolConfig(**branches["pool"]),
-            scheduler=SchedulerConfig(**branches["scheduler"]),
-            cache=CacheConfig(**branches["cache"]),
-            hisparse=HiSparseConfig(**branches["hisparse"]),
-            **branches[""],
-        )
-
-    def options(self) -> dict[str, Any]:
-        """The flat keyword spelling of this tree (inverse of from_options; defaults included)."""
-        return {
-            name: getattr(getattr(self, branch) if branch else self, attr)
-            for name, (branch, attr) in self.OPTIONS.items()
-        }

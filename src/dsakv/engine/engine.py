@@ -1,7 +1,7 @@
 """Engine: the reference DSA engine, a checkpoint on a paged, ownership-aware KV pool.
 
     engine = Engine("ckpt_dir", EngineConfig(layout=LayoutConfig(page_size=16), pool=PoolConfig(max_tokens=4096)))
-    engine = Engine("ckpt_dir", page_size=16, max_tokens=4096)     # the same, flat (EngineConfig.OPTIONS)
+    engine = dsakv.LLM("ckpt_dir", page_size=16, max_tokens=4096)  # the public API: the CLI's flag names
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=32))
     while engine.has_unfinished():
         for out in engine.step():        # RequestOutput: new_token_ids, output_ids, finished, finish_reason
@@ -97,19 +97,14 @@ class Engine(EngineRequests, EngineStep, EngineBooks):
         draft: Any = None,
         spec_poison_rejected: bool = False,
         model_dir: str | Path | None = None,
-        **options: Any,
     ) -> None:
-        """`config` is the engine branch of the configuration tree; or give its flat options instead
-        (`EngineConfig.OPTIONS`: elide, kv_format, index_format, page_size, num_pages, max_tokens, kv_budget,
-        max_batch_tokens, max_running_requests, dtype, seed, speculative_num_steps, enable_prefix_cache, hicache_*).
+        """`config` is the engine branch of the configuration tree (None: `EngineConfig()`, every default).
 
         `speculative_num_steps` K > 0 (here or in the tree) turns on MTP speculative decoding: `draft` is the MTP
         layer (default: load_draft from the checkpoint), the pool holds one draft layer's KV / index-K, and
         `spec_poison_rejected` (testing) writes NaN into rejected positions after each step. `model_dir` names the
         checkpoint of an already loaded `(spec, model)` (its generation_config, its cached weights fingerprint)."""
-        if config is not None and options:
-            raise ConfigError(f"give config or engine options ({', '.join(sorted(options))}), not both")
-        cfg = config if config is not None else EngineConfig.from_options(**options)
+        cfg = config if config is not None else EngineConfig()
         if speculative_num_steps is not None:  # the keyword wins over the tree's (validated there)
             cfg = replace(cfg, speculative_num_steps=speculative_num_steps)
         self.config = cfg

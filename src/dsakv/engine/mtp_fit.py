@@ -145,6 +145,7 @@ def fit_mtp(
 def _fit(root: Path, num_prompts: int, new_tokens: int, steps: int, lr: float, seed: int) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
+    from dsakv.config import EngineConfig, LayoutConfig, PoolConfig, SchedulerConfig
     from dsakv.engine.engine import Engine
     from dsakv.engine.request import SamplingParams
     from dsakv.model.loader import load_draft, load_model
@@ -157,13 +158,12 @@ def _fit(root: Path, num_prompts: int, new_tokens: int, steps: int, lr: float, s
     draft = load_draft(root)
     fresh = 16
     prompts = fit_prompts(spec.vocab_size, num_prompts + fresh, seed)  # the last `fresh` are held out
-    eng = Engine(
-        (spec, model),
-        page_size=16,
-        max_tokens=len(prompts) * (FIT_PROMPT_LEN + new_tokens + 16),
-        max_batch_tokens=4096,
-        max_running_requests=len(prompts),
+    cfg = EngineConfig(
+        layout=LayoutConfig(page_size=16),
+        pool=PoolConfig(max_tokens=len(prompts) * (FIT_PROMPT_LEN + new_tokens + 16)),
+        scheduler=SchedulerConfig(max_batch_tokens=4096, max_running_requests=len(prompts)),
     )
+    eng = Engine((spec, model), cfg)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     seqs = torch.tensor([p + o for p, o in zip(prompts, outs, strict=True)])
     hf = AutoModelForCausalLM.from_pretrained(str(root)).float().eval()

@@ -31,6 +31,7 @@ from dsakv.disagg.protocol.rpc import RpcClient, RpcError
 from dsakv.disagg.router.backend import RouterBackend
 from dsakv.engine.argv import engine_argv
 from dsakv.engine.request import SamplingParams
+from dsakv.testing.config import engine_config
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 __all__ = [
@@ -61,10 +62,10 @@ def worker_config(elide: bool) -> EngineConfig:
 def role_config(
     engine: dict[str, Any] | None = None, backend: str = "local", pipeline: dict[str, Any] | None = None
 ) -> Config:
-    """The configuration tree of an in-process role: `engine` in the Engine's flat keywords (EngineConfig.OPTIONS),
+    """The configuration tree of an in-process role: `engine` in flat keywords (dsakv.testing.config.OPTIONS),
     the transfer backend, and the pipeline branch's fields (pp_size, pp_rank, partition, stage_timeout, ...)."""
     return Config(
-        engine=EngineConfig.from_options(**(engine or {})),
+        engine=engine_config(**(engine or {})),
         transfer=TransferConfig(backend=backend),
         pipeline=PipelineConfig(**(pipeline or {})),
     )

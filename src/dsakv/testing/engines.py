@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +17,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
+from dsakv.testing.config import split_options
 
 # Tiny shapes: one thread is faster, and far faster when other processes share the 2 cores
 # (multi-threaded kernels on busy cores spin: a 32-token greedy run went from ~25 s to 0.3 s).
@@ -59,9 +61,17 @@ def prompts_for(lengths: Sequence[int], seed: int = 1, vocab: int = 512) -> list
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def engine(arch: str = "glm_moe_dsa", **kw: object) -> Engine:
+def flat_engine(model: Any, **kw: Any) -> Engine:
+    """Engine(model, engine_config(<kw's flat option names>), <the rest of kw>): the tests' shorthand
+    (dsakv.testing.config.OPTIONS); the Engine itself takes only the tree."""
+    cfg, rest = split_options(kw)
+    return Engine(model, cfg, **rest)
+
+
+def engine(arch: str = "glm_moe_dsa", **kw: Any) -> Engine:
+    """An Engine on the tiny checkpoint of `arch` that checks its books every step; kw as flat_engine."""
     kw.setdefault("check_every_step", True)
-    return Engine(tiny_model(arch), **kw)  # type: ignore[arg-type]
+    return flat_engine(tiny_model(arch), **kw)
 
 
 def drive(

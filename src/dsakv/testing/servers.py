@@ -20,7 +20,7 @@ from dsakv.serve.app import create_app
 from dsakv.serve.engine_backend import EngineBackend
 from dsakv.serve.limits import uvicorn_settings
 from dsakv.serve.tokenizer import ByteTokenizer
-from dsakv.testing.engines import tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
+from dsakv.testing.engines import flat_engine, tiny_model, tiny_path  # noqa: F401  (one tiny checkpoint per process, shared)
 
 MODEL = "tiny"
 PAGE_SIZE = 16
@@ -31,7 +31,7 @@ def make_engine(**kw: object) -> Engine:
     kw.setdefault("page_size", PAGE_SIZE)
     kw.setdefault("num_pages", NUM_PAGES)
     kw.setdefault("check_every_step", True)
-    return Engine(tiny_model("glm_moe_dsa"), **kw)  # type: ignore[arg-type]
+    return flat_engine(tiny_model("glm_moe_dsa"), **kw)
 
 
 class LiveServer:
