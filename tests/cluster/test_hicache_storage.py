@@ -70,6 +70,9 @@ def store_master() -> Iterator[str]:
 
 
 def _cfg(master: str, **kw: Any) -> StorageConfig:
+    """The store's config; a test not about the call deadline gets 30 s, not the default 2 s (ci26: on a busy box
+    one first call took over 2 s, the cache skipped the store and wrote 12 pages of 24)."""
+    kw.setdefault("timeout", 30.0)
     return StorageConfig(backend="mooncake", master=master, **kw)
 
 
