@@ -125,14 +125,9 @@ def _install_sigterm(stop: Any) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def _exit_now(rc: int) -> int:
-    """Leave without interpreter finalization (nixl's teardown segfaults: util/procs.exit_now)."""
-    exit_now(rc)
-    return rc
-
-
 def _start_or_exit(worker: Any, **kw: Any) -> None:
-    """worker.start(); on a startup error print it, stop what started and exit 2 (no finalization: see _exit_now)."""
+    """worker.start(); on a startup error print it, stop what started and exit 2 (no finalization: nixl segfaults
+    in its teardown, util/procs.exit_now)."""
     try:
         worker.start(**kw)
     except Exception as e:
@@ -140,7 +135,7 @@ def _start_or_exit(worker: Any, **kw: Any) -> None:
         try:
             worker.stop()
         finally:
-            _exit_now(2)
+            exit_now(2)
 
 
 def _serve_worker(worker: Any, ready_line: Callable[[], str], **start: Any) -> int:
@@ -155,7 +150,7 @@ def _serve_worker(worker: Any, ready_line: Callable[[], str], **start: Any) -> i
         worker.serve_forever()
     finally:
         worker.stop()
-    return _exit_now(0)
+    exit_now(0)
 
 
 def _threads(args: argparse.Namespace) -> None:
@@ -189,7 +184,7 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
 
-        return _exit_now(follow_decode(dcfg))
+        exit_now(follow_decode(dcfg))
     worker: Any = DecodeStageWorker(dcfg) if pcfg is not None and pcfg.rank > 0 else DecodeWorker(dcfg)
     stage = f" stage {pcfg.rank}/{pcfg.pp_size}" if pcfg is not None else ""
     return _serve_worker(worker, lambda: f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})")

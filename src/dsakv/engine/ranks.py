@@ -34,7 +34,6 @@ from dsakv.util.procs import CHILD_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
 
 log = logging.getLogger(__name__)
 
-RANK_ENV = TP_RANK_ENV
 PORT_ENV = "DSAKV_TP_PORT"
 SIZE_ENV = "DSAKV_TP_SIZE"
 ADDR = "127.0.0.1"
@@ -201,16 +200,16 @@ class Ranks:
 
 def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
     """Join (or, as rank 0, start and join) the TP group of `size` ranks running `dsakv *argv`."""
-    env_rank = os.environ.get(RANK_ENV)
+    env_rank = os.environ.get(TP_RANK_ENV)
     if size == 1:
         if env_rank is not None:
-            raise ConfigError(f"{RANK_ENV}={env_rank} is set but --tp-size is 1: unset it")
+            raise ConfigError(f"{TP_RANK_ENV}={env_rank} is set but --tp-size is 1: unset it")
         return Ranks(TPGroup(0, 1))
     children: list[Proc] = []
     if env_rank is None:
         port = free_ports(1)
         for r in range(1, size):
-            env = {**os.environ, **CHILD_ENV, RANK_ENV: str(r), PORT_ENV: str(port), SIZE_ENV: str(size)}
+            env = {**os.environ, **CHILD_ENV, TP_RANK_ENV: str(r), PORT_ENV: str(port), SIZE_ENV: str(size)}
             # SIGKILL when rank 0 dies: a serving follower ignores SIGTERM (see follow)
             child = Proc(f"tp rank {r}", dsakv_cmd(*argv), env=env, new_session=False, parent_death_signal=SIGKILL)
             children.append(child.start())

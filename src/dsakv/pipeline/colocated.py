@@ -45,7 +45,7 @@ from dsakv.util.procs import CHILD_ENV, PP_RANK_ENV, Proc, dsakv_cmd, free_ports
 
 log = logging.getLogger(__name__)
 
-RANK_ENV, PORT_ENV, SIZE_ENV = PP_RANK_ENV, "DSAKV_PP_PORT", "DSAKV_PP_SIZE"
+PORT_ENV, SIZE_ENV = "DSAKV_PP_PORT", "DSAKV_PP_SIZE"
 ADDR = "127.0.0.1"
 POLL_S = 0.1  # how often stage 0 polls its stage processes
 STARTUP_S = 300.0  # the longest the stages may take to load and form the group
@@ -256,7 +256,7 @@ def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv
     if why is not None:
         raise ConfigError(why)
     split_layers(ModelSpec.from_path(model_dir).num_layers, pipe.pp_size, pipe.partition)  # a bad partition: now
-    env_rank = os.environ.get(RANK_ENV)
+    env_rank = os.environ.get(PP_RANK_ENV)
     if env_rank is not None:
         if int(os.environ.get(SIZE_ENV, pipe.pp_size)) != pipe.pp_size:
             raise ConfigError(f"this stage was started for {os.environ[SIZE_ENV]} stages, not --pp-size {pipe.pp_size}")
@@ -264,7 +264,7 @@ def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv
     port = free_ports(1)
     children = []
     for k in range(1, pipe.pp_size):
-        env = {**os.environ, **CHILD_ENV, RANK_ENV: str(k), PORT_ENV: str(port), SIZE_ENV: str(pipe.pp_size)}
+        env = {**os.environ, **CHILD_ENV, PP_RANK_ENV: str(k), PORT_ENV: str(port), SIZE_ENV: str(pipe.pp_size)}
         children.append(Proc(f"pipeline stage {k}", dsakv_cmd(*argv), env=env, new_session=False).start())
     try:
         return PipelinedEngine(model_dir, ec, pipe, port, children)
@@ -281,7 +281,7 @@ def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: Pip
     from dsakv.pipeline.page_mirror import PageMirror
 
     if not 0 < rank < pipe.pp_size:
-        raise ConfigError(f"{RANK_ENV}={rank} must be in 1..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
+        raise ConfigError(f"{PP_RANK_ENV}={rank} must be in 1..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
     spec, model = _load(model_dir, ec)
     layouts, pages = stage_shape(ec, spec, pipe)
     pool = DevicePool(layouts[rank], pages, device=model.device)

@@ -6,17 +6,11 @@ onto branches (the CLI's flags map through cli/options.py)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from dsakv.config import (
-    CacheConfig,
-    EngineConfig,
-    HiSparseConfig,
-    LayoutConfig,
-    PoolConfig,
-    SchedulerConfig,
-)
+from dsakv.config import EngineConfig
 from dsakv.errors import ConfigError
 
 # flat name -> (branch of EngineConfig, field); branch "" is a field of EngineConfig itself
@@ -48,12 +42,9 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "seed": ("", "seed"),
     "speculative_num_steps": ("", "speculative_num_steps"),
 }
-_BRANCHES = {
-    "layout": LayoutConfig,
-    "pool": PoolConfig,
-    "scheduler": SchedulerConfig,
-    "cache": CacheConfig,
-    "hisparse": HiSparseConfig,
+# the tree's branches (field name -> its config class), read off EngineConfig itself
+_BRANCHES: dict[str, Any] = {
+    f.name: f.default_factory for f in fields(EngineConfig) if f.default_factory is not MISSING
 }
 
 
@@ -80,6 +71,5 @@ def flat_options(cfg: EngineConfig) -> dict[str, Any]:
 
 def split_options(kw: Mapping[str, Any]) -> tuple[EngineConfig, dict[str, Any]]:
     """(the tree of kw's OPTIONS names, the rest: the Engine's own keywords such as check_every_step)."""
-    return engine_config(**{k: v for k, v in kw.items() if k in OPTIONS}), {
-        k: v for k, v in kw.items() if k not in OPTIONS
-    }
+    flat = {k: v for k, v in kw.items() if k in OPTIONS}
+    return engine_config(**flat), {k: v for k, v in kw.items() if k not in flat}

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from signal import SIGKILL, SIGTERM
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from dsakv.errors import ConfigError
 
@@ -281,7 +281,7 @@ def rank_process() -> bool:
     return any(os.environ.get(k, "0") not in ("", "0") for k in (TP_RANK_ENV, PP_RANK_ENV))
 
 
-def exit_now(rc: int) -> None:
+def exit_now(rc: int) -> NoReturn:
     """Flush the logs and streams, then leave with `rc` without interpreter finalization. For processes whose work is
     done and whose teardown is known to fail: nixl-cu12 1.5.1 segfaults in its agent's teardown (even a bare
     nixl_agent: a clean stop became 139), and a torch.distributed (gloo) rank process, its group destroyed, sometimes
