@@ -320,21 +320,33 @@ def _check_kill(got, at_kill, victim_addr, role, want, t_kill, rids):
     return failed
 
 
-def _wait_computing(victim, cluster: Cluster, timeout: float = 30.0) -> None:
+def _taken(victim, router) -> tuple[int, int]:
+    """(SUBMITs the prefill `victim` accepted, of those the ones whose reply reached the router), both counted from
+    the process's start / the router's."""
+    return fetch_health(victim.addr).counters["submitted"], router.peers.prefills[victim.addr].picked
+
+
+def _wait_computing(victim, cluster: Cluster, router, taken0: tuple[int, int], timeout: float = 30.0) -> None:
     """Until the prefill `victim` holds a job it has not finished computing (`jobs` counts the ones awaiting their
-    decode's release too, whose KV is already sent: a kill then fails nobody, the race that made this test flaky).
+    decode's release too, whose KV is already sent: a kill then fails nobody, the race that made this test flaky)
+    and the router has the reply of every SUBMIT it took since `taken0` (_taken before the burst; ci32: the job
+    computing was one whose SUBMIT reply the kill cut off, so the router re-queued it and it succeeded elsewhere).
     Polled without a pause; the reply comes between two steps of a prompt longer than one step, so the job still
     has a step, its transfer and its report ahead when the kill lands right after the reply."""
     end = time.monotonic() + timeout
     last = None
     while time.monotonic() < end:
         h = fetch_health(victim.addr, timeout=3.0)
-        last = (h.jobs, h.awaiting_release)
-        if (h.jobs or 0) - (h.awaiting_release or 0) >= 1:
+        known = router.peers.prefills[victim.addr].picked - taken0[1]  # read after the health: it covers its jobs
+        last = (h.jobs, h.awaiting_release, h.counters["submitted"] - taken0[0], known)
+        if (h.jobs or 0) - (h.awaiting_release or 0) >= 1 and known >= h.counters["submitted"] - taken0[0]:
             return
         if not victim.alive():
             raise AssertionError(f"{victim.name} exited before it was busy:\n{victim.tail()}")
-    raise AssertionError(f"{victim.name} never held a job still computing in {timeout}s (jobs, awaiting: {last})")
+    raise AssertionError(
+        f"{victim.name} never held a job still computing that the router knew of in {timeout}s "
+        f"(jobs, awaiting, accepted, replies: {last})"
+    )
 
 
 def _revive(cluster: Cluster, ports, decodes, prefills, router) -> None:
@@ -360,8 +372,9 @@ def test_prefill_killed_with_requests_in_flight_then_rejoins(world, reference):
     want = dict(zip(rids, reference(prompts, GREEDY), strict=True))
     _revive(cluster, ports, decodes, prefills, router)
     victim = prefills[1]
+    taken0 = _taken(victim, router)
     _burst(router, prompts, GREEDY, "pkill")
-    _wait_computing(victim, cluster)
+    _wait_computing(victim, cluster, router, taken0)
     before = _where(router, rids)
     t_kill = time.monotonic()
     victim.kill()
