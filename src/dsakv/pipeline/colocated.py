@@ -13,7 +13,8 @@ its layer range (`--pp-partition a,b,..`, default an even split), all with stage
 Liveness: stage 0 polls its stage processes (a watcher thread); a stage that dies makes the step in flight and
 every later one fail with StageDown naming it and its exit status (/health 503 under serve; generate exits 2).
 The group is not re-formed: restart the command. Refused with N > 1 (clear errors, before anything starts):
-speculative decoding, HiSparse, the prefix cache and its tiers, prompt logprobs, tensor / data parallel ranks.
+speculative decoding, HiSparse, the prefix cache and its tiers, tensor / data parallel ranks. Prompt logprobs: stage
+0 names the positions in the step (PipeStep.logits_at), the last stage sends their logits back after the chunks'.
 Imports torch, dsakv.{util, spec, plan, engine, cache, model} and the pipeline's own modules.
 """
 
@@ -181,11 +182,6 @@ class PipelinedEngine:
     def add_request(
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        if params is not None and params.prompt_logprobs is not None:
-            raise ConfigError(
-                f"prompt_logprobs with --pp-size {self.size} is not supported yet (the logits of prompt positions "
-                "stay on the last stage): leave prompt_logprobs out or serve with --pp-size 1"
-            )
         if self.down is not None:
             raise StageDown(self.down)
         return str(self.engine.add_request(prompt_ids, params, request_id=request_id))

@@ -10,13 +10,14 @@ one loop with the role's hooks (StageHooks):
     TICK / STOP: passed on unchanged (STOP: the caller's loop ends)
 
 The default hooks (StageHooks itself) are a round-trip pipeline's: no payload, every drop releases its pages, the
-last stage sends the logits (float32, one row per chunk) back to stage 0, where the Engine samples. The prefill's
+last stage sends the logits (float32, one row per chunk, then the prompt-logprob positions a step names in its
+`logits_at`) back to stage 0, where the Engine samples. The prefill's
 hooks (disagg/prefill/follower.py): the last stage samples the first token, every stage sends its KV, and pages
 are released once the stage's transfer reported.
 
 A failed or timed-out send/receive raises StageLinkError (the group is broken); what to do then (re-form, exit)
-is the caller's. Not thread-safe: one thread (the stage loop) runs it. Imports torch, dsakv.{cache, model} and
-the pipeline's own modules.
+is the caller's. Not thread-safe: one thread (the stage loop) runs it. Imports torch, dsakv.{cache, model},
+engine.model_runner (logits at positions) and the pipeline's own modules.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Generic
 import torch
 
 from dsakv.cache.device_pool import DevicePool
+from dsakv.engine.model_runner import logits_at
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import StageCarry
 from dsakv.pipeline.batch import decode_batch
@@ -60,9 +62,20 @@ class StageHooks(Generic[P]):
         """The payload's books, after the drops and before the holds."""
 
     def last_stage(self, f: StageFollower[P], msg: StageMessage, step: PipeStep[P], carry: StageCarry) -> None:
-        """The last stage's action after its layers: the logits back to stage 0 (float32, one row per chunk)."""
+        """The last stage's action after its layers: the logits back to stage 0 (float32, one row per chunk), then
+        those at the positions the step's `logits_at` names, row after row (prompt logprobs)."""
         assert carry.logits is not None
-        f.group.send_to(0, StageMessage(msg.step, {}, carry.logits.float().cpu()))
+        back = carry.logits.float()
+        at = step.logits_at
+        if at is not None:
+            if len(at.spans) != back.shape[0] or sum(b - a for a, b in at.spans) != carry.hidden.shape[0]:
+                raise StageLinkError(
+                    f"stage {f.rank}: step {msg.step} asks logits at spans {at.spans[:4]} of {len(at.spans)} rows, "
+                    f"but it ran {back.shape[0]} rows of {carry.hidden.shape[0]} tokens"
+                )
+            extra = logits_at(f.model, carry.hidden, at.spans, at.positions)
+            back = torch.cat([back, *(x.to(back.device) for x in extra)])
+        f.group.send_to(0, StageMessage(msg.step, {}, back.cpu()))
 
     def stepped(self, step: PipeStep[P], batch: ForwardBatch, carry: StageCarry) -> None:
         """Every stage, after its layers ran and the step went on (or, on the last stage, after last_stage)."""

@@ -21,6 +21,7 @@ from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
+from dsakv.pipeline.step import LogitsAt
 
 M = TypeVar("M")
 
@@ -134,7 +135,8 @@ class Stage0:
 
 class RoundTripRunner(PipelineRunner[M]):
     """Stage 0's StepRunner of a round-trip pipeline: this stage's layers, the step on to stage 1 at once, and the
-    last stage's logits back (float32, one row per chunk), so the Engine samples as a single-process one does.
+    last stage's logits back (float32, one row per chunk), so the Engine samples as a single-process one does;
+    with prompt logprobs (run_with_prompt_logits) also the logits at the prompt positions they need.
 
     `on_sent()` runs after every send (the idle tick's clock); `on_error(e)` turns a broken link into the error the
     step's requests fail with (e.g. naming a stage process that died); `broken` keeps its text for the caller."""
@@ -156,21 +158,41 @@ class RoundTripRunner(PipelineRunner[M]):
         self.broken: str | None = None
 
     def run(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor | None:
+        return self._round_trip(chunks, None)
+
+    def run_with_prompt_logits(
+        self, chunks: Sequence[ScheduledChunk], positions: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """run(), plus the float32 logits at the given token positions of each chunk (prompt logprobs), which the
+        last stage computes from its hidden states and returns after the one row per chunk."""
+        at = LogitsAt([(c.start, c.end) for c in chunks], [[int(t) for t in p] for p in positions])
+        back = self._round_trip(chunks, at)
+        logits, rest = back[: len(chunks)], back[len(chunks) :]
+        extra, k = [], 0
+        for p in at.positions:
+            extra.append(rest[k : k + len(p)])
+            k += len(p)
+        return logits, extra
+
+    def _round_trip(self, chunks: Sequence[ScheduledChunk], at: LogitsAt | None) -> torch.Tensor:
         super().run(chunks)
         assert self.outbox is not None
         msg, _ = self.outbox
         self.outbox = None
+        if at is not None:
+            msg.meta["logits_at"] = at.meta()
+        want = len(chunks) + (at.num_rows if at is not None else 0)
         g, last = self.ctx.group, self.ctx.size - 1
         try:
             g.send_next(msg)
             if self.on_sent is not None:
                 self.on_sent()
             back = g.recv_from(last, self.ctx.stage_timeout, dtype=torch.float32)
-            if back.step != self.step or back.hidden is None or back.hidden.shape[0] != len(chunks):
+            if back.step != self.step or back.hidden is None or back.hidden.shape[0] != want:
                 why = (
                     f"stage 0: step {self.step} got logits of step {back.step} for "
                     f"{None if back.hidden is None else back.hidden.shape[0]} rows from stage {last}, not "
-                    f"{len(chunks)}"
+                    f"{want}"
                 )
                 g.break_(why)
                 raise StageLinkError(why)

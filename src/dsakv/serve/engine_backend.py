@@ -10,7 +10,10 @@ The stepping thread sleeps until a request arrives, then loops `engine.step()` w
 and fans each RequestOutput out to that request's queue. Engine methods take the engine's lock, so submit/abort
 from HTTP threads interleave safely with stepping. If a step raises (the engine's books are broken), every
 request in flight ends with finish_reason "error", health() reports not ok from then on and submit() raises
-Unavailable (503).
+Unavailable (503). health(), metrics() and max_prompt_tokens() wait at most STATS_WAIT_S for a running step (a long
+prefill, a pipeline round trip, a collective) to release the engine; then they answer from the figures read after
+the last step, and health() says how long the running step has run (`step_running_s`): a liveness probe gets its
+answer while the engine works.
 Imports dsakv.engine and dsakv.serve.backend; must not import disagg or cli.
 """
 
@@ -20,8 +23,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import RequestOutput, SamplingParams
@@ -29,6 +32,9 @@ from dsakv.errors import ConfigError, DsakvError, Unavailable
 from dsakv.serve.backend import FEATURES, TokenEvent
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+STATS_WAIT_S = 0.5  # how long health / metrics wait for the engine's lock before answering from the last figures
 
 
 def _event(out: RequestOutput) -> TokenEvent:
@@ -63,12 +69,16 @@ class EngineBackend:
         self._fatal: str | None = None
         self._step_seconds = 0.0
         self._busy_steps = 0
+        self._step_t0: float | None = None  # monotonic start of the step running now (None: none runs)
+        self._last: dict[str, Any] = {}  # what health / metrics / max_prompt_tokens read last under the engine's lock
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
+        self._read("stats", self.engine.stats)  # the figures a probe gets if the first step is long
+        self._read("metrics", self._metrics)
         self._stopping.clear()
         self._thread = threading.Thread(target=self._loop, name="dsakv-engine", daemon=True)
         self._thread.start()
@@ -173,8 +183,26 @@ class EngineBackend:
 
     # ---- state -----------------------------------------------------------------------
 
+    def _read(self, what: str, read: Callable[[], T]) -> tuple[T, float | None]:
+        """`read()` under the engine's lock, and None; or, while a step holds the lock longer than STATS_WAIT_S,
+        what `read` returned last time and how long the running step has run (seconds)."""
+        lock = getattr(self.engine, "lock", None)
+        held = False
+        if lock is not None and what in self._last:  # the first read waits: there is nothing to answer from yet
+            held = lock.acquire(timeout=STATS_WAIT_S)
+            if not held:
+                t0 = self._step_t0
+                return self._last[what], (time.monotonic() - t0 if t0 is not None else 0.0)
+        try:
+            got = read()
+        finally:
+            if held and lock is not None:
+                lock.release()
+        self._last[what] = got
+        return got, None
+
     def health(self) -> dict[str, Any]:
-        st = self.engine.stats()
+        st, running = self._read("stats", self.engine.stats)
         return {
             "ok": self._fatal is None and self._thread is not None and self._thread.is_alive(),
             "backend": self.name,
@@ -187,9 +215,15 @@ class EngineBackend:
             "capacity_tokens": st.capacity_tokens,
             "running": st.num_running,
             "waiting": st.num_waiting,
+            "step_running_s": None if running is None else round(running, 3),  # figures from before that step
         }
 
     def metrics(self) -> dict[str, float]:
+        m, running = self._read("metrics", self._metrics)
+        # > 0: a step has held the engine that long and the other figures were read before it
+        return {**m, "engine_step_running_seconds": running or 0.0}
+
+    def _metrics(self) -> dict[str, float]:
         st = self.engine.stats()
         lay = self.engine.layout
         m: dict[str, float] = {
@@ -236,7 +270,7 @@ class EngineBackend:
         return int(self.engine.spec.vocab_size)
 
     def max_prompt_tokens(self) -> int:
-        cap = self.engine.stats().capacity_tokens
+        cap = self._read("stats", self.engine.stats)[0].capacity_tokens  # the pool's size: a snapshot is as good
         if self.engine.max_seq_len is not None:
             cap = min(cap, self.engine.max_seq_len)
         return max(cap - 1, 0)  # room for at least one new token
@@ -257,11 +291,14 @@ class EngineBackend:
             while not self._stopping.is_set():
                 idle = not eng.has_unfinished()
                 t0 = time.perf_counter()
+                self._step_t0 = time.monotonic()
                 try:
                     outs = eng.step()  # idle: drain aborts reported after the last request left
                 except Exception as e:  # broken books or a dead rank: fail everything in flight, report unhealthy
                     self._fail_all(f"{type(e).__name__}: {e}", known=isinstance(e, DsakvError))
                     return
+                finally:
+                    self._step_t0 = None
                 if idle:
                     for out in outs:
                         self._put(out)

@@ -95,11 +95,13 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def wait_idle(url: str, timeout: float = 10.0) -> dict:
-    """Poll /health until no request runs or waits and no page is used; the last health body."""
+    """Poll /health until no request runs or waits and no page is used (read after the last step, not during a
+    long one); the last health body."""
     deadline = time.monotonic() + timeout
     while True:
         h = httpx.get(f"{url}/health", timeout=10).json()
-        if h["pages_used"] == 0 and h["running"] == 0 and h["waiting"] == 0:
+        fresh = h.get("step_running_s") is None  # not figures from before a step that still runs
+        if fresh and h["pages_used"] == 0 and h["running"] == 0 and h["waiting"] == 0:
             return h
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout} s: {h}")

@@ -81,7 +81,7 @@ class KvIn:
         if self.pipeline is not None and self.pipeline.down_reason is not None:  # the router retries elsewhere
             self.stats.busy += 1
             raise NoFreePages(f"decode {self.name}: its pipeline is not serving ({self.pipeline.down_reason})")
-        page_size = self.engine.stats().page_size
+        page_size = self.engine.layout.page_size  # not a stats() snapshot: it takes the engine lock
         with self._lock:
             try:  # the admission rule (room for every running request to grow a page) is the scheduler's
                 pages = self.engine.prealloc(rid, prompt, p.params, keep_room=True)
