@@ -18,7 +18,7 @@ from dsakv.errors import ConfigError
 from dsakv.pipeline import colocated
 from dsakv.pipeline.colocated import PipelinedEngine, run_stage, start_pipeline
 from dsakv.pipeline.stage_comm import StageLinkError
-from dsakv.pipeline.step import STEP, LogitsAt, PipeStep
+from dsakv.pipeline.step import STEP, PipeStep
 from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
 from dsakv.util.procs import free_ports
 
@@ -123,12 +123,11 @@ def test_malformed_step_names_the_field() -> None:
         PipeStep.of_meta({"kind": "tick", "hold": {"r1": ["x"]}}, "stage 1")
     step = PipeStep(STEP, {"input_ids": [[1], b"\0" * 8]}, {"r1": [3, 4]}, ["r0"])
     assert PipeStep.of_meta(step.meta(), "stage 1") == step
-    at = LogitsAt([(0, 8), (3, 4)], [[0, 5, 7], []])
-    step = PipeStep(STEP, {"input_ids": [[1], b"\0" * 8]}, {}, [], None, at)
-    assert PipeStep.of_meta(step.meta(), "stage 1") == step and at.num_rows == 3
-    for bad in ({"spans": [[0, 8]], "positions": [[8]]}, {"spans": [[0, 8]]}, {"spans": [[0, 8]], "positions": []}):
-        with pytest.raises(StageLinkError, match=r"stage 1: malformed pipeline step: logits_at .* is not the spans"):
-            PipeStep.of_meta({**step.meta(), "logits_at": bad}, "stage 1")
+    step = PipeStep(STEP, {"input_ids": [[1], b"\0" * 8]}, {}, [], None, [[0, 5, 7], []])
+    assert PipeStep.of_meta(step.meta(), "stage 1") == step
+    for kind, bad in ((STEP, {"positions": [[8]]}), (STEP, [[0.5]]), (STEP, [3]), ("tick", [[0]])):
+        with pytest.raises(StageLinkError, match=r"stage 1: malformed pipeline step: logits_at .* is not a list of"):
+            PipeStep.of_meta({**step.meta(), "kind": kind, "logits_at": bad}, "stage 1")
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ class PipelinedEngine:
         layouts, pages = stage_shape(ec, spec, pipe)
         self.group = StageGroup(0, self.size, ADDR, port, pipe.stage_timeout, model.dtype, spec.hidden_size)
         self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, pipe.stage_timeout)
-        self.runner: RoundTripRunner[PipeStep] | None = None
+        self.runner: RoundTripRunner | None = None
         self.engine = Engine(
             (spec, model),
             replace(ec, pool=PoolConfig(num_pages=pages)),
@@ -127,7 +127,7 @@ class PipelinedEngine:
         for r in sched.preempted:  # the later stages drop their books of these
             self.books.dropped(r.request_id)
 
-    def _make_runner(self, pool: Any) -> RoundTripRunner[PipeStep]:
+    def _make_runner(self, pool: Any) -> RoundTripRunner:
         self.runner = RoundTripRunner(self.ctx, pool, self.books.step, PipeStep.meta, self._sent, self._link_error)
         return self.runner
 

@@ -61,19 +61,22 @@ class StageHooks(Generic[P]):
     def booked(self, step: PipeStep[P]) -> None:
         """The payload's books, after the drops and before the holds."""
 
-    def last_stage(self, f: StageFollower[P], msg: StageMessage, step: PipeStep[P], carry: StageCarry) -> None:
+    def last_stage(
+        self, f: StageFollower[P], msg: StageMessage, step: PipeStep[P], batch: ForwardBatch, carry: StageCarry
+    ) -> None:
         """The last stage's action after its layers: the logits back to stage 0 (float32, one row per chunk), then
         those at the positions the step's `logits_at` names, row after row (prompt logprobs)."""
         assert carry.logits is not None
         back = carry.logits.float()
-        at = step.logits_at
-        if at is not None:
-            if len(at.spans) != back.shape[0] or sum(b - a for a, b in at.spans) != carry.hidden.shape[0]:
-                raise StageLinkError(
-                    f"stage {f.rank}: step {msg.step} asks logits at spans {at.spans[:4]} of {len(at.spans)} rows, "
-                    f"but it ran {back.shape[0]} rows of {carry.hidden.shape[0]} tokens"
-                )
-            extra = logits_at(f.model, carry.hidden, at.spans, at.positions)
+        if step.logits_at is not None:
+            starts = batch.prefix_lens.tolist()
+            spans = [(a, a + n) for a, n in zip(starts, batch.extend_lens.tolist(), strict=True)]
+            try:
+                if len(step.logits_at) != len(spans):
+                    raise ValueError(f"{len(step.logits_at)} rows of positions for a step of {len(spans)} rows")
+                extra = logits_at(f.model, carry.hidden, spans, step.logits_at)
+            except ValueError as e:  # a malformed step: the link breaks naming the field
+                raise StageLinkError(f"stage {f.rank}: step {msg.step}: malformed pipeline step: logits_at: {e}") from e
             back = torch.cat([back, *(x.to(back.device) for x in extra)])
         f.group.send_to(0, StageMessage(msg.step, {}, back.cpu()))
 
@@ -123,7 +126,7 @@ class StageFollower(Generic[P]):
         with torch.no_grad():
             carry = self.model.stage_forward(batch, self.pool, StageCarry(hidden=msg.hidden, topk=msg.topk))
         if self.last:
-            hooks.last_stage(self, msg, step, carry)
+            hooks.last_stage(self, msg, step, batch, carry)
         else:
             self.group.send_next(StageMessage(msg.step, msg.meta, carry.hidden, carry.topk))
         hooks.stepped(step, batch, carry)

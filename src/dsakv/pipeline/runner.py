@@ -7,7 +7,7 @@ colocated `--pp-size`). The step message's type is the role's (`step_msg` builds
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from dsakv.errors import ConfigError
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
-from dsakv.pipeline.step import LogitsAt
+from dsakv.pipeline.step import PipeStep
 
 M = TypeVar("M")
 
@@ -133,7 +133,7 @@ class Stage0:
         raise ConfigError("stage 0 of a round-trip pipeline runs no MTP draft layer")
 
 
-class RoundTripRunner(PipelineRunner[M]):
+class RoundTripRunner(PipelineRunner[PipeStep]):
     """Stage 0's StepRunner of a round-trip pipeline: this stage's layers, the step on to stage 1 at once, and the
     last stage's logits back (float32, one row per chunk), so the Engine samples as a single-process one does;
     with prompt logprobs (run_with_prompt_logits) also the logits at the prompt positions they need.
@@ -147,12 +147,13 @@ class RoundTripRunner(PipelineRunner[M]):
         self,
         ctx: RoundTripContext,
         pool: DevicePool,
-        step_msg: Callable[[Sequence[ScheduledChunk], Any], M],
-        encode: Callable[[M], dict[str, Any]],
+        step_msg: Callable[[Sequence[ScheduledChunk], Any], PipeStep],
+        encode: Callable[[PipeStep], dict[str, Any]],
         on_sent: Callable[[], None] | None = None,
         on_error: Callable[[StageLinkError], Exception] | None = None,
     ) -> None:
-        super().__init__(ctx, pool, step_msg, encode)
+        self._logits_at: list[list[int]] | None = None
+        super().__init__(ctx, pool, lambda c, b: replace(step_msg(c, b), logits_at=self._logits_at), encode)
         self.on_sent = on_sent
         self.on_error = on_error
         self.broken: str | None = None
@@ -165,23 +166,20 @@ class RoundTripRunner(PipelineRunner[M]):
     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """run(), plus the float32 logits at the given token positions of each chunk (prompt logprobs), which the
         last stage computes from its hidden states and returns after the one row per chunk."""
-        at = LogitsAt([(c.start, c.end) for c in chunks], [[int(t) for t in p] for p in positions])
+        at = [[int(t) for t in p] for p in positions]
         back = self._round_trip(chunks, at)
-        logits, rest = back[: len(chunks)], back[len(chunks) :]
-        extra, k = [], 0
-        for p in at.positions:
-            extra.append(rest[k : k + len(p)])
-            k += len(p)
-        return logits, extra
+        return back[: len(chunks)], list(back[len(chunks) :].split([len(p) for p in at]))
 
-    def _round_trip(self, chunks: Sequence[ScheduledChunk], at: LogitsAt | None) -> torch.Tensor:
-        super().run(chunks)
+    def _round_trip(self, chunks: Sequence[ScheduledChunk], at: list[list[int]] | None) -> torch.Tensor:
+        self._logits_at = at  # the step message built by super().run names them (PipeStep.logits_at)
+        try:
+            super().run(chunks)
+        finally:
+            self._logits_at = None
         assert self.outbox is not None
         msg, _ = self.outbox
         self.outbox = None
-        if at is not None:
-            msg.meta["logits_at"] = at.meta()
-        want = len(chunks) + (at.num_rows if at is not None else 0)
+        want = len(chunks) + (sum(len(p) for p in at) if at is not None else 0)
         g, last = self.ctx.group, self.ctx.size - 1
         try:
             g.send_next(msg)

@@ -7,8 +7,8 @@ tells the later stages with every step, while idle, and at shutdown:
     drop     requests whose pages stage 0 freed (finished, aborted, preempted, failed); applied before `hold`
     payload  the role's own part, typed (None for a round-trip pipeline; the prefill's PrefillStep: its rows, new
              jobs, prefix-cache set and host-tier copies); the role's StageHooks.payload decodes it
-    logits_at  a round-trip step whose rows want prompt logprobs (LogitsAt: each row's token span and the positions
-             whose logits the last stage sends back too, after the one row per chunk)
+    logits_at  a round-trip step whose rows want prompt logprobs: per row, the token positions whose logits the
+             last stage sends back too, after the one row per chunk (each row's span is its batch row's)
 
 It travels as the StageMessage meta (msgpack of plain data); `of_meta` checks every field's type (the payload:
 its own of_meta), so a malformed message breaks the link with a StageLinkError naming the field instead of
@@ -33,37 +33,6 @@ KINDS = (STEP, TICK, STOP)
 FIELDS = ("kind", "batch", "hold", "drop", "payload", "logits_at")
 
 
-@dataclass(frozen=True)
-class LogitsAt:
-    """The token positions of each row of a step whose float32 logits the last stage returns as well (prompt
-    logprobs), and each row's token span [start, end) (the rows' tokens lie one after another in the hidden states)."""
-
-    spans: list[tuple[int, int]]
-    positions: list[list[int]]
-
-    @property
-    def num_rows(self) -> int:
-        return sum(len(p) for p in self.positions)
-
-    def meta(self) -> dict[str, Any]:
-        return {"spans": [list(s) for s in self.spans], "positions": [list(p) for p in self.positions]}
-
-    @classmethod
-    def of_meta(cls, raw: Any) -> LogitsAt | None:
-        """The LogitsAt of its wire form; None if malformed (the caller names the field)."""
-        if not isinstance(raw, dict) or set(raw) != {"spans", "positions"}:
-            return None
-        spans, positions = raw["spans"], raw["positions"]
-        if not isinstance(spans, list) or not isinstance(positions, list) or len(spans) != len(positions):
-            return None
-        ok = all(
-            isinstance(s, list) and len(s) == 2 and all(isinstance(x, int) for x in s) and s[0] <= s[1] for s in spans
-        ) and all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in positions)
-        if not ok or any(not a <= t < b for (a, b), p in zip(spans, positions, strict=True) for t in p):
-            return None
-        return cls([(int(a), int(b)) for a, b in spans], [list(p) for p in positions])
-
-
 class StepPayload(Protocol):
     """A role's typed part of a step: its wire form (plain data); the role decodes it with its own of_meta."""
 
@@ -81,14 +50,14 @@ class PipeStep(Generic[P]):
     hold: dict[str, list[int]] = field(default_factory=dict)
     drop: list[str] = field(default_factory=list)
     payload: P | None = None
-    logits_at: LogitsAt | None = None
+    logits_at: list[list[int]] | None = None
 
     def meta(self) -> dict[str, Any]:
-        m = {"kind": self.kind, "batch": self.batch, "hold": self.hold, "drop": self.drop}
+        m: dict[str, Any] = {"kind": self.kind, "batch": self.batch, "hold": self.hold, "drop": self.drop}
         if self.payload is not None:
             m["payload"] = self.payload.meta()
         if self.logits_at is not None:
-            m["logits_at"] = self.logits_at.meta()
+            m["logits_at"] = self.logits_at
         return m
 
     @classmethod
@@ -111,7 +80,7 @@ class PipeStep(Generic[P]):
             raise bad("a step without its batch")
         hold = meta.get("hold") or {}
         if not isinstance(hold, dict) or not all(
-            isinstance(r, str) and isinstance(p, list) and all(isinstance(i, int) for i in p) for r, p in hold.items()
+            isinstance(r, str) and isinstance(p, list) and _ints(p) for r, p in hold.items()
         ):
             raise bad("hold is not a map of request id -> page ids")
         drop = meta.get("drop") or []
@@ -121,12 +90,17 @@ class PipeStep(Generic[P]):
         if payload is None and raw is not None:
             raise bad("a payload, but this pipeline's steps carry none")
         got = payload(raw, f"{where}: malformed pipeline step: payload") if payload is not None else None
-        at = None
-        if meta.get("logits_at") is not None:
-            at = LogitsAt.of_meta(meta["logits_at"])
-            if at is None or kind != STEP:
-                raise bad(f"logits_at {str(meta['logits_at'])[:120]!r} is not the spans and positions of a step's rows")
-        return cls(kind, batch, {r: list(p) for r, p in hold.items()}, list(drop), got, at)
+        at = meta.get("logits_at")
+        if at is not None and (
+            kind != STEP or not isinstance(at, list) or not all(isinstance(p, list) and _ints(p) for p in at)
+        ):
+            raise bad(f"logits_at {str(at)[:120]!r} is not a list of token positions per row of a step")
+        positions = None if at is None else [list(p) for p in at]
+        return cls(kind, batch, {r: list(p) for r, p in hold.items()}, list(drop), got, positions)
+
+
+def _ints(xs: list[Any]) -> bool:
+    return all(isinstance(i, int) for i in xs)
 
 
 class StepBooks:

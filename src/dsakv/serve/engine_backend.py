@@ -69,7 +69,7 @@ class EngineBackend:
         self._fatal: str | None = None
         self._step_seconds = 0.0
         self._busy_steps = 0
-        self._step_t0: float | None = None  # monotonic start of the step running now (None: none runs)
+        self._step_t0: float | None = None  # perf_counter() at the start of the step running now (None: none runs)
         self._last: dict[str, Any] = {}  # what health / metrics / max_prompt_tokens read last under the engine's lock
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -192,7 +192,7 @@ class EngineBackend:
             held = lock.acquire(timeout=STATS_WAIT_S)
             if not held:
                 t0 = self._step_t0
-                return self._last[what], (time.monotonic() - t0 if t0 is not None else 0.0)
+                return self._last[what], (time.perf_counter() - t0 if t0 is not None else 0.0)
         try:
             got = read()
         finally:
@@ -290,8 +290,7 @@ class EngineBackend:
             self._wake.clear()
             while not self._stopping.is_set():
                 idle = not eng.has_unfinished()
-                t0 = time.perf_counter()
-                self._step_t0 = time.monotonic()
+                t0 = self._step_t0 = time.perf_counter()
                 try:
                     outs = eng.step()  # idle: drain aborts reported after the last request left
                 except Exception as e:  # broken books or a dead rank: fail everything in flight, report unhealthy

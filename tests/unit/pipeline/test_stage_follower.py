@@ -65,7 +65,9 @@ class Hooks(StageHooks[Note]):
     def booked(self, step: PipeStep[Note]) -> None:
         self.seen.append(("booked", (step.payload, sorted(self.mirror.owners))))
 
-    def last_stage(self, f: StageFollower[Note], msg: StageMessage, step: PipeStep[Note], carry: StageCarry) -> None:
+    def last_stage(
+        self, f: StageFollower[Note], msg: StageMessage, step: PipeStep[Note], batch: ForwardBatch, carry: StageCarry
+    ) -> None:
         self.seen.append(("last", carry.logits.shape if carry.logits is not None else None))
 
     def stepped(self, step: PipeStep[Note], batch: ForwardBatch, carry: StageCarry) -> None:

@@ -147,7 +147,7 @@ class DecodePipeline:
         self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, self.cfg.stage_timeout)
         self.tick_s = min(1.0, self.cfg.stage_timeout / 4)
         self.health_timeout = min(1.0, cfg.config.transfer.rpc_timeout)
-        self.runner: RoundTripRunner[PipeStep] | None = None
+        self.runner: RoundTripRunner | None = None
         self.down_reason: str | None = "pipeline not formed yet"
         self.generation = 0
         self.refs: list[DecodeStageRef] = []
@@ -169,7 +169,7 @@ class DecodePipeline:
         engine.on_schedule = pipe.on_schedule
         return pipe, engine
 
-    def _make_runner(self, pool: DevicePool) -> RoundTripRunner[PipeStep]:
+    def _make_runner(self, pool: DevicePool) -> RoundTripRunner:
         """Stage 0's StepRunner: its layers, the step on at once, the last stage's logits back (pipeline/runner.py),
         so the Engine samples as a colocated one does."""
         self.runner = RoundTripRunner(self.ctx, pool, self.books.step, PipeStep.meta, self.sent)

@@ -122,7 +122,12 @@ class PrefillFollower(StageHooks[PrefillStep]):
             raise StageLinkError(f"stage {ctx.rank}: step rows of {missing[:4]} came without their pages")
 
     def last_stage(
-        self, f: StageFollower[PrefillStep], msg: StageMessage, step: PipeStep[PrefillStep], carry: StageCarry
+        self,
+        f: StageFollower[PrefillStep],
+        msg: StageMessage,
+        step: PipeStep[PrefillStep],
+        batch: ForwardBatch,
+        carry: StageCarry,
     ) -> None:
         """The last stage: the prompt logprobs of the step's chunks and the first token of every finished prompt
         (the decode gets them with the KV); nothing goes back to stage 0."""
