@@ -1,7 +1,8 @@
 """DeepSeek-V4 in `dsakv serve` (colocated): one real server process on a tiny V4 checkpoint (Flash pattern,
 prefix cache on) shared by the module, a real HTTP client. /v1/completions tokens == transformers'
 DeepseekV4ForCausalLM (greedy), a repeated prompt hits the prefix cache with the same tokens, the pool is the
-layout's bytes, sampling / logprobs are refused naming the parameter, and the PD roles refuse a V4 checkpoint."""
+layout's bytes, sampling / logprobs are refused naming the parameter, and every role refuses a page size that
+splits a compressed entry (the PD roles themselves: test_v4_pd_serve)."""
 
 from __future__ import annotations
 
@@ -126,10 +127,8 @@ def test_pool_bytes_and_refusals(server: tuple[str, Path], ckpt: Path) -> None:
     assert _complete(url, [5, 6, 7]).status_code == 200  # still serving
 
 
-def test_pd_roles_refuse_a_v4_checkpoint(ckpt: Path) -> None:
-    cmd = [sys.executable, "-m", "dsakv", "serve", "--role", "prefill", "--model", str(ckpt), "--page-size", "16"]
+@pytest.mark.parametrize("role", ["colocated", "prefill", "decode"])
+def test_every_role_refuses_a_page_size_of_partial_entries(ckpt: Path, role: str) -> None:
+    cmd = [sys.executable, "-m", "dsakv", "serve", "--role", role, "--model", str(ckpt), "--page-size", "24"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert "--role prefill: DeepSeek-V4 is served colocated only for now" in r.stderr
-    r = subprocess.run([*cmd[:5], "colocated", *cmd[6:9], "24"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "multiple of 16 tokens" in r.stderr, r.stderr

@@ -159,8 +159,16 @@ def _threads(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads if args.threads is not None else 1)
 
 
+def _is_v4(args: argparse.Namespace) -> bool:
+    from dsakv.spec.v4 import is_v4
+
+    return bool(args.model) and is_v4(str(options.model_dir_of(args)))
+
+
 def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     pipe = cfg.pipeline
+    if _is_v4(args):
+        return run_v4_decode(args, cfg)
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
     from dsakv.config import DecodeConfig
@@ -257,7 +265,41 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any
     )
 
 
+def run_v4_decode(args: argparse.Namespace, cfg: Config) -> int:
+    """A DeepSeek-V4 decode (disagg/decode/v4_worker.py): one process, one rank."""
+    from dsakv.config import DecodeConfig
+    from dsakv.disagg.decode.v4_worker import V4DecodeWorker
+
+    _threads(args)
+    dcfg = DecodeConfig(
+        model=str(options.model_dir_of(args)),
+        host=args.host,
+        port=args.port,
+        name=args.worker_name,
+        config=cfg,
+        backend_options=cfg.transfer.backend_options(args.host),
+        max_kv_timeout=args.max_kv_timeout,
+    )
+    worker = V4DecodeWorker(dcfg)
+    return _serve_worker(worker, lambda: f"dsakv decode (DeepSeek-V4) ready on {worker.address} (pid {os.getpid()})")
+
+
+def run_v4_prefill(args: argparse.Namespace, cfg: Config) -> int:
+    """A DeepSeek-V4 prefill (disagg/prefill/v4_worker.py): this process is stage 0 and the control plane; with
+    --pp-size N it spawns stages 1..N-1 as its children (no --pp-rank processes)."""
+    from dsakv.disagg.prefill.v4_worker import V4PrefillWorker
+
+    _threads(args)
+    pcfg = prefill_config(args, cfg, str(options.model_dir_of(args)))
+    worker = V4PrefillWorker(pcfg)
+    n = pcfg.pipeline.pp_size
+    ready = f"dsakv prefill (DeepSeek-V4, {n} stage{'s' if n > 1 else ''}) ready on {{}} (pid {os.getpid()})"
+    return _serve_worker(worker, lambda: ready.format(worker.address), startup_wait=args.startup_wait)
+
+
 def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
+    if _is_v4(args):
+        return run_v4_prefill(args, cfg)
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
         return _launch_stages(args, cfg.pipeline.pp_size)
     from dsakv.disagg.prefill.worker import PrefillStage
@@ -283,10 +325,10 @@ def run_router(args: argparse.Namespace, cfg: Config) -> int:
     vocab = None
     name = args.served_model_name or "dsakv"
     if args.model:
-        from dsakv.spec.model import ModelSpec
+        from dsakv.engine.choose import checkpoint_vocab_size
 
         model_dir = options.model_dir_of(args)
-        vocab = ModelSpec.from_path(model_dir).vocab_size
+        vocab = checkpoint_vocab_size(model_dir)  # DSA or DeepSeek-V4 config.json
         name = args.served_model_name or model_dir.resolve().name
     backend = RouterBackend(
         RouterConfig(

@@ -324,15 +324,10 @@ def validate_checkpoint(model_dir: Path) -> Any:
 
 def validate_v4_checkpoint(model_dir: Path, role: str, page_size: int) -> Any:
     """A DeepSeek-V4 checkpoint `dsakv serve` can run: config.json (V4Spec), the safetensors headers, a page size
-    of whole compressed entries, and a role the V4 engine serves (colocated for now); the V4Spec."""
+    of whole compressed entries; the V4Spec. Every role serves it (colocated, prefill, decode)."""
     from dsakv.spec.v4 import V4Spec
     from dsakv.spec.v4_layout import V4Layout
 
-    if role != "colocated":
-        raise ConfigError(
-            f"--role {role}: DeepSeek-V4 is served colocated only for now (its PD transfer runs in "
-            "dsakv.testing.v4_pd, not the serve roles); drop --role"
-        )
     cfg_path = model_dir / "config.json"
     cfg = read_json(cfg_path)
     spec = V4Spec.from_dict(cfg, name=model_dir.name)

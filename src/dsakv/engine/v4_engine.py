@@ -24,6 +24,7 @@ Imports torch, numpy, dsakv.cache and dsakv.model; must not import disagg, serve
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,7 @@ class V4Request:
 
     eos: tuple[int, ...] = ()
     cached_tokens: int = 0  # prompt tokens a prefix hit (device, host or L3) supplied
+    park: bool = False  # a PD prefill's request: once done it keeps its pages and slot (parked) until sent
 
     @property
     def done(self) -> bool:
@@ -95,13 +97,27 @@ class V4Engine:
         host_pages: int = 0,
         storage: StorageConfig | None = None,
         model_hash: str | None = None,
+        layers: tuple[int, int] | None = None,
+        forward: Callable[[list[V4Row]], torch.Tensor] | None = None,
     ) -> None:
+        """`layers` + `forward`: stage 0 of a pipeline. The pool holds main layers [start, end) only and `forward`
+        runs a step's rows through every stage (embed, this pool's layers, the later stages', head) to logits.
+        Stages mirror stage 0's page and slot ids; no prefix cache or tiers then (their state is per stage)."""
         if chunk_size < 1 or max_batch_tokens < 1:
             raise ConfigError(f"chunk size {chunk_size} and max batch tokens {max_batch_tokens} must be >= 1")
+        if (layers is None) != (forward is None):
+            raise ConfigError("a V4 pipeline stage 0 needs both its layer range and the pipeline's forward")
+        if layers is not None and (prefix_cache or host_pages or storage is not None):
+            raise ConfigError(
+                "a pipelined DeepSeek-V4 prefill has no prefix cache or host / L3 tier yet: drop --prefix-cache and "
+                "the hicache options, or use --pp-size 1"
+            )
         self.model = model
-        self.layout = model.layout(page_size)
+        self.layout = model.layout(page_size) if layers is None else model.stage_layout(*layers, page_size)
         self.pool = V4Pool(self.layout, num_pages, max_running, model.device)
-        model.check_pool(self.pool)
+        if layers is None:
+            model.check_pool(self.pool)
+        self._forward = forward or (lambda rows: self.model.forward(rows, self.pool))
         self.pages = PageAllocator(num_pages, "V4 pool")
         self.slots = SlotAllocator(max_running)
         self.chunk_size = chunk_size
@@ -140,7 +156,9 @@ class V4Engine:
     def page_size(self) -> int:
         return self.layout.page
 
-    def add_request(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = ()) -> int:
+    def add_request(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), park: bool = False) -> int:
+        """Queue a request; its id. `park`: once done it is parked with its pages and slot (a PD prefill sends
+        them, then `abort_parked` frees them) instead of finishing."""
         if not prompt:
             raise ConfigError("a V4 request needs a non-empty prompt")
         total = len(prompt) + max_new_tokens
@@ -152,7 +170,7 @@ class V4Engine:
             )
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens {max_new_tokens} must be >= 1")
-        req = V4Request(self._next, list(prompt), max_new_tokens, eos=tuple(eos))
+        req = V4Request(self._next, list(prompt), max_new_tokens, eos=tuple(eos), park=park)
         self._next += 1
         self.waiting.append(req)
         return req.rid
@@ -315,7 +333,7 @@ class V4Engine:
                 budget -= n
         if not rows:
             return
-        logits = self.model.forward([r for _, r, _ in rows], self.pool)
+        logits = self._forward([r for _, r, _ in rows])
         self.steps += 1
         for (req, row, sample), lg in zip(rows, logits, strict=True):
             req.num_computed = row.start + len(row.token_ids)
@@ -327,6 +345,9 @@ class V4Engine:
                     req.logits.append(lg.detach().cpu())
         for req in [r for r in self.running if r.done]:
             self.running.remove(req)
+            if req.park:  # its pages and slot stay held until its sender frees them
+                self.parked[req.rid] = req
+                continue
             self.pages.release(req.rid)
             self.slots.free(req.slot)
             self.finished[req.rid] = req

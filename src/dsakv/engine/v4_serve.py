@@ -96,33 +96,79 @@ class V4ServingEngine:
         self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         p = params or SamplingParams()
-        if p.temperature != 0:
-            raise ConfigError(
-                f"temperature = {p.temperature:g}: DeepSeek-V4 is served greedy only for now; send temperature 0"
-            )
         with self._lock:
+            self._check_params(len(prompt_ids), p)
             self._count += 1
             rid_name = request_id or f"v4-{self._count}"
             if rid_name in self._rid:
                 raise ConfigError(f"request id {rid_name!r} is already in flight: give each request a unique id")
-            total = len(prompt_ids) + p.max_new_tokens
-            if self.max_seq_len is not None and total > self.max_seq_len:
-                raise ConfigError(
-                    f"prompt {len(prompt_ids)} + max_new_tokens {p.max_new_tokens} = {total} tokens exceeds the "
-                    f"model's {self.max_seq_len} positions: shorten the prompt or lower max_tokens"
-                )
             eos = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos)
             rid = self.engine.add_request(list(prompt_ids), p.max_new_tokens, eos)
             self._lookup_tokens += len(prompt_ids)
             self._rid[rid_name], self._name[rid], self._sent[rid] = rid, rid_name, 0
             return rid_name
 
+    def _check_params(self, prompt_len: int, p: SamplingParams) -> None:
+        if p.temperature != 0:
+            raise ConfigError(
+                f"temperature = {p.temperature:g}: DeepSeek-V4 is served greedy only for now; send temperature 0"
+            )
+        total = prompt_len + p.max_new_tokens
+        if self.max_seq_len is not None and total > self.max_seq_len:
+            raise ConfigError(
+                f"prompt {prompt_len} + max_new_tokens {p.max_new_tokens} = {total} tokens exceeds the "
+                f"model's {self.max_seq_len} positions: shorten the prompt or lower max_tokens"
+            )
+
+    # ---- disaggregated decode: a request whose pages and state slot a prefill fills -------------------
+
+    def accept(
+        self, request_id: str, prompt_ids: Sequence[int], first_token: int, params: SamplingParams
+    ) -> tuple[list[int], int]:
+        """Reserve pages (prompt + max_new_tokens, nothing grows later) and a state slot for a request a prefill
+        computes: (page ids, state slot). Parked until `start`; CapacityError with nothing held if no room."""
+        with self._lock:
+            self._check_params(len(prompt_ids), params)
+            if request_id in self._rid:
+                raise ConfigError(f"request id {request_id!r} is already in flight: give each request a unique id")
+            eos = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos)
+            req = self.engine.accept_request(list(prompt_ids), first_token, params.max_new_tokens, eos)
+            self._rid[request_id], self._name[req.rid], self._sent[req.rid] = req.rid, request_id, 0
+            return [int(p) for p in req.page_ids], int(req.slot)
+
+    def start(self, request_id: str, first_token: int, cached_tokens: int = 0) -> None:
+        """The prefill filled the request's pages and slot: decode it from `first_token` (the prefill's sample)."""
+        with self._lock:
+            rid = self._rid[request_id]
+            req = self.engine.parked[rid]
+            req.output[:] = [int(first_token)]
+            req.cached_tokens = cached_tokens
+            self.engine.start_request(rid)
+            if rid in self.engine.finished:  # done at its first token (eos, or max_new_tokens 1)
+                req = self.engine.finished.pop(rid)
+                self._generated += len(req.output)
+                self._rid.pop(request_id, None)
+                self._forget(rid)
+                self._pending.append(self._output(request_id, req, len(req.output), FinishReason(req.finish_reason)))
+
+    def drop_inbound(self, request_id: str) -> bool:
+        """Free the pages and slot of an accepted request that will not start (its KV failed or it was aborted)."""
+        with self._lock:
+            rid = self._rid.get(request_id)
+            if rid is None or rid not in self.engine.parked:
+                return False
+            self._rid.pop(request_id)
+            self._forget(rid)
+            self.engine.abort_parked(rid)
+            return True
+
     def abort(self, request_id: str) -> RequestOutput | None:
         with self._lock:
-            rid = self._rid.pop(request_id, None)
+            rid = self._rid.get(request_id)
             req = self.engine.abort(rid) if rid is not None else None
-            if rid is None or req is None:
+            if rid is None or req is None:  # unknown, finished, or inbound (parked: drop_inbound frees it)
                 return None
+            self._rid.pop(request_id)
             self._forget(rid)
             out = self._output(request_id, req, 0, FinishReason.ABORT)
             self._pending.append(out)

@@ -33,6 +33,7 @@ from dsakv.disagg.transfer.backends.registry import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.staging import StagingSlots
 from dsakv.spec.layout import BufferKey, KVLayout
+from dsakv.util.child import ChildProcess
 from dsakv.util.procs import arm_parent_death
 
 
@@ -122,50 +123,6 @@ def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-class ChildProcess:
-    """A spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text); `label`
-    names it in errors. Subclasses set conn and proc."""
-
-    conn: Connection
-    proc: Any
-    label = "child"
-    call_timeout = 60.0
-
-    def _reply(self, timeout: float, what: str) -> Any:
-        if not self.conn.poll(timeout):
-            self.kill()
-            raise TimeoutError(f"{self.label} process did not answer {what!r} within {timeout:g}s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{self.label} process failed in {what!r}: {value}")
-        return value
-
-    def call(self, cmd: str, args: Any = None, timeout: float | None = None) -> Any:
-        self.conn.send((cmd, args))
-        return self._reply(self.call_timeout if timeout is None else timeout, cmd)
-
-    @property
-    def pid(self) -> int:
-        assert self.proc.pid is not None
-        return self.proc.pid
-
-    def kill(self) -> None:
-        """SIGKILL (after a SIGCONT, so a paused child dies too); its sockets are closed by the kernel."""
-        if self.proc.is_alive():
-            os.kill(self.pid, signal.SIGCONT)
-            self.proc.kill()
-        self.proc.join(10)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("stop", timeout=20)
-            except (TimeoutError, RuntimeError, OSError, EOFError):
-                pass
-        self.kill()
-        self.conn.close()
 
 
 class PeerProcess(ChildProcess):

@@ -42,8 +42,8 @@ from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4, pair
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
 from dsakv.spec.v4_layout import V4Layout, V4Pair
-from dsakv.testing.peer_process import ChildProcess
 from dsakv.util import ceil_div
+from dsakv.util.child import ChildProcess
 from dsakv.util.procs import arm_parent_death
 
 

@@ -1,0 +1,116 @@
+"""DeepSeek-V4 through the serve roles a user starts: `dsakv serve --role decode` and `--role prefill` (PP 1, and
+PP 2 whose stage 1 is a child process with its own pool and engine) as real processes over mooncake and nixl,
+the router in this process. Tokens == a colocated V4Engine (itself == transformers, test_v4_engine); the KV
+bytes the decode took == per request pages x the layout's bytes per page + its state bytes (the stages' keys
+partition the decode's); every pool ends empty with its books balanced; sampling is refused naming the
+parameter; a prefill started against a decode of another page size exits naming the kind and both sizes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dsakv.disagg.protocol.messages import decode_health  # noqa: E402
+from dsakv.engine.request import SamplingParams  # noqa: E402
+from dsakv.engine.v4_engine import V4Engine  # noqa: E402
+from dsakv.model.deepseek_v4 import load_v4  # noqa: E402
+from dsakv.model.deepseek_v4_tiny import make_tiny_v4  # noqa: E402
+from dsakv.spec.v4 import V4Spec  # noqa: E402
+from dsakv.spec.v4_layout import V4Layout  # noqa: E402
+from dsakv.testing.cluster import Cluster, Proc, assert_clean, run_requests  # noqa: E402
+from dsakv.util import ceil_div  # noqa: E402
+from dsakv.util.procs import free_ports  # noqa: E402
+
+NEW = 8
+PAGE = 16
+LENGTHS = (5, 17, 24, 40)  # up to 5x the window (8), several CSA (4) and HCA (16) groups
+ROLE_ARGS = ["--page-size", str(PAGE), "--num-pages", "48", "--max-running-requests", "4", "--kv-timeout", "60"]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 500, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_v4(tmp_path_factory.mktemp("v4pdserve") / "flash", "flash")
+
+
+@pytest.fixture(scope="module")
+def colocated(ckpt: Path) -> list[list[int]]:
+    eng = V4Engine(load_v4(ckpt), num_pages=64, max_running=4)
+    return [r.output for r in eng.generate(_prompts(), NEW)]
+
+
+def _figure(ckpt: Path, prompt_len: int) -> int:
+    """The layout figure of one request to a whole decode: its prompt pages x bytes per page + its state bytes."""
+    lay = V4Layout(V4Spec.from_path(ckpt), kv_format="fp32", index_format="fp32", page_size=PAGE)
+    per_page = sum(b.page_bytes for b in lay.paged)
+    return ceil_div(prompt_len, PAGE) * per_page + lay.state_bytes_per_request
+
+
+def _role(cluster: Cluster, name: str, role: str, backend: str, extra: list[str], ports: int = 1) -> Proc:
+    port = free_ports(ports)
+    args = ["--role", role, "--port", str(port), "--transfer-backend", backend, "--worker-name", name]
+    return cluster._serve(name, f"127.0.0.1:{port}", [*args, *ROLE_ARGS, *extra])
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def world(request: pytest.FixtureRequest, ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    backend = request.param
+    cluster = Cluster(ckpt, tmp_path_factory.mktemp(f"v4pd-{backend}"))
+    try:
+        decode = _role(cluster, "v4-decode", "decode", backend, [])
+        pp1 = _role(cluster, "v4-pp1", "prefill", backend, ["--prefix-cache"])
+        pp2 = _role(cluster, "v4-pp2", "prefill", backend, ["--pp-size", "2", "--pp-partition", "3,3"])
+        cluster.wait_healthy([decode, pp1, pp2], timeout=180)
+        yield {"backend": backend, "cluster": cluster, "decode": decode, "pp1": pp1, "pp2": pp2}
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize("prefill", ["pp1", "pp2"])
+def test_v4_pd_roles_tokens_bytes_and_clean_pools(
+    world: dict, ckpt: Path, colocated: list[list[int]], prefill: str
+) -> None:
+    cluster, decode, pre = world["cluster"], world["decode"], world[prefill]
+    router = cluster.router([pre.addr], [decode.addr], kv_timeout=60.0)
+    before = decode_health(decode.addr).counters["kv_bytes"]
+    prompts = _prompts()
+    got = run_requests(router, prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0), f"v4-{prefill}", 120)
+    assert [t for t, _, _ in got] == colocated
+    assert [(r, e) for _, r, e in got] == [("length", None)] * len(prompts)
+    h = decode_health(decode.addr)
+    assert h.counters["kv_bytes"] - before == sum(_figure(ckpt, len(p)) for p in prompts)
+    assert sorted(s.stage for s in h.stages if s.prefill == prefill and s.prefill is not None) == list(
+        range(2 if prefill == "pp2" else 1)
+    )
+    if prefill == "pp1":  # the same prompts again: the prefill's prefix cache supplies their whole pages
+        again = run_requests(router, prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0), "v4-again", 120)
+        assert [t for t, _, _ in again] == colocated
+    bad = run_requests(router, [prompts[0]], SamplingParams(max_new_tokens=4, temperature=0.7), f"v4-t-{prefill}")
+    assert bad[0][0] == [] and bad[0][1] == "error" and "temperature = 0.7" in (bad[0][2] or "")
+    assert_clean([decode.addr, pre.addr], timeout=30, procs=cluster.procs)
+
+
+def test_v4_prefill_refuses_a_decode_of_another_page_size(world: dict, ckpt: Path) -> None:
+    cluster, backend = world["cluster"], world["backend"]
+    if backend != "mooncake":
+        pytest.skip("the handshake is the backend's business only after the keys pair: one backend shows it")
+    other = _role(cluster, "v4-decode32", "decode", backend, ["--page-size", "32"])
+    cluster.wait_healthy([other], timeout=120)
+    port = free_ports(1)
+    cmd = [
+        sys.executable, "-m", "dsakv", "serve", "--role", "prefill", "--model", str(ckpt), "--port", str(port),
+        "--transfer-backend", backend, "--decode", other.addr, *ROLE_ARGS, "--startup-wait", "30",
+    ]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "csa_kv" in r.stderr and "16" in r.stderr and "32" in r.stderr, r.stderr[-3000:]
