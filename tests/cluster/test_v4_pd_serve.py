@@ -16,14 +16,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dsakv.disagg.protocol.messages import decode_health  # noqa: E402
+from dsakv.disagg.protocol.messages import decode_health, prefill_health  # noqa: E402
 from dsakv.engine.request import SamplingParams  # noqa: E402
 from dsakv.engine.v4_engine import V4Engine  # noqa: E402
 from dsakv.model.deepseek_v4 import load_v4  # noqa: E402
 from dsakv.model.deepseek_v4_tiny import make_tiny_v4  # noqa: E402
 from dsakv.spec.v4 import V4Spec  # noqa: E402
 from dsakv.spec.v4_layout import V4Layout  # noqa: E402
-from dsakv.testing.cluster import Cluster, Proc, assert_clean, run_requests  # noqa: E402
+from dsakv.testing.cluster import Cluster, Proc, assert_clean, run_requests, wait_for  # noqa: E402
 from dsakv.util import ceil_div  # noqa: E402
 from dsakv.util.procs import free_ports  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_v4_pd_roles_tokens_bytes_and_clean_pools(
     assert [(r, e) for _, r, e in got] == [("length", None)] * len(prompts)
     h = decode_health(decode.addr)
     assert h.counters["kv_bytes"] - before == sum(_figure(ckpt, len(p)) for p in prompts)
-    assert sorted(s.stage for s in h.stages if s.prefill == prefill and s.prefill is not None) == list(
+    assert sorted(s.stage for s in h.stages if s.prefill == f"v4-{prefill}") == list(
         range(2 if prefill == "pp2" else 1)
     )
     if prefill == "pp1":  # the same prompts again: the prefill's prefix cache supplies their whole pages
@@ -97,7 +97,14 @@ def test_v4_pd_roles_tokens_bytes_and_clean_pools(
         assert [t for t, _, _ in again] == colocated
     bad = run_requests(router, [prompts[0]], SamplingParams(max_new_tokens=4, temperature=0.7), f"v4-t-{prefill}")
     assert bad[0][0] == [] and bad[0][1] == "error" and "temperature = 0.7" in (bad[0][2] or "")
-    assert_clean([decode.addr, pre.addr], timeout=30, procs=cluster.procs)
+    assert_clean([decode.addr] + ([pre.addr] if prefill == "pp2" else []), timeout=30, procs=cluster.procs)
+    if prefill == "pp1":  # what it holds is its prefix cache's pages, nothing of a request
+        wait_for(lambda: _cache_only(pre.addr), 30, "v4-pp1: only cached pages held, integrity ok", cluster.procs)
+
+
+def _cache_only(addr: str) -> bool:
+    h = prefill_health(addr)
+    return h.pages_used == h.cache_pages > 0 and h.integrity == "ok" and h.jobs == 0
 
 
 def test_v4_prefill_refuses_a_decode_of_another_page_size(world: dict, ckpt: Path) -> None:

@@ -514,6 +514,7 @@ class V4PrefillWorker:
             jobs = len(self.jobs)
             sending = sum(1 for j in self.jobs.values() if j.sending)
             waiting, running = len(e.waiting), len(e.running)
+            cached = len({int(p) for ids, _ in e._cache.values() for p in ids})  # held by the prefix cache
             links = [s for link in self.links.values() for s in self._summaries(link)[:1]]
             st = self.stats
             transfer = TransferHealth(
@@ -555,6 +556,6 @@ class V4PrefillWorker:
             links=links,
             prefix_cache_enabled=False,
             host_tier=e.host is not None,
-            cache_pages=len(e._cache),
+            cache_pages=cached,
             transfer=transfer,
         )
