@@ -155,10 +155,15 @@ def validate(args: argparse.Namespace) -> None:
     from dsakv.spec.v4 import is_v4
 
     validate_serve(args)
-    if args.role != "router" and args.model and is_v4(str(options.model_dir_of(args))):
+    v4 = bool(args.model) and is_v4(str(options.model_dir_of(args)))
+    if args.role != "router" and v4:
         validate_v4_checkpoint(options.model_dir_of(args), args.role, args.page_size)
     elif args.role != "router":
         validate_pool(args, validate_checkpoint(options.model_dir_of(args)))
+    elif v4:  # the router reads the vocabulary (and the tokenizer) only
+        from dsakv.spec.v4 import V4Spec
+
+        V4Spec.from_path(options.model_dir_of(args))
     elif args.model:
         validate_checkpoint(options.model_dir_of(args))
 
