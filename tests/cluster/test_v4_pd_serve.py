@@ -7,6 +7,8 @@ parameter; a prefill started against a decode of another page size exits naming 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -121,3 +123,17 @@ def test_v4_prefill_refuses_a_decode_of_another_page_size(world: dict, ckpt: Pat
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "csa_kv" in r.stderr and "16" in r.stderr and "32" in r.stderr, r.stderr[-3000:]
+
+
+def test_a_dead_stage_takes_the_pp2_prefill_out_of_service(world: dict) -> None:
+    """Runs last in the module: stage 1 of the PP 2 prefill is killed; its health says so (the router then routes
+    elsewhere), and a submit is refused as unavailable, nothing held on the decode."""
+    cluster, pre, decode = world["cluster"], world["pp2"], world["decode"]
+    h = prefill_health(pre.addr)
+    stage1 = next(s for s in h.stages if s.stage == 1)
+    assert h.ok and stage1.pid is not None and stage1.pid != h.pid and stage1.layers == [3, 5]
+    os.kill(stage1.pid, signal.SIGKILL)
+    down = wait_for(lambda: prefill_health(pre.addr).down, 30, "pp2 down", cluster.procs)
+    assert down == f"stage 1 (pid {stage1.pid}) exited with code -9: restart this prefill"
+    assert not prefill_health(pre.addr).ok
+    assert_clean([decode.addr], timeout=30, procs=cluster.procs)

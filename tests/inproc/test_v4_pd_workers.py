@@ -26,13 +26,14 @@ from dsakv.disagg.decode.v4_worker import V4DecodeWorker
 from dsakv.disagg.prefill.v4_worker import V4PrefillWorker
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import Forbidden, GrantRefused, IncompatiblePeer
-from dsakv.disagg.protocol.messages import Abort, Connect, KvFailed, Prealloc, StageDone, Submit
+from dsakv.disagg.protocol.messages import Abort, Connect, Hello, KvFailed, Prealloc, StageDone, Submit
 from dsakv.engine.request import SamplingParams
 from dsakv.engine.v4_engine import V4Engine
 from dsakv.errors import ConfigError
 from dsakv.model.deepseek_v4 import load_v4
 from dsakv.model.deepseek_v4_tiny import make_tiny_v4
 from dsakv.util import ceil_div
+from dsakv.util.procs import free_ports
 
 PAGES, RUNNING, PAGE = 24, 3, 16
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -175,3 +176,15 @@ def test_kv_failed_frees_and_refusals_hold_nothing(pair, ckpt: Path) -> None:  #
         dec.prealloc(Prealloc("who", [5, 6], GREEDY, "other", 1, 5.0))
     assert _free(dec) == (PAGES, RUNNING) and dec.integrity() == "ok"
     _settled(pre, dec)
+
+
+def test_a_gone_prefill_fails_its_requests_at_once(pair) -> None:  # type: ignore[no-untyped-def]
+    pre, dec = pair
+    ghost = f"127.0.0.1:{free_ports(1)}"  # nothing listens there: the prefill process is gone
+    dec.handshake(Hello("ghost", 0, 1, ghost, pre.manifests[0], "ghostboot"))
+    pages = dec.prealloc(Prealloc("orphan", _prompt(12, 4), GREEDY, "ghost", 1, 60.0)).pages
+    assert _free(dec) == (PAGES - len(pages), RUNNING - 1)
+    toks, reason, error = _events(dec, "orphan", timeout=20)
+    assert (toks, reason) == ([], "error")
+    assert error == f"prefill ghost stage 0 at {ghost} is gone (nothing listens there): its KV will not come"
+    assert _free(dec) == (PAGES, RUNNING) and "orphan" not in dec.inbound and dec.integrity() == "ok"

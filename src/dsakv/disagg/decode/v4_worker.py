@@ -11,11 +11,12 @@
 
 Every decode key must come from some handshaken stage of the request's prefill (the stages' keys together cover
 this layout), else PREALLOC refuses with IncompatiblePeer (the router pairs them again). A request whose stages
-have not all reported by its deadline (kv_timeout + grace) fails naming the missing stages; a failed or aborted
-request frees its pages and slot once every stage reported (no write can still land) or its deadline plus the
-quarantine a timed-out write asked for passed. Greedy only (temperature 0), one choice, no logprobs: anything
-else is refused at PREALLOC naming the parameter. Imports torch (through the engine), dsakv.engine and
-dsakv.disagg; never serve or cli.
+have not all reported by its deadline (kv_timeout + grace) fails naming the missing stages, and at once when the
+prefill process it waits for is gone (pinged every liveness interval: nothing listens, or another boot answers);
+a failed or aborted request frees its pages and slot once every stage reported (no write can still land), its
+process is gone, or its deadline plus the quarantine a timed-out write asked for passed. Greedy only (temperature
+0), one choice, no logprobs: anything else is refused at PREALLOC naming the parameter. Imports torch (through
+the engine), dsakv.engine and dsakv.disagg; never serve or cli.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from dsakv.config import DecodeConfig
 from dsakv.disagg.decode.events import EventLog
+from dsakv.disagg.decode.liveness import ping_stage
 from dsakv.disagg.decode.outputs import DecodeOutputs
 from dsakv.disagg.decode.stats import DecodeStats
 from dsakv.disagg.protocol import grants
@@ -361,12 +363,46 @@ class V4DecodeWorker:
                 if inb.failed is not None:
                     self._maybe_release(inb)
 
+    def check_liveness(self) -> None:
+        """Ping the prefill processes that inbound requests still wait for: one that is gone (nothing listens) or
+        restarted (another boot answers) fails its requests at once, and their pages and slot come back (a dead
+        process's write cannot land). One that does not answer keeps them until the deadline."""
+        with self._lock:
+            waits: dict[str, list[tuple[V4Inbound, int]]] = {}
+            for inb in self.inbound.values():
+                for k in inb.missing if inb.failed is None else ():
+                    st = self.stages.get((inb.prefill, k))
+                    if st is not None:
+                        waits.setdefault(st.rpc, []).append((inb, k))
+        for addr, ws in waits.items():
+            verdict, boot = ping_stage(addr, self.t.ping)
+            gone = "nothing listens there" if verdict == "dead" else None
+            if verdict is None and boot is not None and any(boot != inb.boots[k] for inb, k in ws):
+                gone = f"it restarted (boot {boot})"
+            if gone is None:
+                continue
+            with self._lock:
+                for inb, k in ws:
+                    if inb.failed is None and boot != inb.boots[k]:
+                        inb.reported[k] = False
+                        self._fail(
+                            inb, f"prefill {inb.prefill} stage {k} at {addr} is gone ({gone}): its KV will not come"
+                        )
+                    if inb.failed is not None:
+                        for j in inb.missing:  # every stage of a dead process is that process
+                            inb.reported[j] = False
+                        self._maybe_release(inb)
+
     def _monitor_loop(self) -> None:
+        last_ping = 0.0
         while not self.service.stopping.wait(0.05):
             try:
                 self.check_deadlines()
+                if time.monotonic() - last_ping >= self.t.liveness_interval:
+                    last_ping = time.monotonic()
+                    self.check_liveness()
             except Exception:
-                log.exception("decode %s: deadline check failed", self.name)
+                log.exception("decode %s: deadline / liveness check failed", self.name)
 
     # ---- views ---------------------------------------------------------------------------------------------
 

@@ -275,8 +275,18 @@ class V4PrefillWorker:
             for pairs in link.pairs
         ]
 
+    def down_reason(self) -> str | None:
+        """Why this prefill cannot serve (a stage process exited: its layers are gone until a restart), or None."""
+        for c in self.children:
+            if not c.proc.is_alive():
+                return f"stage {c.spec.index} (pid {c.pid}) exited with code {c.proc.exitcode}: restart this prefill"
+        return None
+
     def submit(self, p: Submit) -> Submitted:
         rid, prompt = p.rid, list(p.prompt_ids)
+        down = self.down_reason()
+        if down is not None:
+            raise Unavailable(f"prefill {self.name} is unavailable: {down}")
         if p.params.temperature != 0:
             raise ConfigError(
                 f"temperature = {p.params.temperature:g}: DeepSeek-V4 is served greedy only for now; send temperature 0"
@@ -522,8 +532,10 @@ class V4PrefillWorker:
             )
             counters = {k: int(v) for k, v in st.as_dict().items() if not isinstance(v, float)}
         a, b = self.ranges[0]
+        down = "stopping" if self.service.stopping.is_set() else self.down_reason()
         return PrefillHealth(
-            ok=not self.service.stopping.is_set(),
+            ok=down is None,
+            down=down,
             role="prefill",
             name=self.name,
             pid=os.getpid(),
