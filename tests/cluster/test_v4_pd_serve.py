@@ -1,12 +1,13 @@
-"""DeepSeek-V4 through the serve roles a user starts: `dsakv serve --role decode` and `--role prefill` (PP 1, and
-PP 2 whose stage 1 is a child process with its own pool and engine) as real processes over mooncake and nixl,
-the router in this process. Tokens == a colocated V4Engine (itself == transformers, test_v4_engine); the KV
-bytes the decode took == per request pages x the layout's bytes per page + its state bytes (the stages' keys
-partition the decode's); every pool ends empty with its books balanced; sampling is refused naming the
-parameter; a prefill started against a decode of another page size exits naming the kind and both sizes."""
+"""DeepSeek-V4 through the serve roles a user starts: `dsakv serve --role decode` and `--role prefill` (PP 1, and PP 2
+whose stage 1 is a child process with its own pool and engine) as real processes over mooncake and nixl, the router
+in this process. Tokens == a colocated V4Engine (itself == transformers, test_v4_engine); the KV bytes the decode
+took == per request pages x the layout's bytes per page + its state bytes (the stages' keys partition the decode's);
+seeded sampling draws the colocated tokens; every pool ends empty with its books balanced; logprobs are refused
+naming the parameter; a prefill started against a decode of another page size exits naming the kind and both sizes."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -49,6 +50,21 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def colocated(ckpt: Path) -> list[list[int]]:
     eng = V4Engine(load_v4(ckpt), num_pages=64, max_running=4)
     return [r.output for r in eng.generate(_prompts(), NEW)]
+
+
+@functools.cache
+def _sampled_cached(ckpt: Path, temperature: float, top_p: float, seed: int) -> list[list[int]]:
+    eng = V4Engine(load_v4(ckpt), num_pages=64, max_running=4)
+    sp = SamplingParams(max_new_tokens=NEW, temperature=temperature, top_p=top_p, seed=seed)
+    ids = [eng.add_request(p, NEW, sampling=sp, seed=seed) for p in _prompts()]
+    while eng.has_unfinished():
+        eng.step()
+    return [eng.finished[i].output for i in ids]
+
+
+def _sampled(ckpt: Path, sp: SamplingParams) -> list[list[int]]:
+    """A colocated V4Engine's seeded draws of the module's prompts."""
+    return _sampled_cached(ckpt, sp.temperature, sp.top_p, int(sp.seed or 0))
 
 
 def _figure(ckpt: Path, prompt_len: int) -> int:
@@ -97,8 +113,11 @@ def test_v4_pd_roles_tokens_bytes_and_clean_pools(
     if prefill == "pp1":  # the same prompts again: the prefill's prefix cache supplies their whole pages
         again = run_requests(router, prompts, SamplingParams(max_new_tokens=NEW, temperature=0.0), "v4-again", 120)
         assert [t for t, _, _ in again] == colocated
-    bad = run_requests(router, [prompts[0]], SamplingParams(max_new_tokens=4, temperature=0.7), f"v4-t-{prefill}")
-    assert bad[0][0] == [] and bad[0][1] == "error" and "temperature = 0.7" in (bad[0][2] or "")
+    hot = SamplingParams(max_new_tokens=NEW, temperature=0.8, top_p=0.9, seed=13)
+    sampled = run_requests(router, prompts, hot, f"v4-s-{prefill}", 120)
+    assert [t for t, _, _ in sampled] == _sampled(ckpt, hot)  # token 0 drawn on the prefill, 1.. on the decode
+    bad = run_requests(router, [prompts[0]], SamplingParams(max_new_tokens=4, logprobs=2), f"v4-lp-{prefill}")
+    assert bad[0][0] == [] and bad[0][1] == "error" and "does not take logprobs 2" in (bad[0][2] or "")
     assert_clean([decode.addr] + ([pre.addr] if prefill == "pp2" else []), timeout=30, procs=cluster.procs)
     if prefill == "pp1":  # what it holds is its prefix cache's pages, nothing of a request
         wait_for(lambda: _cache_only(pre.addr), 30, "v4-pp1: only cached pages held, integrity ok", cluster.procs)

@@ -1,8 +1,8 @@
-"""DeepSeek-V4 in `dsakv serve` (colocated): one real server process on a tiny V4 checkpoint (Flash pattern,
-prefix cache on) shared by the module, a real HTTP client. /v1/completions tokens == transformers'
-DeepseekV4ForCausalLM (greedy), a repeated prompt hits the prefix cache with the same tokens, the pool is the
-layout's bytes, sampling / logprobs are refused naming the parameter, and every role refuses a page size that
-splits a compressed entry (the PD roles themselves: test_v4_pd_serve)."""
+"""DeepSeek-V4 in `dsakv serve` (colocated): one real server process on a tiny V4 checkpoint (Flash pattern, prefix
+cache on) shared by the module, a real HTTP client. /v1/completions tokens == transformers' DeepseekV4ForCausalLM
+(greedy), a repeated prompt hits the prefix cache with the same tokens, the pool is the layout's bytes, a seed draws
+the same sampled tokens, logprobs / penalties are refused naming the parameter, and every role refuses a page size
+that splits a compressed entry (the PD roles themselves: test_v4_pd_serve)."""
 
 from __future__ import annotations
 
@@ -120,8 +120,11 @@ def test_pool_bytes_and_refusals(server: tuple[str, Path], ckpt: Path) -> None:
     metrics = httpx.get(f"{url}/metrics").text
     assert f"dsakv_pool_bytes {lay.pool_bytes(PAGES, 8)}\n" in metrics  # 64 x 1,792 + 8 x 19,200 B
     assert lay.pool_bytes(PAGES, 8) == 64 * 1792 + 8 * 19200
-    r = _complete(url, [5, 6, 7], temperature=0.7)
-    assert r.status_code == 400 and "greedy only" in r.text and "temperature = 0.7" in r.text
+    a, b, c = (_complete(url, [5, 6, 7], temperature=0.7, top_p=0.9, seed=s) for s in (5, 5, 6))
+    toks = [r.json()["choices"][0]["token_ids"] for r in (a, b, c)]
+    assert toks[0] == toks[1] != toks[2] and len(toks[0]) == NEW  # a seed draws the same tokens
+    r = _complete(url, [5, 6, 7], presence_penalty=0.5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "presence_penalty"
     r = _complete(url, [5, 6, 7], logprobs=2)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert _complete(url, [5, 6, 7]).status_code == 200  # still serving

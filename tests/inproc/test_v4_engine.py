@@ -178,8 +178,10 @@ def test_generate_cli_runs_v4(ckpts, reference, capsys) -> None:
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["output_ids"] == reference["flash"][3][0] and rows[0]["finish_reason"] == "length"
-    assert main([*argv, "--temperature", "0.7"]) == 2
-    assert "greedy only" in capsys.readouterr().err
+    sampled = [*argv, "--temperature", "0.7", "--seed", "4"]
+    assert main(sampled) == 0 and main(sampled) == 0
+    first, second = (json.loads(line)[0]["output_ids"] for line in capsys.readouterr().out.splitlines())
+    assert first == second and len(first) == NEW  # --seed: the same draw
 
 
 def test_pd_prefill_to_decode_equals_colocated(ckpts, reference) -> None:

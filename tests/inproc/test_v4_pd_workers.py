@@ -92,20 +92,28 @@ def _prealloc(dec: V4DecodeWorker, rid: str, prompt: list[int], kv_timeout: floa
     return got.pages, got.grant
 
 
-def test_request_through_both_workers_equals_colocated(pair, ckpt: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(max_new_tokens=6, temperature=0.8, top_k=64, seed=77)])
+def test_request_through_both_workers_equals_colocated(pair, ckpt: Path, params: SamplingParams) -> None:  # type: ignore[no-untyped-def]
+    """Greedy, and seeded sampling: the prefill draws token 0 with (seed, 0), the decode tokens 1.. with (seed, i)."""
     pre, dec = pair
     prompts = [_prompt(n, s) for n, s in ((5, 1), (21, 2), (40, 3))]
-    want = [r.output for r in V4Engine(load_v4(ckpt), num_pages=64, max_running=4).generate(prompts, 6)]
+    eng = V4Engine(load_v4(ckpt), num_pages=64, max_running=4)
+    ids = [eng.add_request(p, 6, sampling=params, seed=int(params.seed or 0)) for p in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    want = [eng.finished[i].output for i in ids]
+    sent, kv = pre.stats.transfer_bytes, dec.stats.kv_bytes
     for i, p in enumerate(prompts):
-        pages, grant = _prealloc(dec, f"ok-{i}", p)
-        assert len(pages) == ceil_div(len(p) + 6, PAGE)
-        pre.submit(Submit(f"ok-{i}", p, GREEDY, 0, dec.address, dec.boot, pages, 30.0, grant))
-    got = [_events(dec, f"ok-{i}") for i in range(3)]
+        rid = f"ok-{params.temperature}-{i}"
+        got = dec.prealloc(Prealloc(rid, p, params, "v4p", 1, 30.0))
+        assert len(got.pages) == ceil_div(len(p) + 6, PAGE)
+        pre.submit(Submit(rid, p, params, int(params.seed or 0), dec.address, dec.boot, got.pages, 30.0, got.grant))
+    got = [_events(dec, f"ok-{params.temperature}-{i}") for i in range(3)]
     assert [g[0] for g in got] == want and {(g[1], g[2]) for g in got} == {("length", None)}
     lay = dec.layout
     figure = sum(ceil_div(len(p), PAGE) * sum(b.page_bytes for b in lay.paged) + lay.state_bytes_per_request
                  for p in prompts)  # fmt: skip
-    assert dec.stats.kv_bytes == figure and pre.stats.transfer_bytes == figure
+    assert dec.stats.kv_bytes - kv == figure and pre.stats.transfer_bytes - sent == figure
     _settled(pre, dec)
 
 
@@ -127,8 +135,8 @@ def test_forged_grant_and_reports_are_refused_and_touch_nothing(pair) -> None:  
     forged = grants.sign(b"k" * 32, rid="forge", prefill="v4p", boot=dec.boot, pages=pages, expires=time.time() + 9)
     with pytest.raises(GrantRefused, match="does not verify"):
         pre.submit(Submit("forge", p, GREEDY, 0, dec.address, dec.boot, pages, 30.0, forged))
-    with pytest.raises(GrantRefused, match="not the granted pages"):  # another request's pages under this grant
-        pre.submit(Submit("forge", p, GREEDY, 0, dec.address, dec.boot, [0, 1], 30.0, grant))
+    with pytest.raises(GrantRefused, match="not the granted pages"):  # pages other than the granted ones
+        pre.submit(Submit("forge", p, GREEDY, 0, dec.address, dec.boot, pages[::-1], 30.0, grant))
     assert not pre.jobs and not pre.engine.waiting
     with pytest.raises(Forbidden, match="boot nope is not its stage 0"):
         dec.stage_done(StageDone("forge", "v4p", 0, True, first_token=5, boot="nope", grant=grant))
@@ -166,8 +174,8 @@ def test_kv_failed_frees_and_refusals_hold_nothing(pair, ckpt: Path) -> None:  #
     assert _free(dec) == (PAGES, RUNNING)
     rows = [e for e in dec.events.since(0, 0.0).events if e.rid == "kvf"]
     assert [(r.reason, r.error) for r in rows] == [("error", "prefill dropped it")]
-    with pytest.raises(ConfigError, match="temperature = 0.5"):
-        dec.prealloc(Prealloc("hot", [5, 6], SamplingParams(max_new_tokens=2, temperature=0.5), "v4p", 1, 5.0))
+    with pytest.raises(ConfigError, match="penalties, logit_bias or min_tokens"):
+        dec.prealloc(Prealloc("pen", [5, 6], SamplingParams(max_new_tokens=2, presence_penalty=0.5), "v4p", 1, 5.0))
     with pytest.raises(ConfigError, match="n 2"):
         dec.prealloc(Prealloc("two", [5, 6], SamplingParams(max_new_tokens=2, n=2), "v4p", 1, 5.0))
     with pytest.raises(IncompatiblePeer, match="stage\\(s\\) 0, 1 of 2 have not handshaken"):

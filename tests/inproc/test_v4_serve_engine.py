@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -60,10 +62,36 @@ def test_step_reports_each_token_once_and_abort_frees(model) -> None:  # type: i
 
 def test_refuses_what_v4_does_not_do(model) -> None:  # type: ignore[no-untyped-def]
     eng = V4ServingEngine(model, _cfg(prefix_cache=True))
-    with pytest.raises(ConfigError, match="temperature = 0.5: DeepSeek-V4 is served greedy only"):
-        eng.add_request([5, 6], SamplingParams(temperature=0.5))
+    with pytest.raises(ConfigError, match="does not take n 2, logprobs 1 yet"):
+        eng.add_request([5, 6], SamplingParams(temperature=0.5, n=2, logprobs=1))
+    with pytest.raises(ConfigError, match="penalties, logit_bias or min_tokens"):
+        eng.add_request([5, 6], SamplingParams(min_tokens=2))
     assert eng.features == frozenset() and eng.cache_stats() is not None
     with pytest.raises(ConfigError, match="--speculative-num-steps 2"):
         V4ServingEngine(model, EngineConfig(layout=LayoutConfig(page_size=16), speculative_num_steps=2))
     with pytest.raises(ConfigError, match="multiple of 16 tokens"):
         V4ServingEngine(model, EngineConfig(layout=LayoutConfig(page_size=24)))
+
+
+def test_seeded_sampling_is_the_same_alone_or_batched(model) -> None:  # type: ignore[no-untyped-def]
+    """Output token i is drawn with (seed, i) alone: a request gets the same tokens alone or beside others, and
+    a request of temperature 0 beside sampled ones stays greedy."""
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randint(2, 500, (n,), generator=g).tolist() for n in (19, 7))
+    hot = SamplingParams(max_new_tokens=6, temperature=0.9, top_k=40, top_p=0.95, seed=21, ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(*reqs: tuple[str, list[int], SamplingParams]) -> dict[str, list[int]]:
+        eng = V4ServingEngine(model, _cfg())
+        for rid, prompt, sp in reqs:
+            eng.add_request(prompt, sp, request_id=rid)
+        got: dict[str, list[int]] = {rid: [] for rid, _, _ in reqs}
+        while eng.has_unfinished():
+            for out in eng.step():
+                got[out.request_id] += list(out.new_token_ids)
+        return got
+
+    alone = run(("a", a, hot))["a"]
+    both = run(("a", a, hot), ("b", b, greedy), ("c", a, replace(hot, seed=22)))
+    plain = V4Engine(model, num_pages=32, max_running=1).generate([b], 6)[0].output
+    assert both["a"] == alone and both["b"] == plain and both["c"] != alone and len(alone) == 6

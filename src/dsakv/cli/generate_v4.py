@@ -1,4 +1,5 @@
-"""`dsakv generate` on a DeepSeek-V4 checkpoint: dsakv's V4Engine (greedy, fp32 V4 pool), token ids out.
+"""`dsakv generate` on a DeepSeek-V4 checkpoint: dsakv's V4Engine (greedy or seeded sampling, fp32 V4 pool),
+token ids out.
 
 Imports torch and the engine inside run_v4() only.
 """
@@ -7,22 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
-from dsakv.errors import ConfigError
-
-V4_SUPPORTED = "--prompt-ids/--prompt, --max-new-tokens, --ignore-eos, --stop-token-ids, --page-size, --num-pages, "
-V4_SUPPORTED += "--max-running-requests, --prefix-cache, --hicache-ratio, --sequential, --json, --stats"
-
 
 def run_v4(args: argparse.Namespace, prompts: list[list[int]], stop: list[int]) -> int:
-    if args.temperature != 0.0 or args.top_k is not None or args.top_p != 1.0:
-        raise ConfigError(
-            f"DeepSeek-V4 runs greedy only for now: drop --temperature / --top-p / --top-k ({V4_SUPPORTED})"
-        )
     import torch
 
+    from dsakv.engine.request import SamplingParams
     from dsakv.engine.v4_engine import V4Engine
     from dsakv.model.deepseek_v4 import load_v4
 
@@ -43,9 +37,17 @@ def run_v4(args: argparse.Namespace, prompts: list[list[int]], stop: list[int]) 
         prefix_cache=args.prefix_cache or bool(host),
         host_pages=host,
     )
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    rng = random.Random()
+
+    def seed() -> int:  # every prompt draws with --seed (as the DSA engine's requests do), else a random one
+        return int(args.seed) if args.seed is not None else rng.getrandbits(63)
+
     outs = []
     for batch in [[p] for p in prompts] if args.sequential else [prompts]:
-        ids = [eng.add_request(p, args.max_new_tokens, eos) for p in batch]
+        ids = [eng.add_request(p, args.max_new_tokens, eos, sampling=sampling, seed=seed()) for p in batch]
         while eng.has_unfinished():
             eng.step()
         outs += [eng.finished.pop(i) for i in ids]

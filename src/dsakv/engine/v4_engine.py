@@ -1,4 +1,5 @@
-"""V4Engine: continuous batching of DeepSeek-V4 requests on a V4Pool (greedy), chunked prefill included.
+"""V4Engine: continuous batching of DeepSeek-V4 requests on a V4Pool, chunked prefill included; greedy, or
+temperature / top-k / top-p draws seeded per token (`draw`).
 
 Each step: every running request that finished its prompt decodes one token; then prompts are prefilled in
 chunks of at most `chunk_size` tokens while the step has `max_batch_tokens` left; all rows run in one model
@@ -34,6 +35,8 @@ from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.v4_pool import SlotAllocator, V4Pool
 from dsakv.cache.v4_storage import V4Storage
 from dsakv.config import StorageConfig
+from dsakv.engine.request import SamplingParams
+from dsakv.engine.sampling import filter_logits, token_seed
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
@@ -59,6 +62,8 @@ class V4Request:
     eos: tuple[int, ...] = ()
     cached_tokens: int = 0  # prompt tokens a prefix hit (device, host or L3) supplied
     park: bool = False  # a PD prefill's request: once done it keeps its pages and slot (parked) until sent
+    sampling: SamplingParams | None = None  # None or temperature 0: greedy
+    seed: int = 0  # output token i is drawn with token_seed(seed, i), as the DSA engine draws it
 
     @property
     def done(self) -> bool:
@@ -81,6 +86,19 @@ class V4CacheStats(Stats):
     host_writes: int = 0  # evicted prefixes kept on the host tier
     host_hits: int = 0  # prompts that reused a host-tier prefix
     host_hit_tokens: int = 0
+
+
+def draw(logits: torch.Tensor, req: V4Request) -> int:
+    """The request's next token from its logits row: the argmax (greedy), else a draw from the temperature /
+    top-k / top-p distribution with a generator seeded by (seed, output index) alone, so the same seed gives the
+    same tokens whatever shares the batch, and a PD decode continues a prefill's draw (token 0 there, 1.. here)."""
+    p = req.sampling
+    if p is None or p.greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(filter_logits(logits, p), dim=-1)
+    gen = torch.Generator(device=logits.device)
+    gen.manual_seed(token_seed(req.seed, len(req.output)))
+    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 class V4Engine:
@@ -156,7 +174,15 @@ class V4Engine:
     def page_size(self) -> int:
         return self.layout.page
 
-    def add_request(self, prompt: list[int], max_new_tokens: int, eos: tuple[int, ...] = (), park: bool = False) -> int:
+    def add_request(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        eos: tuple[int, ...] = (),
+        park: bool = False,
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+    ) -> int:
         """Queue a request; its id. `park`: once done it is parked with its pages and slot (a PD prefill sends
         them, then `abort_parked` frees them) instead of finishing."""
         if not prompt:
@@ -170,7 +196,9 @@ class V4Engine:
             )
         if max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens {max_new_tokens} must be >= 1")
-        req = V4Request(self._next, list(prompt), max_new_tokens, eos=tuple(eos), park=park)
+        req = V4Request(
+            self._next, list(prompt), max_new_tokens, eos=tuple(eos), park=park, sampling=sampling, seed=seed
+        )
         self._next += 1
         self.waiting.append(req)
         return req.rid
@@ -340,7 +368,7 @@ class V4Engine:
             if not sample and req.num_computed == self._boundary(req) > 0:
                 self._snapshot(req)
             if sample:
-                req.output.append(int(lg.argmax()))
+                req.output.append(draw(lg, req))
                 if self.keep_logits:
                     req.logits.append(lg.detach().cpu())
         for req in [r for r in self.running if r.done]:
@@ -383,7 +411,13 @@ class V4Engine:
     # ---- disaggregated decode: a request whose pages and slot a prefill fills ------------------
 
     def accept_request(
-        self, prompt: list[int], first_token: int, max_new_tokens: int, eos: tuple[int, ...] = ()
+        self,
+        prompt: list[int],
+        first_token: int,
+        max_new_tokens: int,
+        eos: tuple[int, ...] = (),
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
     ) -> V4Request:
         """Allocate pages and a slot for a prefilled request (parked until `start_request`); the prefill writes its
         every kind into them. CapacityError (nothing allocated) when there is no room."""
@@ -395,7 +429,10 @@ class V4Engine:
                 f"the decode has no room for {need} pages and a slot ({self.pages.num_free} pages, "
                 f"{self.slots.num_free} slots free): retry later"
             )
-        req = V4Request(self._next, list(prompt), max_new_tokens, output=[int(first_token)], eos=tuple(eos))
+        req = V4Request(
+            self._next, list(prompt), max_new_tokens, output=[int(first_token)], eos=tuple(eos), sampling=sampling,
+            seed=seed,
+        )  # fmt: skip
         self._next += 1
         req.page_ids = self.pages.alloc(need, owner=req.rid)
         req.slot = self.slots.alloc()

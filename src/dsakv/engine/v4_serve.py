@@ -4,17 +4,19 @@
     eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, temperature=0.0), request_id="cmpl-1")
     outs = eng.step()          # RequestOutput per request that got a token, finished or was aborted
 
-Greedy only (temperature 0; a request asking to sample is refused naming the parameter), one choice, no
-logprobs / penalties (`features` is empty: the HTTP layer answers 400 for them). The config's pool, scheduler
-and cache options map onto the V4Engine: pages (num_pages / max_tokens, at the layout's page size), max running
-requests (default 8), max batch tokens (also the prefill chunk), the prefix cache, a host tier of hicache_ratio x
-the device pages, and L3 (the mooncake storage, or the disk tier of hicache_disk_dir). Every method takes the
-lock, so HTTP threads interleave with the stepping thread. Imports torch-free dsakv.engine pieces and
+Greedy, or temperature / top-k / top-p draws seeded per token (SamplingParams.seed, else one the engine draws;
+v4_engine.draw), one choice, no logprobs / penalties / logit bias / min_tokens (`features` is empty: the HTTP layer
+answers 400 for them; `check_v4_params` refuses them naming the parameter for other callers). The config's pool,
+scheduler and cache options map onto the V4Engine: pages (num_pages / max_tokens, at the layout's page size), max
+running requests (default 8), max batch tokens (also the prefill chunk), the prefix cache, a host tier of
+hicache_ratio x the device pages, and L3 (the mooncake storage, or the disk tier of hicache_disk_dir). Every method
+takes the lock, so HTTP threads interleave with the stepping thread. Imports torch-free dsakv.engine pieces and
 dsakv.engine.v4_engine; must not import serve, disagg or cli.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +43,19 @@ def _refuse_options(cfg: EngineConfig) -> None:
         what.append("--kv-budget (give --num-pages or --max-tokens)")
     if what:
         raise ConfigError(f"DeepSeek-V4 serving does not take {', '.join(what)} yet: drop it (fp32, greedy)")
+
+
+def check_v4_params(p: SamplingParams) -> None:
+    """ConfigError naming what a DeepSeek-V4 request may not ask for yet (the V4 engine samples plain logits)."""
+    what = [
+        name for name, used in (
+            (f"n {p.n}", p.n != 1), (f"logprobs {p.logprobs}", p.logprobs is not None),
+            (f"prompt_logprobs {p.prompt_logprobs}", p.prompt_logprobs is not None),
+            ("penalties, logit_bias or min_tokens", p.penalised),
+        ) if used
+    ]  # fmt: skip
+    if what:
+        raise ConfigError(f"DeepSeek-V4 serving does not take {', '.join(what)} yet: drop it")
 
 
 def v4_storage_config(cfg: EngineConfig) -> StorageConfig | None:
@@ -81,6 +96,7 @@ class V4ServingEngine:
         max_pos = model.spec.raw.get("max_position_embeddings")
         self.max_seq_len = int(max_pos) if isinstance(max_pos, int) and max_pos > 1 else None
         self.eos = tuple(int(e) for e in eos_token_ids)
+        self._rng = random.Random(cfg.seed)  # seeds of sampled requests that name none
         self._lock = threading.RLock()
         self._rid: dict[str, int] = {}  # request id -> V4 rid
         self._name: dict[int, str] = {}
@@ -103,16 +119,14 @@ class V4ServingEngine:
             if rid_name in self._rid:
                 raise ConfigError(f"request id {rid_name!r} is already in flight: give each request a unique id")
             eos = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos)
-            rid = self.engine.add_request(list(prompt_ids), p.max_new_tokens, eos)
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(63)
+            rid = self.engine.add_request(list(prompt_ids), p.max_new_tokens, eos, sampling=p, seed=seed)
             self._lookup_tokens += len(prompt_ids)
             self._rid[rid_name], self._name[rid], self._sent[rid] = rid, rid_name, 0
             return rid_name
 
     def _check_params(self, prompt_len: int, p: SamplingParams) -> None:
-        if p.temperature != 0:
-            raise ConfigError(
-                f"temperature = {p.temperature:g}: DeepSeek-V4 is served greedy only for now; send temperature 0"
-            )
+        check_v4_params(p)
         total = prompt_len + p.max_new_tokens
         if self.max_seq_len is not None and total > self.max_seq_len:
             raise ConfigError(
@@ -132,7 +146,9 @@ class V4ServingEngine:
             if request_id in self._rid:
                 raise ConfigError(f"request id {request_id!r} is already in flight: give each request a unique id")
             eos = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.eos)
-            req = self.engine.accept_request(list(prompt_ids), first_token, params.max_new_tokens, eos)
+            req = self.engine.accept_request(  # the router seeds a sampled request (prefill and decode alike)
+                list(prompt_ids), first_token, params.max_new_tokens, eos, sampling=params, seed=int(params.seed or 0)
+            )
             self._rid[request_id], self._name[req.rid], self._sent[req.rid] = req.rid, request_id, 0
             return [int(p) for p in req.page_ids], int(req.slot)
 

@@ -14,8 +14,9 @@ this layout), else PREALLOC refuses with IncompatiblePeer (the router pairs them
 have not all reported by its deadline (kv_timeout + grace) fails naming the missing stages, and at once when the
 prefill process it waits for is gone (pinged every liveness interval: nothing listens, or another boot answers);
 a failed or aborted request frees its pages and slot once every stage reported (no write can still land), its
-process is gone, or its deadline plus the quarantine a timed-out write asked for passed. Greedy only (temperature
-0), one choice, no logprobs: anything else is refused at PREALLOC naming the parameter. Imports torch (through
+process is gone, or its deadline plus the quarantine a timed-out write asked for passed. Greedy or seeded
+sampling (the router's seed: the prefill drew token 0, this decode 1..), one choice, no logprobs or penalties:
+those are refused at PREALLOC naming the parameter. Imports torch (through
 the engine), dsakv.engine and dsakv.disagg; never serve or cli.
 """
 
@@ -60,6 +61,7 @@ from dsakv.disagg.protocol.messages import (
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair
+from dsakv.engine.v4_serve import check_v4_params
 from dsakv.errors import CapacityError, ConfigError, NoFreePages
 from dsakv.spec.layout import BufferKey
 
@@ -220,13 +222,7 @@ class V4DecodeWorker:
                 f"this decode's --max-kv-timeout {self.t.max_kv:g}s: lower the router's --kv-timeout"
             )
         ps = p.params
-        unsupported = [
-            f"{name} {value}" for name, value, off in (
-                ("n", ps.n, 1), ("logprobs", ps.logprobs, None), ("prompt_logprobs", ps.prompt_logprobs, None),
-            ) if value != off
-        ]  # fmt: skip
-        if unsupported:
-            raise ConfigError(f"DeepSeek-V4 decode does not serve {', '.join(unsupported)} yet: drop it")
+        check_v4_params(ps)  # ConfigError naming n > 1, logprobs, penalties
         stages = self._stages_of(p.prefill, p.num_stages)
         with self._lock:
             if p.rid in self.inbound:

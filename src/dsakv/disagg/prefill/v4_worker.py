@@ -4,7 +4,8 @@
                                 process's boot), each side pairs the keys (check_v4_pair) ◄─ decode manifest
     router ─ SUBMIT(rid, prompt, decode pages, grant) ─► the grant verified (this decode's key; its slot is the
              decode's state slot) ─► V4Engine.add_request(prompt, 1 token, park=True): chunked prefill batched
-             with the other prompts; at its last chunk the first token is sampled (greedy) and the request parks
+             with the other prompts; at its last chunk the first token is drawn (greedy, or seeded with the
+             router's seed as the decode draws the rest) and the request parks
     sender: stage k ═ v4_blocks: its paged kinds of the prompt's pages + its state keys of the slot ═► decode
             ─ STAGE_DONE(rid, k, ok, bytes; first token on the last stage; cached tokens on stage 0) ─► decode
             then the pages and slot are freed on every stage
@@ -70,6 +71,7 @@ from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.backends.base import Peer, deadline_in
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4, pair_figure, v4_blocks
+from dsakv.engine.v4_serve import check_v4_params
 from dsakv.errors import ConfigError
 from dsakv.model.deepseek_v4 import V4Row
 from dsakv.spec.v4_layout import V4Pair
@@ -287,10 +289,7 @@ class V4PrefillWorker:
         down = self.down_reason()
         if down is not None:
             raise Unavailable(f"prefill {self.name} is unavailable: {down}")
-        if p.params.temperature != 0:
-            raise ConfigError(
-                f"temperature = {p.params.temperature:g}: DeepSeek-V4 is served greedy only for now; send temperature 0"
-            )
+        check_v4_params(p.params)
         link = self._link(p.decode, p.decode_boot)
         n = ceil_div(len(prompt), self.page_size)
         g = grants.verify(
@@ -304,7 +303,9 @@ class V4PrefillWorker:
             if rid in self.jobs:
                 raise ConfigError(f"request id {rid!r} is already in use on prefill {self.name}")
             self.spent.spend(g)
-            eid = self.engine.add_request(prompt, 1, park=True)  # ConfigError / CapacityError: nothing kept
+            # its first token, drawn as the decode draws the rest (the router's seed); ConfigError / CapacityError:
+            # nothing kept
+            eid = self.engine.add_request(prompt, 1, park=True, sampling=p.params, seed=p.seed)
             self.jobs[rid] = V4Job(
                 rid, eid, len(prompt), link, list(p.dst_pages[:n]), g.slot, p.grant, time.monotonic() + p.kv_timeout
             )
