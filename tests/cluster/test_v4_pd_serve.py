@@ -118,6 +118,7 @@ def test_v4_pd_roles_tokens_bytes_and_clean_pools(
     assert [t for t, _, _ in sampled] == _sampled(ckpt, hot)  # token 0 drawn on the prefill, 1.. on the decode
     bad = run_requests(router, [prompts[0]], SamplingParams(max_new_tokens=4, logprobs=2), f"v4-lp-{prefill}")
     assert bad[0][0] == [] and bad[0][1] == "error" and "does not take logprobs 2" in (bad[0][2] or "")
+    assert router.features == frozenset()  # the decode's health says so: the HTTP layer answers 400 up front
     assert_clean([decode.addr] + ([pre.addr] if prefill == "pp2" else []), timeout=30, procs=cluster.procs)
     if prefill == "pp1":  # what it holds is its prefix cache's pages, nothing of a request
         wait_for(lambda: _cache_only(pre.addr), 30, "v4-pp1: only cached pages held, integrity ok", cluster.procs)

@@ -139,7 +139,8 @@ class _Server:
         return gen
 
     def _check_features(self, g: GenRequest) -> None:
-        """400 for what this backend cannot do (its `features`; the colocated and router backends do all)."""
+        """400 for what this backend cannot do (its `features`: all for DSA models; none for DeepSeek-V4, colocated
+        or through a router whose decodes say so)."""
         have: frozenset[str] = getattr(self.backend, "features", frozenset())
         p = g.params
         asked = [
@@ -153,8 +154,8 @@ class _Server:
                 what = {"penalties": "penalties, logit_bias and min_tokens", "prompt_logprobs": "echo with logprobs"}
                 raise ApiError(
                     400,
-                    f"{what.get(feature, feature)} are not supported by the {self.backend.name} backend "
-                    "(serve the model colocated for them)",
+                    f"{what.get(feature, feature)} are not supported by the {self.backend.name} backend of this "
+                    "model (DeepSeek-V4 serves none of them yet): drop the parameter",
                     param=param,
                     code="unsupported_parameter",
                 )

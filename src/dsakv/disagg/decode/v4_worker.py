@@ -449,4 +449,5 @@ class V4DecodeWorker:
             inbound=inbound,
             failed_held=failed_held,
             vocab_size=int(self.engine.spec.vocab_size),
+            features=sorted(self.engine.features),
         )

@@ -162,3 +162,4 @@ class DecodeHealth(Health):
     kv_bytes_pairs: dict[str, int] | None = None  # pipelined decode, stage 0: "<prefill>:<k>-><j>" -> bytes landed
     staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
     vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
+    features: list[str] | None = None  # engine.backend.FEATURES it serves (None: all; a DeepSeek-V4 decode: none)

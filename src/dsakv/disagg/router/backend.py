@@ -64,7 +64,6 @@ class RouterBackend:
     sharing one lock. This class checks what a client sends, runs the threads and reports health/metrics."""
 
     name = "disaggregated"
-    features = frozenset(FEATURES)  # logprobs + echo (the last prefill stage), n (forked on decode), penalties
 
     def __init__(self, cfg: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -216,6 +215,18 @@ class RouterBackend:
                     raise ConfigError(
                         f"request {request_id}: {what} {out[:8]} are outside the vocabulary 0..{vocab - 1}"
                     )
+
+    @property
+    def features(self) -> frozenset[str]:
+        """What every decode serves (the HTTP layer answers 400 for the rest): logprobs + echo (the last prefill
+        stage), n (forked on decode), penalties; a decode whose health lists fewer (DeepSeek-V4: none) narrows it."""
+        have = frozenset(FEATURES)
+        with self._lock:
+            for p in self.decodes.values():
+                h = p.decode_health
+                if h is not None and h.features is not None:
+                    have &= frozenset(h.features)
+        return have
 
     def vocab_size(self) -> int | None:
         """The model's vocabulary: RouterConfig.vocab_size (--model), else the smallest a decode reports."""
