@@ -249,10 +249,17 @@ def prefill_cache_config(args: argparse.Namespace) -> CacheConfig:
     return cache
 
 
-def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any:
-    """This stage's PrefillConfig: the tree, plus the process's address, name and --decode peers."""
+def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, tp: bool = False) -> Any:
+    """This stage's PrefillConfig: the tree, plus the process's address, name and --decode peers (`tp`: and its
+    --tp-size, with the argv its rank processes re-run)."""
     from dsakv.config import PrefillConfig
 
+    ranks: dict[str, Any] = {}
+    if tp:
+        ranks = {
+            "tp_size": getattr(args, "tp_size", 1),
+            "rank_argv": tuple(getattr(args, "_argv", None) or sys.argv[1:]),
+        }
     return PrefillConfig(
         model=model_dir,
         config=cfg,
@@ -262,6 +269,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str) -> Any
         decode=tuple(args.decode),
         backend_options=cfg.transfer.backend_options(args.host),
         debug_fail_transfer=_stage_and_count(args.debug_fail_transfer),
+        **ranks,
     )
 
 
@@ -289,6 +297,8 @@ def run_v4_prefill(args: argparse.Namespace, cfg: Config) -> int:
     --pp-size N it spawns stages 1..N-1 as its children (no --pp-rank processes)."""
     from dsakv.disagg.prefill.v4_worker import V4PrefillWorker
 
+    if getattr(args, "tp_size", 1) > 1:
+        raise ConfigError(f"--tp-size {args.tp_size} with a DeepSeek-V4 prefill is not supported yet: give TP 1")
     _threads(args)
     pcfg = prefill_config(args, cfg, str(options.model_dir_of(args)))
     worker = V4PrefillWorker(pcfg)
@@ -306,7 +316,11 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
 
     model_dir = options.model_dir_of(args)
     _threads(args)
-    pcfg = prefill_config(args, cfg, str(model_dir))
+    pcfg = prefill_config(args, cfg, str(model_dir), tp=True)
+    if pcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (prefill/ranks.py)
+        from dsakv.disagg.prefill.ranks import follow_prefill
+
+        exit_now(follow_prefill(pcfg))
     stage = PrefillStage(pcfg)
     ready = f"dsakv prefill stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {{}} (pid {os.getpid()})"
     return _serve_worker(stage, lambda: ready.format(stage.address), startup_wait=args.startup_wait)

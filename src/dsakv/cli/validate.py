@@ -133,10 +133,13 @@ def validate_serve(args: argparse.Namespace) -> None:
         check_pp_colocated(args)
     if getattr(args, "enable_dp_attention", False):
         raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
-    if getattr(args, "tp_size", 1) > 1 and role not in ("colocated", "decode"):
-        raise ConfigError(f"--tp-size with --role {role} is not supported yet: serve colocated or decode, or TP 1")
-    if getattr(args, "tp_size", 1) > 1 and role == "decode" and getattr(args, "pp_size", 1) > 1:
-        raise ConfigError("--tp-size with --role decode --pp-size > 1 is not supported yet: give one of them as 1")
+    tp = getattr(args, "tp_size", 1)
+    if tp > 1 and role not in ("colocated", "decode", "prefill"):
+        raise ConfigError(f"--tp-size {tp} with --role {role} is not supported: the router runs no model")
+    if tp > 1 and role in ("decode", "prefill") and getattr(args, "pp_size", 1) > 1:
+        raise ConfigError(
+            f"--tp-size {tp} with --role {role} --pp-size {args.pp_size} is not supported yet: give one of them as 1"
+        )
     check_seconds(args, "hicache_storage_timeout", fix="longest a storage-tier call may delay a request, e.g. 2")
     disk_dir = getattr(args, "hicache_disk_dir", None)
     if disk_dir is not None:

@@ -75,9 +75,30 @@ class PrefillConfig:
     decode: tuple[str, ...] = ()  # decode workers to handshake with at startup (fail loudly if refused)
     backend_options: BackendOptions = field(default_factory=BackendOptions)  # TransferConfig.backend_options(host)
     debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
+    tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 of the stage (prefill/ranks.py), ranks 1..T-1 its
+    rank_argv: tuple[str, ...] = ()  # children; the `dsakv` arguments the rank processes re-run (this argv)
 
     def __post_init__(self) -> None:
         pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout  # the pipeline validated itself (rank, timeout)
+        if not 1 <= self.tp_size <= 256:
+            raise ConfigError(f"--tp-size {self.tp_size} must be within 1-256 (tensor-parallel ranks of the prefill)")
+        if self.tp_size > 1:
+            if pipe.pp_size > 1:
+                raise ConfigError(
+                    f"--tp-size {self.tp_size} with --role prefill --pp-size {pipe.pp_size} is not supported yet: "
+                    "give one of them as 1"
+                )
+            if self.draft_layers:
+                raise ConfigError(
+                    f"--tp-size {self.tp_size} with --role prefill and MTP (--speculative-num-steps) is not supported "
+                    "yet: leave one of them out"
+                )
+            cache = self.engine.cache
+            if cache.host_tier or cache.storage is not None:
+                raise ConfigError(
+                    f"--tp-size {self.tp_size} with --role prefill and a host or storage tier (--hicache-ratio / "
+                    "--hicache-size / --hicache-storage) is not supported yet: the device prefix cache works"
+                )
         if self.port == 0 and pipe.pp_size > 1:
             raise ConfigError("a pipeline of more than one stage needs an explicit --port (stage k uses port + k)")
         if rpc <= 0:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from signal import SIGKILL
 from typing import Any, cast
 
@@ -261,11 +261,13 @@ _STOP = "stop"
 
 @dataclass(frozen=True)
 class AddOp:
-    """Rank 0 added request `rid` (its params carry the seed rank 0 drew)."""
+    """Rank 0 added request `rid` (its params carry the seed rank 0 drew); `kw`: add_request's keywords (a
+    prefill's keep_pages)."""
 
     prompt: list[int]
     params: Any
     rid: str
+    kw: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -292,7 +294,14 @@ class AbortOp:
     rid: str
 
 
-RankOp = AddOp | PreallocOp | StartOp | AbortOp  # one entry of a step's request log (pickled to the followers)
+@dataclass(frozen=True)
+class ReleaseOp:
+    """Rank 0 released the pages a finished keep_pages request kept (a prefill: its KV was sent)."""
+
+    rid: str
+
+
+RankOp = AddOp | PreallocOp | StartOp | AbortOp | ReleaseOp  # one entry of a step's request log (pickled)
 
 
 class RankedEngine:
@@ -316,6 +325,8 @@ class RankedEngine:
         self._rng = random.Random(getattr(getattr(engine, "config", None), "seed", None))  # as Engine draws
         self._closed = False
         self._last = 0.0  # monotonic time of the last step broadcast
+        self.after_step: Callable[[], None] | None = None  # every rank: called after each step (follow's after_step)
+        self.busy: Callable[[], bool] | None = None  # True: step even when idle (the followers have work to report)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -328,12 +339,25 @@ class RankedEngine:
         params = params or SamplingParams()
         return replace(params, seed=self._rng.getrandbits(63)) if params.seed is None else params
 
-    def add_request(self, prompt_ids: Sequence[int], params: Any = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: Any = None, request_id: str | None = None, **kw: Any
+    ) -> str:
         params = self._seeded(params)
         with self._lock:
-            rid = self.engine.add_request(prompt_ids, params, request_id=request_id)
-            self._log.append(AddOp(list(prompt_ids), params, rid))
+            rid = self.engine.add_request(prompt_ids, params, request_id=request_id, **kw)
+            self._log.append(AddOp(list(prompt_ids), params, rid, dict(kw)))
         return str(rid)
+
+    def release(self, request_id: str) -> Any:
+        with self._lock:
+            out = self.engine.release(request_id)
+            self._log.append(ReleaseOp(request_id))
+        return out
+
+    def log(self, op: Any) -> None:
+        """Append an op of the caller's own (a follow `apply` hook applies it on every other rank)."""
+        with self._lock:
+            self._log.append(op)
 
     def prealloc(
         self, request_id: str, prompt_ids: Sequence[int], params: Any = None, *, keep_room: bool = False
@@ -366,7 +390,8 @@ class RankedEngine:
             if self.ranks.down is not None:
                 raise RankDown(self.ranks.down)
             sch = self.engine.scheduler
-            if not self._log and not (sch.running or sch.ready or sch.waiting or getattr(self.engine, "_pending", 1)):
+            idle = not (sch.running or sch.ready or sch.waiting or getattr(self.engine, "_pending", 1))
+            if not self._log and idle and not (self.busy is not None and self.busy()):
                 if time.monotonic() - self._last < IDLE_STEP_S:
                     return []
             self._last = time.monotonic()
@@ -374,6 +399,8 @@ class RankedEngine:
             try:
                 self.ranks.broadcast(log_)
                 outs = self.engine.step()
+                if self.after_step is not None:
+                    self.after_step()
             except Exception as e:
                 raise self.ranks.guard(e) from e
             # the engine fails a step's requests itself when its model step raised (a collective with a dead rank
@@ -396,10 +423,17 @@ class RankedEngine:
         self.ranks.close()
 
 
-def follow(engine: Any, ranks: Ranks) -> int:
+def follow(
+    engine: Any,
+    ranks: Ranks,
+    apply: Callable[[Any], None] | None = None,
+    after_step: Callable[[Any], None] | None = None,
+) -> int:
     """A follower rank of a served TP group: apply rank 0's log, run the step, until rank 0 says stop. The stop
     signals of the server's process group (SIGTERM, Ctrl-C) are rank 0's to handle: it stops the loop, then tells
-    this rank to stop; dying first would be a rank down at every clean stop (rank 0's death kills it: SIGKILL)."""
+    this rank to stop; dying first would be a rank down at every clean stop (rank 0's death kills it: SIGKILL).
+    `apply`: applies the ops rank 0 logged with RankedEngine.log; `after_step(outputs)` runs after each step (the
+    same collectives as rank 0's RankedEngine.after_step)."""
     import signal
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -410,17 +444,25 @@ def follow(engine: Any, ranks: Ranks) -> int:
             ranks.close()
             return 0
         for op in log_:
-            if isinstance(op, AddOp):
-                engine.add_request(op.prompt, op.params, request_id=op.rid)
-            elif isinstance(op, PreallocOp):
+            if isinstance(op, PreallocOp):
                 got = [int(p) for p in engine.prealloc(op.rid, op.prompt, op.params)]
                 if got != op.pages:
                     raise RanksDiverged(
                         f"TP rank {ranks.rank} reserved pages {got[:8]} for request {op.rid}, rank 0 {op.pages[:8]}: "
                         "the ranks diverged (the prefill wrote rank 0's pages into every rank's pool)"
                     )
+            elif isinstance(op, AddOp):
+                engine.add_request(op.prompt, op.params, request_id=op.rid, **op.kw)
             elif isinstance(op, StartOp):
                 engine.start_decode(op.rid, *op.args, **op.kw)
-            else:
+            elif isinstance(op, AbortOp):
                 engine.abort(op.rid)
-        engine.step()
+            elif isinstance(op, ReleaseOp):
+                engine.release(op.rid)
+            elif apply is not None:
+                apply(op)
+            else:
+                raise RanksDiverged(f"TP rank {ranks.rank} got an op it cannot apply: {type(op).__name__}")
+        outs = engine.step()
+        if after_step is not None:
+            after_step(outs)

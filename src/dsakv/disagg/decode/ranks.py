@@ -138,25 +138,47 @@ class DecodeTP:
         self.ranks.on_down(down)
 
     def check_parts(self, worker: Any, p: StageDone) -> str | None:
-        """Record the bytes per (prefill stage, decode rank) pair; an error if an ok report misses a rank."""
-        if self.size == 1:
+        """Record the bytes per (prefill stage, decode rank) pair (a TP prefill: per (prefill stage and rank,
+        decode rank) pair); an error if an ok report misses a decode rank or a route the sender rule gave it."""
+        if self.size == 1 and p.senders == 1:
             return None
         with self._lock:
-            for r, n in p.rank_parts.items():
-                key = f"{p.prefill}:{p.stage}->tp{r}"
-                self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
-        if p.ok and sorted(p.rank_parts) != list(range(self.size)):
+            if p.senders > 1:
+                for s, per in p.sender_parts.items():
+                    for r, n in per.items():
+                        key = f"{p.prefill}:{p.stage}.tp{s}->tp{r}"
+                        self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+            else:
+                for r, n in p.rank_parts.items():
+                    key = f"{p.prefill}:{p.stage}->tp{r}"
+                    self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+        if not p.ok:
+            return None
+        where = f"prefill {p.prefill} stage {p.stage}"
+        if sorted(p.rank_parts) != list(range(self.size)):
             return (
-                f"prefill {p.prefill} stage {p.stage} wrote decode rank(s) {sorted(p.rank_parts)}, but this decode "
-                f"has {self.size} TP ranks, each with its own pool: every rank must receive the KV"
+                f"{where} wrote decode rank(s) {sorted(p.rank_parts)}, but this decode has {self.size} TP rank(s), "
+                "each with its own pool: every rank must receive the KV"
             )
+        if p.senders > 1:
+            landed = {(s, r) for s, per in p.sender_parts.items() for r, n in per.items() if n > 0}
+            routes = {(int(x[0]), int(x[1])) for x in p.routes if len(x) == 2}
+            bad = sorted((s, r) for s, r in routes if not (0 <= s < p.senders and 0 <= r < self.size))
+            missing = sorted(routes - landed)
+            if not routes or bad or missing or {r for _, r in routes} != set(range(self.size)):
+                return (
+                    f"{where} ({p.senders} TP ranks) reported routes {sorted(routes)} and landed "
+                    f"{sorted(landed)}: (prefill rank, decode rank) part(s) "
+                    f"{missing or bad or 'for every decode rank'} did not land; this decode has {self.size} TP "
+                    "rank(s) and accepts the KV only when every part the sender rule gives landed"
+                )
         return None
 
     def health_fields(self) -> dict[str, Any]:
-        if self.size == 1:
-            return {}
         with self._lock:
             pairs = dict(self.pair_bytes)
+        if self.size == 1:
+            return {"kv_bytes_pairs": pairs} if pairs else {}
         return {"down": self.ranks.down, "kv_bytes_pairs": pairs}
 
     def close(self, engine: Any) -> None:

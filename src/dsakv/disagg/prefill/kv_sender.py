@@ -49,8 +49,8 @@ from dsakv.disagg.protocol.rpc import RpcError
 from dsakv.disagg.protocol.worker_service import Notifier
 from dsakv.disagg.transfer.backends.base import TransferBackend, TransferHandle
 from dsakv.disagg.transfer.bootstrap import DecodeLink, DecodeLinks, LinkPart
-from dsakv.disagg.transfer.plan import Strategy, TransferPlan
-from dsakv.disagg.transfer.rank_routes import part_routes, request_rotation
+from dsakv.disagg.transfer.plan import PairTable, Strategy, TransferPlan
+from dsakv.disagg.transfer.rank_routes import part_routes, request_rotation, route_pairs
 from dsakv.disagg.transfer.staging import StagingBuffer
 from dsakv.engine.request import TokenLogprobs
 from dsakv.errors import DsakvError
@@ -71,6 +71,21 @@ class Transfer:
     draft_hidden: bytes | None = None  # MTP on the last stage: the draft's output at the prompt's last entry
 
 
+@dataclass(frozen=True)
+class SentPart:
+    """What one rank of a TP stage sent for a request: its error, quarantine, bytes per decode stage / rank, the
+    staging slot it wrote into; rank 0's also the rule's routes (prefill/ranks.py TPReports merges them)."""
+
+    x: Transfer
+    tp_rank: int
+    err: str | None
+    quarantine: float
+    parts: dict[int, int]
+    slot: int
+    ranks: dict[int, int]
+    routes: list[list[int]]
+
+
 class KvSender:
     def __init__(
         self,
@@ -87,7 +102,12 @@ class KvSender:
         debug_fail: tuple[int, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         staging: StagingBuffer | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        combine: Callable[[SentPart], None] | None = None,
     ) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.combine = combine  # a TP stage: each rank's part goes here (prefill/ranks.py), rank 0 reports them all
         self.staging = staging
         self.clock = clock  # the ledger's: job deadlines are on it
         self.backend = backend
@@ -194,7 +214,20 @@ class KvSender:
                 if staged and self.staging is not None:
                     self.staging.release(quarantine)
                 self._end_write(x.job, quarantine)  # (a write that never began: nothing booked)
+                if self.combine is not None:
+                    self.combine(SentPart(x, self.tp_rank, err, quarantine, parts, slot, ranks, self._routes(x)))
+                    continue
                 self._report(x, err, quarantine, parts, slot, {} if set(ranks) <= {0} else ranks)
+
+    def _routes(self, x: Transfer) -> list[list[int]]:
+        """Rank 0 of a TP stage: the (prefill rank, decode rank) pairs the rule gives the request (its report
+        names them; the decode checks each landed)."""
+        if self.tp_rank != 0 or self.tp_size == 1:
+            return []
+        link = self.links.cached(x.job.decode)
+        if link is None or link.boot != x.job.decode_boot:
+            return []
+        return route_pairs(link, self.stage, self.tp_size, request_rotation(x.job.rid))
 
     def _injected(self, j: int) -> str | None:
         """Testing (debug_fail = (decode stage, n)): the n-th transfer to decode stage j fails before it starts."""
@@ -224,8 +257,11 @@ class KvSender:
         )  # fmt: skip
         return staged, True
 
-    def _into_slot(self, link: DecodeLink, part: LinkPart, g: grants.Grant, src: np.ndarray) -> TransferPlan:
-        """The plan writing `src` into the decode staging slot the grant names (its layout: slot_offsets)."""
+    def _into_slot(
+        self, link: DecodeLink, part: LinkPart, g: grants.Grant, src: np.ndarray, table: PairTable
+    ) -> TransferPlan:
+        """The plan writing `src` into the decode staging slot the grant names (its layout: slot_offsets); `table`:
+        the keys this rank writes (a TP stage's ranks each write their share of the keys into the one slot)."""
         region = part.manifest.staging
         if region is None or len(link.parts) != 1:
             raise DsakvError(
@@ -238,7 +274,7 @@ class KvSender:
                 f"staging slot {g.slot} holds {g.slot_pages} pages ({region.slot_bytes} B), this stage writes {n}"
             )
         off = part.manifest.slot_offsets(n)
-        return TransferPlan.into_slot(part.table, src, region.slot_addr(g.slot), [off[p.key] for p in part.table.pairs])
+        return TransferPlan.into_slot(table, src, region.slot_addr(g.slot), [off[p.key] for p in table.pairs])
 
     def _start(self, x: Transfer) -> tuple[Transfer, list[tuple[LinkPart, TransferHandle]], str | None, bool, int]:
         """Submit the request's pages to every decode stage this stage shares layers with (one plan per stage:
@@ -266,9 +302,10 @@ class KvSender:
             revoked = self._begin_write(job)
             if revoked is not None:
                 return x, handles, revoked, staged, slot
-            for part, table in part_routes(link, self.stage, rotate=request_rotation(job.rid)):
+            rotate = request_rotation(job.rid)
+            for part, table in part_routes(link, self.stage, self.tp_rank, self.tp_size, rotate):
                 into = g.slot >= 0
-                plan = self._into_slot(link, part, g, src) if into else TransferPlan.build(table, src, dst)
+                plan = self._into_slot(link, part, g, src, table) if into else TransferPlan.build(table, src, dst)
                 injected = self._injected(part.stage)
                 if injected is not None:
                     return x, handles, injected, staged, slot
@@ -284,7 +321,8 @@ class KvSender:
 
     def _report(
         self, x: Transfer, err: str | None, quarantine: float, parts: dict[int, int], slot: int = -1,
-        ranks: dict[int, int] | None = None,
+        ranks: dict[int, int] | None = None, senders: dict[int, dict[int, int]] | None = None,
+        routes: list[list[int]] | None = None,
     ) -> None:  # fmt: skip
         job = x.job
         nbytes = sum(parts.values())
@@ -306,6 +344,9 @@ class KvSender:
             grant=job.grant,
             slot=slot,
             rank_parts=ranks or {},
+            senders=self.tp_size,
+            sender_parts=senders or {},
+            routes=routes or [],
         )
         timeout = max(self.t.report_floor, min(self.t.rpc, job.deadline - self.clock() + 1))
         try:

@@ -101,6 +101,7 @@ class PipelineLeader(LeaderViews):
         self.prefix_events = PrefixEvents(ctx.page_size)  # the router's prefix affinity reads these
         self.boot = ""  # the worker's boot id (PrefillStage sets it once its service exists)
         self.spent = grants.SpentGrants()  # page grants submitted already (each is good for one submit)
+        self.on_job: Callable[[StageJob], None] | None = None  # called (engine lock held) with each new job
 
     def _runner(self, pool: DevicePool) -> PipelineRunner[PipeStep[PrefillStep]]:
         self.runner = PipelineRunner(self.ctx, pool, self._step_msg, PipeStep.meta)
@@ -154,6 +155,8 @@ class PipelineLeader(LeaderViews):
             )
             ctx.jobs.add(job)
             job.deadline = ctx.jobs.now() + p.kv_timeout
+            if self.on_job is not None:  # a TP stage: its other ranks learn the job with the add (prefill/ranks.py)
+                self.on_job(job)
             ctx.stats.submitted += 1
         ctx.wake.set()
         return Submitted(accepted=True, epoch=ctx.group.epoch)

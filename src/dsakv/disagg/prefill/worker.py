@@ -44,7 +44,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,10 +69,15 @@ from dsakv.disagg.protocol.messages import (
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
-from dsakv.disagg.transfer.bootstrap import DecodeLinks
+from dsakv.disagg.transfer.bootstrap import DecodeLinks, grid_check
 from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.disagg.transfer.rank_assign import RoleGrid
 from dsakv.disagg.transfer.staging import StagingBuffer
+from dsakv.engine.ranks import RankDown
 from dsakv.pipeline.stage_comm import StageLinkError
+
+if TYPE_CHECKING:
+    from dsakv.disagg.prefill.ranks import PrefillTP
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,11 @@ class PrefillStage:
     def __init__(
         self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
+        ranks = None
+        if model is None and cfg.tp_size > 1:  # rank 0 of a TP stage: starts ranks 1..T-1 (prefill/ranks.py)
+            from dsakv.disagg.prefill.ranks import tp_model
+
+            ranks, model = tp_model(cfg)
         if model is None:
             from dsakv.model.loader import load_model
 
@@ -99,6 +109,11 @@ class PrefillStage:
         self.cfg = cfg
         self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock)
         self.role: StageRole = make_role(ctx)
+        self.tp: PrefillTP | None = None
+        if ranks is not None:
+            from dsakv.disagg.prefill.ranks import PrefillTP
+
+            self.tp = PrefillTP(ranks, self.role)
         self.name = ctx.name
         self.rank, self.size = ctx.rank, ctx.size
         self.layout = ctx.layout
@@ -120,11 +135,22 @@ class PrefillStage:
         self.boot = self.service.boot
         if isinstance(self.role, PipelineLeader):
             self.role.boot = self.boot  # named in its cache events (the router's prefix affinity)
+        grid = RoleGrid.from_partition(
+            "prefill",
+            [b - a for a, b in ctx.ranges],
+            attention_tp=cfg.tp_size,
+            draft_layers=ctx.layouts[-1].draft_layers,
+        )
+        hello = Hello(
+            self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot, cfg.tp_size
+        )
         self.links = DecodeLinks(
             self.backend,
             self.manifest,
-            Hello(self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot),
+            hello,
             rpc_timeout=ctx.t.rpc,
+            grid=grid_check(grid, lambda s: tuple(ctx.layouts[s].by_key)),
+            on_link=self.tp.on_link if self.tp is not None else None,
         )
         size = cfg.config.transfer.staging_bytes(self.role.pool.nbytes)
         self.staging = StagingBuffer(self.backend, size) if size > 0 else None
@@ -141,7 +167,10 @@ class PrefillStage:
             debug_fail=cfg.debug_fail_transfer,
             clock=ctx.jobs.now,
             staging=self.staging,
+            tp_size=cfg.tp_size,
         )
+        if self.tp is not None:
+            self.tp.attach(ctx.sender)
         log.info(
             "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
             self.name,
@@ -289,6 +318,8 @@ class PrefillStage:
         self.ctx.stop.set()
         self.ctx.wake.set()
         self.service.stop(join_timeout=self.ctx.t.stage + 2)
+        if self.tp is not None:
+            self.tp.close()
         self.ctx.group.close()
         self.ctx.notifier.stop()
         self.backend.close()
@@ -311,6 +342,13 @@ class PrefillStage:
                 self.role.iteration()
             except StageLinkError as e:
                 self._on_break(str(e))
+            except RankDown as e:  # a TP rank died: every request fails naming it; submissions are refused
+                if ctx.down_reason is None:
+                    with self.role.lock:
+                        ctx.down_reason = str(e)
+                        self.role.on_break(f"prefill {self.name}: {e}")
+                    log.error("prefill %s: %s: restart the prefill to re-form its TP group", self.name, e)
+                ctx.stop.wait(0.5)
             except Exception as e:
                 # stage 0 already failed the step's requests; a later stage's failed step leaves the stages
                 # after it without that step, so the pipeline re-forms (its requests fail, nothing is kept)

@@ -32,6 +32,7 @@ class Hello:
     rpc: str
     manifest: bytes
     boot: str = ""  # the stage's process (its ping answers with it); the decode registers the stage under it
+    tp_size: int = field(default=1, metadata=bounds(1, MAX_STAGES))  # the stage's TP ranks (each holds its keys)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,11 @@ class StageDone:
     boot: str = ""  # the reporting stage's process: must be the one registered for this stage
     grant: Blob = b""  # the request's page grant, as the stage received it
     slot: int = field(default=-1, metadata=bounds(-1, 2**16))  # the staging slot it wrote into (the grant's; -1: none)
+    # a TP prefill stage (senders > 1 ranks, each its own pool): bytes landed per prefill rank -> decode rank, and
+    # the (prefill rank, decode rank) routes the sender rule gave the request (each must have landed)
+    senders: int = field(default=1, metadata=bounds(1, MAX_STAGES))
+    sender_parts: dict[int, dict[int, int]] = field(default_factory=dict)
+    routes: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

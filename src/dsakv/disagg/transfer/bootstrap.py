@@ -32,16 +32,19 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from dsakv.disagg.protocol.errors import Forbidden, IncompatiblePeer, MessageError
-from dsakv.disagg.protocol.messages import HANDSHAKE, PING, Hello, LinkSummary, Ping
+from dsakv.disagg.protocol.messages import HANDSHAKE, PING, Hello, HelloReply, LinkSummary, Ping
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError, split_addr
 from dsakv.disagg.transfer.backends.base import Peer, TransferBackend
 from dsakv.disagg.transfer.compat import Pairing, check_draft, check_pair
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.plan import PairTable
+from dsakv.disagg.transfer.rank_assign import RankId, RoleGrid, check_announced, check_grids
+from dsakv.errors import ConfigError
+from dsakv.spec.layout import BufferKey, Kind
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,11 @@ class DecodeLinks:
         manifest: Manifest,
         hello: Hello,
         rpc_timeout: float = 5.0,
+        *,
+        grid: GridCheck | None = None,
+        on_link: Callable[[str, HelloReply], None] | None = None,
     ) -> None:
+        self.grid, self.on_link = grid, on_link
         self.backend = backend
         self.manifest = manifest
         self.hello = hello
@@ -146,9 +153,30 @@ class DecodeLinks:
             reply = client.request(HANDSHAKE, self.hello, timeout=timeout)
         finally:
             client.close()
+        link = self.link_of(addr, reply)
+        log.info(
+            "%s -> decode %s (boot %s): handshake ok in %.3fs, decode stage(s) %s, %d buffers paired, "
+            "%d one-sided index-K skipped",
+            self.manifest.worker,
+            addr,
+            link.boot,
+            time.monotonic() - t0,
+            [p.stage for p in link.parts],
+            sum(len(p.pairing.pairs) for p in link.parts),
+            sum(len(p.pairing.skipped) for p in link.parts),
+        )
+        if self.on_link is not None:  # a TP stage's rank 0: its other ranks build the same link (prefill/ranks.py)
+            self.on_link(addr, reply)
+        return link
+
+    def link_of(self, addr: str, reply: HelloReply) -> DecodeLink:
+        """The link a decode's HelloReply describes, paired with this stage's manifest and connected through this
+        stage's backend (rank 0's handshake; a TP stage's other ranks get the reply relayed and call this too)."""
         theirs = Manifest.from_bytes(reply.manifest)
         check_draft(self.manifest, theirs, self.hello.stage, self.hello.num_stages)
         stages = [(r.stage, Manifest.from_bytes(r.manifest)) for r in reply.stages] or [(0, theirs)]
+        if self.grid is not None:
+            self.grid(addr, stages, [r.stage for r in reply.ranks])
         parts = []
         for j, m in stages:  # pair by key over the layers this stage shares with each decode stage
             if not any(m.holds_layer(layer) for layer in self.manifest.layers):
@@ -166,19 +194,51 @@ class DecodeLinks:
                 f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "
                 f"holds any of its layers (stages hold {', '.join(m.describe_layers() for _, m in stages)})"
             )
-        link = DecodeLink(addr, reply.boot, theirs, tuple(parts), reply.grant_key)
-        log.info(
-            "%s -> decode %s (boot %s): handshake ok in %.3fs, decode stage(s) %s, %d buffers paired, "
-            "%d one-sided index-K skipped",
-            self.manifest.worker,
-            addr,
-            link.boot,
-            time.monotonic() - t0,
-            [p.stage for p in parts],
-            sum(len(p.pairing.pairs) for p in parts),
-            sum(len(p.pairing.skipped) for p in parts),
-        )
+        return DecodeLink(addr, reply.boot, theirs, tuple(parts), reply.grant_key)
+
+    def put(self, addr: str, reply: HelloReply) -> DecodeLink:
+        """Build and keep the link of a reply another rank of this stage handshook (a TP stage's rank r >= 1)."""
+        link = self.link_of(addr, reply)
+        with self._lock:
+            self._links[addr] = link
         return link
+
+
+GridCheck = Callable[[str, Sequence[tuple[int, Manifest]], Sequence[int]], None]
+
+
+def grid_check(prefill: RoleGrid, stage_keys: Callable[[int], Collection[BufferKey]]) -> GridCheck:
+    """The handshake's rank-grid check for a prefill of grid `prefill` (its stages' keys: `stage_keys`): the
+    decode's grid from its reply (its stages' layer ranges and keys, its TP ranks 1..) must announce every rank
+    once, cover the same layers and draft layers, and every key a decode rank needs must have a prefill holder
+    (rank_assign.check_announced / check_grids); IncompatiblePeer names the mismatch and both grids."""
+
+    def check(addr: str, stages: Sequence[tuple[int, Manifest]], ranks: Sequence[int]) -> None:
+        ms = [m for _, m in sorted(stages, key=lambda jm: jm[0])]
+        decode = RoleGrid(
+            "decode",
+            tuple((m.layer_start, m.layer_end) for m in ms),
+            attention_tp=1 + len(ranks),
+            draft_layers=len(ms[-1].draft_layers),
+        )
+        try:
+            check_announced(decode, [RankId(j, 0, 0) for j, _ in stages] + [RankId(0, 0, r) for r in ranks],
+                            ms[0].num_main_layers)  # fmt: skip
+            check_grids(
+                prefill,
+                decode,
+                prefill_dp=0,
+                decode_dp=0,
+                prefill_keys=stage_keys,
+                decode_keys=lambda j: ms[j].keys,
+                optional=lambda k: k.kind is Kind.INDEX_K,  # one-sided index-K: check_pair decides exactly
+            )
+        except ConfigError as e:
+            raise IncompatiblePeer(
+                f"decode {addr}: rank grids do not match ({prefill.describe()}; {decode.describe()}): {e}"
+            ) from None
+
+    return check
 
 
 @dataclass

@@ -58,4 +58,11 @@ def part_routes(
     return out
 
 
-__all__ = ["link_assignment", "part_routes", "receiver", "request_rotation"]
+def route_pairs(link: DecodeLink, stage: int, tp_size: int, rotate: int = 0) -> list[list[int]]:
+    """The (prefill TP rank, decode TP rank) pairs the rule routes any key over, sorted: what a TP prefill stage's
+    report names so the decode can check that every one of them landed (StageDone.routes)."""
+    a = link_assignment(link, stage, tp_size, rotate)
+    return [list(p) for p in sorted({(s.tp, r.tp) for s, r in a.routes})]
+
+
+__all__ = ["link_assignment", "part_routes", "receiver", "request_rotation", "route_pairs"]
