@@ -186,7 +186,7 @@ def test_generate_cli_runs_v4(ckpts, reference, capsys) -> None:
 
 def test_pd_prefill_to_decode_equals_colocated(ckpts, reference) -> None:
     """A prefill engine sends every kind of its pages and the request's state (paired by key) to a decode engine."""
-    from dsakv.engine.v4_engine import prefill_request, transfer_request
+    from dsakv.engine.v4_transfer import prefill_request, transfer_request
     from dsakv.errors import ConfigError
 
     model = load_v4(ckpts["pro"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -36,42 +36,13 @@ from dsakv.cache.v4_pool import SlotAllocator, V4Pool
 from dsakv.cache.v4_storage import V4Storage
 from dsakv.config import StorageConfig
 from dsakv.engine.request import SamplingParams
-from dsakv.engine.sampling import filter_logits, token_seed
+from dsakv.engine.v4_handoff import V4Handoff
+from dsakv.engine.v4_request import V4Request, draw
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
 from dsakv.util import ceil_div
 from dsakv.util.stats import Stats
-
-
-@dataclass
-class V4Request:
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    output: list[int] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-    num_computed: int = 0
-    slot: int = -1
-    page_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    eos: tuple[int, ...] = ()
-    cached_tokens: int = 0  # prompt tokens a prefix hit (device, host or L3) supplied
-    park: bool = False  # a PD prefill's request: once done it keeps its pages and slot (parked) until sent
-    sampling: SamplingParams | None = None  # None or temperature 0: greedy
-    seed: int = 0  # output token i is drawn with token_seed(seed, i), as the DSA engine draws it
-
-    @property
-    def done(self) -> bool:
-        return len(self.output) >= self.max_new_tokens or bool(self.output and self.output[-1] in self.eos)
-
-    @property
-    def finish_reason(self) -> str:
-        return "stop" if self.output and self.output[-1] in self.eos else "length"
 
 
 @dataclass
@@ -88,20 +59,7 @@ class V4CacheStats(Stats):
     host_hit_tokens: int = 0
 
 
-def draw(logits: torch.Tensor, req: V4Request) -> int:
-    """The request's next token from its logits row: the argmax (greedy), else a draw from the temperature /
-    top-k / top-p distribution with a generator seeded by (seed, output index) alone, so the same seed gives the
-    same tokens whatever shares the batch, and a PD decode continues a prefill's draw (token 0 there, 1.. here)."""
-    p = req.sampling
-    if p is None or p.greedy:
-        return int(logits.argmax())
-    probs = torch.softmax(filter_logits(logits, p), dim=-1)
-    gen = torch.Generator(device=logits.device)
-    gen.manual_seed(token_seed(req.seed, len(req.output)))
-    return int(torch.multinomial(probs, 1, generator=gen).item())
-
-
-class V4Engine:
+class V4Engine(V4Handoff):
     def __init__(
         self,
         model: DeepseekV4,
@@ -408,104 +366,8 @@ class V4Engine:
     def has_unfinished(self) -> bool:  # parked requests belong to whoever sends them on
         return bool(self.waiting or self.running)
 
-    # ---- disaggregated decode: a request whose pages and slot a prefill fills ------------------
-
-    def accept_request(
-        self,
-        prompt: list[int],
-        first_token: int,
-        max_new_tokens: int,
-        eos: tuple[int, ...] = (),
-        sampling: SamplingParams | None = None,
-        seed: int = 0,
-    ) -> V4Request:
-        """Allocate pages and a slot for a prefilled request (parked until `start_request`); the prefill writes its
-        every kind into them. CapacityError (nothing allocated) when there is no room."""
-        if not prompt or max_new_tokens < 1:
-            raise ConfigError(f"an inbound V4 request needs a prompt and max_new_tokens >= 1, got {max_new_tokens}")
-        need = ceil_div(len(prompt) + max_new_tokens, self.page_size)
-        if not self.slots.num_free or not self.pages.can_alloc(need):
-            raise CapacityError(
-                f"the decode has no room for {need} pages and a slot ({self.pages.num_free} pages, "
-                f"{self.slots.num_free} slots free): retry later"
-            )
-        req = V4Request(
-            self._next, list(prompt), max_new_tokens, output=[int(first_token)], eos=tuple(eos), sampling=sampling,
-            seed=seed,
-        )  # fmt: skip
-        self._next += 1
-        req.page_ids = self.pages.alloc(need, owner=req.rid)
-        req.slot = self.slots.alloc()
-        req.num_computed = len(prompt)
-        self.parked[req.rid] = req
-        return req
-
-    def start_request(self, rid: int) -> None:
-        """Decode an accepted request once its pages and slot are filled."""
-        req = self.parked.pop(rid)
-        if req.done:
-            self.finished[rid] = req
-            self.pages.release(rid)
-            self.slots.free(req.slot)
-        else:
-            self.running.append(req)
-
-    def abort_parked(self, rid: int) -> None:
-        req = self.parked.pop(rid)
-        self.pages.release(rid)
-        self.slots.free(req.slot)
-
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[V4Request]:
         ids = [self.add_request(p, max_new_tokens) for p in prompts]
         while self.has_unfinished():
             self.step()
         return [self.finished.pop(i) for i in ids]
-
-
-# ---- disaggregated: a prefill engine hands a request's every kind and its state to a decode engine ----------
-
-
-def prefill_request(eng: V4Engine, prompt: list[int]) -> V4Request:
-    """Prefill `prompt` on `eng` and sample its first token; the request keeps its pages and slot (parked)."""
-    rid = eng.add_request(prompt, 2)
-    while not (req := next((r for r in eng.running if r.rid == rid), None)) or not req.output:
-        eng.step()
-    eng.running.remove(req)
-    eng.parked[rid] = req
-    return req
-
-
-def transfer_request(src: V4Engine, req: V4Request, dst: V4Engine, max_new_tokens: int) -> tuple[int, int]:
-    """Ship every key of `req` that both layouts hold (paired by key, pair_layouts) from src's pool into fresh
-    pages and a slot of dst, free it on src, and queue it on dst to decode; returns (request id on dst, bytes)."""
-    from dsakv.spec.v4_layout import pair_layouts
-
-    pairs = pair_layouts(src.layout, dst.layout)
-    missing = set(dst.layout.keys) - {p.key for p in pairs}
-    if missing:
-        raise ConfigError(f"the sender holds no {', '.join(sorted(map(str, missing))[:4])}: the decode needs every key")
-    n_tok = len(req.prompt)
-    n_pages = ceil_div(n_tok, src.page_size)
-    need = ceil_div(n_tok + max_new_tokens, dst.page_size)
-    if not dst.slots.num_free or not dst.pages.can_alloc(need):
-        raise CapacityError(f"the decode has no room for {need} pages and a slot: retry later")
-    out = V4Request(dst._next, list(req.prompt), max_new_tokens, output=[req.output[0]], eos=req.eos)
-    dst._next += 1
-    out.page_ids = dst.pages.alloc(need, owner=out.rid)
-    out.slot = dst.slots.alloc()
-    out.num_computed = n_tok
-    moved = 0
-    sp = torch.from_numpy(req.page_ids[:n_pages]).to(src.pool.device)
-    dp = torch.from_numpy(out.page_ids[:n_pages]).to(dst.pool.device)
-    for p in pairs:
-        if p.paged:
-            dst.pool.paged(p.key)[dp] = src.pool.paged(p.key)[sp].to(dst.pool.device)
-            moved += n_pages * p.nbytes
-        else:
-            dst.pool.state(p.key)[out.slot] = src.pool.state(p.key)[req.slot].to(dst.pool.device)
-            moved += p.nbytes
-    src.parked.pop(req.rid)
-    src.pages.release(req.rid)
-    src.slots.free(req.slot)
-    dst.running.append(out)
-    return out.rid, moved
