@@ -8,6 +8,7 @@ naming the parameter; a prefill started against a decode of another page size ex
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -157,3 +158,31 @@ def test_a_dead_stage_takes_the_pp2_prefill_out_of_service(world: dict) -> None:
     assert down == f"stage 1 (pid {stage1.pid}) exited with code -9: restart this prefill"
     assert not prefill_health(pre.addr).ok
     assert_clean([decode.addr], timeout=30, procs=cluster.procs)
+
+
+@pytest.mark.parametrize("partition", ["1,2,3"])
+def test_v4_generate_with_pipeline_stages_equals_one_process(
+    ckpt: Path, colocated: list[list[int]], partition: str
+) -> None:
+    """`dsakv generate --pp-size N` on a V4 checkpoint: stages 1.. are child processes holding their layers'
+    kinds only; greedy and seeded tokens == one process's."""
+    n = len(partition.split(","))
+    base = [sys.executable, "-m", "dsakv", "generate", "--model", str(ckpt), "--max-new-tokens", str(NEW),
+            "--page-size", str(PAGE), "--json", "--ignore-eos"]  # fmt: skip
+    for p in _prompts():
+        base += ["--prompt-ids", ",".join(map(str, p))]
+    staged = [*base, "--pp-size", str(n), "--pp-partition", partition]
+    r = subprocess.run(staged, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["output_ids"] for row in json.loads(r.stdout)] == colocated
+    hot = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "13"]
+    one, piped = (
+        subprocess.run(c, capture_output=True, text=True, timeout=300) for c in ([*base, *hot], [*staged, *hot])
+    )
+    assert one.returncode == piped.returncode == 0, piped.stderr[-3000:]
+    assert json.loads(one.stdout) == json.loads(piped.stdout)
+    assert [row["output_ids"] for row in json.loads(piped.stdout)] == _sampled(
+        ckpt, SamplingParams(max_new_tokens=NEW, temperature=0.8, top_p=0.9, seed=13)
+    )
+    bad = subprocess.run([*staged, "--prefix-cache"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no prefix cache or host / L3 tier yet" in bad.stderr, bad.stderr[-3000:]

@@ -174,8 +174,6 @@ def run(args: argparse.Namespace) -> int:
     if is_v4(args.model):
         from dsakv.cli.generate_v4 import run_v4
 
-        if getattr(args, "pp_size", 1) > 1:
-            raise ConfigError(f"--pp-size {args.pp_size} with a DeepSeek-V4 checkpoint is not supported yet")
         v4_prompts = [parse_ids(t, "--prompt-ids") for t in args.prompt_ids]
         v4_prompts += [list(load_tokenizer(model_dir).encode(t)) for t in args.prompt]
         if not v4_prompts or any(not p for p in v4_prompts):

@@ -11,6 +11,7 @@ import json
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def run_v4(args: argparse.Namespace, prompts: list[list[int]], stop: list[int]) -> int:
@@ -29,17 +30,44 @@ def run_v4(args: argparse.Namespace, prompts: list[list[int]], stop: list[int]) 
     need = max(-(-(len(p) + args.max_new_tokens) // page) for p in prompts)
     num_pages = args.num_pages or max(4 * need * len(prompts), 16)
     host = int(num_pages * args.hicache_ratio) if args.hicache_ratio else 0
-    eng = V4Engine(
-        model,
-        num_pages=num_pages,
-        max_running=args.max_running_requests or len(prompts),
-        page_size=page,
-        prefix_cache=args.prefix_cache or bool(host),
-        host_pages=host,
-    )
     sampling = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
+    max_running = args.max_running_requests or len(prompts)
+    pp = int(getattr(args, "pp_size", 1) or 1)
+    children: list[Any] = []
+    staged: dict[str, Any] = {}
+    built: list[V4Engine] = []  # the engine, once built (its pool is stage 0's)
+    if pp > 1:  # a colocated pipeline: stages 1.. are child processes with their layers' pools
+        from dsakv.cli import options
+        from dsakv.config import split_layers
+        from dsakv.disagg.prefill.v4_stages import stage_forward, start_stages
+
+        ranges = split_layers(model.spec.num_layers, pp, options.pipeline_config(args).partition)
+        layout_page = model.layout(page).page
+        children = start_stages(str(args.model), ranges, num_pages, max_running, layout_page, threads=args.threads or 1)
+        staged = {
+            "layers": ranges[0],
+            "forward": lambda rows: stage_forward(model, ranges, children, built[0].pool, rows),
+        }
+    try:
+        eng = V4Engine(
+            model,
+            num_pages=num_pages,
+            max_running=max_running,
+            page_size=page,
+            prefix_cache=args.prefix_cache or bool(host),
+            host_pages=host,
+            **staged,
+        )
+        built.append(eng)
+        return _run(args, eng, prompts, eos, sampling)
+    finally:
+        for c in children:
+            c.stop()
+
+
+def _run(args: argparse.Namespace, eng: Any, prompts: list[list[int]], eos: tuple[int, ...], sampling: Any) -> int:
     rng = random.Random()
 
     def seed() -> int:  # every prompt draws with --seed (as the DSA engine's requests do), else a random one

@@ -85,7 +85,8 @@ class V4Engine(V4Handoff):
             raise ConfigError("a V4 pipeline stage 0 needs both its layer range and the pipeline's forward")
         if layers is not None and (prefix_cache or host_pages or storage is not None):
             raise ConfigError(
-                "a pipelined DeepSeek-V4 prefill has no prefix cache or host / L3 tier yet: drop --prefix-cache and "
+                "a pipelined DeepSeek-V4 engine (--pp-size > 1) has no prefix cache or host / L3 tier yet: drop "
+                "--prefix-cache and "
                 "the hicache options, or use --pp-size 1"
             )
         self.model = model

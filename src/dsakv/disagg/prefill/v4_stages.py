@@ -19,15 +19,19 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import torch
 
+from dsakv.cache.v4_pool import V4Pool
 from dsakv.disagg.transfer.backends.base import Peer, deadline_in
 from dsakv.disagg.transfer.backends.registry import make_backend
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4, pair_figure, v4_blocks
+from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.util.child import ChildProcess
 from dsakv.util.procs import arm_parent_death
 
@@ -71,25 +75,24 @@ def _transfer_loop(conn: Connection, backend: Any, manifest: V4Manifest, layout:
 
 def _stage_main(conn: Connection, xconn: Connection, spec: V4StageSpec, parent: int) -> None:
     arm_parent_death(parent, signal.SIGKILL)
-    import torch
-
-    from dsakv.cache.v4_pool import V4Pool
     from dsakv.model.deepseek_v4 import load_v4
 
     torch.set_num_threads(spec.threads)
     try:
         model = load_v4(spec.checkpoint)
         pool = V4Pool(model.stage_layout(spec.start, spec.end, spec.page_size), spec.num_pages, spec.max_running)
-        backend = make_backend(spec.backend, **spec.backend_options)
-        backend.register(pool.regions())
-        manifest = V4Manifest.from_pool(pool, backend.meta(), spec.worker)
-        conn.send(("ok", (manifest.to_bytes(), backend.quarantine_s)))
+        backend = make_backend(spec.backend, **spec.backend_options) if spec.backend else None
+        if backend is not None:  # a PD prefill's stage; a colocated pipeline's (generate) sends nothing
+            backend.register(pool.regions())
+            manifest = V4Manifest.from_pool(pool, backend.meta(), spec.worker)
+        conn.send(("ok", (manifest.to_bytes(), backend.quarantine_s) if backend is not None else (b"", 0.0)))
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    threading.Thread(
-        target=_transfer_loop, args=(xconn, backend, manifest, pool.layout), name="v4-stage-xfer", daemon=True
-    ).start()
+    if backend is not None:
+        threading.Thread(
+            target=_transfer_loop, args=(xconn, backend, manifest, pool.layout), name="v4-stage-xfer", daemon=True
+        ).start()
     while True:
         try:
             cmd, args = conn.recv()
@@ -100,7 +103,8 @@ def _stage_main(conn: Connection, xconn: Connection, spec: V4StageSpec, parent: 
                 rows, h = args
                 conn.send(("ok", model.forward_layers(rows, pool, h, spec.start, spec.end)))
             elif cmd == "stop":
-                backend.close()
+                if backend is not None:
+                    backend.close()
                 conn.send(("ok", None))
                 break
             else:
@@ -129,8 +133,8 @@ class V4StageChild(ChildProcess):
         xchild.close()
         self._xlock = threading.Lock()
         data, self.quarantine_s = self._reply(start_timeout, "start")
-        self.manifest_bytes: bytes = data
-        self.manifest = V4Manifest.from_bytes(data)
+        self.manifest_bytes: bytes = data  # b"": no transfer backend (a colocated pipeline)
+        self.manifest = V4Manifest.from_bytes(data) if data else None
 
     def send(self, args: tuple[Any, ...], timeout: float) -> tuple[int, int, int]:
         """("send", args) on the transfer pipe: (bytes moved, blocks, the pair's layout figure)."""
@@ -142,3 +146,44 @@ class V4StageChild(ChildProcess):
         if status != "ok":
             raise RuntimeError(f"{self.label}: {value}")
         return tuple(value)  # type: ignore[return-value]
+
+
+def start_stages(
+    checkpoint: str,
+    ranges: Sequence[tuple[int, int]],
+    num_pages: int,
+    max_running: int,
+    page_size: int,
+    backend: str = "",
+    backend_options: dict[str, Any] | None = None,
+    worker: str = "v4",
+    threads: int = 1,
+) -> list[V4StageChild]:
+    """Stages 1.. of `ranges` as children (stage 0 is the caller's); each one's pool of its layers, and with
+    `backend` its own transfer engine. A failed start stops the ones started."""
+    out: list[V4StageChild] = []
+    try:
+        for k, (a, b) in enumerate(ranges[1:], start=1):
+            spec = V4StageSpec(
+                checkpoint, k, a, b, num_pages, max_running, page_size, backend, dict(backend_options or {}),
+                f"{worker}-pp{k}", threads,
+            )  # fmt: skip
+            out.append(V4StageChild(spec))
+    except Exception:
+        for c in out:
+            c.stop()
+        raise
+    return out
+
+
+def stage_forward(
+    model: DeepseekV4, ranges: Sequence[tuple[int, int]], children: Sequence[V4StageChild], pool: V4Pool,
+    rows: list[V4Row],
+) -> torch.Tensor:  # fmt: skip
+    """A step's rows through every stage: embed and stage 0's layers on `pool` here, each child's layers there
+    (the hidden streams over its compute pipe, in order), the head here: the logits of each row's last token."""
+    a, b = ranges[0]
+    h = model.forward_layers(rows, pool, model.embed(rows), a, b)
+    for child in children:
+        h = child.call("forward", (rows, h))
+    return model.head(rows, h)

@@ -32,7 +32,7 @@ import torch
 
 from dsakv.config import PrefillConfig, split_layers
 from dsakv.disagg.prefill.v4_jobs import V4Job, V4Link, V4PrefillStats, V4PrefillViews, V4Sender
-from dsakv.disagg.prefill.v4_stages import V4StageChild, V4StageSpec
+from dsakv.disagg.prefill.v4_stages import V4StageChild, stage_forward, start_stages
 from dsakv.disagg.protocol import grants
 from dsakv.disagg.protocol.errors import Unavailable
 from dsakv.disagg.protocol.messages import (
@@ -93,14 +93,11 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
         self.num_pages = pool.num_pages or pool.pages_for_tokens(pool.max_tokens or 4096, layout.page)
         self.max_running = ecfg.scheduler.max_running_requests or DEFAULT_V4_PREFILL_RUNNING
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
-        self.children: list[V4StageChild] = []
+        self.children: list[V4StageChild] = start_stages(
+            cfg.model, self.ranges, self.num_pages, self.max_running, layout.page, cfg.config.transfer.backend,
+            dict(cfg.backend_options.kwargs()), cfg.name or "v4-prefill", torch.get_num_threads(),
+        )  # fmt: skip
         try:
-            for k, (a, b) in enumerate(self.ranges[1:], start=1):
-                spec = V4StageSpec(
-                    cfg.model, k, a, b, self.num_pages, self.max_running, layout.page, cfg.config.transfer.backend,
-                    dict(cfg.backend_options.kwargs()), f"{cfg.name or 'v4-prefill'}-pp{k}", torch.get_num_threads(),
-                )  # fmt: skip
-                self.children.append(V4StageChild(spec))
             staged = pipe.pp_size > 1
             storage = v4_storage_config(ecfg)
             self.engine = V4Engine(
@@ -171,12 +168,7 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
     # ---- the pipeline's forward (stage 0's engine calls it with a step's rows) ------------------------------
 
     def _pipeline_forward(self, rows: list[V4Row]) -> torch.Tensor:
-        a, b = self.ranges[0]
-        h = self.model.embed(rows)
-        h = self.model.forward_layers(rows, self.engine.pool, h, a, b)
-        for child in self.children:
-            h = child.call("forward", (rows, h))
-        return self.model.head(rows, h)
+        return stage_forward(self.model, self.ranges, self.children, self.engine.pool, rows)
 
     # ---- RPC -------------------------------------------------------------------------------------------------
 
