@@ -116,7 +116,9 @@ def test_boundary_refuses_zero_length_unregistered_and_foreign_blocks(tiny) -> N
 
 
 def test_deadline_cancels_and_destination_stays_untouched(tiny) -> None:
-    src_pool, sb, sm = worker(KVLayout(tiny), 4, "a", seed=2, latency_s=0.5)
+    # the transfer would land 3 s in, its deadline is at 0.2 s: the wait ends between the two (a wide window, so a
+    # loaded machine that schedules this thread late still tells the deadline from the completion)
+    src_pool, sb, sm = worker(KVLayout(tiny), 4, "a", seed=2, latency_s=3.0)
     dst_pool, db, dm = worker(KVLayout(tiny), 4, "b")
     plan = TransferPlan.build(check_pair(sm, dm).pairs, [0, 1], [2, 3])
     peer = sb.connect(dm)
@@ -125,7 +127,7 @@ def test_deadline_cancels_and_destination_stays_untouched(tiny) -> None:
     assert sb.poll(h) is TransferStatus.PENDING
     with pytest.raises(TransferTimeout, match="unfinished at its deadline"):
         sb.wait(h)
-    assert 0.2 <= time.monotonic() - t0 < 0.45
+    assert 0.2 <= time.monotonic() - t0 < 3.0
     assert h.status is TransferStatus.FAILED
     time.sleep(0.4)
     assert sb.poll(h) is TransferStatus.FAILED
@@ -134,7 +136,7 @@ def test_deadline_cancels_and_destination_stays_untouched(tiny) -> None:
     assert (t.transfers, t.failures, t.bytes) == (1, 1, 0)
     # the same transfer with room to finish succeeds
     m = sb.transfer(peer, plan.blocks, deadline_in(5))
-    assert m.ok and m.seconds >= 0.5
+    assert m.ok and m.seconds >= 3.0
     keys = [p.key for p in check_pair(sm, dm).pairs]
     assert page_checksums(dst_pool, np.array([2, 3]), keys) == page_checksums(src_pool, np.array([0, 1]), keys)
     assert sum(int(dst_pool.tensor(k)[[0, 1]].count_nonzero()) for k in dst_pool.keys) == 0
