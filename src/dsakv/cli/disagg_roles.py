@@ -171,23 +171,11 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         return run_v4_decode(args, cfg)
     if pipe.pp_size > 1 and pipe.pp_rank is None:
         return _launch_stages(args, pipe.pp_size, "decode")
-    from dsakv.config import DecodeConfig
     from dsakv.disagg.decode.stage_worker import DecodeStageWorker
     from dsakv.disagg.decode.worker import DecodeWorker
 
-    model_dir = options.model_dir_of(args)
     _threads(args)
-    dcfg = DecodeConfig(
-        model=str(model_dir),
-        host=args.host,
-        port=args.port,
-        name=args.worker_name,
-        config=cfg,
-        backend_options=cfg.transfer.backend_options(args.host),
-        max_kv_timeout=args.max_kv_timeout,
-        tp_size=getattr(args, "tp_size", 1),
-        rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
-    )
+    dcfg = decode_config(args, cfg)
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
     if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
@@ -273,13 +261,11 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, tp: bo
     )
 
 
-def run_v4_decode(args: argparse.Namespace, cfg: Config) -> int:
-    """A DeepSeek-V4 decode (disagg/decode/v4_worker.py): one process, one rank."""
+def decode_config(args: argparse.Namespace, cfg: Config) -> Any:
+    """This decode's DecodeConfig: the tree, plus the process's address, name, KV-wait bound and ranks."""
     from dsakv.config import DecodeConfig
-    from dsakv.disagg.decode.v4_worker import V4DecodeWorker
 
-    _threads(args)
-    dcfg = DecodeConfig(
+    return DecodeConfig(
         model=str(options.model_dir_of(args)),
         host=args.host,
         port=args.port,
@@ -287,8 +273,17 @@ def run_v4_decode(args: argparse.Namespace, cfg: Config) -> int:
         config=cfg,
         backend_options=cfg.transfer.backend_options(args.host),
         max_kv_timeout=args.max_kv_timeout,
+        tp_size=getattr(args, "tp_size", 1),
+        rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
     )
-    worker = V4DecodeWorker(dcfg)
+
+
+def run_v4_decode(args: argparse.Namespace, cfg: Config) -> int:
+    """A DeepSeek-V4 decode (disagg/decode/v4_worker.py): one process, one rank."""
+    from dsakv.disagg.decode.v4_worker import V4DecodeWorker
+
+    _threads(args)
+    worker = V4DecodeWorker(decode_config(args, cfg))
     return _serve_worker(worker, lambda: f"dsakv decode (DeepSeek-V4) ready on {worker.address} (pid {os.getpid()})")
 
 

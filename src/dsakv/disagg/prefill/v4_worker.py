@@ -60,7 +60,7 @@ from dsakv.disagg.protocol.messages import (
     Submitted,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError
-from dsakv.disagg.protocol.worker_service import WorkerService
+from dsakv.disagg.protocol.worker_service import WorkerService, connect_at_startup
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4
 from dsakv.engine.v4_serve import check_v4_params
@@ -340,16 +340,7 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
     def start(self, startup_wait: float | None = None) -> V4PrefillWorker:
         self.service.start([(self._loop, "v4-prefill-loop"), (self._send_loop, "v4-prefill-send")])
         wait = self.t.startup_wait if startup_wait is None else startup_wait
-        for addr in self.cfg.decode:  # an incompatible decode fails startup loudly (IncompatiblePeer)
-            end = time.monotonic() + wait
-            while True:
-                try:
-                    self._link(addr)
-                    break
-                except PeerUnavailable:
-                    if time.monotonic() >= end:
-                        raise
-                    time.sleep(0.5)
+        connect_at_startup(self.cfg.decode, self._link, wait)  # an incompatible decode fails startup loudly
         return self
 
     def request_stop(self) -> None:

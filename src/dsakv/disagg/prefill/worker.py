@@ -66,8 +66,8 @@ from dsakv.disagg.protocol.messages import (
     PrefillHealth,
     TransferHealth,
 )
-from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient
-from dsakv.disagg.protocol.worker_service import WorkerService
+from dsakv.disagg.protocol.rpc import RpcClient
+from dsakv.disagg.protocol.worker_service import WorkerService, connect_at_startup
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.bootstrap import DecodeLinks, grid_check
 from dsakv.disagg.transfer.manifest import Manifest
@@ -299,16 +299,7 @@ class PrefillStage:
             [(self._loop, f"stage-loop{self.rank}"), (lambda: self.ctx.sender.loop(stop), f"stage-xfer{self.rank}")]
         )
         wait = self.ctx.t.startup_wait if startup_wait is None else startup_wait
-        for addr in self.cfg.decode:
-            end = time.monotonic() + wait
-            while True:
-                try:
-                    self.links.get(addr)
-                    break
-                except PeerUnavailable:
-                    if time.monotonic() >= end:
-                        raise
-                    time.sleep(0.5)
+        connect_at_startup(self.cfg.decode, self.links.get, wait)
         return self
 
     def request_stop(self) -> None:

@@ -21,11 +21,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dsakv.disagg.protocol.messages import CHECK_INTEGRITY, HEALTH, PING, Health, PingReply
-from dsakv.disagg.protocol.rpc import Rpc, RpcClient, RpcError, RpcServer, Service, acl_of, bind
+from dsakv.disagg.protocol.rpc import PeerUnavailable, Rpc, RpcClient, RpcError, RpcServer, Service, acl_of, bind
 from dsakv.disagg.protocol.wire import new_boot_id
 
 log = logging.getLogger(__name__)
@@ -134,3 +135,18 @@ class Notifier:
 
     def stop(self) -> None:
         self._q.put(None)
+
+
+def connect_at_startup(addrs: Sequence[str], connect: Callable[[str], object], wait: float) -> None:
+    """A prefill's --decode peers at startup: `connect(addr)` each, retrying while it is unreachable (not up yet)
+    for up to `wait` seconds; anything else it raises (IncompatiblePeer: the pair is refused) propagates."""
+    for addr in addrs:
+        end = time.monotonic() + wait
+        while True:
+            try:
+                connect(addr)
+                break
+            except PeerUnavailable:
+                if time.monotonic() >= end:
+                    raise
+                time.sleep(0.5)
