@@ -403,7 +403,7 @@ class V4DecodeWorker:
     # ---- views ---------------------------------------------------------------------------------------------
 
     def integrity(self) -> str:
-        with self._lock:
+        with self._lock, self.engine.lock:  # the worker's books, then the engine's (the order stage_done takes)
             try:
                 self.engine.engine.check_integrity()
             except AssertionError as e:

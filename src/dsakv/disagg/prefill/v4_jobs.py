@@ -134,10 +134,11 @@ class V4Sender(_Parts):
         t0 = time.perf_counter()
         for k in range(n):
             left = job.deadline - time.monotonic()
-            ok, err, nbytes, quarantine = True, None, 0, 0.0
+            ok, err, nbytes, quarantine, started = True, None, 0, 0.0, False
             try:
                 if left <= 0:
-                    raise TransferTimeout(f"request {job.rid}: its KV deadline passed before stage {k} sent")
+                    raise RuntimeError(f"request {job.rid}: its KV deadline passed before stage {k} sent")
+                started = True
                 if k == 0:
                     plan = v4_blocks(
                         link.pairs[0], self.manifest, link.manifest, src, job.dst_pages, slot, job.dst_slot
@@ -152,7 +153,8 @@ class V4Sender(_Parts):
                     raise RuntimeError(f"stage {k} moved {nbytes} B of request {job.rid}, its layout says {want} B")
             except Exception as e:
                 ok, err = False, f"prefill {self.name} stage {k}: {type(e).__name__}: {e}"
-                timed_out = isinstance(e, TransferTimeout) or "timed out" in str(e).lower()
+                # a write that timed out may still land: the decode keeps the pages for the engine's quarantine
+                timed_out = started and (isinstance(e, TransferTimeout) or "timed out" in str(e).lower())
                 quarantine = (
                     (self.backend.quarantine_s if k == 0 else self.children[k - 1].quarantine_s) if timed_out else 0.0
                 )
