@@ -144,6 +144,8 @@ def test_v4_prefill_refuses_a_decode_of_another_page_size(world: dict, ckpt: Pat
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "csa_kv" in r.stderr and "16" in r.stderr and "32" in r.stderr, r.stderr[-3000:]
+    r = subprocess.run([*cmd[:-4], "--pp-size", "2", "--pp-rank", "1"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and "a DeepSeek-V4 prefill starts its stages itself" in r.stderr, r.stderr[-3000:]
 
 
 def test_a_dead_stage_takes_the_pp2_prefill_out_of_service(world: dict) -> None:

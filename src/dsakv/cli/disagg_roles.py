@@ -294,6 +294,11 @@ def run_v4_prefill(args: argparse.Namespace, cfg: Config) -> int:
 
     if getattr(args, "tp_size", 1) > 1:
         raise ConfigError(f"--tp-size {args.tp_size} with a DeepSeek-V4 prefill is not supported yet: give TP 1")
+    if cfg.pipeline.pp_rank is not None:
+        raise ConfigError(
+            f"--pp-rank {cfg.pipeline.pp_rank}: a DeepSeek-V4 prefill starts its stages itself (children of this "
+            "process, one port); drop --pp-rank"
+        )
     _threads(args)
     pcfg = prefill_config(args, cfg, str(options.model_dir_of(args)))
     worker = V4PrefillWorker(pcfg)
