@@ -643,7 +643,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint DIR (default: a fresh `dsakv make-tiny` in a temp dir)")
     p.add_argument("--runs", type=int, default=4, help="rounds, each running every arm once (default 4)")
-    p.add_argument("--sessions", type=int, default=32, help="sessions in the request script (default 32)")
+    p.add_argument("--sessions", type=int, default=16, help="sessions in the request script (default 16)")
     p.add_argument("--concurrency", type=int, default=16, help="sessions at a time (default 16)")
     p.add_argument(
         "--budgets",
