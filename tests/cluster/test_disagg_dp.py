@@ -167,3 +167,25 @@ def test_dp_rank_killed_fails_the_instance_names_it_leaks_nothing(world):
     assert not h.ok and h.down is not None and h.down.startswith(dead), h.down
     assert_clean([ranks[0], prefill[0].addr], procs=[decode, *prefill])
     wait_for(lambda: not router.peers.usable_pairs(), 30, "no DP rank routable", [decode, *prefill])
+
+
+def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad DP combinations of `dsakv serve` exit 2 with an error naming the value (nothing starts)."""
+    from dsakv.cli.main import main
+
+    model = str(tiny_path(ARCH))
+    cases = [
+        (["--role", "prefill", *DP], "dsakv serve --role prefill --enable-dp-attention is not supported yet"),
+        ([*DP], "dsakv serve --role colocated --enable-dp-attention is not supported yet"),
+        (["--role", "decode", "--pp-size", "2", *DP], "--enable-dp-attention with --role decode --pp-size 2"),
+        (["--role", "decode", "--port", "65535", *DP], "--port 65535 with --dp-size 2: DP rank r listens on"),
+        (["--role", "decode", *DP[:4], "--enable-dp-attention", "--ep-size", "1"], "give --ep-size 2, not 1"),
+        (
+            ["--role", "decode", "--tp-size", "3", "--dp-size", "3", "--enable-dp-attention", "--ep-size", "3"],
+            "n_routed_experts = 8 is not divisible by --ep-size 3",
+        ),
+    ]
+    for extra, msg in cases:
+        port = [] if "--port" in extra else ["--port", str(free_ports(3))]
+        assert main(["serve", "--model", model, *port, *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra

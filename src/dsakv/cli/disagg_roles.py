@@ -196,8 +196,9 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     )
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
     if dcfg.dp_size > 1:  # DP attention: every rank a DecodeWorker of its own on --port + rank (decode/dp.py)
-        from dsakv.disagg.decode.dp import dp_rank_config
+        from dsakv.disagg.decode.dp import check_experts, dp_rank_config
 
+        check_experts(dcfg)  # before any rank starts
         rank = int(os.environ.get(TP_RANK_ENV) or 0)
         dp_worker = DecodeWorker(dp_rank_config(dcfg, rank))
         line = f"dsakv decode DP rank {rank}/{dcfg.dp_size} ready on {{}} (pid {os.getpid()})"

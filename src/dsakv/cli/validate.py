@@ -192,6 +192,12 @@ def validate_serve(args: argparse.Namespace) -> None:
         from dsakv.cli.disagg_roles import prefill_cache_config
 
         prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
+    dp = int(getattr(args, "dp_size", 1) or 1)
+    if role == "decode" and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
+        raise ConfigError(
+            f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "
+            f"which must be <= {MAX_PORT}: pick a lower --port"
+        )
     for p in getattr(args, "prefill", None) or ():
         check_peer(p, "--prefill")
     for d in getattr(args, "decode", None) or ():

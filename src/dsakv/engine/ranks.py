@@ -195,7 +195,7 @@ class Ranks:
         if bad:
             raise ConfigError(f"tensor-parallel ranks failed: {', '.join(bad)} (their errors are above)")
         if self.children:
-            log.info("TP group stopped: %s exited 0", ", ".join(p.name for p in self.children))
+            log.info("%s group stopped: %s exited 0", self.label, ", ".join(p.name for p in self.children))
 
 
 def start_ranks(size: int, argv: Sequence[str], device: str = "cpu", label: str = "TP") -> Ranks:

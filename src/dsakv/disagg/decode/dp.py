@@ -45,6 +45,15 @@ def dp_rank_config(cfg: DecodeConfig, rank: int) -> DecodeConfig:
     return replace(cfg, port=cfg.port + rank if cfg.port else 0, name=name, dp_rank=rank)
 
 
+def check_experts(cfg: DecodeConfig) -> None:
+    """ConfigError unless --ep-size (== --dp-size) divides the checkpoint's routed experts."""
+    from dsakv.model.loader import load_config
+    from dsakv.model.parallel import divide
+
+    experts = int(load_config(Path(cfg.model)).get("n_routed_experts") or 0)
+    divide("n_routed_experts", experts, cfg.dp_size, "--ep-size")
+
+
 class DPDecodeEngine(LockstepEngine):
     """LockstepEngine on a decode rank: once a rank is down a prealloc is refused (the router places elsewhere)."""
 
@@ -77,12 +86,10 @@ class DecodeDP:
 
         from dsakv.engine.engine import Engine
         from dsakv.engine.ranks import start_ranks
-        from dsakv.model.loader import load_config, load_model
-        from dsakv.model.parallel import attach_ep, divide
+        from dsakv.model.loader import load_model
+        from dsakv.model.parallel import attach_ep
 
-        divide(
-            "n_routed_experts", int(load_config(Path(cfg.model)).get("n_routed_experts") or 0), cfg.dp_size, "--ep-size"
-        )
+        check_experts(cfg)
         ranks = start_ranks(cfg.dp_size, cfg.rank_argv, label="DP")
         try:
             spec, m = load_model(cfg.model, dtype=getattr(torch, cfg.config.engine.dtype))
