@@ -2,7 +2,8 @@
 --ep-size 2`) fed by a TP-1 prefill, over each real transfer backend: two DP rank processes, each its own pool,
 scheduler, requests and transfer engine (RPC on --port + rank), the MoE expert-parallel over both in lockstep.
 
-Checked: tokens equal the single-rank colocated engine (greedy and seeded); the router finds rank 1 from rank 0's
+Checked: tokens equal the single-rank colocated engine (greedy and seeded; a TP-2 prefill too, each request's
+keys spread over both prefill ranks); the router finds rank 1 from rank 0's
 health and spreads the requests over both ranks by load; each DP rank receives exactly its own requests' keys
 (bytes per (prefill rank, DP rank) pair == the layout figure x its requests' pages); per-rank health rows; clean
 pools. kill -9 of DP rank 1: the EP all-to-all needs every rank, so the whole instance fails all its requests,
@@ -57,18 +58,19 @@ def world(request, tmp_path_factory):
         port = free_ports(2)  # rank r listens on port + r
         decode = cluster.decode("ddp2", backend, True, port=port, extra=[*DP, "--worker-name", "ddp2"])
         prefill = cluster.prefill("p1", backend, True, (spec.num_layers,))
-        cluster.wait_healthy([*prefill, decode], timeout=240)
+        ptp = cluster.prefill("p2", backend, True, (spec.num_layers,), extra=["--tp-size", "2"])
+        cluster.wait_healthy([*prefill, *ptp, decode], timeout=240)
         ranks = [decode.addr, f"127.0.0.1:{port + 1}"]
         wait_for(lambda: fetch_health(ranks[1]).ok, 60, "DP rank 1 healthy", cluster.procs)
         router = cluster.router([prefill[0].addr], [decode.addr])  # rank 1 comes from rank 0's health
         wait_for(lambda: len(router.peers.usable_pairs()) == 2, 90, "both DP ranks paired", cluster.procs)
-        yield backend, cluster, decode, ranks, prefill, router
+        yield backend, cluster, decode, ranks, prefill, router, ptp
     finally:
         cluster.close()
 
 
 def test_decode_dp2_tokens_routing_and_bytes_per_rank(world, reference):
-    backend, cluster, decode, ranks, prefill, router = world
+    backend, cluster, decode, ranks, prefill, router, _ = world
     spec = ModelSpec.from_path(tiny_path(ARCH))
     for r, addr in enumerate(ranks):
         h = fetch_health(addr)
@@ -126,6 +128,31 @@ def test_decode_dp2_tokens_routing_and_bytes_per_rank(world, reference):
     wait_for(lambda: gauges() == [(1.0, 0.0), (1.0, 0.0)], 10, "the router's gauges per DP rank", cluster.procs)
 
 
+def test_tp2_prefill_into_dp2_decode_spreads_each_rank_keys_over_both_senders(world, reference):
+    """Prefill TP 2 -> decode DP 2: each request's keys go to its DP rank only, each key from one of the two
+    prefill ranks (the sender rule over a one-part link), both senders carrying bytes; tokens == one rank."""
+    backend, cluster, decode, ranks, prefill, _, ptp = world
+    before = [dict(fetch_health(a).kv_bytes_pairs or {}) for a in ranks]
+    started = [fetch_health(a).counters["started"] for a in ranks]
+    router = cluster.router([ptp[0].addr], [decode.addr])
+    wait_for(lambda: len(router.peers.usable_pairs()) == 2, 90, "both DP ranks paired with p2", cluster.procs)
+    got = run_requests(router, PROMPTS, GREEDY, f"{backend}-tp2dp-g")
+    assert [t for t, _, _ in got] == reference["greedy"], got
+    spec = ModelSpec.from_path(tiny_path(ARCH))
+    lay = KVLayout(spec, 0, spec.num_layers, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
+    assert_clean([*ranks, ptp[0].addr], procs=cluster.procs)
+    total = 0
+    for r, a in enumerate(ranks):
+        h = fetch_health(a)
+        new = {k: v - before[r].get(k, 0) for k, v in (h.kv_bytes_pairs or {}).items() if k.startswith("p2:")}
+        n = h.counters["started"] - started[r]
+        assert sum(new.values()) == n * PAGES_EACH * lay.bytes_per_page, (n, new)  # its own requests' keys, once
+        if n:  # every request's keys spread over both prefill ranks (no rank-0 hotspot, no dummy transfer)
+            assert sorted(new) == [f"p2:0.tp0->dp{r}", f"p2:0.tp1->dp{r}"] and min(new.values()) > 0, new
+        total += n
+    assert total == len(PROMPTS)
+
+
 def children(pid: int) -> list[int]:
     return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
 
@@ -134,7 +161,7 @@ def test_dp_rank_killed_fails_the_instance_names_it_leaks_nothing(world):
     """kill -9 of DP rank 1 while each rank decodes one request: both fail (rank 0's naming the dead rank and its
     signal, rank 1's naming its DP rank as unavailable); rank 0 says down, frees every page; the prefill holds
     nothing; the router routes nothing there."""
-    backend, cluster, decode, ranks, prefill, router = world
+    backend, cluster, decode, ranks, prefill, router, _ = world
     rids = [f"{backend}-kill-{i}" for i in range(2)]
     for rid, p in zip(rids, PROMPTS[:2], strict=True):
         router.submit(rid, list(p), LONG)
