@@ -138,10 +138,15 @@ def _start_or_exit(worker: Any, **kw: Any) -> None:
             exit_now(2)
 
 
-def _serve_worker(worker: Any, ready_line: Callable[[], str], **start: Any) -> int:
+def _serve_worker(worker: Any, ready_line: Callable[[], str], follower: bool = False, **start: Any) -> int:
     """The life of a decode worker or prefill stage process: SIGTERM/SIGINT ask it to stop; start it (a startup
-    error: exit 2); say it is ready (log + stdout: launchers wait for the line); serve until asked to stop."""
-    _install_sigterm(worker.request_stop)
+    error: exit 2); say it is ready (log + stdout: launchers wait for the line); serve until asked to stop.
+    `follower`: a DP rank >= 1 ignores SIGTERM/SIGINT (its rank 0 stops it; SIGKILL if rank 0 dies)."""
+    if follower:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+    else:
+        _install_sigterm(worker.request_stop)
     _start_or_exit(worker, **start)
     line = ready_line()
     log.info("%s", line)
@@ -177,6 +182,14 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     _threads(args)
     dcfg = decode_config(args, cfg)
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
+    if dcfg.dp_size > 1:  # DP attention: every rank a DecodeWorker of its own on --port + rank (decode/dp.py)
+        from dsakv.disagg.decode.dp import check_experts, dp_rank_config
+
+        check_experts(dcfg)  # before any rank starts
+        rank = int(os.environ.get(TP_RANK_ENV) or 0)
+        dp_worker = DecodeWorker(dp_rank_config(dcfg, rank))
+        line = f"dsakv decode DP rank {rank}/{dcfg.dp_size} ready on {{}} (pid {os.getpid()})"
+        return _serve_worker(dp_worker, lambda: line.format(dp_worker.address), follower=rank > 0)
     if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
 
@@ -275,6 +288,7 @@ def decode_config(args: argparse.Namespace, cfg: Config) -> Any:
         max_kv_timeout=args.max_kv_timeout,
         tp_size=getattr(args, "tp_size", 1),
         rank_argv=tuple(getattr(args, "_argv", None) or sys.argv[1:]),
+        dp_size=args.dp_size if getattr(args, "enable_dp_attention", False) else 1,
     )
 
 
@@ -282,6 +296,8 @@ def run_v4_decode(args: argparse.Namespace, cfg: Config) -> int:
     """A DeepSeek-V4 decode (disagg/decode/v4_worker.py): one process, one rank."""
     from dsakv.disagg.decode.v4_worker import V4DecodeWorker
 
+    if getattr(args, "tp_size", 1) > 1:
+        raise ConfigError(f"--tp-size {args.tp_size} with a DeepSeek-V4 decode is not supported yet: give TP 1")
     _threads(args)
     worker = V4DecodeWorker(decode_config(args, cfg))
     return _serve_worker(worker, lambda: f"dsakv decode (DeepSeek-V4) ready on {worker.address} (pid {os.getpid()})")

@@ -131,8 +131,15 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_tp(args)
     if role == "colocated":
         check_pp_colocated(args)
-    if getattr(args, "enable_dp_attention", False):
-        raise ConfigError("dsakv serve --enable-dp-attention is not supported yet (dsakv generate runs it)")
+    if getattr(args, "enable_dp_attention", False) and role != "decode":
+        raise ConfigError(
+            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves as --role "
+            "decode (dsakv generate runs it colocated)"
+        )
+    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
+        raise ConfigError(
+            f"--enable-dp-attention with --role decode --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
+        )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
         raise ConfigError(f"--tp-size {tp} with --role {role} is not supported: the router runs no model")
@@ -185,6 +192,12 @@ def validate_serve(args: argparse.Namespace) -> None:
         from dsakv.cli.disagg_roles import prefill_cache_config
 
         prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
+    dp = int(getattr(args, "dp_size", 1) or 1)
+    if role == "decode" and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
+        raise ConfigError(
+            f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "
+            f"which must be <= {MAX_PORT}: pick a lower --port"
+        )
     for p in getattr(args, "prefill", None) or ():
         check_peer(p, "--prefill")
     for d in getattr(args, "decode", None) or ():

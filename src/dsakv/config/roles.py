@@ -173,9 +173,16 @@ class DecodeConfig:
     max_kv_timeout: float = 120.0  # the longest kv_timeout a prealloc may ask for: bounds how long pages wait for KV
     tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 (decode/ranks.py) and starts ranks 1..T-1
     rank_argv: tuple[str, ...] = ()  # the `dsakv` arguments the rank processes re-run (this process's argv)
+    dp_size: int = 1  # --dp-size D > 1 with --enable-dp-attention: D DP ranks (decode/dp.py), tp_size == D
+    dp_rank: int = 0  # this process's DP rank (its RPC port: the instance's --port + dp_rank)
 
     def __post_init__(self) -> None:
         self.config.transfer.check_options(self.backend_options)
+        if self.dp_size > 1 and (self.tp_size != self.dp_size or not 0 <= self.dp_rank < self.dp_size):
+            raise ConfigError(
+                f"--dp-size {self.dp_size} (DP rank {self.dp_rank}) with --tp-size {self.tp_size}: DP attention runs "
+                f"attention TP 1, give --tp-size {self.dp_size}"
+            )
         if not 0 < self.max_kv_timeout <= MAX_KV_TIMEOUT:
             raise ConfigError(
                 f"--max-kv-timeout {self.max_kv_timeout} must be in (0, {MAX_KV_TIMEOUT:g}] seconds (the longest a "

@@ -79,10 +79,10 @@ class Ranks:
     """This process's place in its TP group; rank 0 also holds the processes of ranks 1..T-1 and watches them
     (`down`: the first dead rank and its exit status, None while every rank runs)."""
 
-    def __init__(self, group: TPGroup, children: Sequence[Proc] = ()) -> None:
+    def __init__(self, group: TPGroup, children: Sequence[Proc] = (), label: str = "TP") -> None:
         import threading
 
-        self.group, self.children = group, list(children)
+        self.group, self.children, self.label = group, list(children), label
         group.on_error = self.guard  # a model step's reduce broken by a dead rank raises RankDown naming it
         self._down: str | None = None
         self._closing = False
@@ -105,7 +105,7 @@ class Ranks:
             dead = dead_child(self.children)
             if dead is None:
                 return None
-            self._down = f"TP rank down: {dead}"
+            self._down = f"{self.label} rank down: {dead}"
         log.error("%s: every request in flight fails; restart the server to re-form the group", self._down)
         for fn in list(self._watchers):
             fn(self._down)
@@ -195,23 +195,26 @@ class Ranks:
         if bad:
             raise ConfigError(f"tensor-parallel ranks failed: {', '.join(bad)} (their errors are above)")
         if self.children:
-            log.info("TP group stopped: %s exited 0", ", ".join(p.name for p in self.children))
+            log.info("%s group stopped: %s exited 0", self.label, ", ".join(p.name for p in self.children))
 
 
-def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
-    """Join (or, as rank 0, start and join) the TP group of `size` ranks running `dsakv *argv`."""
+def start_ranks(size: int, argv: Sequence[str], device: str = "cpu", label: str = "TP") -> Ranks:
+    """Join (or, as rank 0, start and join) the TP group of `size` ranks running `dsakv *argv` (`label`: how the
+    ranks are named, "TP" or "DP": 'dp rank 1 (pid N) ...')."""
     env_rank = os.environ.get(TP_RANK_ENV)
     if size == 1:
         if env_rank is not None:
             raise ConfigError(f"{TP_RANK_ENV}={env_rank} is set but --tp-size is 1: unset it")
-        return Ranks(TPGroup(0, 1))
+        return Ranks(TPGroup(0, 1), label=label)
     children: list[Proc] = []
     if env_rank is None:
         port = free_ports(1)
         for r in range(1, size):
             env = {**os.environ, **CHILD_ENV, TP_RANK_ENV: str(r), PORT_ENV: str(port), SIZE_ENV: str(size)}
             # SIGKILL when rank 0 dies: a serving follower ignores SIGTERM (see follow)
-            child = Proc(f"tp rank {r}", dsakv_cmd(*argv), env=env, new_session=False, parent_death_signal=SIGKILL)
+            child = Proc(
+                f"{label.lower()} rank {r}", dsakv_cmd(*argv), env=env, new_session=False, parent_death_signal=SIGKILL
+            )
             children.append(child.start())
         rank = 0
     else:
@@ -225,7 +228,7 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu") -> Ranks:
             p.kill()
         raise
     log.info("TP rank %d/%d joined on %s:%d", rank, size, ADDR, port)
-    return Ranks(group, children)
+    return Ranks(group, children, label)
 
 
 def _join(rank: int, size: int, port: int, device: str, children: Sequence[Proc]) -> TPGroup:

@@ -172,11 +172,18 @@ class EPMoE(nn.Module):
         self.first, self.per, self.size, self.group = rank * per, per, size, group
         self.experts = nn.ModuleList(moe.experts[self.first + i] for i in range(per))
         self.calls = 0
+        self.on_error: Callable[[Exception], BaseException] | None = None  # a broken all-to-all raises this instead
 
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=self.group)
+        self._coll(out, x.contiguous(), recv, send)
         return out
+
+    def _coll(self, out: torch.Tensor, x: torch.Tensor, recv: list[int] | None, send: list[int] | None) -> None:
+        try:
+            dist.all_to_all_single(out, x, recv, send, group=self.group)
+        except Exception as e:  # engine/dp.py: a rank died -> RankDown naming it, not the transport's error
+            raise (self.on_error(e) if self.on_error else e) from e
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         self.calls += 1
@@ -190,7 +197,7 @@ class EPMoE(nn.Module):
         dest = torch.div(flat[order], self.per, rounding_mode="floor")
         send_t = torch.bincount(dest, minlength=self.size)
         recv_t = torch.empty_like(send_t)
-        dist.all_to_all_single(recv_t, send_t, group=self.group)
+        self._coll(recv_t, send_t, None, None)
         send, recv = send_t.tolist(), recv_t.tolist()
         rows = self._a2a(x[tok], send, recv)
         eids = self._a2a(flat[order], send, recv) - self.first

@@ -181,6 +181,9 @@ class DecodeTP:
             return {"kv_bytes_pairs": pairs} if pairs else {}
         return {"down": self.ranks.down, "kv_bytes_pairs": pairs}
 
+    def quiesce(self) -> None:
+        """Nothing to do before the service stops (a DP rank 0 runs its stop round here: decode/dp.py)."""
+
     def close(self, engine: Any) -> None:
         """Tell the other ranks to stop and wait for them (with a rank down: kill the rest, the dead one named)."""
         if self.size == 1:

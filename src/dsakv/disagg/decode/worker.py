@@ -79,11 +79,15 @@ class DecodeWorker(KvIn):
         self.cfg = cfg
         self.t = cfg.timeouts
         self.pipeline: DecodePipeline | None = None
-        self.tp = DecodeTP()  # --tp-size > 1: the other ranks' pools and reports (decode/ranks.py)
+        self.tp = DecodeTP()  # --tp-size > 1: the other ranks' pools and reports (decode/ranks.py); DP: decode/dp.py
         if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline
             from dsakv.disagg.decode.stage import DecodePipeline
 
             self.pipeline, self.engine = DecodePipeline.build(cfg, model)
+        elif cfg.dp_size > 1:  # DP attention: this process is one DP rank of the instance (decode/dp.py)
+            from dsakv.disagg.decode.dp import DecodeDP
+
+            self.tp, self.engine = DecodeDP.build(cfg, model)  # type: ignore[assignment]
         else:
             self.tp, self.engine = DecodeTP.build(cfg, model)
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
@@ -165,6 +169,7 @@ class DecodeWorker(KvIn):
 
     def stop(self) -> None:
         self.service.request_stop()
+        self.tp.quiesce()  # DP rank 0: the stop round (every rank stops after it)
         self._wake.set()
         self.service.stop(join_timeout=5)
         if self.pipeline is not None:

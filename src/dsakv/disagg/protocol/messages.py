@@ -53,6 +53,7 @@ from dsakv.disagg.protocol.messages_base import (
 from dsakv.disagg.protocol.messages_decode import (
     DecodeHealth,
     DecodeStageRef,
+    DPRankInfo,
     EventRow,
     Events,
     EventsQuery,
@@ -194,6 +195,7 @@ __all__ = [
     "DECODE_FOLLOWER_SERVICE",
     "DECODE_SERVICE",
     "DecodeHealth",
+    "DPRankInfo",
     "DecodeStageRef",
     "EVENTS",
     "EventRow",

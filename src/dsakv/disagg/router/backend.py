@@ -70,7 +70,10 @@ class RouterBackend:
         self.t = t = cfg.timeouts
         self._lock = threading.RLock()
         rule = AffinityRule(cfg.affinity_min_gain_pages, cfg.affinity_max_imbalance)
-        self.peers = PeerTable(cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule)
+        self.peers = PeerTable(
+            cfg.prefill, cfg.decode, t, self._lock, on_decode_down=self._decode_down, rule=rule,
+            on_new_decode=self._new_decode,
+        )  # fmt: skip
         self.decodes, self.prefills, self.pairs = self.peers.decodes, self.peers.prefills, self.peers.pairs
         self.book = RequestBook(self.peers, self._lock, clock, t.queue)
         self.stats = self.book.stats
@@ -80,6 +83,7 @@ class RouterBackend:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
+        self._events_started: set[str] = set()  # decodes with an events loop
         self._rng = random.Random(cfg.seed)
         self._clock = clock
         self._beats: dict[str, float] = {}  # serving loop (thread name) -> clock() at its last turn
@@ -109,13 +113,28 @@ class RouterBackend:
             ),
             (self.peers.side_loop, "router-side"),
         ]
-        for addr in self.decodes:
+        with self._lock:
+            addrs = [a for a in self.decodes if a not in self._events_started]  # (a DP rank found above: started)
+            self._events_started.update(addrs)
+        for addr in addrs:
             name = f"router-events-{addr}"
             targets.append((functools.partial(self.poller.loop, addr, self._stop, self._beater(name)), name))
         for fn, name in targets:
-            t = threading.Thread(target=fn, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._thread(fn, name)
+
+    def _thread(self, fn: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _new_decode(self, addr: str) -> None:
+        """A decode found in another's health (a DP rank): its events loop, once the router runs."""
+        with self._lock:
+            if not self._started or addr in self._events_started:
+                return
+            self._events_started.add(addr)
+        name = f"router-events-{addr}"
+        self._thread(functools.partial(self.poller.loop, addr, self._stop, self._beater(name)), name)
 
     def stop(self) -> None:
         if self._stop.is_set():
@@ -366,7 +385,7 @@ class RouterBackend:
                 log.exception("router: health poll failed")
 
     def _decode_down(self, dec: PeerState, why: str) -> None:
-        self.book.fail_decode(dec, f"decode {dec.addr} is unavailable ({why})")
+        self.book.fail_decode(dec, f"{dec.label} is unavailable ({why})")
 
 
 __all__ = ["RouterBackend", "TokenEvent"]

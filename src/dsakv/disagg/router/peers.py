@@ -17,7 +17,6 @@ Imports dsakv.disagg.{rpc, messages, routing} and dsakv.config (Timeouts); no to
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -79,6 +78,18 @@ class PeerState:
     cache_polls: int = 0  # prefill: cache-event replies applied
     slow_since: float | None = None  # HEALTH timed out but PING answered (same process) since then
     slow_health: int = 0  # health polls answered that way (the worker was busy in a step)
+    dp_rank: int | None = None  # decode: its DP rank in an instance with DP attention (found from its health)
+    dp_size: int | None = None
+    instance: str | None = None  # decode with DP attention: the address of the instance's rank 0
+
+    @property
+    def label(self) -> str:
+        """'decode 127.0.0.1:9001 (DP rank 1 of 2 of the decode instance at 127.0.0.1:9000)' (a DP rank), or
+        'decode 127.0.0.1:9001'."""
+        if self.dp_rank is None:
+            return f"{self.role} {self.addr}"
+        where = f"DP rank {self.dp_rank} of {self.dp_size} of the decode instance at {self.instance}"
+        return f"{self.role} {self.addr} ({where})"
 
     @property
     def prefill_health(self) -> PrefillHealth | None:
@@ -124,12 +135,14 @@ class PeerTable:
         lock: threading.RLock,
         on_decode_down: Callable[[PeerState, str], None],
         rule: AffinityRule | None = None,
+        on_new_decode: Callable[[str], None] | None = None,
     ) -> None:
         self.t = t
         self.rule = rule or AffinityRule()
         self.affinity = PrefixAffinity()
         self._lock = lock  # the router's: peers and requests change together
         self.on_decode_down = on_decode_down
+        self.on_new_decode = on_new_decode  # a DP rank found in a decode's health: start its events loop
         self.decodes = {a: PeerState(a, "decode", RpcClient(a, timeout=t.rpc)) for a in decode}
         self.prefills = {a: PeerState(a, "prefill", RpcClient(a, timeout=t.rpc)) for a in prefill}
         self.pairs: dict[tuple[str, str], PairState] = {(p, d): PairState() for p in prefill for d in decode}
@@ -161,6 +174,10 @@ class PeerTable:
         else:
             row["busy"] = p.busy_until > time.monotonic()
             row["stages"] = stage_rows(p.decode_health)  # a pipelined decode: every stage as it reports itself
+            if p.dp_rank is not None:  # DP attention: the rank, its instance, and the instance's ranks as it sees them
+                dh = p.decode_health
+                row.update(dp_rank=p.dp_rank, dp_size=p.dp_size, instance=p.instance)
+                row["dp_ranks"] = [vars(r) for r in dh.dp_ranks or []] if dh is not None else None
         return row
 
     def instance_metrics(self) -> dict[str, float]:
@@ -170,7 +187,8 @@ class PeerTable:
             for p in (*self.prefills.values(), *self.decodes.values()):
                 h = p.health
                 name = (h.name if h is not None else "").replace("\\", "\\\\").replace('"', '\\"')
-                lab = f'{{role="{p.role}",addr="{p.addr}",name="{name}"}}'
+                dp = f',instance="{p.instance}",dp_rank="{p.dp_rank}"' if p.dp_rank is not None else ""
+                lab = f'{{role="{p.role}",addr="{p.addr}",name="{name}"{dp}}}'
                 vals: dict[str, float | None] = {
                     "up": float(p.ok),
                     "in_flight": p.inflight,
@@ -286,9 +304,32 @@ class PeerTable:
                 return why
         return None
 
+    def add_dp_ranks(self, peer: PeerState, h: DecodeHealth) -> None:
+        """A decode with DP attention names its instance's ranks (dp_addrs): each becomes a decode of the table
+        (its own pairs and events loop), routed to by its own load; the router so picks the DP rank."""
+        if h.dp_rank is None or not h.dp_addrs:
+            return
+        new = []
+        with self._lock:
+            inst = h.dp_addrs[0]
+            for r, a in enumerate(h.dp_addrs):
+                if a not in self.decodes:
+                    self.decodes[a] = PeerState(a, "decode", RpcClient(a, timeout=self.t.rpc))
+                    for p in self.prefills:
+                        self.pairs[(p, a)] = PairState()
+                    new.append(a)
+                d = self.decodes[a]
+                d.dp_rank, d.dp_size, d.instance = r, len(h.dp_addrs), inst
+        for a in new:
+            log.info("router: decode %s is DP rank %d of the instance at %s", a, h.dp_addrs.index(a), h.dp_addrs[0])
+            if self.on_new_decode is not None:
+                self.on_new_decode(a)
+
     def poll_health(self) -> None:
         """Ask every worker's health; pair (CONNECT) every healthy prefill with every healthy decode."""
-        for peer in itertools.chain(self.decodes.values(), self.prefills.values()):
+        with self._lock:
+            peers = [*self.decodes.values(), *self.prefills.values()]
+        for peer in peers:
             try:
                 h = peer.client.request(HEALTH, HealthQuery(), timeout=self.t.health_rpc)
             except PeerUnavailable as e:
@@ -317,8 +358,12 @@ class PeerTable:
                 peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
             if peer.role == "prefill":
                 self.poll_cache(peer)
+            elif isinstance(h, DecodeHealth):
+                self.add_dp_ranks(peer, h)
         now = time.monotonic()
-        for (p, d), s in list(self.pairs.items()):
+        with self._lock:
+            pairs = list(self.pairs.items())
+        for (p, d), s in pairs:
             pre, dec = self.prefills[p], self.decodes[d]
             key = (f"{pre.boot}/{pre.epoch}", dec.health.boot if dec.health is not None else None)
             if not (pre.ok and dec.ok):

@@ -1,0 +1,177 @@
+"""A decode instance with DP attention (`dsakv serve --role decode --tp-size D --dp-size D --enable-dp-attention
+--ep-size D`): D rank processes, each a whole DecodeWorker of its own.
+
+    rank 0 (the command)   starts ranks 1..D-1 as copies of itself (engine/ranks.py, DSAKV_TP_RANK set); all join
+                           one gloo group (the EP group)
+    rank r                 RPC on --port + r (name '<name>.dp<r>'), its own pool, scheduler, requests, transfer
+                           backend and manifest: the prefill handshakes each rank as a decode of its own and writes a
+                           request's KV into the pool of the rank that holds it only (one receiver per key)
+    model                  the whole checkpoint with each MoE layer an EPMoE holding experts [r E/D, (r+1) E/D)
+    steps                  engine/dp.LockstepEngine: a round gathers every rank's row; every rank runs each MoE
+                           layer's all-to-all once per round (an idle rank with 0 rows)
+    routing                every rank's health names the instance's ranks (dp_addrs) and, from the last round, each
+                           rank's pages / running / waiting / integrity (dp_ranks); the router adds each rank as a
+                           decode it routes to by load (disagg/router/peers.py): it picks the DP rank
+    a dead rank            no MoE layer can run without its experts: every rank fails every request it holds,
+                           naming the dead rank, refuses preallocs (NoFreePages), health down; the router fails the
+                           dead rank's own requests naming its DP rank. Not re-formed: restart the instance.
+    stop                   rank 0 runs a last round with stop = 1; every rank then stops its worker (ranks >= 1
+                           ignore SIGTERM / Ctrl-C: rank 0 stops them)
+
+Imports torch, dsakv.engine, dsakv.model and dsakv.disagg.protocol; never serve or cli.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from dsakv.config import DecodeConfig
+from dsakv.disagg.protocol.messages import DPRankInfo, StageDone
+from dsakv.engine.dp import LockstepEngine
+from dsakv.errors import NoFreePages
+
+log = logging.getLogger(__name__)
+
+
+def dp_rank_config(cfg: DecodeConfig, rank: int) -> DecodeConfig:
+    """DP rank `rank`'s config: RPC on port + rank, its name with '.dp<rank>'."""
+    if cfg.dp_size <= 1:
+        return cfg
+    name = f"{cfg.name}.dp{rank}" if cfg.name else None
+    return replace(cfg, port=cfg.port + rank if cfg.port else 0, name=name, dp_rank=rank)
+
+
+def check_experts(cfg: DecodeConfig) -> None:
+    """ConfigError unless --ep-size (== --dp-size) divides the checkpoint's routed experts."""
+    from dsakv.model.loader import load_config
+    from dsakv.model.parallel import divide
+
+    experts = int(load_config(Path(cfg.model)).get("n_routed_experts") or 0)
+    divide("n_routed_experts", experts, cfg.dp_size, "--ep-size")
+
+
+class DPDecodeEngine(LockstepEngine):
+    """LockstepEngine on a decode rank: once a rank is down a prealloc is refused (the router places elsewhere)."""
+
+    def prealloc(self, request_id: str, prompt_ids: Any, params: Any = None, *, keep_room: bool = False) -> Any:
+        if self.down is not None:
+            raise NoFreePages(f"{self.down}: this decode instance takes no request until it is restarted")
+        return self.engine.prealloc(request_id, prompt_ids, params, keep_room=keep_room)
+
+
+class DecodeDP:
+    """One DP rank's view of its instance (the DecodeTP interface the worker calls): the bytes landed per
+    (prefill stage[.rank], this DP rank), the per-rank rows, liveness, the stop round."""
+
+    refs: list[Any] = []  # no other attention rank shares this pool: the handshake carries this rank only
+    size = 1  # attention-TP ranks per DP rank
+
+    def __init__(self, cfg: DecodeConfig, engine: DPDecodeEngine) -> None:
+        self.cfg, self.engine = cfg, engine
+        self.rank, self.dp_size = engine.rank, engine.size
+        base = cfg.port - cfg.dp_rank if cfg.port else 0
+        self.addrs = [f"{cfg.host}:{base + r}" for r in range(self.dp_size)]
+        self.pair_bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(cls, cfg: DecodeConfig, model: Any = None) -> tuple[DecodeDP, DPDecodeEngine]:
+        """(the view, the engine): joins (rank 0: starts) the group of cfg.dp_size ranks and loads the whole
+        checkpoint with this rank's experts."""
+        import torch
+
+        from dsakv.engine.engine import Engine
+        from dsakv.engine.ranks import start_ranks
+        from dsakv.model.loader import load_model
+        from dsakv.model.parallel import attach_ep
+
+        check_experts(cfg)
+        ranks = start_ranks(cfg.dp_size, cfg.rank_argv, label="DP")
+        try:
+            spec, m = load_model(cfg.model, dtype=getattr(torch, cfg.config.engine.dtype))
+            engine = Engine((spec, attach_ep(m, ranks.rank, ranks.size)), cfg.config.engine, model_dir=cfg.model)
+            dp = DPDecodeEngine(engine, ranks)
+        except BaseException:
+            for p in ranks.children:
+                p.kill()
+            raise
+        log.info(
+            "decode DP rank %d/%d: experts %d/%d, own pool and requests", ranks.rank, ranks.size, ranks.rank, ranks.size
+        )
+        return cls(cfg, dp), dp
+
+    def attach(self, worker: Any) -> None:
+        """A dead rank fails every request this rank holds (naming it); rank 0's stop reaches a follower's worker."""
+        self.engine.integrity = lambda: worker.integrity() == "ok"
+
+        def down(why: str) -> None:  # a thread of its own: the caller may hold the step's locks
+            brk = threading.Thread(target=worker.on_pipeline_break, args=(f"decode {worker.name}: {why}",))
+            brk.daemon = True
+            brk.start()
+
+        self.engine.on_down(down)
+        if self.rank > 0:
+            self.engine.on_stop = worker.request_stop
+
+    def check_parts(self, worker: Any, p: StageDone) -> str | None:
+        """Record the bytes landed per (prefill stage[.prefill rank], this DP rank) pair; a report naming any other
+        receiving rank is refused (this rank's pool is the only one the link has)."""
+        with self._lock:
+            if p.senders > 1:
+                for s, per in p.sender_parts.items():
+                    n = sum(per.values())
+                    key = f"{p.prefill}:{p.stage}.tp{s}->dp{self.rank}"
+                    self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+            else:
+                key = f"{p.prefill}:{p.stage}->dp{self.rank}"
+                n = sum(p.rank_parts.values()) if p.rank_parts else p.bytes  # (a one-part link reports bytes only)
+                self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
+        if p.ok and sorted(p.rank_parts) not in ([], [0]):
+            return (
+                f"prefill {p.prefill} stage {p.stage} wrote decode rank(s) {sorted(p.rank_parts)}, but DP rank "
+                f"{self.rank} has one pool (part 0)"
+            )
+        return None
+
+    def health_fields(self) -> dict[str, Any]:
+        with self._lock:
+            pairs = dict(self.pair_bytes)
+        rows = [
+            DPRankInfo(
+                rank=r,
+                addr=self.addrs[r],
+                pages_free=row["pages_free"],
+                pages_used=row["pages_used"],
+                pages_total=row["pages_total"],
+                running=row["running"],
+                waiting=row["waiting"],
+                integrity_ok=bool(row["integrity_ok"]),
+            )
+            for r, row in enumerate(self.engine.rows)
+        ]
+        return {
+            "down": self.engine.down,
+            "kv_bytes_pairs": pairs,
+            "dp_rank": self.rank,
+            "dp_size": self.dp_size,
+            "dp_addrs": list(self.addrs),
+            "dp_ranks": rows,
+        }
+
+    def quiesce(self) -> None:
+        """Rank 0, stopping: the stop round (every rank stops its worker after it)."""
+        if self.rank == 0:
+            self.engine.quiesce()
+
+    def close(self, engine: Any) -> None:
+        try:
+            self.engine.close()
+        except Exception as e:  # noqa: BLE001 (a stop never raises: the rank's error is logged)
+            log.warning("decode DP rank %d: leaving the group: %s", self.rank, e)
+
+
+__all__ = ["DPDecodeEngine", "DecodeDP", "dp_rank_config"]

@@ -1,0 +1,217 @@
+"""DP attention served: each DP rank its own Engine (pool, scheduler, requests), the MoE expert-parallel over all
+ranks (model/parallel.EPMoE: every rank takes part in every MoE layer's all-to-all), stepped in lockstep.
+
+    engine = LockstepEngine(Engine(model with attach_ep), ranks)   on every rank, each serving its own requests
+    engine.step()   one round: all_gather of every rank's row (ROW: active, stop, pages, running, waiting,
+                    integrity) -> nobody active: nothing runs (a short sleep) -> else every rank steps its engine
+                    and a rank whose step ran no forward (idle, or its requests wait for KV) runs idle_forward
+                    (each EPMoE with 0 rows), so every rank calls every MoE layer's collectives exactly once
+    engine.rows     the last round's rows, one dict per rank (the health's per-rank view)
+    engine.quiesce  rank 0: one last round with stop = 1; every rank sees it, calls on_stop and runs no more rounds
+
+A dead rank: the EP all-to-all needs every rank for every MoE layer (rank r alone holds experts [r E/D, (r+1) E/D)
+and the router sends every token's top-k anywhere), so no rank can step once one died: every rank fails every
+request it holds, naming the dead rank (`down`; rank 0 from its watcher with the exit status, the others from the
+dead sibling's pid), and runs no more collectives. Not re-formed: restart the instance.
+Imports torch, torch.distributed and dsakv.model.parallel; nothing assumes a device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsakv.engine.ranks import RankDown, Ranks
+from dsakv.model.parallel import EPMoE, idle_forward
+
+log = logging.getLogger(__name__)
+
+ROW = ("active", "stop", "pages_free", "pages_used", "pages_total", "running", "waiting", "integrity_ok")
+IDLE_S = 0.02  # a round in which no rank had work sleeps this long (bounds the idle rounds' CPU)
+DEATH_WAIT_S = 5.0  # after a failed collective: how long to look for the dead rank (to name it)
+INTEGRITY_EVERY_S = 1.0  # how often a rank refreshes its row's integrity flag
+
+
+def pid_gone(pid: int) -> bool:
+    """The process `pid` exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+class LockstepEngine:
+    """One DP rank's engine (the Engine API passed through) stepping in lockstep with the other DP ranks."""
+
+    def __init__(self, engine: Any, ranks: Ranks, integrity: Callable[[], bool] | None = None) -> None:
+        self.engine, self.ranks = engine, ranks
+        self.rank, self.size = ranks.rank, ranks.size
+        self.integrity = integrity or (lambda: True)
+        self._ok, self._checked = True, 0.0
+        self._lock = threading.Lock()  # one round at a time (the step thread; quiesce from another)
+        self.rows: list[dict[str, int]] = []
+        self.pids: list[int] = [int(p) for p in ranks.gather(os.getpid())]
+        self.stopped = False  # a stop round ran: no more collectives
+        self._down: str | None = None
+        self._down_lock = threading.Lock()
+        self._on_down: list[Callable[[str], None]] = []
+        self.on_stop: Callable[[], None] | None = None  # a follower: rank 0 stopped the instance
+        self.moe = next((m for m in engine.model.modules() if isinstance(m, EPMoE)), None)
+        self.rounds = self.idle_forwards = 0
+        ranks.on_down(self._mark_down)  # rank 0: the watcher names a dead child with its exit status
+        for m in engine.model.modules():
+            if isinstance(m, EPMoE):
+                m.on_error = self._guard  # a broken all-to-all fails the step with RankDown naming the dead rank
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    # ---- liveness ----------------------------------------------------------------------------------------
+
+    @property
+    def down(self) -> str | None:
+        return self._down or self.ranks.down
+
+    def on_down(self, fn: Callable[[str], None]) -> None:
+        """fn(message) once a rank is known dead (from the watcher or the thread whose collective failed)."""
+        self._on_down.append(fn)
+        if self.down is not None:
+            fn(self.down)
+
+    def _mark_down(self, why: str) -> None:
+        with self._down_lock:
+            if self._down is not None:
+                return
+            self._down = why
+        log.error("%s: this DP rank fails every request it holds; restart the instance to re-form the group", why)
+        for fn in list(self._on_down):
+            fn(why)
+
+    def find_down(self, wait: float = DEATH_WAIT_S) -> str | None:
+        """The dead rank's name after a collective failed: rank 0's watcher (exit status), else a sibling whose
+        pid is gone; polled for up to `wait` seconds (its sockets close before it is reaped)."""
+        end = time.monotonic() + wait
+        while True:
+            down = self.ranks.check() if self.ranks.children else self.ranks.down
+            if down is None:
+                dead = [r for r, pid in enumerate(self.pids) if r != self.rank and pid_gone(pid)]
+                if dead:
+                    down = f"DP rank down: dp rank {dead[0]} (pid {self.pids[dead[0]]}) died"
+            if down is not None:
+                self._mark_down(down)
+                return self.down
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
+
+    # ---- rounds ------------------------------------------------------------------------------------------
+
+    def _row(self, stop: bool) -> torch.Tensor:
+        sch = self.engine.scheduler
+        st = self.engine.stats()
+        active = bool(sch.running or sch.ready or sch.waiting)
+        now = time.monotonic()
+        if now - self._checked >= INTEGRITY_EVERY_S:
+            self._ok, self._checked = bool(self.integrity()), now
+        vals = (active, stop, st.pages_free, st.pages_used, st.pages_total, st.num_running, st.num_waiting, self._ok)
+        return torch.tensor([int(v) for v in vals], dtype=torch.int64)
+
+    def _round(self, stop: bool) -> list[dict[str, int]]:
+        mine = self._row(stop)
+        out = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(out, mine)
+        self.rounds += 1
+        self.rows = [dict(zip(ROW, (int(v) for v in t.tolist()), strict=True)) for t in out]
+        return self.rows
+
+    def step(self) -> list[Any]:
+        """One lockstep round; this rank's outputs (its failed ones naming a dead rank once one died)."""
+        with self._lock:
+            if self.stopped or self.down is not None:
+                time.sleep(0.05)
+                return []
+            try:
+                rows = self._round(False)
+            except Exception as e:  # noqa: BLE001 (a broken collective: a rank died)
+                self._broken(e)
+                return []
+            if any(r["stop"] for r in rows):
+                self._stop_seen()
+                return []
+            if not any(r["active"] for r in rows):
+                time.sleep(IDLE_S)
+                return []
+            calls = self.moe.calls if self.moe is not None else 0
+            outs = self.engine.step()
+            if self.moe is not None and self.moe.calls == calls:  # no forward ran here: this rank's share
+                try:
+                    idle_forward(self.engine.model)
+                    self.idle_forwards += 1
+                except Exception as e:  # noqa: BLE001
+                    self._broken(e)
+                    return list(outs)
+            if any(o.finished and o.error for o in outs):  # a failed model step: a rank died mid-collective?
+                down = self.find_down()
+                if down is not None:
+                    outs = [
+                        replace(o, error=f"{down} (its step failed: {o.error})")
+                        if o.error and down not in o.error
+                        else o
+                        for o in outs
+                    ]
+            return list(outs)
+
+    def _guard(self, e: Exception) -> BaseException:
+        down = self.find_down()
+        return RankDown(f"{down} ({type(e).__name__} in the EP all-to-all)") if down is not None else e
+
+    def _broken(self, e: BaseException) -> None:
+        if self.find_down() is None:
+            self._mark_down(f"DP rank down: a collective of dp rank {self.rank} failed: {type(e).__name__}: {e}")
+
+    def _stop_seen(self) -> None:
+        self.stopped = True
+        if self.on_stop is not None:
+            self.on_stop()
+
+    def quiesce(self) -> None:
+        """Rank 0, stopping: one last round with stop = 1 (every rank sees it and runs no more rounds)."""
+        with self._lock:
+            if self.stopped or self.down is not None or self.size == 1:
+                return
+            try:
+                self._round(True)
+            except Exception as e:  # noqa: BLE001
+                self._broken(e)
+            self.stopped = True
+
+    def close(self) -> None:
+        """Leave the group (rank 0: wait for the other ranks' exit; with a rank down: kill them, RankDown)."""
+        if self.down is not None and self.ranks.down is None:
+            for p in self.ranks.children:
+                p.kill()
+            raise RankDown(self.down)
+        self.ranks.close()
+
+
+def rank_rows(engine: Any, addrs: Sequence[str]) -> list[dict[str, Any]]:
+    """The last round's rows with each rank's address (a health's per-rank view)."""
+    return [{"rank": r, "addr": addrs[r], **row} for r, row in enumerate(getattr(engine, "rows", []))]
+
+
+__all__ = ["ROW", "LockstepEngine", "pid_gone", "rank_rows"]
