@@ -110,7 +110,9 @@ class LockstepEngine:
             down = self.ranks.check() if self.ranks.children else self.ranks.down
             if down is None:
                 dead = [r for r, pid in enumerate(self.pids) if r != self.rank and pid_gone(pid)]
-                if dead:
+                # rank 0 (the parent) waits for the exit status: its poll says nothing while another thread of it
+                # is inside the child's wait() (Popen's waitpid lock), though the child is a zombie already
+                if dead and (not self.ranks.children or time.monotonic() >= end):
                     down = f"DP rank down: dp rank {dead[0]} (pid {self.pids[dead[0]]}) died"
             if down is not None:
                 self._mark_down(down)
