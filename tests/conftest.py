@@ -50,3 +50,16 @@ def pytest_collection_modifyitems(items):
 # ---- no Python traceback in any server's output (issue 26): dsakv.testing.logscan scans every log of a process the
 # suite starts at the end of each test and fails its teardown with the log's path, line and block.
 pytest_plugins = ("dsakv.testing.logscan",)
+
+
+# ---- a test that runs `dsakv serve --role ...` in this process (main([...]) up to a startup error) sets this
+# process's credentials to that role (cli/disagg_roles.use_cluster_secret); restore the suite's after each test, or
+# every later test of this worker would call as that role (seen: an in-process router refused as "decode").
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_cluster_auth():
+    saved = _auth.current()
+    yield
+    _auth.use(saved)
