@@ -380,4 +380,4 @@ class MoE(nn.Module):
                     ys.append(F.linear(F.silu(g).mul_(u), expert.down_proj.weight))
                     start += c
             y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * ws
-        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # one scatter
+        return torch.zeros_like(x).index_add_(0, tok, y if y.dtype == x.dtype else y.to(x.dtype))  # one scatter
