@@ -61,15 +61,17 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _group_scales(x: torch.Tensor, max_code: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, D] float32 -> (scales [N, G] float32, per-element scale [N, D])."""
+    """x [N, D] float32 -> (scales [N, G] float32, x / its group's scale [N, D]); whole groups divide by the
+    scales broadcast (no per-element expansion), the same quotients."""
     n, d = x.shape
     g = _groups(d)
     pad = g * QUANT_GROUP - d
     xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
     amax = xp.abs().view(n, g, QUANT_GROUP).amax(dim=-1).clamp(min=_AMAX_FLOOR)
     scales = amax / max_code
-    per_elem = scales.repeat_interleave(QUANT_GROUP, dim=1)[:, :d]
-    return scales, per_elem
+    if not pad:
+        return scales, (x.view(n, g, QUANT_GROUP) / scales[:, :, None]).view(n, d)
+    return scales, x / scales.repeat_interleave(QUANT_GROUP, dim=1)[:, :d]
 
 
 def _expand_scales(scales: torch.Tensor, d: int) -> torch.Tensor:
@@ -81,8 +83,8 @@ def _fp8_cast(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_group_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales, per_elem = _group_scales(x, FP8_MAX)
-    return _as_bytes(_fp8_cast(x / per_elem)), _as_bytes(scales)
+    scales, y = _group_scales(x, FP8_MAX)
+    return _as_bytes(_fp8_cast(y)), _as_bytes(scales)
 
 
 def _scale_groups_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -92,7 +94,7 @@ def _scale_groups_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     if g == 1:
         torch.mul(codes.to(torch.float32), scales, out=out)
     elif d == g * QUANT_GROUP:
-        out.view(n, g, QUANT_GROUP).copy_(codes.to(torch.float32).view(n, g, QUANT_GROUP) * scales[:, :, None])
+        torch.mul(codes.to(torch.float32).view(n, g, QUANT_GROUP), scales[:, :, None], out=out.view(n, g, QUANT_GROUP))
     else:
         out.copy_(codes.to(torch.float32) * _expand_scales(scales, d))
 
@@ -105,8 +107,7 @@ def _fp8_group_decode(codes: torch.Tensor, scale_bytes: torch.Tensor, d: int) ->
 
 
 def _fp4_group_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scales, per_elem = _group_scales(x, FP4_MAX)
-    y = x / per_elem
+    scales, y = _group_scales(x, FP4_MAX)
     mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=x.device)
     mag = torch.bucketize(y.abs().clamp(max=FP4_MAX), mids, right=False).to(torch.uint8)
     codes = mag | ((y < 0).to(torch.uint8) << 3)
@@ -150,7 +151,8 @@ class Codec:
         """x [N, dim] (any float dtype) -> one uint8 [N, w] tensor per segment."""
         if x.dim() != 2 or x.shape[1] != self.dim:
             raise ValueError(f"{self.kind} codec {self.fmt!r} encodes [N, {self.dim}] values, got {tuple(x.shape)}")
-        x = x.to(torch.float32)
+        if x.dtype != torch.float32:
+            x = x.to(torch.float32)
         r = self.latent_dim
         f = self.fmt
         if f == "fp32":
@@ -243,11 +245,11 @@ class Codec:
         views = self._row_views(buf, page_size)
         segs = self.encode(x)
         if len(views) == 1:
-            views[0][slots] = segs[0].to(buf.device)
+            views[0][slots] = segs[0] if segs[0].device == buf.device else segs[0].to(buf.device)
             return
         pages, offs = slots // page_size, slots % page_size
         for view, seg in zip(views, segs, strict=True):
-            view[pages, offs] = seg.to(buf.device).view(view.dtype)
+            view[pages, offs] = (seg if seg.device == buf.device else seg.to(buf.device)).view(view.dtype)
 
     def read(self, buf: torch.Tensor, slots: torch.Tensor, page_size: int, check: bool = True) -> torch.Tensor:
         """Float32 [N, dim] values at token slots [N] of buf: only those rows are gathered and decoded."""

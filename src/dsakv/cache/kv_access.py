@@ -76,14 +76,19 @@ class PoolAccess:
             rows.index_copy_(0, slots, values if values.dtype == torch.float32 else values.float())
             return
         buf = self.pool.tensor(key)  # raises KeyError for a key the pool does not hold
-        self._codecs[key.kind].write(buf, slots.to(buf.device), values.to(buf.device), self.page_size, self.check_slots)
+        dev = buf.device
+        if slots.device != dev or values.device != dev:
+            slots, values = slots.to(dev), values.to(dev)
+        self._codecs[key.kind].write(buf, slots, values, self.page_size, self.check_slots)
 
     def read(self, key: BufferKey, slots: torch.Tensor) -> torch.Tensor:
         rows = None if self.check_slots else self._plain_rows(key)
         if rows is not None and slots.device == rows.device:
             return rows.index_select(0, slots)
         buf = self.pool.tensor(key)
-        return self._codecs[key.kind].read(buf, slots.to(buf.device), self.page_size, self.check_slots)
+        if slots.device != buf.device:
+            slots = slots.to(buf.device)
+        return self._codecs[key.kind].read(buf, slots, self.page_size, self.check_slots)
 
 
 def write_tokens(pool: DevicePool, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:

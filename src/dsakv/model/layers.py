@@ -217,34 +217,40 @@ def choose_moe_path(tokens: int, top_k: int, experts: int, row_macs: int, counts
 class MoEWeights(NamedTuple):
     """The MoE's fused storage (MoE._weights): every projection of the layer is a view into w_in or w_down."""
 
-    w_in: torch.Tensor  # [R + 2 * (E*I + Is), hidden]: router (R = E rows, or 0 if it runs alone) | routed gates |
-    #                      shared gate | routed ups | shared up
+    w_in: torch.Tensor  # [2*E*I + R + 2*Is, hidden]: expert 0's gate | up, expert 1's gate | up, ... | router (R = E
+    #                      rows, or 0 if it runs alone) | shared gate | shared up
     w_down: torch.Tensor  # [hidden, E*I + Is]: routed downs | shared down (column blocks)
     router_rows: int  # R
-    gates: torch.Tensor  # [E, I, hidden] views of w_in
-    ups: torch.Tensor  # [E, I, hidden]
+    gate_up: torch.Tensor  # [E, 2I, hidden] view of w_in: each expert's gate rows then its up rows
+    gate_ups: list[torch.Tensor]  # gate_up[e] for each expert, as views made once (no indexing op per step)
     down: torch.Tensor  # [E, hidden, I] view of w_down
     w_down_t: torch.Tensor  # w_down.t(), as addmm takes it
     routed_width: int  # E*I: the routed experts' columns of w_down
+    tail: torch.Tensor  # w_in[2*E*I:]: router | shared gate | shared up, one matmul on the grouped paths
+    shared_down_t: torch.Tensor  # the shared expert's down weight, transposed (addmm)
 
 
 class MoE(nn.Module):
     """Routed experts + shared expert, on one of three paths (choose_moe_path):
 
     - dense: every expert and the shared expert run every token as two matmuls in all, one over the fused input
-      weight (router | gates | ups) and one over the fused down weight, the routing weights scaling each expert's
-      activations in between (a zero for the experts a token did not pick): no sort, gather or scatter (few
-      experts and few tokens: decode batches of small models, where grouping costs more ops than extra rows);
+      weight (gates and ups | router | shared) and one over the fused down weight, the routing weights scaling
+      each expert's activations in between (a zero for the experts a token did not pick): no sort, gather or
+      scatter (few experts and few tokens: decode batches of small models, where grouping costs more ops than
+      extra rows);
     - padded: tokens grouped per expert by one stable sort, one gather into per-expert rows padded to the
-      busiest expert, batched matmuls over the stacked expert weights [E, rows, hidden], one scatter-add back;
-    - per expert: the same grouping, then one gate/up/down per hit expert on its contiguous slice (prefill,
-      or many experts with few hits each).
+      busiest expert, one batched matmul over the stacked [gate | up] weights [E, 2I, hidden] and one over the
+      downs, one scatter-add back;
+    - per expert: the same grouping, then one gate|up matmul and one down matmul per hit expert on its contiguous
+      slice (prefill, decode batches of larger models).
+    On the grouped paths the router and the shared expert's gate and up are one matmul (w_in's tail), and the
+    shared expert's down adds the routed sum inside its addmm.
 
-    Storage (MoEWeights): w_in [router | routed gates | shared gate | routed ups | shared up] rows and w_down
-    [routed downs | shared down] columns; every Linear weight of the layer (router, experts, shared expert) is a
-    view into them, built on first use and again if the weights were moved, so no tensor is held twice and the
-    state dict keeps transformers' names. A router whose dtype or device differs (float32 in a bf16 model) keeps
-    its own weight and runs alone.
+    Storage (MoEWeights): w_in rows [expert 0 gate | up, ..., expert E-1 gate | up | router | shared gate | shared
+    up] and w_down [routed downs | shared down] columns; every Linear weight of the layer (router, experts,
+    shared expert) is a view into them, built once on first use (again only if the weights were moved), so no
+    tensor is held twice and the state dict keeps transformers' names. A router whose dtype or device differs
+    (float32 in a bf16 model) keeps its own weight and runs alone.
     """
 
     def __init__(self, cfg: DSAConfig) -> None:
@@ -258,7 +264,6 @@ class MoE(nn.Module):
         self._ptrs: tuple[int, int, int] = (0, 0, 0)
         self._row_macs = 3 * s.hidden_size * s.moe_intermediate_size
         self._n_experts, self._top_k = s.n_routed_experts, s.num_experts_per_tok
-        self._width = s.n_routed_experts * inter + s.moe_intermediate_size * s.n_shared_experts  # E*I + Is
         ex0, ex1 = cast(MLP, self.experts[0]), cast(MLP, self.experts[-1])
         # the Linears whose storage _weights watches (a tuple: not registered as submodules again)
         self._watch = (ex0.gate_proj, ex1.down_proj, self.shared_experts.down_proj)
@@ -281,60 +286,72 @@ class MoE(nn.Module):
         first = ex[0].gate_proj.weight
         router = self.gate.weight
         fuse_router = router.dtype == first.dtype and router.device == first.device
-        with torch.inference_mode(False), torch.no_grad():
-            gates = [m.gate_proj.weight for m in ex] + [sh.gate_proj.weight]
-            ups = [m.up_proj.weight for m in ex] + [sh.up_proj.weight]
-            w_in = torch.cat(([router] if fuse_router else []) + gates + ups)
-            w_down = torch.cat([m.down_proj.weight for m in ex] + [sh.down_proj.weight], dim=1)
-            r = n_e if fuse_router else 0
-            width = n_e * inter + sh.gate_proj.weight.shape[0]  # E*I + Is
-            if fuse_router:
-                router.data = w_in[:r]
-            for i, m in enumerate(ex + [sh]):
-                g0, d0 = r + i * inter, i * inter
-                gn = m.gate_proj.weight.shape[0]
-                m.gate_proj.weight.data = w_in[g0 : g0 + gn]
-                m.up_proj.weight.data = w_in[g0 + width : g0 + width + gn]
-                m.down_proj.weight.data = w_down[:, d0 : d0 + gn]
         ei = n_e * inter
+        r = n_e if fuse_router else 0
+        i_s = sh.gate_proj.weight.shape[0]
+        with torch.inference_mode(False), torch.no_grad():
+            rows = [w for m in ex for w in (m.gate_proj.weight, m.up_proj.weight)]
+            rows += ([router] if fuse_router else []) + [sh.gate_proj.weight, sh.up_proj.weight]
+            w_in = torch.cat(rows)
+            w_down = torch.cat([m.down_proj.weight for m in ex] + [sh.down_proj.weight], dim=1)
+            for i, m in enumerate(ex):
+                m.gate_proj.weight.data = w_in[2 * i * inter : (2 * i + 1) * inter]
+                m.up_proj.weight.data = w_in[(2 * i + 1) * inter : (2 * i + 2) * inter]
+                m.down_proj.weight.data = w_down[:, i * inter : (i + 1) * inter]
+            if fuse_router:
+                router.data = w_in[2 * ei : 2 * ei + r]
+            s0 = 2 * ei + r
+            sh.gate_proj.weight.data = w_in[s0 : s0 + i_s]
+            sh.up_proj.weight.data = w_in[s0 + i_s : s0 + 2 * i_s]
+            sh.down_proj.weight.data = w_down[:, ei:]
+        gate_up = w_in[: 2 * ei].view(n_e, 2 * inter, hidden)
         self._fused = MoEWeights(
             w_in,
             w_down,
             r,
-            w_in[r : r + ei].view(n_e, inter, hidden),
-            w_in[r + width : r + width + ei].view(n_e, inter, hidden),
+            gate_up,
+            list(gate_up.unbind(0)),
             w_down[:, :ei].view(hidden, n_e, inter).permute(1, 0, 2),
             w_down.t(),
             ei,
+            w_in[2 * ei :],
+            w_down[:, ei:].t(),
         )
         self._ptrs = self._members()
         return self._fused
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] (plus `residual` when given); expert outputs are added in expert-id order per token on
-        the grouped paths (the stable sort keeps it), as transformers' per-expert index_add_ does; the dense path
-        sums them (and the shared expert) inside its down matmul."""
+        the grouped paths (the stable sort keeps it), as transformers' per-expert index_add_ does, then the shared
+        expert's; the dense path sums them (and the shared expert) inside its down matmul."""
         f = self._weights()
         n, e = x.shape[0], self._n_experts
+        gate = self.gate
+        ei, r = f.routed_width, f.router_rows
         if choose_moe_path(n, self._top_k, e, self._row_macs) == "dense":
-            gate = self.gate
             h = F.linear(x, f.w_in)
-            r = f.router_rows
-            logits = h[:, :r] if r else F.linear(x.to(gate.weight.dtype), gate.weight)
+            logits = h[:, 2 * ei : 2 * ei + r] if r else F.linear(x.to(gate.weight.dtype), gate.weight)
             weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
-            width = self._width
-            act = F.silu(h[:, r : r + width]).mul_(h[:, r + width :])  # [N, E*I + Is]: every expert's, shared last
+            gu = h[:, : 2 * ei].view(n, e, 2, -1)
+            hs = h[:, 2 * ei + r :]
+            i_s = hs.shape[1] // 2
+            act = h.new_empty(n, ei + i_s)  # [N, E*I + Is]: every expert's activations, shared last
+            routed = act[:, :ei].view(n, e, -1)
+            torch.mul(F.silu(gu[:, :, 0]), gu[:, :, 1], out=routed)
+            torch.mul(F.silu(hs[:, :i_s]), hs[:, i_s:], out=act[:, ei:])
             dense = weights.new_zeros(n, e).scatter_(1, ids, weights)  # weight per token and expert (0: not picked)
-            act[:, : f.routed_width].view(n, e, -1).mul_(dense.unsqueeze(-1))
+            routed.mul_(dense.unsqueeze(-1))
             return torch.addmm(residual, act, f.w_down_t) if residual is not None else F.linear(act, f.w_down)
-        sh = cast(MLP, self.shared_experts)
-        if f.router_rows:
-            logits = F.linear(x, self.gate.weight)
+        tail = F.linear(x, f.tail)  # router (if fused) | shared gate | shared up, views of one matmul
+        i_s = (tail.shape[1] - r) // 2
+        if r:
+            logits, g, u = tail.split_with_sizes((r, i_s, i_s), dim=1)
         else:
-            logits = F.linear(x.to(self.gate.weight.dtype), self.gate.weight)
-        weights, ids = self.gate.route(logits if logits.dtype == torch.float32 else logits.float())
-        shared = linear(F.silu(linear(x, sh.gate_proj)) * linear(x, sh.up_proj), sh.down_proj)
-        out = self._routed(x, weights, ids, f).add_(shared)
+            logits = F.linear(x.to(gate.weight.dtype), gate.weight)
+            g, u = tail.split_with_sizes((i_s, i_s), dim=1)
+        weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
+        shared = F.silu(g).mul_(u)
+        out = torch.addmm(self._routed(x, weights, ids, f), shared, f.shared_down_t)  # routed sum + shared expert
         return out if residual is None else out.add_(residual)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
@@ -351,17 +368,16 @@ class MoE(nn.Module):
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
             xp = x.new_zeros(num_experts, max(counts), x.shape[1])
             xp[se, pos] = x[tok]  # one gather (x[tok]) into the padded per-expert rows
-            act = F.silu(torch.bmm(xp, f.gates.transpose(1, 2))) * torch.bmm(xp, f.ups.transpose(1, 2))
-            yp = torch.bmm(act, f.down.transpose(1, 2))
+            g, u = torch.bmm(xp, f.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, cap, 2I]: gate | up
+            yp = torch.bmm(F.silu(g).mul_(u), f.down.transpose(1, 2))
             y = yp[se, pos] * ws
         else:
             xs = x[tok]  # one gather: [N * k, hidden], grouped by expert
             ys, start = [], 0
-            for expert, c in zip(self._experts(), counts, strict=True):
+            for expert, gate_up, c in zip(self._experts(), f.gate_ups, counts, strict=True):
                 if c:
-                    xe = xs[start : start + c]
-                    g, u, d = expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight
-                    ys.append(F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d))
+                    g, u = F.linear(xs[start : start + c], gate_up).chunk(2, dim=-1)  # gate | up, one matmul
+                    ys.append(F.linear(F.silu(g).mul_(u), expert.down_proj.weight))
                     start += c
             y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * ws
-        return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))  # one scatter
+        return torch.zeros_like(x).index_add_(0, tok, y if y.dtype == x.dtype else y.to(x.dtype))  # one scatter

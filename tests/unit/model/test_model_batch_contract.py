@@ -149,9 +149,9 @@ def test_fused_projections_alias_the_weights(model):
 
 
 def test_moe_fused_storage_aliases_every_weight(model):
-    """MoE._weights: router, routed experts and shared expert are views of w_in [router | gates | shared gate |
-    ups | shared up] and w_down [downs | shared down]; values and state-dict names unchanged; in-place updates
-    (load_state_dict) reach the fused tensors."""
+    """MoE._weights: routed experts, router and shared expert are views of w_in [expert 0 gate | up, ... | router
+    | shared gate | shared up] and w_down [downs | shared down]; values and state-dict names unchanged; in-place
+    updates (load_state_dict) reach the fused tensors."""
     moe = model.model.layers[1].mlp
     before = {k: v.detach().clone() for k, v in moe.state_dict().items()}
     f = moe._weights()
@@ -163,14 +163,17 @@ def test_moe_fused_storage_aliases_every_weight(model):
     assert f.router_rows == e  # float32 model: the router fuses too
     assert tuple(f.w_in.shape) == (e + 2 * width, hidden) and tuple(f.w_down.shape) == (hidden, width)
     row = f.w_in.stride(0) * f.w_in.element_size()
-    assert moe.gate.weight.data_ptr() == f.w_in.data_ptr()
-    assert moe.experts[3].gate_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + 3 * inter) * row
-    assert moe.experts[3].up_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + width + 3 * inter) * row
-    assert moe.shared_experts.up_proj.weight.data_ptr() == f.w_in.data_ptr() + (e + width + e * inter) * row
+    assert moe.experts[3].gate_proj.weight.data_ptr() == f.w_in.data_ptr() + 6 * inter * row
+    assert moe.experts[3].up_proj.weight.data_ptr() == f.w_in.data_ptr() + 7 * inter * row
+    assert moe.gate.weight.data_ptr() == f.w_in.data_ptr() + 2 * e * inter * row
+    assert moe.shared_experts.gate_proj.weight.data_ptr() == f.w_in.data_ptr() + (2 * e * inter + e) * row
+    assert moe.shared_experts.up_proj.weight.data_ptr() == f.w_in.data_ptr() + (2 * e * inter + e + shared) * row
+    assert f.tail.data_ptr() == moe.gate.weight.data_ptr()
     col = f.w_down.element_size()
     assert moe.experts[3].down_proj.weight.data_ptr() == f.w_down.data_ptr() + 3 * inter * col
     assert moe.shared_experts.down_proj.weight.data_ptr() == f.w_down.data_ptr() + e * inter * col
-    assert torch.equal(f.gates[3], moe.experts[3].gate_proj.weight)
+    assert torch.equal(f.gate_up[3], torch.cat([moe.experts[3].gate_proj.weight, moe.experts[3].up_proj.weight]))
+    assert f.gate_ups[3].data_ptr() == moe.experts[3].gate_proj.weight.data_ptr()
     assert torch.equal(f.down[3], before["experts.3.down_proj.weight"])
     with torch.no_grad():
         moe.experts[3].down_proj.weight.add_(1.0)
