@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,9 +24,18 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
-from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.cluster import (
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    assert_clean,
+    free_ports,
+    run_requests,
+    wait_for,
+)
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
+from dsakv.testing.listen import child_pids
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -154,7 +162,7 @@ def test_tp2_prefill_into_dp2_decode_spreads_each_rank_keys_over_both_senders(wo
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+    return child_pids(pid)
 
 
 def test_dp_rank_killed_fails_the_instance_names_it_leaks_nothing(world):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
+from dsakv.testing.listen import child_pids
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(420)]
@@ -98,7 +98,7 @@ def test_decode_tp2_from_tp1_prefill_tokens_and_bytes_per_rank_pair(world, refer
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()]
+    return child_pids(pid)
 
 
 def test_decode_rank_killed_fails_its_requests_frees_pages_others_serve(world, reference):

@@ -25,7 +25,8 @@ def _socket_inodes(pid: int) -> set[int]:
     return out
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
+    """The pids of `pid`'s children (every thread's list; a thread that exits meanwhile is skipped)."""
     kids: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
@@ -49,7 +50,7 @@ def listening_sockets(pid: int, with_children: bool = True) -> list[tuple[int, s
     if with_children:
         i = 0
         while i < len(pids):
-            pids += _children(pids[i])
+            pids += child_pids(pids[i])
             i += 1
     table: dict[int, tuple[str, int]] = {}
     for name, v6 in (("tcp", False), ("tcp6", True)):

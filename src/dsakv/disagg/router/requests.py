@@ -123,6 +123,8 @@ class RequestBook:
         if finished:
             req.done.add(choice)
         if len(req.done) == req.params.n:
+            if req.phase is Phase.QUEUED and req.rid in self.queue:  # not left for the dispatcher to skip later:
+                self.queue.remove(req.rid)  # /health's "queued" counts only requests that still wait
             self._release_slot(req)
             self.ledger.move(req, Phase.DONE, error)
             if reason == "error":
