@@ -23,7 +23,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import wait_for
 from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
-from dsakv.testing.listen import _children
+from dsakv.testing.listen import child_pids
 from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
@@ -37,7 +37,7 @@ def _reference(argv: list[str]) -> Engine:
 
 def _stage(pid: int, rank: int) -> int | None:
     """The pid of pipeline stage `rank` among `pid`'s children (DSAKV_PP_RANK in its environment)."""
-    for kid in _children(pid):
+    for kid in child_pids(pid):
         try:
             env = Path(f"/proc/{kid}/environ").read_bytes().split(b"\0")
         except OSError:

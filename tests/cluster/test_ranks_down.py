@@ -14,7 +14,7 @@ import httpx
 
 from dsakv.testing.cluster import wait_for
 from dsakv.testing.engines import prompts_for, tiny_path
-from dsakv.testing.listen import _children, listening_sockets
+from dsakv.testing.listen import child_pids, listening_sockets
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
@@ -22,7 +22,7 @@ ARCH = "glm_moe_dsa"
 
 def _rank1(pid: int) -> int | None:
     """The pid of TP rank 1 among `pid`'s children (DSAKV_TP_RANK=1 in its environment), None before it runs."""
-    for kid in _children(pid):
+    for kid in child_pids(pid):
         try:
             env = Path(f"/proc/{kid}/environ").read_bytes().split(b"\0")
         except OSError:
