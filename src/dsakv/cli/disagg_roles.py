@@ -334,9 +334,10 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
     _threads(args)
     pcfg = prefill_config(args, cfg, str(model_dir), tp=True)
     if pcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (prefill/ranks.py)
+        from dsakv.disagg.prefill.grid import follow_stage
         from dsakv.disagg.prefill.ranks import follow_prefill
 
-        exit_now(follow_prefill(pcfg))
+        exit_now(follow_stage(pcfg) if pcfg.pp_rank > 0 else follow_prefill(pcfg))  # a later stage: grid.py
     stage = PrefillStage(pcfg)
     ready = f"dsakv prefill stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {{}} (pid {os.getpid()})"
     return _serve_worker(stage, lambda: ready.format(stage.address), startup_wait=args.startup_wait)

@@ -143,7 +143,7 @@ def validate_serve(args: argparse.Namespace) -> None:
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
         raise ConfigError(f"--tp-size {tp} with --role {role} is not supported: the router runs no model")
-    if tp > 1 and role in ("decode", "prefill") and getattr(args, "pp_size", 1) > 1:
+    if tp > 1 and role == "decode" and getattr(args, "pp_size", 1) > 1:
         raise ConfigError(
             f"--tp-size {tp} with --role {role} --pp-size {args.pp_size} is not supported yet: give one of them as 1"
         )

@@ -83,11 +83,6 @@ class PrefillConfig:
         if not 1 <= self.tp_size <= 256:
             raise ConfigError(f"--tp-size {self.tp_size} must be within 1-256 (tensor-parallel ranks of the prefill)")
         if self.tp_size > 1:
-            if pipe.pp_size > 1:
-                raise ConfigError(
-                    f"--tp-size {self.tp_size} with --role prefill --pp-size {pipe.pp_size} is not supported yet: "
-                    "give one of them as 1"
-                )
             if self.draft_layers:
                 raise ConfigError(
                     f"--tp-size {self.tp_size} with --role prefill and MTP (--speculative-num-steps) is not supported "

@@ -226,6 +226,38 @@ class StageGroup:
         if self.rank != 0:
             self._drop_store()
 
+    # ---- a stage that cannot rejoin (a TP rank of it died) tells stage 0 why, through the rendezvous store ----
+
+    def note_down(self, why: str) -> None:
+        """Stage k: leave `why` in stage 0's store (best effort: stage 0 names it while the pipeline cannot form)."""
+        try:
+            (self._store or self._client_store()).set(f"down/{self.rank}", why)
+        except Exception as e:  # noqa: BLE001 (stage 0 gone: nobody to tell)
+            log.debug("stage %d: could not note why it is down: %s", self.rank, e)
+
+    def noted_down(self) -> str | None:
+        """Stage 0: 'stage k: why' for the first later stage that noted it is down, else None."""
+        if self._store is None or self.rank != 0:
+            return None
+        for k in range(1, self.size):
+            try:
+                if self._store.check([f"down/{k}"]):
+                    return f"stage {k}: {self._store.get(f'down/{k}').decode()}"
+            except Exception:  # noqa: BLE001 (a store that cannot answer: nothing noted)
+                return None
+        return None
+
+    def clear_down(self) -> None:
+        """Stage 0, once every stage joined: no stage is down any more."""
+        if self.rank != 0:
+            return
+        for k in range(1, self.size):
+            try:
+                if self._store is not None:
+                    self._store.delete_key(f"down/{k}")
+            except Exception:  # noqa: BLE001
+                pass
+
     # ---- point to point --------------------------------------------------------------------------
 
     def _wait(self, work: Any, timeout: float, what: str) -> None:
@@ -324,10 +356,12 @@ def stage_group(
     timeout_s: float,
     hidden_dtype: torch.dtype,
     hidden_size: int,
+    cls: type[StageGroup] = StageGroup,
 ) -> StageGroup:
     """The StageGroup of stage `rank` of a worker at `host`:`port` (stage k on port + k): the rendezvous on
-    stage 0's host (default: this host) at dist_port (default port + size); this stage's gloo pairs on `host`."""
-    return StageGroup(
+    stage 0's host (default: this host) at dist_port (default port + size); this stage's gloo pairs on `host`
+    (`cls`: a TP prefill stage's relaying group, disagg/prefill/grid.py)."""
+    return cls(
         rank,
         size,
         stage0_host or host,

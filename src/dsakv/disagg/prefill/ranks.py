@@ -48,6 +48,7 @@ from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.staging import StagingBuffer
 from dsakv.engine.ranks import RankedEngine, Ranks
 from dsakv.engine.request import FinishReason
+from dsakv.pipeline.stage_comm import StageGroup
 from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,14 @@ class RankReport:
     ranks: dict[int, int]
 
 
+@dataclass(frozen=True)
+class RankRow:
+    """What a follower rank hands rank 0 after each step / round: its parts and its pool's pages in use."""
+
+    reports: list[RankReport]
+    pages_used: int
+
+
 def tp_model(cfg: PrefillConfig) -> tuple[Ranks, tuple[Any, Any]]:
     """(ranks, (spec, this rank's shard)): joins (rank 0: starts) the stage's TP group of cfg.tp_size ranks."""
     import torch
@@ -92,7 +101,8 @@ def tp_model(cfg: PrefillConfig) -> tuple[Ranks, tuple[Any, Any]]:
     from dsakv.model.parallel import load_tp_model, shard_config
 
     shard_config(load_config(Path(cfg.model)), cfg.tp_size)  # a TP size the checkpoint cannot split fails here
-    ranks = start_ranks(cfg.tp_size, cfg.rank_argv)
+    label = f"stage {cfg.pp_rank} TP" if cfg.pp_size > 1 else "TP"  # 'stage 1 tp rank 1 (pid N) was killed ...'
+    ranks = start_ranks(cfg.tp_size, cfg.rank_argv, label=label)
     try:
         return ranks, load_tp_model(cfg.model, ranks.group, dtype=getattr(torch, cfg.engine.dtype))
     except BaseException:
@@ -107,6 +117,8 @@ class TPReports:
 
     def __init__(self, sender: KvSender, size: int) -> None:
         self.sender, self.size = sender, size
+        self.failed: str | None = None  # a rank died: every report from now on fails naming it
+        self.pages = [0] * size  # pages in use on each rank (rank 0's own, the others' as last gathered)
         self._parts: dict[str, dict[int, SentPart | RankReport]] = {}
         self._lock = threading.Lock()
         self._q: queue.Queue[list[SentPart | RankReport] | None] = queue.Queue()
@@ -121,19 +133,30 @@ class TPReports:
     def mine(self, part: SentPart) -> None:
         self._add(part.x.job.rid, part)
 
-    def theirs(self, gathered: list[list[RankReport]]) -> None:
-        for reports in gathered:
-            for r in reports:
-                self._add(r.rid, r)
+    def theirs(self, gathered: list[RankRow]) -> None:
+        for r, row in enumerate(gathered, 1):
+            self.pages[r] = row.pages_used
+            for rep in row.reports:
+                self._add(rep.rid, rep)
+
+    def fail_all(self, why: str) -> None:
+        """A rank died: the requests waiting for its part are reported failed (naming it) once rank 0's own part is
+        in (its write ended: the pages are free to go), and so is every later one."""
+        with self._lock:
+            self.failed = why
+            done = [rid for rid, got in self._parts.items() if 0 in got]
+            flush = [self._parts.pop(rid) for rid in done]
+        for got in flush:
+            self._q.put([got[0]])
 
     def _add(self, rid: str, part: SentPart | RankReport) -> None:
         with self._lock:
             got = self._parts.setdefault(rid, {})
             got[part.tp_rank] = part
-            if len(got) < self.size:
+            if len(got) < self.size and not (self.failed is not None and 0 in got):
                 return
             del self._parts[rid]
-        self._q.put([got[r] for r in range(self.size)])
+        self._q.put([got[r] for r in sorted(got)])
 
     def _loop(self) -> None:
         while True:
@@ -149,6 +172,8 @@ class TPReports:
         mine = parts[0]
         assert isinstance(mine, SentPart), "rank 0's part comes from its own sender"
         err = next((f"tp rank {p.tp_rank}: {p.err}" for p in parts if p.err is not None), None)
+        if self.failed is not None and len(parts) < self.size:
+            err = f"prefill stage {self.sender.stage}: {self.failed}"
         if err is None and any(isinstance(p, RankReport) and p.grant != mine.x.job.grant for p in parts):
             err = "the TP ranks wrote different grants"  # never: every rank got the job from rank 0's log
         per_stage: dict[int, int] = {}
@@ -188,15 +213,20 @@ class PrefillTP:
         self.reports: TPReports | None = None
 
     def attach(self, sender: KvSender) -> None:
-        self.reports = TPReports(sender, self.ranks.size)
-        sender.combine = self.reports.mine
-        self.engine.busy = self.reports.busy
+        self.reports = reports = TPReports(sender, self.ranks.size)
+        sender.combine = reports.mine
+        self.engine.busy = reports.busy
+        self.ranks.on_down(reports.fail_all)
+
+    def rank_pages(self, own: int) -> list[int]:
+        """Pages in use on every rank of the stage (rank 0's `own` now, the others' as last gathered)."""
+        return [own, *(self.reports.pages[1:] if self.reports is not None else [])]
 
     def on_link(self, addr: str, reply: HelloReply) -> None:
         self.engine.log(LinkOp(addr, reply))
 
     def _after_step(self) -> None:
-        got = self.ranks.gather([])
+        got = self.ranks.gather(None)
         if self.reports is not None:
             self.reports.theirs(got[1:])
 
@@ -225,7 +255,10 @@ class PrefillRank:
         spec, mdl = model
         mdl.eval()
         self.ranks = ranks
-        self.ctx = ctx = StageContext.build(cfg, spec, mdl)
+        # a pipelined prefill: stage 0's rendezvous and sends are rank 0's; this rank's group is a one-stage
+        # stand-in that sends nothing (its runner's step messages are dropped: rank 0's go to stage 1)
+        alone = StageGroup(0, 1, "127.0.0.1", 0) if cfg.pp_size > 1 else None
+        self.ctx = ctx = StageContext.build(cfg, spec, mdl, group=alone)
         self.leader = PipelineLeader(ctx)
         self.engine = self.leader.engine
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
@@ -286,7 +319,7 @@ class PrefillRank:
             del self.jobs[rid]
         with self._lock:
             out, self._out = self._out, []
-        self.ranks.gather(out)
+        self.ranks.gather(RankRow(out, self.leader.pages_used()))
 
     def close(self) -> None:
         self.ctx.stop.set()
@@ -308,4 +341,14 @@ def follow_prefill(cfg: PrefillConfig) -> int:
         rank.close()
 
 
-__all__ = ["JobOp", "LinkOp", "PrefillRank", "PrefillTP", "RankReport", "TPReports", "follow_prefill", "tp_model"]
+__all__ = [
+    "JobOp",
+    "LinkOp",
+    "PrefillRank",
+    "PrefillTP",
+    "RankReport",
+    "RankRow",
+    "TPReports",
+    "follow_prefill",
+    "tp_model",
+]

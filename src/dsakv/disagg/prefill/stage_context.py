@@ -96,8 +96,11 @@ class StageContext:
         model: DSAModel,
         clock: Callable[[], float] = time.monotonic,
         draft: MTPDraft | None = None,
+        group_cls: type[StageGroup] = StageGroup,
+        group: StageGroup | None = None,
     ) -> StageContext:
-        """`draft`: the MTP layer for the last stage with the tree's speculative_num_steps (default: load_draft)."""
+        """`draft`: the MTP layer for the last stage with the tree's speculative_num_steps (default: load_draft);
+        `group_cls` / `group`: a TP stage's group (disagg/prefill/grid.py: rank 0 relays, ranks 1.. follow it)."""
         ranges, layouts = cfg.ranges(spec), cfg.layouts(spec)
         drafts = layouts[cfg.pp_rank].draft_layers
         if drafts and draft is None:
@@ -107,7 +110,7 @@ class StageContext:
         if draft is not None:
             draft.to(model.device)
         pipe, t = cfg.pipeline, cfg.timeouts
-        group = stage_group(
+        group = group or stage_group(
             cfg.pp_rank,
             cfg.pp_size,
             host=cfg.host,
@@ -117,6 +120,7 @@ class StageContext:
             timeout_s=t.stage,
             hidden_dtype=model.dtype,
             hidden_size=spec.hidden_size,
+            cls=group_cls,
         )
         return cls(
             cfg=cfg,

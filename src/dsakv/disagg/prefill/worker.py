@@ -74,9 +74,10 @@ from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.rank_assign import RoleGrid
 from dsakv.disagg.transfer.staging import StagingBuffer
 from dsakv.engine.ranks import RankDown
-from dsakv.pipeline.stage_comm import StageLinkError
+from dsakv.pipeline.stage_comm import StageGroup, StageLinkError
 
 if TYPE_CHECKING:
+    from dsakv.disagg.prefill.grid import StageTP
     from dsakv.disagg.prefill.ranks import PrefillTP
 
 log = logging.getLogger(__name__)
@@ -96,10 +97,14 @@ class PrefillStage:
         self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
         ranks = None
+        group_cls: type[StageGroup] = StageGroup
         if model is None and cfg.tp_size > 1:  # rank 0 of a TP stage: starts ranks 1..T-1 (prefill/ranks.py)
+            from dsakv.disagg.prefill.grid import RelayGroup
             from dsakv.disagg.prefill.ranks import tp_model
 
             ranks, model = tp_model(cfg)
+            if cfg.pp_rank > 0:  # a later stage: its rank 0 relays each message to its ranks (grid.py)
+                group_cls = RelayGroup
         if model is None:
             from dsakv.model.loader import load_model
 
@@ -107,13 +112,18 @@ class PrefillStage:
         spec, mdl = model
         mdl.eval()
         self.cfg = cfg
-        self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock)
+        self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock, group_cls=group_cls)
         self.role: StageRole = make_role(ctx)
-        self.tp: PrefillTP | None = None
-        if ranks is not None:
+        self.tp: PrefillTP | StageTP | None = None
+        if ranks is not None and ctx.rank == 0:
             from dsakv.disagg.prefill.ranks import PrefillTP
 
             self.tp = PrefillTP(ranks, self.role)
+        elif ranks is not None:
+            from dsakv.disagg.prefill.grid import RelayGroup, StageTP
+
+            assert isinstance(ctx.group, RelayGroup)
+            self.tp = StageTP(ranks, ctx.group)
         self.name = ctx.name
         self.rank, self.size = ctx.rank, ctx.size
         self.layout = ctx.layout
@@ -261,6 +271,7 @@ class PrefillStage:
                 host_tier=ctx.cache.host_tier,
                 cache_pages=len(self.role.cached_pages()),
                 transfer=TransferHealth(count=t.transfers, failures=t.failures, bytes=t.bytes, seconds=t.seconds),
+                rank_pages=self.tp.rank_pages(used) if self.tp is not None else None,
                 **self.role.health_fields(),
             )
 
@@ -328,7 +339,11 @@ class PrefillStage:
                     if ctx.group.form(info):
                         with self.role.lock:
                             ctx.down_reason = None
+                        ctx.group.clear_down()
                         log.info("prefill %s stage %d: serving (epoch %s)", self.name, self.rank, ctx.group.epoch)
+                    elif (note := ctx.group.noted_down()) is not None:  # stage 0: a stage that cannot rejoin
+                        with self.role.lock:
+                            ctx.down_reason = f"prefill {self.name} {note}: restart the prefill"
                     continue
                 self.role.iteration()
             except StageLinkError as e:

@@ -137,3 +137,4 @@ class PrefillHealth(Health):
     awaiting_release: int | None = None  # stage 0
     prefix_cache: dict[str, Any] | None = None  # stage 0: HiCacheStats.to_dict()
     host_replayed: dict[str, int] | None = None  # stages k > 0
+    rank_pages: list[int] | None = None  # a TP stage: pages in use on each TP rank (the others' as last gathered)

@@ -257,6 +257,7 @@ class StageEntry:
     boot: str = ""
     at: float = field(default_factory=time.monotonic)
     manifest: bytes = field(default=b"", repr=False)  # the hello's, as registered (its owner may only repeat it)
+    tp_size: int = 1  # the stage's TP ranks: with num_stages, the prefill's rank grid (every stage the same)
 
 
 class StageRegistry:
@@ -290,6 +291,28 @@ class StageRegistry:
             raise MessageError(
                 f"{where}: its manifest ends at layer {theirs.layer_end - 1}, but it is "
                 f"{'the last' if last else 'not the last'} of {hello.num_stages} stages"
+            )
+
+    def _check_grid(self, hello: Hello, where: str) -> None:
+        """Every stage of one prefill announces the same rank grid (stages x TP ranks): a live stage registered
+        with another grid refuses the hello, naming both (one proven gone is dropped: the prefill restarted)."""
+        with self._lock:
+            others = [e for (p, k), e in self._stages.items() if p == hello.prefill and k != hello.stage]
+        for e in others:
+            if (e.num_stages, e.tp_size) == (hello.num_stages, hello.tp_size) or e.boot == hello.boot:
+                continue
+            gone = self._gone(e)
+            if gone is not None:
+                log.info("decode: %s: dropping stage %d of another rank grid (%s)", where, e.stage, gone)
+                with self._lock:
+                    if self._stages.get((e.prefill, e.stage)) is e:
+                        del self._stages[(e.prefill, e.stage)]
+                continue
+            self.refused += 1
+            raise IncompatiblePeer(
+                f"{where} announces a rank grid of {hello.num_stages} stage(s) x TP {hello.tp_size}, but its stage "
+                f"{e.stage} (boot {e.boot} at {e.rpc}) registered {e.num_stages} stage(s) x TP {e.tp_size}: every "
+                "stage of a prefill runs the same --pp-size and --tp-size (restart the stages with one grid)"
             )
 
     def _gone(self, e: StageEntry) -> str | None:
@@ -332,9 +355,10 @@ class StageRegistry:
                 f"this decode pipeline holds any of them ({', '.join(m.describe_layers() for _, m in stages)})"
             )
         pairings = [check_pair(theirs, m) for _, m in ours]
+        where = f"prefill {hello.prefill!r} stage {hello.stage}"
+        self._check_grid(hello, where)
         with self._lock:
             old = self._stages.get((hello.prefill, hello.stage))
-        where = f"prefill {hello.prefill!r} stage {hello.stage}"
         if old is not None and old.boot == hello.boot:  # its owner again: only exactly what it registered
             if old.manifest != hello.manifest or (old.num_stages, old.rpc) != (hello.num_stages, hello.rpc):
                 self.refused += 1
@@ -367,6 +391,7 @@ class StageRegistry:
             decode_stages=[j for j, _ in ours],
             boot=hello.boot,
             manifest=hello.manifest,
+            tp_size=hello.tp_size,
         )
         with self._lock:
             self._stages[(entry.prefill, entry.stage)] = entry
