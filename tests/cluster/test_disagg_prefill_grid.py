@@ -12,6 +12,8 @@ ceil(receivers / senders) of its receivers; afterwards no page is held on any ra
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 from collections.abc import Sequence
 
@@ -30,6 +32,7 @@ from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for, worker_config
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
+from dsakv.testing.listen import child_pids
 from dsakv.util import ceil_div
 from dsakv.util.procs import dsakv_cmd, free_ports
 
@@ -182,3 +185,39 @@ def test_mismatched_rank_grids_are_refused_naming_both(tmp_path):
         out.returncode,
         out.stderr[-2000:],
     )
+
+
+def test_dead_rank_of_stage1_takes_the_prefill_down_naming_it(tmp_path):
+    """kill -9 of stage 1's TP rank 1 while two requests' transfers are in flight (--debug-transfer-delay): both
+    fail naming (stage 1, tp rank 1, pid, SIGKILL); stage 1 and stage 0 say down with that name, stage 0 refuses
+    submissions; no page is held on stage 0's ranks or the decode."""
+    cluster = Cluster(tiny_path(ARCH), tmp_path)
+    try:
+        decode = cluster.decode("dk", "nixl", True, extra=["--worker-name", "dk"])
+        extra = ["--tp-size", "2", "--debug-transfer-delay", "4"]
+        prefill = cluster.prefill("pk", "nixl", True, PARTITION, extra=extra)
+        cluster.wait_healthy([*prefill, decode], timeout=300)
+        router = cluster.router([prefill[0].addr], [decode.addr])
+        wait_for(lambda: len(router.peers.usable_pairs()) == 1, 120, "the decode paired", cluster.procs)
+        rids = ["kill-0", "kill-1"]
+        for rid, p in zip(rids, PROMPTS[:2], strict=True):
+            router.submit(rid, list(p), GREEDY)
+        wait_for(lambda: fetch_health(prefill[1].addr).transfers_in_flight == 2, 60, "stage 1 sending", cluster.procs)
+        (rank1,) = child_pids(prefill[1].pid)
+        os.kill(rank1, signal.SIGKILL)
+        dead = f"stage 1 tp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
+        for rid in rids:
+            end = None
+            for ev in router.events(rid, 90):
+                if ev.finished:
+                    end = (ev.finish_reason, ev.error or "")
+            assert end is not None and end[0] == "error" and dead in end[1], (rid, end)
+        h1 = fetch_health(prefill[1].addr)
+        assert not h1.ok and h1.down is not None and dead in h1.down, h1.down
+        wait_for(lambda: dead in (fetch_health(prefill[0].addr).down or ""), 60, "stage 0 names it", cluster.procs)
+        h0 = fetch_health(prefill[0].addr)
+        assert not h0.ok and h0.pages_used == 0, h0
+        wait_for(lambda: fetch_health(prefill[0].addr).rank_pages == [0, 0], 30, "stage 0's ranks clean", cluster.procs)
+        assert_clean([decode.addr], procs=cluster.procs)
+    finally:
+        cluster.close()

@@ -155,6 +155,9 @@ class StageTP:
     def rank_pages(self, own: int) -> list[int]:
         return [own, *(self.reports.pages[1:] if self.reports is not None else [])]
 
+    def idle(self) -> None:
+        """The pipeline is not formed: each formation try runs a round (RelayGroup.form)."""
+
     @property
     def down(self) -> str | None:
         return self.ranks.down

@@ -225,6 +225,11 @@ class PrefillTP:
     def on_link(self, addr: str, reply: HelloReply) -> None:
         self.engine.log(LinkOp(addr, reply))
 
+    def idle(self) -> None:
+        """The pipeline is not formed: the ranks still step (every release reaches them; no wait outlasts the
+        group's timeout)."""
+        self.engine.step()
+
     def _after_step(self) -> None:
         got = self.ranks.gather(None)
         if self.reports is not None:

@@ -335,6 +335,12 @@ class PrefillStage:
         while not ctx.stop.is_set():
             try:
                 if not ctx.group.formed:
+                    if self.tp is not None:  # the TP ranks keep following (their parts and releases, the group's
+                        with self.role.lock:  # timeout) while the transfers drain
+                            self.tp.idle()
+                        if ctx.sender.in_flight:
+                            ctx.stop.wait(0.05)
+                            continue
                     ctx.sender.wait_drained(ctx.stop)
                     if ctx.group.form(info):
                         with self.role.lock:
