@@ -115,6 +115,7 @@ class PrefillStage:
         self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock, group_cls=group_cls)
         self.role: StageRole = make_role(ctx)
         self.tp: PrefillTP | StageTP | None = None
+        self.rank_down: str | None = None  # a TP rank of this stage died (the stage stays down: restart it)
         if ranks is not None and ctx.rank == 0:
             from dsakv.disagg.prefill.ranks import PrefillTP
 
@@ -347,7 +348,8 @@ class PrefillStage:
                             ctx.down_reason = None
                         ctx.group.clear_down()
                         log.info("prefill %s stage %d: serving (epoch %s)", self.name, self.rank, ctx.group.epoch)
-                    elif (note := ctx.group.noted_down()) is not None:  # stage 0: a stage that cannot rejoin
+                    elif self.rank_down is None and (note := ctx.group.noted_down()) is not None:  # stage 0:
+                        # a later stage that cannot rejoin (one of its TP ranks died) left why
                         with self.role.lock:
                             ctx.down_reason = f"prefill {self.name} {note}: restart the prefill"
                     continue
@@ -355,10 +357,13 @@ class PrefillStage:
             except StageLinkError as e:
                 self._on_break(str(e))
             except RankDown as e:  # a TP rank died: every request fails naming it; submissions are refused
-                if ctx.down_reason is None:
+                if self.rank_down is None:
+                    self.rank_down = str(e)
                     with self.role.lock:
                         ctx.down_reason = str(e)
                         self.role.on_break(f"prefill {self.name}: {e}")
+                    if self.size > 1 and ctx.group.formed:  # the other stages fail what they hold at once
+                        ctx.group.break_(str(e))
                     log.error("prefill %s: %s: restart the prefill to re-form its TP group", self.name, e)
                 ctx.stop.wait(0.5)
             except Exception as e:
