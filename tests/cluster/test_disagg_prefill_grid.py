@@ -225,3 +225,44 @@ def test_dead_rank_takes_the_prefill_down_naming_it(tmp_path, stage):
         assert_clean([decode.addr], procs=cluster.procs)
     finally:
         cluster.close()
+
+
+def test_stage0_killed_mid_transfer_then_the_grid_reforms(tmp_path, reference):
+    """kill -9 of stage 0 (its rank 1 dies with it) while both stages' transfers are in flight: the requests fail;
+    stage 1 finishes its transfers (its rank 1's parts still reach its rank 0 while the pipeline is down) and holds
+    nothing on either rank; stage 0 restarted, the grid re-forms and serves the single-rank tokens; clean pools."""
+    cluster = Cluster(tiny_path(ARCH), tmp_path)
+    try:
+        decode = cluster.decode("dr", "mooncake", True, extra=["--worker-name", "dr"])
+        port = free_ports(3)
+        extra = ["--tp-size", "2", "--debug-transfer-delay", "3"]
+        prefill = cluster.prefill("pr", "mooncake", True, PARTITION, port=port, extra=extra)
+        cluster.wait_healthy([*prefill, decode], timeout=300)
+        router = cluster.router([prefill[0].addr], [decode.addr])
+        wait_for(lambda: len(router.peers.usable_pairs()) == 1, 120, "the decode paired", cluster.procs)
+        rids = ["reform-0", "reform-1"]
+        for rid, p in zip(rids, PROMPTS[:2], strict=True):
+            router.submit(rid, list(p), GREEDY)
+        s1 = prefill[1].addr
+        wait_for(lambda: fetch_health(s1).transfers_in_flight == 2, 60, "stage 1 sending", cluster.procs)
+        os.kill(prefill[0].pid, signal.SIGKILL)
+        for rid in rids:
+            end = None
+            for ev in router.events(rid, 90):
+                if ev.finished:
+                    end = ev.finish_reason
+            assert end == "error", (rid, end)
+        live = [decode, prefill[1]]
+        idle = lambda: (lambda h: (h.transfers_in_flight, h.jobs, h.rank_pages))(fetch_health(s1))  # noqa: E731
+        wait_for(lambda: idle() == (0, 0, [0, 0]), 60, "stage 1 drained on both ranks", live)
+        (s0,) = cluster.prefill("pr", "mooncake", True, PARTITION, port=port, ranks=[0], extra=extra)
+        cluster.wait_healthy([s0, prefill[1]], timeout=300)
+        wait_for(lambda: router.wait_ready(0.1), 60, "the router pairs the prefill again", cluster.procs)
+        got = run_requests(router, PROMPTS, GREEDY, "reform-again")
+        assert [t for t, _, _ in got] == reference["greedy"], got
+        assert_clean([decode.addr, s0.addr, s1], procs=[decode, s0, prefill[1]])
+        for a in (s0.addr, s1):
+            clean = lambda a=a: fetch_health(a).rank_pages == [0, 0]  # noqa: E731
+            wait_for(clean, 30, "every TP rank's pool clean", [decode, s0, prefill[1]])
+    finally:
+        cluster.close()

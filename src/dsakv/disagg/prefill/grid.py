@@ -98,6 +98,9 @@ class RelayGroup(StageGroup):
         self.note_down(why)
         super().break_(why)
 
+    def beat(self) -> None:
+        self._round(BEAT, None)
+
     def recv_prev(self, timeout: float | None = None) -> StageMessage:
         if self.gone is not None:
             raise RankDown(self.gone)
@@ -156,7 +159,10 @@ class StageTP:
         return [own, *(self.reports.pages[1:] if self.reports is not None else [])]
 
     def idle(self) -> None:
-        """The pipeline is not formed: each formation try runs a round (RelayGroup.form)."""
+        """The pipeline is not formed: a round (the ranks' parts of transfers still in flight reach rank 0; each
+        formation try runs one too, RelayGroup.form)."""
+        if self.group.gone is None:
+            self.group.beat()
 
     @property
     def down(self) -> str | None:
