@@ -223,6 +223,14 @@ class LockstepEngine:
         restarted rank(s); then re-place the experts. A group that cannot re-form is the instance's death."""
         r = self.ranks
         assert isinstance(r, ElasticRanks)
+        if failure is not None:
+            log.warning(
+                "dp rank %d: a collective failed (%s: %s): re-forming the group (%s)",
+                self.rank,
+                type(failure).__name__,
+                failure,
+                "the interrupted step runs again" if isinstance(failure, StepRetry) else "the round runs again",
+            )
         try:
             if self.rank != 0:
                 r.follow_reform()
