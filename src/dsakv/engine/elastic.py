@@ -74,6 +74,7 @@ class ElasticRanks:
         self.dtype = torch.float32
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._closing = False  # close() began: no more restarts
 
     # ---- the Ranks interface LockstepEngine uses --------------------------------------------------------------
 
@@ -214,6 +215,8 @@ class ElasticRanks:
     def _restart_due(self) -> None:
         now = time.monotonic()
         with self._lock:
+            if self._closing:
+                return
             due = [r for r, t in self._next_try.items() if now >= t and r not in self.members]
             for r in due:
                 del self._next_try[r]
@@ -281,6 +284,8 @@ class ElasticRanks:
     def close(self, fatal: str | None = None) -> None:
         """Leave the group; rank 0 waits (bounded) for the members' exit, kills a rank not yet admitted, names a
         member that failed. With the instance down (`fatal`), the others are killed and RankDown raised."""
+        with self._lock:
+            self._closing = True
         if fatal is not None:
             self._stop.set()
             for p in self.children:
