@@ -46,6 +46,7 @@ PAGES_EACH = 2
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
 LONG = SamplingParams(max_new_tokens=600, ignore_eos=True)  # decodes for seconds: the kill lands mid-decode
 SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
+LONG_SEEDED = SamplingParams(max_new_tokens=600, ignore_eos=True, temperature=0.9, top_k=40, seed=78)
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
 
 g = torch.Generator().manual_seed(41)
@@ -58,7 +59,7 @@ def reference() -> dict[str, list[list[int]]]:
     return {
         "greedy": eng.generate(PROMPTS, GREEDY),
         "sampled": eng.generate(PROMPTS[:2], SAMPLED),
-        "long": eng.generate(PROMPTS[:2], LONG),
+        "long": eng.generate(PROMPTS[:2], LONG_SEEDED),
     }
 
 
@@ -192,13 +193,14 @@ def finish(router, rid: str, timeout: float = 180.0) -> tuple[list[int], str | N
 def test_dp_rank_killed_fails_only_its_requests_the_group_reforms_and_it_rejoins(world, reference):
     """kill -9 of DP rank 1 while each rank decodes one long request: rank 1's request fails naming its DP rank and
     its exit status; the group re-forms over rank 0 (rank 1's experts loaded onto it), whose request goes on with
-    its KV to tokens == the single-rank engine; rank 0's health row says rank 1 down; new requests succeed on rank 0;
+    its KV to tokens == the single-rank engine (seeded sampling, 600 tokens); rank 0's health row says rank 1 down;
+    new requests succeed on rank 0;
     rank 0 restarts rank 1, which rejoins at a round boundary and is routed to again (tokens == one rank); every
     pool clean."""
     backend, cluster, decode, ranks, prefill, router, _ = world
     rids = [f"{backend}-kill-{i}" for i in range(2)]
-    for rid, p in zip(rids, PROMPTS[:2], strict=True):
-        router.submit(rid, list(p), LONG)
+    for rid, p in zip(rids, PROMPTS[:2], strict=True):  # seeded sampling: the held step draws nothing twice
+        router.submit(rid, list(p), LONG_SEEDED)
     wait_for(
         lambda: [fetch_health(a).running for a in ranks] == [1, 1],
         60,

@@ -187,11 +187,13 @@ class ElasticRanks:
                     continue
                 self._seen[r] = p.pid
                 why = f"{p.name} (pid {p.pid}) {exit_text(rc)}"
-                self.dead[r] = why
                 self._joining.discard(r)
                 n = self.restarts.get(r, 0)
                 if n < len(RESPAWN_BACKOFF_S):
                     self._next_try[r] = now + RESPAWN_BACKOFF_S[n]
+                else:
+                    why += f" after {n} restarts in a row: not restarted again (restart the instance)"
+                self.dead[r] = why
                 found[r] = why
         for why in found.values():
             log.error("%s rank down: %s: its requests fail; the group re-forms over the others", self.label, why)
