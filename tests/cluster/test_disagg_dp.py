@@ -196,7 +196,7 @@ def test_dp_rank_killed_fails_only_its_requests_the_group_reforms_and_it_rejoins
     its KV to tokens == the single-rank engine (seeded sampling, 600 tokens); rank 0's health row says rank 1 down;
     new requests succeed on rank 0;
     rank 0 restarts rank 1, which rejoins at a round boundary and is routed to again (tokens == one rank); every
-    pool clean."""
+    pool clean; killed again while idle, it is restarted again."""
     backend, cluster, decode, ranks, prefill, router, _ = world
     rids = [f"{backend}-kill-{i}" for i in range(2)]
     for rid, p in zip(rids, PROMPTS[:2], strict=True):  # seeded sampling: the held step draws nothing twice
@@ -242,6 +242,14 @@ def test_dp_rank_killed_fails_only_its_requests_the_group_reforms_and_it_rejoins
     assert [t for t, _, _ in got] == reference["greedy"], got
     assert fetch_health(ranks[1]).counters["started"] >= 1  # the router spreads them over both ranks again
     assert_clean([*ranks, prefill[0].addr], procs=cluster.procs)
+
+    # killed again while the instance idles (a round's all_gather breaks, not a step): down, restarted, back
+    os.kill(again, signal.SIGKILL)
+    dead = f"dp rank 1 (pid {again}) was killed by signal 9 (SIGKILL)"
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, False, dead)], 30, "rank 1 down again")
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, True, None)], 240, "rank 1 back again", cluster.procs)
+    (third,) = children(decode.pid)
+    assert third not in (rank1, again) and fetch_health(ranks[1]).pid == third
 
 
 def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
