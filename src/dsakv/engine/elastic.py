@@ -245,9 +245,10 @@ class ElasticRanks:
             except Exception:  # noqa: BLE001 (the watcher must survive a store hiccup)
                 log.exception("%s rank watcher", self.label)
 
-    def gave_up(self, r: int) -> bool:
+    def down_ranks(self) -> dict[int, str]:
+        """The DP ranks out of the group now (dead, restarting, or given up) and why."""
         with self._lock:
-            return r in self.dead and r not in self._next_try and r not in self._joining
+            return dict(self.dead)
 
     # ---- experts ------------------------------------------------------------------------------------------------
 

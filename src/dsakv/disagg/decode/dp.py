@@ -112,7 +112,8 @@ class DecodeDP:
         return cls(cfg, dp), dp
 
     def attach(self, worker: Any) -> None:
-        """A dead rank fails every request this rank holds (naming it); rank 0's stop reaches a follower's worker."""
+        """A group that cannot re-form fails every request this rank holds (naming why); rank 0's stop reaches a
+        follower's worker."""
         self.engine.integrity = lambda: worker.integrity() == "ok"
 
         def down(why: str) -> None:  # a thread of its own: the caller may hold the step's locks
@@ -160,8 +161,8 @@ class DecodeDP:
             )
             for row in self.engine.rows
         }
-        dead = dict(getattr(self.engine.ranks, "dead", {}))
-        for r, why in dead.items():  # out of the group (restarting, or given up): no pool to route to
+        down_ranks = getattr(self.engine.ranks, "down_ranks", dict)
+        for r, why in down_ranks().items():  # out of the group (restarting, or given up): no pool to route to
             rows[r] = DPRankInfo(r, self.addrs[r], 0, 0, 0, 0, 0, False, up=False, down=why)
         return {
             "down": self.engine.down,
