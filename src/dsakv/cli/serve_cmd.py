@@ -80,7 +80,6 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     model_dir = options.model_dir_of(args)
     import torch
 
-    from dsakv.engine.engine import Engine
     from dsakv.serve.app import create_app
     from dsakv.serve.engine_backend import EngineBackend
     from dsakv.serve.server import run_http
@@ -96,16 +95,13 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     ranked = piped = None
     if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
         from dsakv.engine.ranks import RankedEngine, follow, start_ranks
+        from dsakv.engine.tp_spec import tp_engine
         from dsakv.model.loader import load_config
-        from dsakv.model.parallel import load_tp_model, shard_config
+        from dsakv.model.parallel import shard_config
 
         shard_config(load_config(model_dir), tp)
         ranks = start_ranks(tp, args._argv)
-        engine = Engine(
-            load_tp_model(model_dir, ranks.group, dtype=getattr(torch, cfg.engine.dtype)),
-            cfg.engine,
-            model_dir=model_dir,
-        )
+        engine = tp_engine(model_dir, ranks.group, cfg.engine)  # with MTP: the draft layer sharded too
         if not ranks.lead:
             return follow(engine, ranks)
         ranked = RankedEngine(engine, ranks)

@@ -261,12 +261,13 @@ def check_tp(args: argparse.Namespace) -> None:
         raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
     if tp == 1:
         return
-    for flag, on in (
-        ("--speculative-num-steps", getattr(args, "speculative_num_steps", 0)),
-        ("--hisparse", getattr(args, "hisparse", False)),
-    ):
-        if on:
-            raise ConfigError(f"--tp-size {args.tp_size} with {flag} is not supported yet: drop one of them")
+    if getattr(args, "hisparse", False):
+        raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
+    if dpa and getattr(args, "speculative_num_steps", 0):
+        raise ConfigError(
+            "--enable-dp-attention with --speculative-num-steps is not supported yet: drop one of them (TP ranks "
+            "without DP attention speculate)"
+        )
 
 
 def check_dir(path: str, flag: str) -> None:
