@@ -131,14 +131,14 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_tp(args)
     if role == "colocated":
         check_pp_colocated(args)
-    if getattr(args, "enable_dp_attention", False) and role != "decode":
+    if getattr(args, "enable_dp_attention", False) and role not in ("decode", "colocated"):
         raise ConfigError(
-            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves as --role "
-            "decode (dsakv generate runs it colocated)"
+            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves colocated or "
+            "as --role decode"
         )
     if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
         raise ConfigError(
-            f"--enable-dp-attention with --role decode --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
+            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
         )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):

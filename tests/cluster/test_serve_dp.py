@@ -1,0 +1,108 @@
+"""`dsakv serve --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2` (colocated): rank 0 serves HTTP and
+places each request on the DP rank with the fewest in flight (ties to the lowest); both ranks step in lockstep (the
+MoE expert-parallel over both), each with its own pool; each response names its rank (`dp_rank`). Tokens == the
+single-rank engine, greedy and seeded; /health and /metrics show per-rank rows; 0 pages used after on both."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+
+from dsakv.engine.request import SamplingParams
+from dsakv.testing.cluster import wait_for
+from dsakv.testing.engines import engine, prompts_for, tiny_path
+from dsakv.util.procs import Proc, dsakv_cmd, free_ports
+
+ARCH = "glm_moe_dsa"
+DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+
+
+def _health(url: str) -> dict | None:
+    try:
+        r = httpx.get(f"{url}/health", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return r.json() if r.status_code == 200 else None
+
+
+def _in_flight(url: str) -> list[int]:
+    h = _health(url) or {}
+    return [row["in_flight"] for row in h.get("dp_ranks", [])]
+
+
+def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    cmd = dsakv_cmd(
+        "serve", "--model", str(tiny_path(ARCH)), "--port", str(port), "--page-size", "4", "--max-tokens", "512",
+        "--threads", "1", *DP,
+    )  # fmt: skip
+    p = Proc("serve-dp2", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}").start()
+    got: dict[str, dict] = {}
+
+    def post(name: str, body: dict) -> None:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        got[name] = r.json()
+
+    def stream(name: str, body: dict) -> None:
+        chunks = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+        got[name] = {
+            "dp_rank": {c["dp_rank"] for c in chunks},
+            "choices": [{"token_ids": [t for c in chunks for t in c["choices"][0]["token_ids"]]}],
+        }
+
+    try:
+        wait_for(lambda: _health(url) is not None, 240, "serve DP 2", [p])
+        h = _health(url)
+        assert h is not None and [r["dp_rank"] for r in h["dp_ranks"]] == [0, 1], h
+        assert [r["pages_total"] for r in h["dp_ranks"]] == [128, 128] and h["pages_total"] == 256, h
+        prompts = prompts_for([9, 4, 13, 6], seed=21)
+        long = [{"prompt": q, "max_tokens": 64, "temperature": 0, "ignore_eos": True} for q in prompts[:2]]
+        short = [
+            {"prompt": prompts[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            {"prompt": prompts[3], "max_tokens": 8, "temperature": 0.8, "seed": 17, "ignore_eos": True},
+        ]
+        threads = [threading.Thread(target=post, args=("a", long[0]))]
+        threads[0].start()
+        wait_for(lambda: _in_flight(url) == [1, 0] or "a" in got, 60, "A placed", [p])
+        threads.append(threading.Thread(target=stream, args=("b", long[1])))
+        threads[1].start()
+        wait_for(lambda: _in_flight(url) == [1, 1] or "b" in got, 60, "B placed", [p])
+        assert "a" not in got and "b" not in got, "A or B finished before C and D came: placement untestable"
+        for name, body in zip("cd", short, strict=True):  # concurrent: the first placed goes to rank 0
+            threads.append(threading.Thread(target=post, args=(name, body)))
+            threads[-1].start()
+        for t in threads:
+            t.join(300)
+        assert got["a"]["dp_rank"] == 0 and got["b"]["dp_rank"] == {1}
+        assert sorted([got["c"]["dp_rank"], got["d"]["dp_rank"]]) == [0, 1]
+        one = engine(ARCH, page_size=4, max_tokens=512)
+        want = one.generate(prompts[:2], SamplingParams(max_new_tokens=64, ignore_eos=True))
+        want += one.generate(prompts[2:3], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        want += one.generate(prompts[3:], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=17))
+        assert [got[n]["choices"][0]["token_ids"] for n in "abcd"] == want
+
+        def settled() -> bool:
+            rows = (_health(url) or {}).get("dp_ranks", [])
+            return [(r["pages_used"], r["in_flight"], r["running"], r["waiting"]) for r in rows] == [(0, 0, 0, 0)] * 2
+
+        wait_for(settled, 60, "both DP ranks idle with 0 pages used", [p])
+        rows = (_health(url) or {})["dp_ranks"]
+        assert [r["requests_total"] for r in rows] == [2, 2]
+        assert [r["generated_tokens"] for r in rows] == [64 + 8, 64 + 8]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        for r in (0, 1):
+            assert f'dsakv_dp_requests_total{{dp_rank="{r}"}} 2' in metrics, metrics
+            assert f'dsakv_dp_pages_used{{dp_rank="{r}"}} 0' in metrics, metrics
+        assert p.stop(timeout=60) in (0, -15), p.tail()
+    finally:
+        p.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert "DP group stopped: dp rank 1 exited 0" in log and "RankDown" not in log, log
