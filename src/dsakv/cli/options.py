@@ -190,7 +190,12 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
         help="with --enable-dp-attention: D attention ranks (of the --tp-size ranks), each with its own pool, "
         "scheduler and requests (default 1)",
     )
-    g.add_argument("--enable-dp-attention", action="store_true", help="data-parallel attention over --dp-size ranks")
+    g.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 serves HTTP and places "
+        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r)",
+    )
     g.add_argument(
         "--ep-size",
         type=int,
