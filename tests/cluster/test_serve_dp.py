@@ -101,6 +101,31 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         for r in (0, 1):
             assert f'dsakv_dp_requests_total{{dp_rank="{r}"}} 2' in metrics, metrics
             assert f'dsakv_dp_pages_used{{dp_rank="{r}"}} 0' in metrics, metrics
+
+        # rank 1 next (loads 1, 0): a request that can never fit is refused at add by rank 0's checks (413), placing
+        # nothing; n = 2 choices both run on rank 1 (seed + i each); a client leaving a stream on rank 1 aborts it
+        # there and frees its pages
+        g = threading.Thread(target=post, args=("g", long[0]))
+        g.start()
+        wait_for(lambda: _in_flight(url) == [1, 0] or "g" in got, 60, "G placed", [p])
+        big = {"prompt": prompts[2], "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{url}/v1/completions", json=big, timeout=60)
+        assert r.status_code == 413 and "600" in r.json()["error"]["message"], r.text
+        assert _in_flight(url) in ([1, 0], [0, 0])
+        post("h", {"prompt": prompts[3], "max_tokens": 8, "temperature": 0.8, "seed": 5, "n": 2, "ignore_eos": True})
+        assert got["h"]["dp_rank"] == 1 and "g" not in got
+        seeds = [SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=5 + i) for i in range(2)]
+        assert [c["token_ids"] for c in got["h"]["choices"]] == one.generate([prompts[3]] * 2, seeds)
+        leave = {"prompt": prompts[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=leave, timeout=300) as resp:
+            lines = resp.iter_lines()  # held: a dropped iterator closes the response (the client leaves)
+            first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+            assert first["dp_rank"] == 1
+            wait_for(lambda: (_health(url) or {})["dp_ranks"][1]["pages_used"] > 0, 60, "I holds pages", [p])
+        g.join(300)
+        assert got["g"]["choices"][0]["token_ids"] == want[0]
+        wait_for(settled, 60, "both DP ranks idle with 0 pages used after the abort", [p])
+        assert [r["requests_total"] for r in (_health(url) or {})["dp_ranks"]] == [3, 4]
         assert p.stop(timeout=60) in (0, -15), p.tail()
     finally:
         p.kill()

@@ -228,7 +228,7 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu", label: str 
         for p in children:
             p.kill()
         raise
-    log.info("TP rank %d/%d joined on %s:%d", rank, size, ADDR, port)
+    log.info("%s rank %d/%d joined on %s:%d", label, rank, size, ADDR, port)
     return Ranks(group, children, label)
 
 
