@@ -27,9 +27,12 @@ def _health(url: str) -> dict | None:
     return r.json() if r.status_code == 200 else None
 
 
+def _rows(url: str) -> list[dict]:
+    return (_health(url) or {}).get("dp_ranks", [])  # none while /health does not answer 200 (then polled again)
+
+
 def _in_flight(url: str) -> list[int]:
-    h = _health(url) or {}
-    return [row["in_flight"] for row in h.get("dp_ranks", [])]
+    return [row["in_flight"] for row in _rows(url)]
 
 
 def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
@@ -90,11 +93,11 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         assert [got[n]["choices"][0]["token_ids"] for n in "abcd"] == want
 
         def settled() -> bool:
-            rows = (_health(url) or {}).get("dp_ranks", [])
+            rows = _rows(url)
             return [(r["pages_used"], r["in_flight"], r["running"], r["waiting"]) for r in rows] == [(0, 0, 0, 0)] * 2
 
         wait_for(settled, 60, "both DP ranks idle with 0 pages used", [p])
-        rows = (_health(url) or {})["dp_ranks"]
+        rows = _rows(url)
         assert [r["requests_total"] for r in rows] == [2, 2]
         assert [r["generated_tokens"] for r in rows] == [64 + 8, 64 + 8]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
@@ -121,11 +124,11 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
             lines = resp.iter_lines()  # held: a dropped iterator closes the response (the client leaves)
             first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
             assert first["dp_rank"] == 1
-            wait_for(lambda: (_health(url) or {})["dp_ranks"][1]["pages_used"] > 0, 60, "I holds pages", [p])
+            wait_for(lambda: [r["pages_used"] > 0 for r in _rows(url)][1:] == [True], 60, "I holds pages", [p])
         g.join(300)
         assert got["g"]["choices"][0]["token_ids"] == want[0]
         wait_for(settled, 60, "both DP ranks idle with 0 pages used after the abort", [p])
-        assert [r["requests_total"] for r in (_health(url) or {})["dp_ranks"]] == [3, 4]
+        assert [r["requests_total"] for r in _rows(url)] == [3, 4]
         assert p.stop(timeout=60) in (0, -15), p.tail()
     finally:
         p.kill()
