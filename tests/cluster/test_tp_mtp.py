@@ -103,11 +103,13 @@ def test_generate_tp2_mtp_equals_single_rank(ckpt, capsys) -> None:
     assert stats_s["pages_used"] == 0 and tp_s != tp
 
 
-def _up(url: str) -> bool:
+def _health(url: str) -> dict:
+    """/health's body when it answers 200, else {} (polled again)."""
     try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        r = httpx.get(f"{url}/health", timeout=5)
     except httpx.HTTPError:
-        return False
+        return {}
+    return r.json() if r.status_code == 200 else {}
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -128,7 +130,7 @@ def test_serve_tp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
     )  # fmt: skip
     p = Proc("serve-tp2-mtp", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}").start()
     try:
-        wait_for(lambda: _up(url), 240, "serve --tp-size 2 --speculative-num-steps 2", [p])
+        wait_for(lambda: _health(url), 240, "serve --tp-size 2 --speculative-num-steps 2", [p])
 
         def post(body: dict) -> list[int]:
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
@@ -150,7 +152,7 @@ def test_serve_tp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
             both = list(ex.map(post, greedy + seeded))
         assert both[: len(PROMPTS)] == got
         assert both[len(PROMPTS) :] == _single(ckpt, SEEDED, prompts=PROMPTS[:2])[0]
-        wait_for(lambda: httpx.get(f"{url}/health", timeout=5).json()["pages_used"] == 0, 60, "pages freed", [p])
+        wait_for(lambda: _health(url).get("pages_used") == 0, 60, "pages freed", [p])
         p.stop(timeout=60)
     finally:
         p.kill()
