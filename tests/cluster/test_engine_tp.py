@@ -86,9 +86,6 @@ def test_tp_size_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--tp-size 0 must be an integer in 1..64" in capsys.readouterr().err
     assert main(_argv(prompts, "--tp-size", "2", "--hisparse")) == 2
     assert "--tp-size 2 with --hisparse is not supported yet" in capsys.readouterr().err
-    dp_mtp = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
-    assert main(_argv(prompts, *dp_mtp, "--speculative-num-steps", "2")) == 2
-    assert "--enable-dp-attention with --speculative-num-steps is not supported yet" in capsys.readouterr().err
 
 
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]

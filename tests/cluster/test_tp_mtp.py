@@ -103,6 +103,28 @@ def test_generate_tp2_mtp_equals_single_rank(ckpt, capsys) -> None:
     assert stats_s["pages_used"] == 0 and tp_s != tp
 
 
+DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+
+
+def test_generate_dp2_mtp_equals_single_rank(ckpt, capsys) -> None:
+    """DP attention 2 + EP 2 with MTP: each rank speculates for its own prompts (i % 2 == rank) with the whole draft
+    layer (its MoE not expert-parallel: no collective in the draft). Tokens == one rank with MTP == MTP off; rank
+    0's accept counts == the single-rank engine running rank 0's prompts."""
+    dp, stats, spec = _generate(ckpt, capsys, *DP)
+    one, _ = _single(ckpt, GREEDY)
+    assert dp == one == _single(ckpt, GREEDY, k=0)[0]
+    assert spec == _single(ckpt, GREEDY, prompts=PROMPTS[0::2])[1]
+    assert stats["pages_used"] == 0 and stats["generated_tokens"] == NEW * len(PROMPTS[0::2])
+    tp_s, _, _ = _generate(ckpt, capsys, *DP, "--temperature", "0.9", "--seed", "11")
+    assert tp_s == _single(ckpt, SEEDED)[0]
+    # a DP-attention decode role does not speculate yet: refused before anything starts
+    argv = ["serve", "--role", "decode", "--model", str(ckpt), "--port", str(free_ports(3)), *DP]
+    assert main([*argv, "--speculative-num-steps", "2"]) == 2
+    assert "--enable-dp-attention with --role decode --speculative-num-steps is not supported yet" in (
+        capsys.readouterr().err
+    )
+
+
 def _health(url: str) -> dict:
     """/health's body when it answers 200, else {} (polled again)."""
     try:
@@ -158,3 +180,39 @@ def test_serve_tp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
         p.kill()
     log = (tmp_path / "serve.log").read_text()
     assert "RanksDiverged" not in log and "TP group stopped: tp rank 1 exited 0" in log, log
+
+
+def test_serve_dp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
+    """Colocated DP attention 2 with MTP: two concurrent requests, one per DP rank, each speculating on its own
+    rank; tokens == one rank with MTP; 0 pages used on both ranks after."""
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    cmd = dsakv_cmd(
+        "serve", "--model", str(ckpt), "--port", str(port), "--page-size", "4", "--max-tokens", "1024",
+        "--threads", "1", *DP, "--speculative-num-steps", str(K),
+    )  # fmt: skip
+    p = Proc("serve-dp2-mtp", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}").start()
+    try:
+        wait_for(lambda: _health(url), 240, "serve DP 2 --speculative-num-steps 2", [p])
+        bodies = [{"prompt": q, "max_tokens": NEW, "temperature": 0, "ignore_eos": True} for q in PROMPTS[:2]]
+
+        def post(body: dict) -> dict:
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        with ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(post, bodies))
+        assert [g["choices"][0]["token_ids"] for g in got] == _single(ckpt, GREEDY, prompts=PROMPTS[:2])[0]
+        assert sorted(g["dp_rank"] for g in got) == [0, 1]
+
+        def settled() -> bool:
+            rows = _health(url).get("dp_ranks", [])
+            return [(r["pages_used"], r["in_flight"]) for r in rows] == [(0, 0)] * 2
+
+        wait_for(settled, 60, "both DP ranks with 0 pages used", [p])
+        p.stop(timeout=60)
+    finally:
+        p.kill()
+    log = (tmp_path / "serve.log").read_text()
+    assert "DP group stopped: dp rank 1 exited 0" in log and "RankDown" not in log, log

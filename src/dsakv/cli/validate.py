@@ -263,10 +263,10 @@ def check_tp(args: argparse.Namespace) -> None:
         return
     if getattr(args, "hisparse", False):
         raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
-    if dpa and getattr(args, "speculative_num_steps", 0):
+    if dpa and getattr(args, "speculative_num_steps", 0) and getattr(args, "role", "colocated") == "decode":
         raise ConfigError(
-            "--enable-dp-attention with --speculative-num-steps is not supported yet: drop one of them (TP ranks "
-            "without DP attention speculate)"
+            "--enable-dp-attention with --role decode --speculative-num-steps is not supported yet: drop one of them "
+            "(a colocated DP-attention server or a TP decode speculates)"
         )
 
 
