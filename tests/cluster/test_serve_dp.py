@@ -6,13 +6,17 @@ single-rank engine, greedy and seeded; /health and /metrics show per-rank rows; 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
+from pathlib import Path
 
 import httpx
 
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import wait_for
 from dsakv.testing.engines import engine, prompts_for, tiny_path
+from dsakv.testing.listen import child_pids
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
@@ -25,6 +29,13 @@ def _health(url: str) -> dict | None:
     except httpx.HTTPError:
         return None
     return r.json() if r.status_code == 200 else None
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
 
 
 def _rows(url: str) -> list[dict]:
@@ -134,3 +145,42 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         p.kill()
     log = (tmp_path / "serve.log").read_text()
     assert "DP group stopped: dp rank 1 exited 0" in log and "RankDown" not in log, log
+
+
+def test_serve_dp2_rank_killed_fails_requests_by_name(tmp_path) -> None:
+    """kill -9 of DP rank 1 with a request running on each rank: every MoE layer needs both ranks' experts, so both
+    requests fail at once naming the dead rank and its signal (no hang), /health and new requests answer 503, and
+    rank 0's own pages are freed."""
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    cmd = dsakv_cmd(
+        "serve", "--model", str(tiny_path(ARCH)), "--port", str(port), "--page-size", "4", "--max-tokens", "4096",
+        "--threads", "1", *DP,
+    )  # fmt: skip
+    p = Proc("serve-dp2-kill", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}").start()
+    got: dict[int, httpx.Response] = {}
+
+    def post(i: int) -> None:
+        body = {"prompt": [5, 6, 7 + i], "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+        got[i] = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+
+    try:
+        wait_for(lambda: _health(url) is not None, 240, "serve DP 2", [p])
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: [r["running"] for r in _rows(url)] == [1, 1], 60, "a request running on each rank", [p])
+        (rank1,) = [k for k in child_pids(p.pid) if b"DSAKV_TP_RANK=1" in _environ(k)]
+        os.kill(rank1, signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        dead = f"DP rank down: dp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
+        for i in range(2):
+            assert got[i].status_code == 500 and dead in got[i].json()["error"]["message"], got[i].text
+        h = httpx.get(f"{url}/health", timeout=10)
+        assert h.status_code == 503 and dead in h.json()["error"], h.text
+        assert h.json()["dp_ranks"][0]["pages_used"] == 0, h.text
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and dead in r.text, r.text
+    finally:
+        p.kill()

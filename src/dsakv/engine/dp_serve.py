@@ -156,6 +156,10 @@ class DPServeEngine:
             out = self.engine.abort(request_id)
             if out is not None:
                 self._done(out)
+            else:  # finished in a round that broke before its outputs were handled: no longer in flight
+                self.placed.pop(request_id, None)
+                self.load[0] -= 1
+            self.rank_stats = [self.engine.stats(), *self.rank_stats[1:]]  # its pages are free now
             return out
 
     def has_unfinished(self) -> bool:
