@@ -21,6 +21,7 @@ from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+LONG, LONGER = 240, 400  # tokens of the requests that must still run while later ones are placed
 
 
 def _health(url: str) -> dict | None:
@@ -78,7 +79,8 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         assert h is not None and [r["dp_rank"] for r in h["dp_ranks"]] == [0, 1], h
         assert [r["pages_total"] for r in h["dp_ranks"]] == [128, 128] and h["pages_total"] == 256, h
         prompts = prompts_for([9, 4, 13, 6], seed=21)
-        long = [{"prompt": q, "max_tokens": 64, "temperature": 0, "ignore_eos": True} for q in prompts[:2]]
+        # long enough (rounds) that A and B still run while C and D are admitted, whatever the machine's load
+        long = [{"prompt": q, "max_tokens": LONG, "temperature": 0, "ignore_eos": True} for q in prompts[:2]]
         short = [
             {"prompt": prompts[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
             {"prompt": prompts[3], "max_tokens": 8, "temperature": 0.8, "seed": 17, "ignore_eos": True},
@@ -98,7 +100,7 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         assert got["a"]["dp_rank"] == 0 and got["b"]["dp_rank"] == {1}
         assert sorted([got["c"]["dp_rank"], got["d"]["dp_rank"]]) == [0, 1]
         one = engine(ARCH, page_size=4, max_tokens=512)
-        want = one.generate(prompts[:2], SamplingParams(max_new_tokens=64, ignore_eos=True))
+        want = one.generate(prompts[:2], SamplingParams(max_new_tokens=LONG, ignore_eos=True))
         want += one.generate(prompts[2:3], SamplingParams(max_new_tokens=8, ignore_eos=True))
         want += one.generate(prompts[3:], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=17))
         assert [got[n]["choices"][0]["token_ids"] for n in "abcd"] == want
@@ -110,7 +112,7 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         wait_for(settled, 60, "both DP ranks idle with 0 pages used", [p])
         rows = _rows(url)
         assert [r["requests_total"] for r in rows] == [2, 2]
-        assert [r["generated_tokens"] for r in rows] == [64 + 8, 64 + 8]
+        assert [r["generated_tokens"] for r in rows] == [LONG + 8, LONG + 8]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         for r in (0, 1):
             assert f'dsakv_dp_requests_total{{dp_rank="{r}"}} 2' in metrics, metrics
@@ -119,7 +121,7 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         # rank 1 next (loads 1, 0): a request that can never fit is refused at add by rank 0's checks (413), placing
         # nothing; n = 2 choices both run on rank 1 (seed + i each); a client leaving a stream on rank 1 aborts it
         # there and frees its pages
-        g = threading.Thread(target=post, args=("g", long[0]))
+        g = threading.Thread(target=post, args=("g", {**long[0], "max_tokens": LONGER}))  # runs through H and I
         g.start()
         wait_for(lambda: _in_flight(url) == [1, 0] or "g" in got, 60, "G placed", [p])
         big = {"prompt": prompts[2], "max_tokens": 600, "temperature": 0, "ignore_eos": True}
@@ -137,7 +139,8 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
             assert first["dp_rank"] == 1
             wait_for(lambda: [r["pages_used"] > 0 for r in _rows(url)][1:] == [True], 60, "I holds pages", [p])
         g.join(300)
-        assert got["g"]["choices"][0]["token_ids"] == want[0]
+        want_g = one.generate(prompts[:1], SamplingParams(max_new_tokens=LONGER, ignore_eos=True))[0]
+        assert got["g"]["choices"][0]["token_ids"] == want_g and want_g[:LONG] == want[0]
         wait_for(settled, 60, "both DP ranks idle with 0 pages used after the abort", [p])
         assert [r["requests_total"] for r in _rows(url)] == [3, 4]
         assert p.stop(timeout=60) in (0, -15), p.tail()
