@@ -19,6 +19,11 @@ class NoFreePages(CapacityError):
     """The pool has too few free pages right now (it would fit later): retry after requests finish."""
 
 
+class StepRetry(Exception):
+    """A collective of the step broke and its group re-forms (engine/dp.py, elastic EP): the engine keeps the
+    step's schedule and runs the same rows again at its next step (nothing sampled, nothing failed)."""
+
+
 class Unavailable(DsakvError):
     """The server cannot take requests right now (e.g. a rank of its group died): HTTP `status` 503."""
 

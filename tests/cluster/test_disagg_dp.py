@@ -6,8 +6,9 @@ Checked: tokens equal the single-rank colocated engine (greedy and seeded; a TP-
 keys spread over both prefill ranks); the router finds rank 1 from rank 0's
 health and spreads the requests over both ranks by load; each DP rank receives exactly its own requests' keys
 (bytes per (prefill rank, DP rank) pair == the layout figure x its requests' pages); per-rank health rows; clean
-pools. kill -9 of DP rank 1: the EP all-to-all needs every rank, so the whole instance fails all its requests,
-each naming the dead rank, rank 0 says down and holds no page; the prefill holds nothing.
+pools. kill -9 of DP rank 1 under load: only its request fails (naming it and its exit status), the group
+re-forms over rank 0 whose request finishes with the single-rank tokens, 0 pages leaked; the restarted rank
+rejoins and is routed to again.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ PAGES_EACH = 2
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
 LONG = SamplingParams(max_new_tokens=600, ignore_eos=True)  # decodes for seconds: the kill lands mid-decode
 SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
+LONG_SEEDED = SamplingParams(max_new_tokens=600, ignore_eos=True, temperature=0.9, top_k=40, seed=78)
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
 
 g = torch.Generator().manual_seed(41)
@@ -54,7 +56,11 @@ PROMPTS = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
 @pytest.fixture(scope="module")
 def reference() -> dict[str, list[list[int]]]:
     eng = Engine(tiny_model(ARCH), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256))
-    return {"greedy": eng.generate(PROMPTS, GREEDY), "sampled": eng.generate(PROMPTS[:2], SAMPLED)}
+    return {
+        "greedy": eng.generate(PROMPTS, GREEDY),
+        "sampled": eng.generate(PROMPTS[:2], SAMPLED),
+        "long": eng.generate(PROMPTS[:2], LONG_SEEDED),
+    }
 
 
 @pytest.fixture(scope="module", params=("mooncake", "nixl"))
@@ -168,43 +174,82 @@ def children(pid: int) -> list[int]:
     return child_pids(pid)
 
 
-def test_dp_rank_killed_fails_the_instance_names_it_leaks_nothing(world):
-    """kill -9 of DP rank 1 while each rank decodes one request: both fail (rank 0's naming the dead rank and its
-    signal, rank 1's naming its DP rank as unavailable); rank 0 says down, frees every page; the prefill holds
-    nothing; the router routes nothing there."""
+def rows0(addr: str) -> list[tuple[int, bool, str | None]]:
+    """Rank 0's per-rank view: (DP rank, up, why down)."""
+    return [(x.rank, x.up, x.down) for x in fetch_health(addr).dp_ranks or []]
+
+
+def finish(router, rid: str, timeout: float = 180.0) -> tuple[list[int], str | None, str]:
+    toks: list[int] = []
+    end: tuple[str | None, str] | None = None
+    for ev in router.events(rid, timeout):
+        toks += ev.new_token_ids
+        if ev.finished:
+            end = (ev.finish_reason, ev.error or "")
+    assert end is not None, rid
+    return toks, end[0], end[1]
+
+
+def test_dp_rank_killed_fails_only_its_requests_the_group_reforms_and_it_rejoins(world, reference):
+    """kill -9 of DP rank 1 while each rank decodes one long request: rank 1's request fails naming its DP rank and
+    its exit status; the group re-forms over rank 0 (rank 1's experts loaded onto it), whose request goes on with
+    its KV to tokens == the single-rank engine (seeded sampling, 600 tokens); rank 0's health row says rank 1 down;
+    new requests succeed on rank 0;
+    rank 0 restarts rank 1, which rejoins at a round boundary and is routed to again (tokens == one rank); every
+    pool clean; killed again while idle, it is restarted again."""
     backend, cluster, decode, ranks, prefill, router, _ = world
     rids = [f"{backend}-kill-{i}" for i in range(2)]
-    for rid, p in zip(rids, PROMPTS[:2], strict=True):
-        router.submit(rid, list(p), LONG)
+    for rid, p in zip(rids, PROMPTS[:2], strict=True):  # seeded sampling: the held step draws nothing twice
+        router.submit(rid, list(p), LONG_SEEDED)
     wait_for(
         lambda: [fetch_health(a).running for a in ranks] == [1, 1],
         60,
         "one request decoding on each rank",
         cluster.procs,
     )
+    before = fetch_health(ranks[0]).counters["started"]
     (rank1,) = children(decode.pid)
     os.kill(rank1, signal.SIGKILL)
-    errors = []
-    for rid in rids:
-        end = None
-        for ev in router.events(rid, 60):
-            if ev.finished:
-                end = (ev.finish_reason, ev.error or "")
-        assert end is not None and end[0] == "error", (rid, end)
-        errors.append(end[1])
-    dead = f"DP rank down: dp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
-    assert sum(dead in e for e in errors) == 1, errors
-    assert (
-        sum(
-            f"decode {ranks[1]} (DP rank 1 of 2 of the decode instance at {ranks[0]}) is unavailable" in e
-            for e in errors
-        )
-        == 1
-    ), errors
+    dead = f"dp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, False, dead)], 30, "rank 1 down in rank 0's rows")
     h = fetch_health(ranks[0])
-    assert not h.ok and h.down is not None and h.down.startswith(dead), h.down
+    assert h.ok and h.down is None and h.running == 1, h  # rank 0's long request still decoding
+
+    # new requests while rank 1 is down (its restart waits 1 s, then loads the model): all on rank 0
+    got = run_requests(router, PROMPTS, GREEDY, f"{backend}-dp-down", timeout=120)
+    assert [t for t, _, _ in got] == reference["greedy"], got
+    assert fetch_health(ranks[0]).counters["started"] == before + len(PROMPTS)
+
+    ends = [finish(router, rid) for rid in rids]
+    failed = [i for i, (_, reason, _) in enumerate(ends) if reason == "error"]
+    assert len(failed) == 1, ends
+    (lost,) = failed
+    kept = 1 - lost
+    lost_err = ends[lost][2]
+    assert f"decode {ranks[1]} (DP rank 1 of 2 of the decode instance at {ranks[0]}) is unavailable" in lost_err
+    assert f"its instance's rank 0 says: {dead}" in lost_err, lost_err
+    assert ends[kept][1] == "length" and ends[kept][0] == reference["long"][kept], ends[kept][1:]
     assert_clean([ranks[0], prefill[0].addr], procs=[decode, *prefill])
-    wait_for(lambda: not router.peers.usable_pairs(), 30, "no DP rank routable", [decode, *prefill])
+
+    # rank 0 restarted rank 1; it rejoined (the group of 2 again, home experts) and is routed to again
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, True, None)], 240, "rank 1 rejoined", cluster.procs)
+    (again,) = children(decode.pid)
+    assert again != rank1
+    h1 = fetch_health(ranks[1])
+    assert h1.ok and h1.name == "ddp2.dp1" and h1.pid == again and h1.counters["started"] == 0, h1
+    wait_for(lambda: len(router.peers.usable_pairs()) == 2, 90, "both DP ranks paired again", cluster.procs)
+    got = run_requests(router, PROMPTS, GREEDY, f"{backend}-dp-back", timeout=120)
+    assert [t for t, _, _ in got] == reference["greedy"], got
+    assert fetch_health(ranks[1]).counters["started"] >= 1  # the router spreads them over both ranks again
+    assert_clean([*ranks, prefill[0].addr], procs=cluster.procs)
+
+    # killed again while the instance idles (a round's all_gather breaks, not a step): down, restarted, back
+    os.kill(again, signal.SIGKILL)
+    dead = f"dp rank 1 (pid {again}) was killed by signal 9 (SIGKILL)"
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, False, dead)], 30, "rank 1 down again")
+    wait_for(lambda: rows0(ranks[0]) == [(0, True, None), (1, True, None)], 240, "rank 1 back again", cluster.procs)
+    (third,) = children(decode.pid)
+    assert third not in (rank1, again) and fetch_health(ranks[1]).pid == third
 
 
 def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:

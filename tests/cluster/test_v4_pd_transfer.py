@@ -25,7 +25,6 @@ from dsakv.testing.v4_pd import (  # noqa: E402
     V4DecodeSpec,
     V4PrefillProcesses,
     V4PrefillStages,
-    V4StageSpec,
 )
 
 ENGINES = ["mooncake", "nixl"]
@@ -115,8 +114,7 @@ def test_v4_pp2_stage_processes_to_decode_over_engine(ckpt: Path, colocated: lis
     """Each prefill stage its own process (the hidden streams go stage to stage over pipes), the decode a third:
     each (stage, decode) pair moves exactly its layout figure over its own engine; tokens == colocated."""
     model = load_v4(ckpt)
-    specs = [V4StageSpec(str(ckpt), a, b, PAGES, 2, engine, options(engine), CHILD_ENV) for a, b in SPLITS]
-    pre = V4PrefillProcesses(model, specs, chunk_size=7)
+    pre = V4PrefillProcesses(model, str(ckpt), SPLITS, PAGES, 2, engine, options(engine), chunk_size=7)
     dec = V4DecodePeer(V4DecodeSpec(str(ckpt), PAGES, 2, None, engine, options(engine), CHILD_ENV))
     try:
         assert dec.call("hello", pre.manifests()) == 18
@@ -139,7 +137,7 @@ def test_v4_pp2_stage_processes_to_decode_over_engine(ckpt: Path, colocated: lis
             pre.release(req, owner=i)
             outputs.append(dec.call("start", rid))
         assert outputs == colocated
-        assert pre.free() == [(PAGES, 2), (PAGES, 2)]
+        assert pre.free() == (PAGES, 2)
         assert tuple(dec.call("pages_free")) == (PAGES, 2)
     finally:
         dec.stop()

@@ -1,6 +1,8 @@
 """EPMoE and the TP hook on a real one-rank gloo group in this process: the expert-parallel MoE (dispatch,
 local experts, combine) gives the single-rank MoE's output, an idle call (0 rows) runs every collective, and a
-TP-attached model with one rank gives bitwise the plain model's logits."""
+TP-attached model with one rank gives bitwise the plain model's logits. Elastic EP: a rank running its home half
+plus the other half as guests loaded from the checkpoint (a re-formed group of one) gives bitwise the output of
+the rank that held every expert; ep_owners' placement over survivors, exactly."""
 
 from __future__ import annotations
 
@@ -10,8 +12,8 @@ import torch.distributed as dist
 
 from dsakv.engine.request import SamplingParams
 from dsakv.model.layers import MoE
-from dsakv.model.loader import load_model
-from dsakv.model.parallel import EPMoE, TPGroup, attach, attach_ep, idle_forward
+from dsakv.model.loader import load_experts, load_model
+from dsakv.model.parallel import EPMoE, TPGroup, attach, attach_ep, ep_owners, idle_forward
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import engine, prompts_for, tiny_path
 from dsakv.util.procs import free_ports
@@ -53,3 +55,32 @@ def test_one_rank_tp_hook_is_the_plain_arithmetic() -> None:
     from dsakv.engine.engine import Engine
 
     assert Engine((spec, model), engine_config(page_size=4, max_tokens=256)).generate(prompts, params) == plain
+
+
+def test_ep_moe_guests_from_the_checkpoint_give_the_same_output() -> None:
+    path = tiny_path(ARCH)
+    _, model = load_model(path)
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, MoE) and len(moe.experts) == 8
+    x = torch.randn(37, model.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    guests = load_experts(path, {1: [4, 5, 6, 7]})
+    assert sorted(guests) == [(1, 4), (1, 5), (1, 6), (1, 7)]
+    for e in range(4, 8):
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(guests[(1, e)], w).weight, getattr(moe.experts[e], w).weight), (e, w)
+    with torch.inference_mode():
+        whole = EPMoE(moe, 0, 1)
+        ref = whole.forward(x, residual=x.clone())
+        half = EPMoE(moe, 0, 2)  # home experts 0..3; dp rank 1 (4..7) is down: its experts run here
+        assert half.mine == [0, 1, 2, 3]
+        half.place(ep_owners(8, 2, [0]), 0, 1, {e: guests[(1, e)] for e in range(4, 8)})
+        assert half.mine == list(range(8))
+        got = half.forward(x, residual=x.clone())
+    assert torch.equal(got, ref)
+
+
+def test_ep_owners_places_the_dead_ranks_experts_round_robin() -> None:
+    assert ep_owners(8, 2, [0, 1]) == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert ep_owners(8, 2, [0]) == [0] * 8
+    assert ep_owners(8, 4, [0, 2, 3]) == [0, 0, 0, 2, 2, 2, 3, 3]
+    assert ep_owners(8, 4, [3, 0]) == [0, 0, 0, 3, 0, 3, 3, 3]

@@ -13,6 +13,9 @@ Imports torch; must not import model, engine or disagg.
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable, Sequence
+
 import torch
 
 from dsakv.cache.device_pool import Region
@@ -104,3 +107,13 @@ class V4Pool:
     def nbytes_of(self, key: BufferKey) -> int:
         t = self._paged[key] if key in self._paged else self.state(key)
         return int(t.numel())
+
+    def digests(self, pages: Iterable[int], slot: int, keys: Sequence[BufferKey] | None = None) -> dict[str, str]:
+        """blake2b of each key's bytes (every key of the layout by default): pages `pages` in that order of a
+        paged key, slot `slot` of a state key. What a transfer's two ends compare."""
+        idx = torch.as_tensor([int(p) for p in pages], dtype=torch.int64, device=self.device)
+        out = {}
+        for key in self.layout.keys if keys is None else keys:
+            t = self._paged[key].index_select(0, idx) if key in self._paged else self.state(key)[slot]
+            out[str(key)] = hashlib.blake2b(t.contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()
+        return out

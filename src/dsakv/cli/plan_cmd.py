@@ -213,6 +213,9 @@ def print_ranks(rp: RolePlan) -> None:
         f"  per instance ({g.pools} pool(s)): dense {rp.instance_tokens_dense:,} / elided "
         f"{rp.instance_tokens_elided:,} tokens"
     )
+    if any(d.rank_reform_headroom(s) for s in range(d.pp)):
+        extra = ", ".join(f"stage {s}: ~{fmt_bytes(d.rank_reform_headroom(s))}" for s in range(d.pp))
+        print(f"  re-form headroom (a survivor loads a dead EP rank's experts; leave it free): {extra}")
 
 
 def print_hisparse(rp: RolePlan, file: TextIO | None = None) -> None:

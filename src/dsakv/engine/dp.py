@@ -9,10 +9,16 @@ ranks (model/parallel.EPMoE: every rank takes part in every MoE layer's all-to-a
     engine.rows     the last round's rows, one dict per rank (the health's per-rank view)
     engine.quiesce  rank 0: one last round with stop = 1; every rank sees it, calls on_stop and runs no more rounds
 
-A dead rank: the EP all-to-all needs every rank for every MoE layer (rank r alone holds experts [r E/D, (r+1) E/D)
-and the router sends every token's top-k anywhere), so no rank can step once one died: every rank fails every
-request it holds, naming the dead rank (`down`; rank 0 from its watcher with the exit status, the others from the
-dead sibling's pid), and runs no more collectives. Not re-formed: restart the instance.
+A dead rank: the EP all-to-all needs every expert for every MoE layer, so no rank can step with the group it
+had. With plain Ranks (engine/ranks.py) every rank fails every request it holds, naming the dead rank (`down`; rank
+0 from its watcher with the exit status, the others from the dead sibling's pid), and runs no more collectives.
+With ElasticRanks (engine/elastic.py: the DP decode) the group re-forms instead: the failed collective (a round's
+all_gather, an all-to-all inside a step: StepRetry, the engine holds the step's rows) sends every survivor to
+`_reform` (rank 0 names the dead rank, writes the next generation without it; the others join it), the experts
+are re-placed (ElasticRanks.place), and the interrupted round runs again: the survivors' requests go on with their
+KV, the dead rank's requests were in the dead process. A restarted rank is admitted at a round boundary: rank 0's
+row sets `join`, every member re-forms with it. `down` then means the group could not re-form (the instance is
+down, as with plain Ranks).
 Imports torch, torch.distributed and dsakv.model.parallel; nothing assumes a device.
 """
 
@@ -29,12 +35,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsakv.engine.elastic import ElasticRanks
 from dsakv.engine.ranks import RankDown, Ranks
+from dsakv.errors import StepRetry
 from dsakv.model.parallel import EPMoE, idle_forward
 
 log = logging.getLogger(__name__)
 
-ROW = ("active", "stop", "pages_free", "pages_used", "pages_total", "running", "waiting", "integrity_ok")
+ROW = (
+    "active",
+    "stop",
+    "pages_free",
+    "pages_used",
+    "pages_total",
+    "running",
+    "waiting",
+    "integrity_ok",
+    "dp_rank",
+    "join",
+)
 IDLE_S = 0.02  # a round in which no rank had work sleeps this long (bounds the idle rounds' CPU)
 DEATH_WAIT_S = 5.0  # after a failed collective: how long to look for the dead rank (to name it)
 INTEGRITY_EVERY_S = 1.0  # how often a rank refreshes its row's integrity flag
@@ -58,14 +77,15 @@ def pid_gone(pid: int) -> bool:
 class LockstepEngine:
     """One DP rank's engine (the Engine API passed through) stepping in lockstep with the other DP ranks."""
 
-    def __init__(self, engine: Any, ranks: Ranks, integrity: Callable[[], bool] | None = None) -> None:
+    def __init__(self, engine: Any, ranks: Ranks | ElasticRanks, integrity: Callable[[], bool] | None = None) -> None:
         self.engine, self.ranks = engine, ranks
+        self.elastic = isinstance(ranks, ElasticRanks)
         self.rank, self.size = ranks.rank, ranks.size
         self.integrity = integrity or (lambda: True)
         self._ok, self._checked = True, 0.0
         self._lock = threading.Lock()  # one round at a time (the step thread; quiesce from another)
         self.rows: list[dict[str, int]] = []
-        self.pids: list[int] = [int(p) for p in ranks.gather(os.getpid())]
+        self.pids: list[int] = [] if self.elastic else [int(p) for p in ranks.gather(os.getpid())]
         self.stopped = False  # a stop round ran: no more collectives
         self._down: str | None = None
         self._down_lock = threading.Lock()
@@ -73,10 +93,13 @@ class LockstepEngine:
         self.on_stop: Callable[[], None] | None = None  # a follower: rank 0 stopped the instance
         self.moe = next((m for m in engine.model.modules() if isinstance(m, EPMoE)), None)
         self.rounds = self.idle_forwards = 0
+        self.reforms = 0
         ranks.on_down(self._mark_down)  # rank 0: the watcher names a dead child with its exit status
         for m in engine.model.modules():
             if isinstance(m, EPMoE):
                 m.on_error = self._guard  # a broken all-to-all fails the step with RankDown naming the dead rank
+        if isinstance(ranks, ElasticRanks):
+            ranks.place(engine.model)  # (a restarted rank may join a group some ranks of which are down)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -107,7 +130,7 @@ class LockstepEngine:
         pid is gone; polled for up to `wait` seconds (its sockets close before it is reaped)."""
         end = time.monotonic() + wait
         while True:
-            down = self.ranks.check() if self.ranks.children else self.ranks.down
+            down = self.ranks.check() if isinstance(self.ranks, Ranks) and self.ranks.children else self.ranks.down
             if down is None:
                 dead = [r for r, pid in enumerate(self.pids) if r != self.rank and pid_gone(pid)]
                 # rank 0 (the parent) waits for the exit status: its poll says nothing while another thread of it
@@ -130,13 +153,17 @@ class LockstepEngine:
         now = time.monotonic()
         if now - self._checked >= INTEGRITY_EVERY_S:
             self._ok, self._checked = bool(self.integrity()), now
+        join = isinstance(self.ranks, ElasticRanks) and self.rank == 0 and bool(self.ranks.joiners())
         vals = (active, stop, st.pages_free, st.pages_used, st.pages_total, st.num_running, st.num_waiting, self._ok)
-        return torch.tensor([int(v) for v in vals], dtype=torch.int64)
+        return torch.tensor([int(v) for v in (*vals, self.rank, join)], dtype=torch.int64)
 
     def _round(self, stop: bool) -> list[dict[str, int]]:
         mine = self._row(stop)
-        out = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(out, mine)
+        out = [torch.empty_like(mine) for _ in range(getattr(self.ranks, "group_size", self.size))]
+        if len(out) > 1:
+            dist.all_gather(out, mine)
+        else:
+            out = [mine]
         self.rounds += 1
         self.rows = [dict(zip(ROW, (int(v) for v in t.tolist()), strict=True)) for t in out]
         return self.rows
@@ -155,11 +182,18 @@ class LockstepEngine:
             if any(r["stop"] for r in rows):
                 self._stop_seen()
                 return []
+            if any(r["join"] for r in rows):  # rank 0 admits a restarted rank: every member re-forms
+                self._reform(None)
+                return []
             if not any(r["active"] for r in rows):
                 time.sleep(IDLE_S)
                 return []
             calls = self.moe.calls if self.moe is not None else 0
-            outs = self.engine.step()
+            try:
+                outs = self.engine.step()
+            except StepRetry as e:  # (elastic) the step's all-to-all broke: held by the engine, run again
+                self._broken(e)
+                return []
             if self.moe is not None and self.moe.calls == calls:  # no forward ran here: this rank's share
                 try:
                     idle_forward(self.engine.model)
@@ -179,10 +213,45 @@ class LockstepEngine:
             return list(outs)
 
     def _guard(self, e: Exception) -> BaseException:
+        if self.elastic:
+            return StepRetry(f"{type(e).__name__} in the EP all-to-all: the group re-forms")
         down = self.find_down()
         return RankDown(f"{down} ({type(e).__name__} in the EP all-to-all)") if down is not None else e
 
+    def _reform(self, failure: BaseException | None) -> None:
+        """(elastic) Re-form the group: after `failure` without the dead rank(s), else (a join round) with the
+        restarted rank(s); then re-place the experts. A group that cannot re-form is the instance's death."""
+        r = self.ranks
+        assert isinstance(r, ElasticRanks)
+        if failure is not None:
+            log.warning(
+                "dp rank %d: a collective failed (%s: %s): re-forming the group (%s)",
+                self.rank,
+                type(failure).__name__,
+                failure,
+                "the interrupted step runs again" if isinstance(failure, StepRetry) else "the round runs again",
+            )
+        try:
+            if self.rank != 0:
+                r.follow_reform()
+            elif failure is None:
+                r.lead_reform(admit=r.joiners())
+            else:
+                dead = r.wait_dead(DEATH_WAIT_S)
+                if not dead:
+                    raise RankDown(f"a collective failed ({type(failure).__name__}: {failure}) but no rank died")
+                r.lead_reform(drop=sorted(dead))
+            r.place(self.engine.model)
+        except Exception as e:  # noqa: BLE001
+            self._mark_down(f"DP rank down: the group of dp rank {self.rank} could not re-form: {e}")
+            return
+        self.reforms += 1
+        self.rows = []
+
     def _broken(self, e: BaseException) -> None:
+        if self.elastic:
+            self._reform(e)
+            return
         if self.find_down() is None:
             self._mark_down(f"DP rank down: a collective of dp rank {self.rank} failed: {type(e).__name__}: {e}")
 
@@ -194,7 +263,7 @@ class LockstepEngine:
     def quiesce(self) -> None:
         """Rank 0, stopping: one last round with stop = 1 (every rank sees it and runs no more rounds)."""
         with self._lock:
-            if self.stopped or self.down is not None or self.size == 1:
+            if self.stopped or self.down is not None or getattr(self.ranks, "group_size", self.size) == 1:
                 return
             try:
                 self._round(True)
@@ -204,6 +273,9 @@ class LockstepEngine:
 
     def close(self) -> None:
         """Leave the group (rank 0: wait for the other ranks' exit; with a rank down: kill them, RankDown)."""
+        if isinstance(self.ranks, ElasticRanks):
+            self.ranks.close(self.down)
+            return
         if self.down is not None and self.ranks.down is None:
             for p in self.ranks.children:
                 p.kill()
@@ -213,7 +285,7 @@ class LockstepEngine:
 
 def rank_rows(engine: Any, addrs: Sequence[str]) -> list[dict[str, Any]]:
     """The last round's rows with each rank's address (a health's per-rank view)."""
-    return [{"rank": r, "addr": addrs[r], **row} for r, row in enumerate(getattr(engine, "rows", []))]
+    return [{"rank": row["dp_rank"], "addr": addrs[row["dp_rank"]], **row} for row in getattr(engine, "rows", [])]
 
 
 __all__ = ["ROW", "LockstepEngine", "pid_gone", "rank_rows"]

@@ -166,6 +166,7 @@ class Engine(EngineRequests, EngineStep, EngineBooks):
         self._arrivals = itertools.count()
         self._lock = threading.RLock()
         self._pending: list[RequestOutput] = []  # aborted requests, reported by the next step()
+        self._held: SchedulerOutput | None = None  # a step whose group re-forms (StepRetry): run again next
         self._steps = self._prefill_tokens = self._decode_tokens = self._generated = 0
         log.info(
             "engine: %s, %d pages x %d tokens (%d tokens, %.1f MiB, %d B/token, elide=%s, kv=%s, index=%s)",

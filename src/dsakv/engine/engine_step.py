@@ -15,7 +15,7 @@ from dsakv.engine.build import StepRunner
 from dsakv.engine.request import RequestOutput
 from dsakv.engine.sampling import prompt_logprob_positions, prompt_token_logprobs, sample_batch
 from dsakv.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
-from dsakv.errors import DsakvError
+from dsakv.errors import DsakvError, StepRetry
 
 log = logging.getLogger("dsakv.engine.engine")
 
@@ -31,6 +31,7 @@ class EngineStep:
     check_every_step: bool
     _lock: threading.RLock
     _pending: list[RequestOutput]
+    _held: SchedulerOutput | None
     _steps: int
     _prefill_tokens: int
     _decode_tokens: int
@@ -46,9 +47,13 @@ class EngineStep:
         """Run one scheduler step; outputs of every request that got a token, finished, failed or was aborted."""
         with self._lock:
             outputs, self._pending = self._pending, []
-            sched = self.scheduler.schedule()
-            if self.on_schedule is not None:
-                self.on_schedule(sched)
+            sched, self._held = self._held, None
+            if sched is not None:  # a step a re-formed group interrupted: the same rows again (aborts left out)
+                sched = SchedulerOutput([c for c in sched.chunks if not c.request.is_finished], sched.preempted)
+            else:
+                sched = self.scheduler.schedule()
+                if self.on_schedule is not None:
+                    self.on_schedule(sched)
             if sched.is_empty:
                 sch = self.scheduler
                 # requests waiting on pages that only an outside event frees (a KV transfer, a release) are not
@@ -66,6 +71,10 @@ class EngineStep:
             errors: dict[int, str] = {}  # chunk index -> its request's own error: that request fails alone
             try:
                 next_tokens = self._run_rows(chunks, errors)
+            except StepRetry:  # its collective broke (a rank died): held for the re-formed group, nothing lost
+                self._held, self._pending = sched, outputs + self._pending
+                self._steps -= 1
+                raise
             except Exception as e:  # the step failed: its requests finish with the error, pages come back
                 sched = self._fail_rows(sched, outputs, errors)
                 return self._fail_step(sched, outputs, e, "model")

@@ -12,7 +12,8 @@ once the group is up, a dead rank makes `Ranks.down` name it and its exit status
 RankedEngine raises RankDown with that text instead of running (or, when the death breaks a collective in
 flight, the collective's error is replaced by it), and the group's collectives are bounded by its timeout
 (model/parallel.py COLLECTIVE_TIMEOUT_S), so no step waits for a dead rank for longer. The group is not re-formed:
-the server reports the rank down (503) until it is restarted.
+the server reports the rank down (503) until it is restarted (the DP decode's group re-forms instead:
+engine/elastic.py).
 Imports torch.distributed, dsakv.util and dsakv.model.
 """
 

@@ -10,6 +10,8 @@ Imports numpy, dsakv.cache and dsakv.engine.v4_request; must not import model, d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.v4_pool import SlotAllocator
 from dsakv.engine.request import SamplingParams
@@ -28,9 +30,10 @@ class V4Handoff:
     parked: dict[int, V4Request]
     _next: int
 
-    @property
-    def page_size(self) -> int:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # V4Engine's, declared for the type checker only
+
+        @property
+        def page_size(self) -> int: ...
 
     def accept_request(
         self,

@@ -31,7 +31,13 @@ Attention then runs on one of two equivalent paths:
     expanded (dense masked, as transformers' SDPA path): every cached row of the step goes through kv_b_proj
       once, giving per-head keys [k_nope | k_rope] and values [B, H, S_max, .]; each sequence's queries attend
       to all its keys in one scaled_dot_product_attention with an additive mask that is -inf off each token's
-      top-k picks (built once per top-k, shared layers reuse it). No per-query copy of any key or value.
+      top-k picks (built once per top-k, shared layers reuse it). No per-query copy of any key or value. Chunks
+      of more than ATTN_QUERY_BLOCK (128) queries run block by block, each against its causal key prefix only
+      (keys past the block's last position are -inf for all of it): ~t^2/2 scores for a t-token chunk, not t^2.
+
+When index_topk >= S_max (every prompt up to index_topk tokens: 2,048 on DeepSeek-V3.2 / GLM-5.x) every causal
+key is picked whatever the scores: the indexer writes its keys and returns that top-k without scoring
+(StepContext.all_causal_topk, the same tensor the scored top-k would be).
 
 The rule (`choose_mla_path` / `mla_path_costs`), in multiply-add equivalents: multiply-adds plus ELEM_MACS per
 element a path writes and reads back, with k = min(index_topk, S_max), H heads, r = kv_lora_rank,
@@ -150,14 +156,17 @@ class Indexer(nn.Module):
             proj = (self.wq_b(q_resid), self.wk(x), self.weights_proj(x.to(self.weights_proj.weight.dtype)))
         q_raw, k_raw, w_raw = proj
         rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
-        q = torch.bmm(q_raw.view(t, self.n_heads, self.head_dim), rot)
-        if q.dtype != torch.float32:
-            q = q.float()
         kn = self.k_norm
         k = torch.bmm(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
         k = k.squeeze(1)
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
+        every = ctx.all_causal_topk()
+        if every is not None:  # index_topk >= S_max: every causal key is picked, no scores can change that
+            return every
+        q = torch.bmm(q_raw.view(t, self.n_heads, self.head_dim), rot)
+        if q.dtype != torch.float32:
+            q = q.float()
         # relu(s * q.k) = s * relu(q.k) for the softmax scale s > 0: s folds into the head weights, [T, H, 1]
         w = (w_raw.float() * (self.n_heads**-0.5 * self.softmax_scale)).unsqueeze(-1)
         b, s_max = ctx.table.shape
@@ -376,5 +385,21 @@ class MLAttention(nn.Module):
         value = kvb[..., self.nope :].transpose(1, 2)  # [B, H, S, v]
         query = ctx.pad_queries(torch.cat((q_nope, q_rot), dim=-1)).transpose(1, 2)  # [B, H, t_max, qk]
         mask = ctx.topk_mask(topk, x.dtype)  # [B, 1, t_max, S]
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
+        blocks = ctx.query_key_blocks()
+        if len(blocks) == 1:
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
+        else:  # each query block against its causal key prefix only (keys beyond are -inf for the whole block)
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        query[:, :, j0:j1],
+                        key[:, :, :ke],
+                        value[:, :, :ke],
+                        attn_mask=mask[:, :, j0:j1, :ke],
+                        scale=self.scaling,
+                    )  # fmt: skip
+                    for j0, j1, ke in blocks
+                ],
+                dim=2,
+            )
         return ctx.unpad_queries(out.transpose(1, 2))  # [T, H, v]

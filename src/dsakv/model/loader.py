@@ -237,3 +237,43 @@ def load_draft(
     quantize_weights(draft, weight_dtype)
     log.info("loaded MTP draft of %s: layer(s) %s", root.name, list(draft.layer_ids))
     return draft
+
+
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+\.)?")
+
+
+def load_experts(
+    path: str | Path, wanted: dict[int, list[int]], *, dtype: torch.dtype = torch.float32
+) -> dict[tuple[int, int], torch.nn.Module]:
+    """The routed experts `wanted` ({layer: [expert ids]}) of the checkpoint in `path`, each an MLP in `dtype`,
+    read from its safetensors files alone (only those layers' expert tensors; a fused-experts checkpoint reads
+    the layer's whole fused tensor once): what a re-formed expert-parallel group loads for a dead rank's experts
+    (engine/elastic.py). ConfigError names a wanted expert the checkpoint lacks."""
+    from safetensors import safe_open
+
+    from dsakv.model.layers import MLP
+
+    root = Path(path)
+    cfg = load_config(root)
+    spec = ModelSpec.from_dict(cfg, name=root.name)
+    dcfg = DSAConfig.from_dict(cfg, spec)
+    raw: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(root):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                m = _EXPERT_RE.match(name)
+                if m is None or int(m.group(1)) not in wanted:
+                    continue
+                if m.group(2) is None or int(m.group(2)[:-1]) in wanted[int(m.group(1))]:
+                    raw[name] = st.get_tensor(name)
+    sd = _convert(raw, spec)
+    out: dict[tuple[int, int], torch.nn.Module] = {}
+    for layer, ids in wanted.items():
+        for e in ids:
+            pre = f"model.layers.{layer}.mlp.experts.{e}."
+            part = {k.removeprefix(pre): v for k, v in sd.items() if k.startswith(pre)}
+            with torch.device("meta"):
+                mlp = MLP(dcfg.spec.hidden_size, dcfg.spec.moe_intermediate_size, fuse=False)
+            _assign(mlp, part, dtype, f"checkpoint {root.name!r}: expert {e} of layer {layer}", "tensor")
+            out[(layer, e)] = mlp.eval()
+    return out

@@ -173,15 +173,20 @@ def load_tp_draft(
 
 
 class EPMoE(nn.Module):
-    """The MoE of one rank of an expert-parallel group of P ranks: experts [r*E/P, (r+1)*E/P) held here, router and
-    shared expert replicated. Per call (every rank calls it once per MoE layer and step, an idle rank with 0 rows):
+    """The MoE of one rank of an expert-parallel group of P ranks: experts [r*E/P, (r+1)*E/P) held here (its home
+    experts), router and shared expert replicated. Per call (every rank calls it once per MoE layer and step, an
+    idle rank with 0 rows):
 
-        route locally -> rows sorted by expert id (stable, as MoE's grouped paths) -> all-to-all counts
+        route locally -> rows sorted by (owner rank, expert id), stable -> all-to-all counts
         -> all-to-all rows (dispatch) -> each local expert on its rows -> all-to-all back (combine)
-        -> out = index_add(rows x routing weights) + shared expert (+ residual)
+        -> out = index_add(rows x routing weights, in (expert id, token) order) + shared expert (+ residual)
 
-    The combine adds in the single-rank grouped path's order (expert id, then token); only the expert rows' batch
-    composition differs. Collectives: all_to_all_single over the EP group."""
+    The combine adds in the single-rank grouped path's order (expert id, then token); an expert's batch is its rows
+    from every rank (rank order, token order) wherever the expert runs, so the output does not depend on the
+    placement. `place` re-places the experts over a re-formed group (engine/elastic.py): `owner` maps each expert
+    to its rank's index in the group; experts a rank owns beyond its home ones are `guests` (loaded by the caller
+    from the checkpoint, dropped when their home rank is back). Collectives: all_to_all_single over the EP group
+    (none in a group of one)."""
 
     def __init__(self, moe: MoE, rank: int, size: int, group: Any = None) -> None:
         super().__init__()
@@ -191,8 +196,23 @@ class EPMoE(nn.Module):
         self.shared_experts = moe.shared_experts
         self.first, self.per, self.size, self.group = rank * per, per, size, group
         self.experts = nn.ModuleList(moe.experts[self.first + i] for i in range(per))
+        self.owner = torch.arange(n) // per  # expert id -> the group index of the rank that runs it
+        self.mine = list(range(self.first, self.first + per))  # the expert ids this rank runs, ascending
+        self.guests: dict[int, nn.Module] = {}  # experts of a dead rank run here (not in the state dict)
         self.calls = 0
         self.on_error: Callable[[Exception], BaseException] | None = None  # a broken all-to-all raises this instead
+
+    def place(self, owner: list[int], me: int, size: int, guests: dict[int, nn.Module]) -> None:
+        """Run expert e on group index owner[e]; this rank is index `me` of `size` and runs its home experts it
+        owns plus `guests` (exactly the other experts owner gives it)."""
+        self.owner = torch.tensor(owner, dtype=torch.int64)
+        self.size = size
+        self.mine = [e for e, o in enumerate(owner) if o == me]
+        self.guests = dict(guests)
+
+    def _expert(self, e: int) -> MLP:
+        home = e - self.first
+        return cast(MLP, self.experts[home] if 0 <= home < self.per else self.guests[e])
 
     def _a2a(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = x.new_empty((sum(recv), *x.shape[1:]))
@@ -200,6 +220,9 @@ class EPMoE(nn.Module):
         return out
 
     def _coll(self, out: torch.Tensor, x: torch.Tensor, recv: list[int] | None, send: list[int] | None) -> None:
+        if self.size == 1:
+            out.copy_(x)
+            return
         try:
             dist.all_to_all_single(out, x, recv, send, group=self.group)
         except Exception as e:  # engine/dp.py: a rank died -> RankDown naming it, not the transport's error
@@ -212,29 +235,51 @@ class EPMoE(nn.Module):
         weights, ids = gate.route(F.linear(x.to(gate.weight.dtype), gate.weight).float())
         k = ids.shape[1] if n else gate.top_k
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tok = torch.div(order, k, rounding_mode="floor")
-        dest = torch.div(flat[order], self.per, rounding_mode="floor")
+        order = torch.argsort(flat, stable=True)  # (expert id, token): the combine's order
+        dest = self.owner.to(flat.device)[flat[order]]
+        perm = torch.argsort(dest, stable=True)  # -> (owner, expert id, token): the dispatch's order
+        sent = order[perm]
         send_t = torch.bincount(dest, minlength=self.size)
         recv_t = torch.empty_like(send_t)
         self._coll(recv_t, send_t, None, None)
         send, recv = send_t.tolist(), recv_t.tolist()
-        rows = self._a2a(x[tok], send, recv)
-        eids = self._a2a(flat[order], send, recv) - self.first
+        rows = self._a2a(x[torch.div(sent, k, rounding_mode="floor")], send, recv)
+        eids = self._a2a(flat[sent], send, recv)
         y = rows.new_zeros(rows.shape)
-        for i, expert in enumerate(cast(MLP, e) for e in self.experts):
-            sel = (eids == i).nonzero().squeeze(1)
+        for e in self.mine:
+            sel = (eids == e).nonzero().squeeze(1)
             if sel.numel():
                 xe = rows[sel]
+                expert = self._expert(e)
                 g, u, d = expert.gate_proj.weight, expert.up_proj.weight, expert.down_proj.weight
                 y[sel] = F.linear(F.silu(F.linear(xe, g)) * F.linear(xe, u), d)
-        back = self._a2a(y, recv, send) * weights.reshape(-1)[order, None]
+        back = y.new_empty((len(sent), *y.shape[1:]))
+        back[perm] = self._a2a(y, recv, send)  # back in (expert id, token) order
+        back = back * weights.reshape(-1)[order, None]
+        tok = torch.div(order, k, rounding_mode="floor")
         out = torch.zeros_like(x).index_add_(0, tok, back.to(x.dtype))
         sh = cast(MLP, self.shared_experts)
         out.add_(
             F.linear(F.silu(F.linear(x, sh.gate_proj.weight)) * F.linear(x, sh.up_proj.weight), sh.down_proj.weight)
         )
         return out if residual is None else out.add_(residual)
+
+
+def ep_owners(n_experts: int, size: int, members: list[int]) -> list[int]:
+    """The DP rank that runs each expert when only `members` (DP ranks of a group of `size`) are up: an expert's
+    home rank r (experts [r E/size, (r+1) E/size)) while it is up, else the survivors round robin over the orphaned
+    experts in id order (each survivor gets at most ceil(orphans / survivors) more)."""
+    per = divide("n_routed_experts", n_experts, size, "--ep-size")
+    up = sorted(members)
+    out, orphans = [], 0
+    for e in range(n_experts):
+        home = e // per
+        if home in up:
+            out.append(home)
+        else:
+            out.append(up[orphans % len(up)])
+            orphans += 1
+    return out
 
 
 def attach_ep(model: DSAModel, rank: int, size: int, group: Any = None) -> DSAModel:

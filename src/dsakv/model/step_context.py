@@ -14,6 +14,9 @@ from dsakv.model.rope import rotation_matrix
 
 # Bound on the elements of one score (or gathered-row) block; longer prefills are split into query blocks.
 SCORE_BLOCK_ELEMS = 1 << 24
+# Dense (expanded) attention runs queries in blocks of this many, each against its causal key prefix only: a
+# t-token chunk then scores ~t^2/2 (query, key) pairs instead of t^2. Shorter chunks run as one block.
+ATTN_QUERY_BLOCK = 128
 
 TopK = torch.Tensor  # int64 [T, index_topk]: selected key positions per token, ascending, -1 padded
 
@@ -54,6 +57,7 @@ class StepContext:
     full_topk: bool = False
     t_max: int = 1  # most new tokens of one sequence in this step (max extend length)
     _memo: dict[str, torch.Tensor] = field(default_factory=dict)
+    _qk_blocks: list[tuple[int, int, int]] | None = None
     _ropes: dict[tuple[int, bool, torch.dtype], torch.Tensor] = field(default_factory=dict)
     rows: RowSource | None = None  # None: selected rows are read from `pool` by slot
     _selections: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = field(
@@ -68,6 +72,31 @@ class StepContext:
     def k_sel(self) -> int:
         """Top-k columns any token of the step can fill: min(index_topk, S_max)."""
         return min(self.index_topk, self.s_max)
+
+    def all_causal_topk(self) -> TopK | None:
+        """index_topk >= S_max: every causal key of every token is picked whatever the scores, so the top-k is each
+        token's causal positions ascending, -1 padded (exactly what canonical_topk makes of any scores); the
+        indexer need not score. None when the top-k is a real choice."""
+        if self.index_topk < self.s_max:
+            return None
+        if "allcausal" not in self._memo:
+            cols = torch.arange(self.index_topk, device=self.qpos.device)
+            self._memo["allcausal"] = torch.where(cols[None, :] <= self.qpos[:, None], cols, -1)
+        return self._memo["allcausal"]
+
+    def query_key_blocks(self) -> list[tuple[int, int, int]]:
+        """(j0, j1, kend) blocks of the padded queries [B, t_max]: every query in [j0, j1) of every sequence sits
+        before key position kend (keys at kend.. are masked for the whole block: causal). One block
+        (0, t_max, S_max) when t_max <= ATTN_QUERY_BLOCK. One host read of the positions per step."""
+        if self._qk_blocks is None:
+            tm = self.t_max
+            if tm <= ATTN_QUERY_BLOCK:
+                self._qk_blocks = [(0, tm, self.s_max)]
+            else:
+                last = self.pad_queries(self.qpos).amax(dim=0).tolist()  # [t_max]: the furthest position per column
+                spans = [(j0, min(j0 + ATTN_QUERY_BLOCK, tm)) for j0 in range(0, tm, ATTN_QUERY_BLOCK)]
+                self._qk_blocks = [(j0, j1, int(last[j1 - 1]) + 1) for j0, j1 in spans]
+        return self._qk_blocks
 
     def padded_slots(self) -> torch.Tensor:
         """int64 [B * S_max] slots of the padded table, padding read as slot 0 (masked by every user)."""

@@ -15,7 +15,7 @@ from typing import Any
 from dsakv.errors import CapacityError, ConfigError
 from dsakv.plan.hisparse import HISPARSE_ROLES, HiSparseFigures, check_buffer_size, check_ratio, hisparse_figures
 from dsakv.plan.ranks import RankGrid
-from dsakv.plan.weights import stage_weight_bytes, weight_format_for
+from dsakv.plan.weights import reform_headroom_bytes, stage_weight_bytes, weight_format_for
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.util import ceil_div
@@ -184,6 +184,11 @@ class Deployment:
             grid=self.grid,
         )
 
+    def rank_reform_headroom(self, stage: int) -> int:
+        """Bytes a surviving rank of stage `stage` loads after one EP rank died (plan/weights.reform_headroom_bytes)."""
+        start, end = self.stage_ranges[stage]
+        return reform_headroom_bytes(self.spec, start, end, weight_format_for(self.spec, self.weight_format), self.grid)
+
     def stage_budget(self, stage: int) -> tuple[int, int | None]:
         """(KV budget bytes, estimated weight bytes or None when the budget was given)."""
         if self.kv_budget is not None:
@@ -191,7 +196,8 @@ class Deployment:
         assert self.gpu_memory is not None
         start, end = self.stage_ranges[stage]
         weights = self.rank_weight_bytes(stage)
-        budget = int(self.gpu_memory * self.mem_fraction) - weights
+        # an elastic EP survivor loads a dead rank's experts: that room stays free of KV
+        budget = int(self.gpu_memory * self.mem_fraction) - weights - self.rank_reform_headroom(stage)
         if budget <= 0:
             raise CapacityError(
                 f"stage {stage} (layers {start}-{end - 1}): estimated weights {weights / 2**30:.1f} GiB per GPU "
@@ -307,6 +313,7 @@ class RolePlan:
             "tokens_per_instance_elided": self.instance_tokens_elided,
             "kv_bytes_per_rank": [s.budget_bytes for s in self.stages],
             "weight_bytes_per_rank_estimate": [self.deployment.rank_weight_bytes(s.stage) for s in self.stages],
+            "reform_headroom_bytes_per_rank": [self.deployment.rank_reform_headroom(s.stage) for s in self.stages],
         }
 
     def hisparse_binding(self, elide: bool) -> int | None:

@@ -87,6 +87,17 @@ def layer_weight_bytes(spec: ModelSpec, layer: int, weight_format: str, grid: Ra
     return int(total)
 
 
+def reform_headroom_bytes(spec: ModelSpec, start: int, end: int, weight_format: str, grid: RankGrid) -> int:
+    """Routed-expert bytes one surviving rank of an elastic EP group (DP attention, engine/elastic.py) loads on
+    top of its weights after one rank died: ceil((E/ep) / (ep-1)) of the dead rank's experts per MoE layer of
+    layers [start, end) (0 without DP attention or EP)."""
+    if not grid.dp_attention or grid.ep < 2 or not spec.n_routed_experts:
+        return 0
+    extra = -(-(spec.n_routed_experts // grid.ep) // (grid.ep - 1))
+    one = 3 * spec.hidden_size * spec.moe_intermediate_size * WEIGHT_FORMATS[weight_format] / grid.moe_tp
+    return int(sum(extra * one for i in range(start, min(end, spec.num_layers)) if i >= spec.first_k_dense_replace))
+
+
 def embedding_bytes(spec: ModelSpec, grid: RankGrid = SINGLE) -> int:
     """Embedding bytes on one rank (vocab-parallel over the attention-TP ranks)."""
     return int(spec.vocab_size * spec.hidden_size * _HIGH / grid.attention_tp)

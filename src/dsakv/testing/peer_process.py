@@ -33,7 +33,7 @@ from dsakv.disagg.transfer.backends.registry import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.staging import StagingSlots
 from dsakv.spec.layout import BufferKey, KVLayout
-from dsakv.util.child import ChildProcess
+from dsakv.util.child import ChildProcess, answer
 from dsakv.util.procs import arm_parent_death
 
 
@@ -101,28 +101,20 @@ def _child_main(conn: Connection, spec: PeerSpec, parent: int) -> None:
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            if cmd == "checksums":
-                conn.send(("ok", page_checksums(pool, args)))
-            elif cmd == "scatter" and slots is not None:
-                t0 = time.perf_counter()
-                slots.scatter(args[0], manifest, pool.regions(), manifest.keys, args[1])
-                conn.send(("ok", time.perf_counter() - t0))
-            elif cmd == "nonzero_outside":
-                conn.send(("ok", nonzero_outside(pool, args)))
-            elif cmd == "stop":
-                backend.close()
-                conn.send(("ok", None))
-                break
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+    def scatter(args: tuple[int, np.ndarray]) -> float:
+        assert slots is not None
+        t0 = time.perf_counter()
+        slots.scatter(args[0], manifest, pool.regions(), manifest.keys, args[1])
+        return time.perf_counter() - t0
+
+    handlers = {
+        "checksums": lambda pages: page_checksums(pool, pages),
+        "nonzero_outside": lambda pages: nonzero_outside(pool, pages),
+    }
+    if slots is not None:
+        handlers["scatter"] = scatter
+    answer(conn, handlers, backend.close)
 
 
 class PeerProcess(ChildProcess):

@@ -14,18 +14,18 @@
     stage i: v4_blocks(pairs_i, ...) over its backend ══ pages of its paired kinds + its state slot ══►
     start(rid) ──────────────────────────────────► decode to the end ◄── tokens
 
-The hidden streams pass between the prefill stages in this process (no stage-to-stage transport here; the KV of
-each stage travels over its own transfer engine connection, as a stage process's would). Imports torch, numpy,
-engine, model and disagg.transfer; for tests and benchmarks.
+V4PrefillStages passes the hidden streams between the stages in this process (the KV of each stage travels over
+its own transfer engine connection, as a stage process's would); V4PrefillProcesses runs every stage as the serve
+role's stage child (disagg/prefill/v4_stages.V4StageChild: its pool, its engine, compute and transfer pipes).
+Imports torch, numpy, engine, model and disagg; for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -35,6 +35,7 @@ import torch
 
 from dsakv.cache.allocator import PageAllocator
 from dsakv.cache.v4_pool import SlotAllocator, V4Pool
+from dsakv.disagg.prefill.v4_stages import V4StageChild, V4StageSpec
 from dsakv.disagg.protocol.errors import IncompatiblePeer
 from dsakv.disagg.transfer.backends.base import TransferBackend, deadline_in
 from dsakv.disagg.transfer.backends.registry import make_backend
@@ -43,20 +44,8 @@ from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
 from dsakv.spec.layout import BufferKey
 from dsakv.spec.v4_layout import V4Layout, V4Pair
 from dsakv.util import ceil_div
-from dsakv.util.child import ChildProcess
+from dsakv.util.child import ChildProcess, answer
 from dsakv.util.procs import arm_parent_death
-
-
-def key_digests(pool: V4Pool, keys: Sequence[BufferKey], pages: np.ndarray, slot: int) -> dict[str, str]:
-    """blake2b of each key's bytes: the pages `pages` (in order) of a paged key, slot `slot` of a state key."""
-    idx = torch.as_tensor(np.asarray(pages, dtype=np.int64), device=pool.device)
-    out = {}
-    for key in keys:
-        lay = pool.layout.buffer(key)
-        t = pool.paged(key).index_select(0, idx) if hasattr(lay, "entries_per_page") else pool.state(key)[slot]
-        out[str(key)] = hashlib.blake2b(t.contiguous().cpu().numpy().tobytes(), digest_size=16).hexdigest()
-    return out
-
 
 # ---- decode: a V4Engine in a child process ---------------------------------------------------------------
 
@@ -90,46 +79,45 @@ def _decode_main(conn: Connection, spec: V4DecodeSpec, parent: int) -> None:
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            if cmd == "hello":  # the decode's side of the handshake: every key it holds comes from some stage
-                covered: set[BufferKey] = set()
-                for data in args:
-                    covered |= {p.key for p in check_v4_pair(eng.layout, V4Manifest.from_bytes(data))}
-                missing = sorted(set(eng.layout.keys) - covered)
-                if missing:
-                    raise IncompatiblePeer(
-                        f"no prefill stage holds {missing[0]} ({len(missing)} decode keys uncovered): the stages "
-                        "must cover every layer the decode holds"
-                    )
-                conn.send(("ok", len(covered)))
-            elif cmd == "accept":
-                req = eng.accept_request(*args)
-                conn.send(("ok", (req.rid, req.page_ids.tolist(), req.slot)))
-            elif cmd == "digests":
-                rid, n_pages = args
-                req = eng.parked[rid]
-                conn.send(("ok", key_digests(eng.pool, eng.layout.keys, req.page_ids[:n_pages], req.slot)))
-            elif cmd == "start":
-                eng.start_request(args)
-                while args not in eng.finished:
-                    eng.step()
-                done = eng.finished.pop(args)
-                conn.send(("ok", list(done.output)))
-            elif cmd == "pages_free":
-                conn.send(("ok", (eng.pages.num_free, eng.slots.num_free)))
-            elif cmd == "stop":
-                backend.close()
-                conn.send(("ok", None))
-                break
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+    def hello(manifests: list[bytes]) -> int:  # the decode's side: every key it holds comes from some stage
+        covered: set[BufferKey] = set()
+        for data in manifests:
+            covered |= {p.key for p in check_v4_pair(eng.layout, V4Manifest.from_bytes(data))}
+        missing = sorted(set(eng.layout.keys) - covered)
+        if missing:
+            raise IncompatiblePeer(
+                f"no prefill stage holds {missing[0]} ({len(missing)} decode keys uncovered): the stages "
+                "must cover every layer the decode holds"
+            )
+        return len(covered)
+
+    def accept(args: tuple[Any, ...]) -> tuple[int, list[int], int]:
+        req = eng.accept_request(*args)
+        return req.rid, req.page_ids.tolist(), req.slot
+
+    def digests(args: tuple[int, int]) -> dict[str, str]:
+        rid, n_pages = args
+        req = eng.parked[rid]
+        return eng.pool.digests(req.page_ids[:n_pages], req.slot)
+
+    def start(rid: int) -> list[int]:
+        eng.start_request(rid)
+        while rid not in eng.finished:
+            eng.step()
+        return list(eng.finished.pop(rid).output)
+
+    def pages_free(_: None) -> tuple[int, int]:
+        return eng.pages.num_free, eng.slots.num_free
+
+    handlers: dict[str, Callable[[Any], Any]] = {
+        "hello": hello,
+        "accept": accept,
+        "digests": digests,
+        "start": start,
+        "pages_free": pages_free,
+    }
+    answer(conn, handlers, backend.close)
 
 
 class V4DecodePeer(ChildProcess):
@@ -263,7 +251,7 @@ class V4PrefillStages:
     def digests(self, req: PrefilledV4) -> dict[str, str]:
         out: dict[str, str] = {}
         for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True):
-            out.update(key_digests(st.pool, st.layout.keys, pid, slot))
+            out.update(st.pool.digests(pid, slot))
         return out
 
     def release(self, req: PrefilledV4, owner: int) -> None:
@@ -279,165 +267,82 @@ class V4PrefillStages:
 # ---- prefill stages as processes: each stage a spawned child with its pool and engine -------------------------
 
 
-@dataclass(frozen=True)
-class V4StageSpec:
-    checkpoint: str
-    start: int
-    end: int
-    num_pages: int
-    max_running: int
-    backend: str
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    page_size: int | None = None
-
-
-def _stage_main(conn: Connection, spec: V4StageSpec, index: int, parent: int) -> None:
-    arm_parent_death(parent, signal.SIGKILL)
-    for k, v in spec.env.items():
-        os.environ[k] = v
-    from dsakv.model.deepseek_v4 import load_v4
-
-    torch.set_num_threads(1)
-    try:
-        model = load_v4(spec.checkpoint)
-        pool = V4Pool(model.stage_layout(spec.start, spec.end, spec.page_size), spec.num_pages, spec.max_running)
-        pages, slots = PageAllocator(spec.num_pages, f"V4 stage {index}"), SlotAllocator(spec.max_running)
-        backend = make_backend(spec.backend, **spec.backend_options)
-        backend.register(pool.regions())
-        manifest = V4Manifest.from_pool(pool, backend.meta(), f"v4-prefill-pp{index}")
-        conn.send(("ok", manifest.to_bytes()))
-    except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
-        return
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            if cmd == "alloc":
-                n, owner = args
-                conn.send(("ok", (pages.alloc(n, owner=owner), slots.alloc())))
-            elif cmd == "forward":  # one chunk through this stage's layers: hidden streams in, out
-                slot, ids, start, chunk, h = args
-                rows = [V4Row(slot, ids, start, chunk)]
-                conn.send(("ok", model.forward_layers(rows, pool, h, spec.start, spec.end)))
-            elif cmd == "send":
-                data, ids, dst_pages, slot, dst_slot, timeout_s = args
-                decode = V4Manifest.from_bytes(data)
-                pairs = check_v4_pair(pool.layout, decode)
-                plan = v4_blocks(pairs, manifest, decode, ids, dst_pages, slot, dst_slot)
-                metrics = backend.transfer(connect_v4(backend, decode), plan.blocks, deadline_in(timeout_s))
-                conn.send(
-                    (
-                        "ok",
-                        {
-                            "stage": f"{spec.start}-{spec.end - 1}",
-                            "bytes": int(metrics.nbytes),
-                            "blocks": len(plan.blocks),
-                            "figure": pair_figure(pairs, int(len(ids))),
-                            "by_kind": {k.value: v for k, v in plan.by_kind.items()},
-                        },
-                    )
-                )
-            elif cmd == "handshake":
-                conn.send(("ok", check_v4_pair(pool.layout, V4Manifest.from_bytes(args))))
-            elif cmd == "digests":
-                conn.send(("ok", key_digests(pool, pool.layout.keys, *args)))
-            elif cmd == "release":
-                owner, slot = args
-                pages.release(owner)
-                slots.free(slot)
-                conn.send(("ok", None))
-            elif cmd == "free":
-                conn.send(("ok", (pages.num_free, slots.num_free)))
-            elif cmd == "stop":
-                backend.close()
-                conn.send(("ok", None))
-                break
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-class V4StageProcess(ChildProcess):
-    """One prefill stage (layers [start, end)) in a spawned child: its V4Pool, allocators and transfer engine."""
-
-    call_timeout = 300.0
-
-    def __init__(self, spec: V4StageSpec, index: int, start_timeout: float = 180.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.spec = spec
-        self.label = f"V4 prefill stage {index}"
-        self.proc = ctx.Process(
-            target=_stage_main, args=(child, spec, index, os.getpid()), name=f"dsakv-v4-pp{index}", daemon=True
-        )
-        self.proc.start()
-        child.close()
-        self.manifest_bytes: bytes = self._reply(start_timeout, "start")
-        self.manifest = V4Manifest.from_bytes(self.manifest_bytes)
-
-
 class V4PrefillProcesses:
-    """A PP prefill whose every stage is its own process; this process embeds, hands the hidden streams from
-    stage to stage over the pipes and samples the first token (the leader)."""
+    """A PP prefill whose every stage is its own process (disagg/prefill/v4_stages.V4StageChild, as the serve
+    role's stages 1..); this process embeds, hands the hidden streams from stage to stage over the compute pipes,
+    samples the first token and allocates the pages and slot every stage uses (the leader)."""
 
-    def __init__(self, model: DeepseekV4, specs: Sequence[V4StageSpec], chunk_size: int = 16) -> None:
+    def __init__(
+        self,
+        model: DeepseekV4,
+        checkpoint: str,
+        splits: Sequence[tuple[int, int]],
+        num_pages: int,
+        max_running: int,
+        backend: str,
+        backend_options: dict[str, Any] | None = None,
+        chunk_size: int = 16,
+    ) -> None:
         self.model = model
         self.chunk_size = chunk_size
-        self.stages: list[V4StageProcess] = []
+        self.page_size = model.stage_layout(*splits[0]).page
+        self.layouts = [model.stage_layout(a, b, self.page_size) for a, b in splits]
+        self.pages, self.slots = PageAllocator(num_pages, "V4 prefill stages"), SlotAllocator(max_running)
+        self.stages: list[V4StageChild] = []
         try:
-            for i, s in enumerate(specs):
-                self.stages.append(V4StageProcess(s, i))
+            for i, (a, b) in enumerate(splits):
+                spec = V4StageSpec(
+                    checkpoint, i, a, b, num_pages, max_running, self.page_size, backend, dict(backend_options or {}),
+                    f"v4-prefill-pp{i}",
+                )  # fmt: skip
+                self.stages.append(V4StageChild(spec))
         except Exception:
             self.close()
             raise
-        self.page_size = int(self.stages[0].manifest.page_size)
 
     def manifests(self) -> list[bytes]:
         return [s.manifest_bytes for s in self.stages]
 
     def handshake(self, decode: V4DecodePeer) -> list[tuple[V4Pair, ...]]:
-        return [s.call("handshake", decode.manifest_bytes) for s in self.stages]
+        return [check_v4_pair(lay, decode.manifest) for lay in self.layouts]
 
     def prefill(self, prompt: list[int], owner: int) -> PrefilledV4:
-        n = ceil_div(len(prompt), self.page_size)
-        got = [s.call("alloc", (n, owner)) for s in self.stages]
-        ids, slots = [np.asarray(g[0]) for g in got], [int(g[1]) for g in got]
+        ids = self.pages.alloc(ceil_div(len(prompt), self.page_size), owner=owner)
+        slot = self.slots.alloc()
         logits = None
         for start in range(0, len(prompt), self.chunk_size):
-            chunk = prompt[start : start + self.chunk_size]
-            h = self.model.embed([V4Row(slots[0], ids[0], start, chunk)])
-            for st, pid, slot in zip(self.stages, ids, slots, strict=True):
-                h = st.call("forward", (slot, pid, start, chunk, h))
-            logits = self.model.head([V4Row(slots[-1], ids[-1], start, chunk)], h)
+            rows = [V4Row(slot, ids, start, prompt[start : start + self.chunk_size])]
+            h = self.model.embed(rows)
+            for st in self.stages:
+                h = st.call("forward", (rows, h))
+            logits = self.model.head(rows, h)
         assert logits is not None
-        return PrefilledV4(list(prompt), int(logits[0].argmax()), ids, slots)
+        return PrefilledV4(list(prompt), int(logits[0].argmax()), [ids] * len(self.stages), [slot] * len(self.stages))
 
     def send(
         self, req: PrefilledV4, decode: V4DecodePeer, dst_pages: Sequence[int], dst_slot: int, timeout_s: float = 120.0
     ) -> list[dict[str, Any]]:
         dst = np.asarray(dst_pages, dtype=np.int64)[: req.num_pages]
-        return [
-            st.call("send", (decode.manifest_bytes, pid, dst, slot, dst_slot, timeout_s))
-            for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True)
-        ]
+        out = []
+        for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True):
+            nbytes, blocks, figure = st.send((decode.manifest_bytes, pid, dst, slot, dst_slot, timeout_s), timeout_s)
+            out.append(
+                {"stage": f"{st.spec.start}-{st.spec.end - 1}", "bytes": nbytes, "blocks": blocks, "figure": figure}
+            )
+        return out
 
     def digests(self, req: PrefilledV4) -> dict[str, str]:
         out: dict[str, str] = {}
         for st, pid, slot in zip(self.stages, req.page_ids, req.slots, strict=True):
-            out.update(st.call("digests", (pid, slot)))
+            out.update(st.call("digests", (pid.tolist(), slot)))
         return out
 
     def release(self, req: PrefilledV4, owner: int) -> None:
-        for st, slot in zip(self.stages, req.slots, strict=True):
-            st.call("release", (owner, slot))
+        self.pages.release(owner)
+        self.slots.free(req.slots[0])
 
-    def free(self) -> list[tuple[int, int]]:
-        return [tuple(s.call("free")) for s in self.stages]  # type: ignore[misc]
+    def free(self) -> tuple[int, int]:
+        return self.pages.num_free, self.slots.num_free
 
     def close(self) -> None:
         for st in self.stages:

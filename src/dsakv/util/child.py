@@ -1,15 +1,47 @@
-"""ChildProcess: a spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text).
+"""ChildProcess: a spawned child answering (command, args) over a pipe with ("ok", value) or ("error", text);
+`answer` is the child's side of it.
+
+    parent: ChildProcess.call(cmd, args)  ── pipe ──►  child: answer(conn, {cmd: fn}, on_stop)
+            value (or RuntimeError naming   ◄────────         ("ok", fn(args)) / ("error", "Type: text");
+            the child and its error)                          "stop": on_stop(), ("ok", None), return
 
 Used by the DeepSeek-V4 prefill's pipeline stages (disagg/prefill/v4_stages.py) and the tests' peer processes
-(testing/peer_process.py). Standard library only.
+(testing/peer_process.py, testing/v4_pd.py). Standard library only.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
+
+
+def answer(
+    conn: Connection, handlers: Mapping[str, Callable[[Any], Any]], on_stop: Callable[[], None] | None = None
+) -> None:
+    """Answer each (cmd, args) from `conn` with ("ok", handlers[cmd](args)), or ("error", "Type: text") when it
+    raises or `cmd` is unknown, until the pipe closes or "stop" arrives (then on_stop() and ("ok", None))."""
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if cmd == "stop":
+                if on_stop is not None:
+                    on_stop()
+                conn.send(("ok", None))
+                return
+            fn = handlers.get(cmd)
+            if fn is None:
+                raise ValueError(f"unknown command {cmd!r} (this child answers {sorted(handlers)} and 'stop')")
+            conn.send(("ok", fn(args)))
+        except Exception as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+            if cmd == "stop":
+                return
 
 
 class ChildProcess:

@@ -67,3 +67,51 @@ def test_paths_agree_on_a_ragged_prefix_step(tmp_path):
     for a, e in zip(out["absorbed"], out["expanded"], strict=True):
         assert a.generated == e.generated
         assert (torch.stack(a.logits) - torch.stack(e.logits)).abs().max().item() < 1e-4
+
+
+def test_all_causal_topk_and_query_key_blocks_exact(monkeypatch):
+    """index_topk >= S_max: the top-k is every causal position ascending, -1 padded, without scoring; dense
+    attention's query blocks each end at their furthest query's position + 1."""
+    ctx = ragged_ctx()
+    assert ctx.all_causal_topk() is None  # index_topk 2 < S_max 4: a real choice
+    ctx = ragged_ctx()
+    ctx.index_topk = 5
+    assert ctx.all_causal_topk().tolist() == [  # type: ignore[union-attr]
+        [0, 1, -1, -1, -1],
+        [0, 1, 2, -1, -1],
+        [0, 1, 2, 3, -1],
+        [0, -1, -1, -1, -1],
+    ]
+    assert ctx.query_key_blocks() == [(0, 3, 4)]  # t_max 3 <= ATTN_QUERY_BLOCK: one block over S_max
+    monkeypatch.setattr("dsakv.model.step_context.ATTN_QUERY_BLOCK", 2)
+    ctx = ragged_ctx()  # padded positions [[1, 2, 3], [0, 0, 0]]: columns reach 1, 2, 3
+    assert ctx.query_key_blocks() == [(0, 2, 3), (2, 3, 4)]
+
+
+def test_unscored_topk_and_blocked_attention_match(tmp_path, monkeypatch):
+    """A model whose index_topk (16) covers prompts of 5..14 tokens and 2 new ones: the unscored top-k gives
+    bitwise the logits of the scored one; dense attention in query blocks of 3 gives the one-block path's tokens
+    and logits within rounding (prompts of 26 and 40 tokens in chunks of 13)."""
+    spec, model = load_model(make_tiny(tmp_path / "t", seed=3, layers=4))
+    assert spec.index_topk == 16
+    layout = model.layout_for(kv_format="fp32", index_format="fp32", page_size=4)
+    short = prompts_for([5, 14])
+    model.set_mla_path("expanded")
+    try:
+        fast, _ = greedy(model, layout, short, 2)
+        with monkeypatch.context() as m:
+            m.setattr("dsakv.model.step_context.StepContext.all_causal_topk", lambda self: None)
+            scored, _ = greedy(model, layout, short, 2)
+        for a, b in zip(fast, scored, strict=True):
+            assert a.generated == b.generated
+            assert torch.equal(torch.stack(a.logits), torch.stack(b.logits))
+        long = prompts_for([26, 40], seed=5)
+        one, _ = greedy(model, layout, long, 4, chunk=13)
+        with monkeypatch.context() as m:
+            m.setattr("dsakv.model.step_context.ATTN_QUERY_BLOCK", 3)
+            blocked, _ = greedy(model, layout, long, 4, chunk=13)
+        for a, b in zip(one, blocked, strict=True):
+            assert a.generated == b.generated
+            assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max().item() < 1e-5
+    finally:
+        model.set_mla_path("auto")

@@ -10,7 +10,13 @@ from dsakv.cli.main import main
 from dsakv.errors import ConfigError
 from dsakv.plan import Deployment, parse_size, plan
 from dsakv.plan.ranks import RankGrid
-from dsakv.plan.weights import embedding_bytes, layer_weight_bytes, lm_head_bytes, model_weight_bytes
+from dsakv.plan.weights import (
+    embedding_bytes,
+    layer_weight_bytes,
+    lm_head_bytes,
+    model_weight_bytes,
+    reform_headroom_bytes,
+)
 from dsakv.spec import load_spec
 
 SEED = ["plan", "glm-5.2", "--role", "decode", "--kv-budget", "96.33GiB", "--draft-layers", "1"]
@@ -36,6 +42,27 @@ def test_seed_decode_tp8_dp8_json(capsys) -> None:
     g = RankGrid(tp=8, dp=8, dp_attention=True, ep=8)
     expect = sum(layer_weight_bytes(spec, i, "bf16", g) for i in range(79))
     assert r["weight_bytes_per_rank_estimate"] == [expect + embedding_bytes(spec, g) + lm_head_bytes(spec, g)]
+    # elastic EP: a survivor of one rank's death loads ceil(32 / 7) = 5 of its experts in each of the 75 main MoE
+    # layers (3..77; the DP decode runs no draft layer), 3 x 6144 x 2048 bf16 each
+    assert r["reform_headroom_bytes_per_rank"] == [75 * 5 * 3 * 6144 * 2048 * 2] == [28_311_552_000]
+
+
+def test_reform_headroom_only_with_dp_attention_and_ep(capsys) -> None:
+    spec = load_spec("glm-5.2")
+    assert reform_headroom_bytes(spec, 0, 79, "bf16", RankGrid(tp=8)) == 0
+    assert reform_headroom_bytes(spec, 0, 79, "bf16", RankGrid(tp=8, dp=8, dp_attention=True)) == 0  # ep 1
+    two = RankGrid(tp=2, dp=2, dp_attention=True, ep=2)  # the dead rank's 128 experts all on the survivor
+    assert reform_headroom_bytes(spec, 0, 79, "bf16", two) == 75 * 128 * 3 * 6144 * 2048 * 2
+    gpu = ["plan", "glm-5.2", "--role", "decode", "--gpu-memory", "192GiB", "--weight-format", "fp8", "--tp", "8"]
+    gpu += ["--dp", "8"]
+    assert main([*gpu, "--enable-dp-attention", "--ep", "8", "--json"]) == 0
+    elastic = json.loads(capsys.readouterr().out)["ranks"]["kv_bytes_per_rank"][0]
+    assert main([*gpu, "--enable-dp-attention", "--json"]) == 0  # ep 1: no headroom
+    plain = json.loads(capsys.readouterr().out)["ranks"]["kv_bytes_per_rank"][0]
+    weights = [layer_weight_bytes(spec, 3, "fp8", RankGrid(tp=8, dp=8, dp_attention=True, ep=e)) for e in (8, 1)]
+    assert weights[0] == weights[1]  # routed experts split over the 8 ranks of the MoE group either way
+    # the budget leaves the headroom free: 5 experts x 75 layers in fp8 (1 byte + a 4-byte scale per 128 x 128 block)
+    assert plain - elastic == 75 * 5 * 3 * 6144 * 2048 * (1 + 4 / 128**2) == 14_159_232_000
 
 
 def test_plain_tp_holds_one_pool() -> None:

@@ -12,9 +12,13 @@
     routing                every rank's health names the instance's ranks (dp_addrs) and, from the last round, each
                            rank's pages / running / waiting / integrity (dp_ranks); the router adds each rank as a
                            decode it routes to by load (disagg/router/peers.py): it picks the DP rank
-    a dead rank            no MoE layer can run without its experts: every rank fails every request it holds,
-                           naming the dead rank, refuses preallocs (NoFreePages), health down; the router fails the
-                           dead rank's own requests naming its DP rank. Not re-formed: restart the instance.
+    a dead rank            its requests were in its process (the router fails them naming its DP rank, and rank
+                           0's reason: exit status); the survivors re-form the group without it (engine/elastic.py:
+                           its experts loaded from the checkpoint onto them) and go on with their requests and KV;
+                           rank 0's health row shows it down (`up` False, `down` the reason); rank 0 restarts it
+                           (bounded backoff), it joins at a round boundary and the router routes to it again. A
+                           group that cannot re-form (rank 0 dead: its ranks die with it) is the instance's death:
+                           every rank fails what it holds, health down, preallocs refused (NoFreePages)
     stop                   rank 0 runs a last round with stop = 1; every rank then stops its worker (ranks >= 1
                            ignore SIGTERM / Ctrl-C: rank 0 stops them)
 
@@ -84,16 +88,19 @@ class DecodeDP:
         checkpoint with this rank's experts."""
         import torch
 
+        from dsakv.engine.elastic import start_elastic
         from dsakv.engine.engine import Engine
-        from dsakv.engine.ranks import start_ranks
         from dsakv.model.loader import load_model
         from dsakv.model.parallel import attach_ep
 
         check_experts(cfg)
-        ranks = start_ranks(cfg.dp_size, cfg.rank_argv, label="DP")
+        ranks = start_elastic(cfg.dp_size, cfg.rank_argv, label="DP")
+        ranks.model_dir, ranks.dtype = str(cfg.model), getattr(torch, cfg.config.engine.dtype)
         try:
-            spec, m = load_model(cfg.model, dtype=getattr(torch, cfg.config.engine.dtype))
+            spec, m = load_model(cfg.model, dtype=ranks.dtype)
             engine = Engine((spec, attach_ep(m, ranks.rank, ranks.size)), cfg.config.engine, model_dir=cfg.model)
+            if ranks.gen < 0:  # a restarted rank: admitted at the next round boundary
+                ranks.join()
             dp = DPDecodeEngine(engine, ranks)
         except BaseException:
             for p in ranks.children:
@@ -105,7 +112,8 @@ class DecodeDP:
         return cls(cfg, dp), dp
 
     def attach(self, worker: Any) -> None:
-        """A dead rank fails every request this rank holds (naming it); rank 0's stop reaches a follower's worker."""
+        """A group that cannot re-form fails every request this rank holds (naming why); rank 0's stop reaches a
+        follower's worker."""
         self.engine.integrity = lambda: worker.integrity() == "ok"
 
         def down(why: str) -> None:  # a thread of its own: the caller may hold the step's locks
@@ -140,10 +148,10 @@ class DecodeDP:
     def health_fields(self) -> dict[str, Any]:
         with self._lock:
             pairs = dict(self.pair_bytes)
-        rows = [
-            DPRankInfo(
-                rank=r,
-                addr=self.addrs[r],
+        rows = {
+            row["dp_rank"]: DPRankInfo(
+                rank=row["dp_rank"],
+                addr=self.addrs[row["dp_rank"]],
                 pages_free=row["pages_free"],
                 pages_used=row["pages_used"],
                 pages_total=row["pages_total"],
@@ -151,15 +159,18 @@ class DecodeDP:
                 waiting=row["waiting"],
                 integrity_ok=bool(row["integrity_ok"]),
             )
-            for r, row in enumerate(self.engine.rows)
-        ]
+            for row in self.engine.rows
+        }
+        down_ranks = getattr(self.engine.ranks, "down_ranks", dict)
+        for r, why in down_ranks().items():  # out of the group (restarting, or given up): no pool to route to
+            rows[r] = DPRankInfo(r, self.addrs[r], 0, 0, 0, 0, 0, False, up=False, down=why)
         return {
             "down": self.engine.down,
             "kv_bytes_pairs": pairs,
             "dp_rank": self.rank,
             "dp_size": self.dp_size,
             "dp_addrs": list(self.addrs),
-            "dp_ranks": rows,
+            "dp_ranks": [rows[r] for r in sorted(rows)],
         }
 
     def quiesce(self) -> None:

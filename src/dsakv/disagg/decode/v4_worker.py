@@ -425,7 +425,7 @@ class V4DecodeWorker:
             ]
             inbound = len(self.inbound)
             failed_held = sum(1 for i in self.inbound.values() if i.failed is not None)
-        per_req = self.layout.page
+        out_room = self.layout.page  # a prompt must leave its output at least one page of the pool
         return DecodeHealth(
             ok=True,
             role="decode",
@@ -445,7 +445,7 @@ class V4DecodeWorker:
             waiting=st.num_waiting,
             running=st.num_running,
             bytes_per_token=st.bytes_per_token,
-            max_prompt_tokens=max(0, st.capacity_tokens - per_req),
+            max_prompt_tokens=max(0, st.capacity_tokens - out_room),
             inbound=inbound,
             failed_held=failed_held,
             vocab_size=int(self.engine.spec.vocab_size),

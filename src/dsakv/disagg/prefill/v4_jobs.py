@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -91,22 +91,19 @@ class _Parts:
     num_pages: int
     _sendq: queue.Queue[V4Job | None]
 
-    @property
-    def address(self) -> str:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # V4PrefillWorker's, declared for the type checker only
 
-    @property
-    def page_size(self) -> int:
-        raise NotImplementedError
+        @property
+        def address(self) -> str: ...
 
-    def _post(self, addr: str, rpc: Any, msg: Any) -> None:
-        raise NotImplementedError
+        @property
+        def page_size(self) -> int: ...
 
-    def _summaries(self, link: V4Link) -> list[LinkSummary]:
-        raise NotImplementedError
+        def _post(self, addr: str, rpc: Any, msg: Any) -> None: ...
 
-    def down_reason(self) -> str | None:
-        raise NotImplementedError
+        def _summaries(self, link: V4Link) -> list[LinkSummary]: ...
+
+        def down_reason(self) -> str | None: ...
 
 
 class V4Sender(_Parts):

@@ -5,6 +5,7 @@ layers (each kind only where read) and its own transfer engine.
       compute pipe:  ("forward", (rows, streams)) ─► stage k: its layers on its pool ─► streams    (in step order)
       transfer pipe: ("send", (decode manifest, pages, dst pages, slot, dst slot, seconds)) ─► stage k: v4_blocks
                      of its paired keys over its own engine into the decode ─► bytes, blocks, the pair's figure
+      compute pipe:  ("digests", (pages, slot)) ─► blake2b of each of its keys' bytes (what a receiver compares)
 
 A stage uses the page and slot ids stage 0's engine chose (every stage pool has the same page and slot count), so
 it keeps no allocator. The two pipes are served by two threads of the child: a transfer (parked pages) never
@@ -32,7 +33,7 @@ from dsakv.disagg.transfer.backends.base import Peer, deadline_in
 from dsakv.disagg.transfer.backends.registry import make_backend
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4, pair_figure, v4_blocks
 from dsakv.model.deepseek_v4 import DeepseekV4, V4Row
-from dsakv.util.child import ChildProcess
+from dsakv.util.child import ChildProcess, answer
 from dsakv.util.procs import arm_parent_death
 
 
@@ -53,24 +54,18 @@ class V4StageSpec:
 
 def _transfer_loop(conn: Connection, backend: Any, manifest: V4Manifest, layout: Any) -> None:
     peers: dict[bytes, tuple[Peer, Any]] = {}
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            if cmd != "send":
-                raise ValueError(f"unknown transfer command {cmd!r}")
-            data, src, dst, slot, dst_slot, seconds = args
-            if data not in peers:
-                theirs = V4Manifest.from_bytes(data)
-                peers[data] = (connect_v4(backend, theirs), (theirs, check_v4_pair(layout, theirs)))
-            peer, (theirs, pairs) = peers[data]
-            plan = v4_blocks(pairs, manifest, theirs, np.asarray(src), np.asarray(dst), slot, dst_slot)
-            metrics = backend.transfer(peer, plan.blocks, deadline_in(seconds))
-            conn.send(("ok", (int(metrics.nbytes), len(plan.blocks), pair_figure(pairs, int(len(src))))))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+    def send(args: tuple[Any, ...]) -> tuple[int, int, int]:
+        data, src, dst, slot, dst_slot, seconds = args
+        if data not in peers:
+            theirs = V4Manifest.from_bytes(data)
+            peers[data] = (connect_v4(backend, theirs), (theirs, check_v4_pair(layout, theirs)))
+        peer, (theirs, pairs) = peers[data]
+        plan = v4_blocks(pairs, manifest, theirs, np.asarray(src), np.asarray(dst), slot, dst_slot)
+        metrics = backend.transfer(peer, plan.blocks, deadline_in(seconds))
+        return int(metrics.nbytes), len(plan.blocks), pair_figure(pairs, int(len(src)))
+
+    answer(conn, {"send": send})
 
 
 def _stage_main(conn: Connection, xconn: Connection, spec: V4StageSpec, parent: int) -> None:
@@ -93,24 +88,15 @@ def _stage_main(conn: Connection, xconn: Connection, spec: V4StageSpec, parent: 
         threading.Thread(
             target=_transfer_loop, args=(xconn, backend, manifest, pool.layout), name="v4-stage-xfer", daemon=True
         ).start()
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            if cmd == "forward":
-                rows, h = args
-                conn.send(("ok", model.forward_layers(rows, pool, h, spec.start, spec.end)))
-            elif cmd == "stop":
-                if backend is not None:
-                    backend.close()
-                conn.send(("ok", None))
-                break
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+    def forward(args: tuple[list[V4Row], torch.Tensor]) -> torch.Tensor:
+        rows, h = args
+        return model.forward_layers(rows, pool, h, spec.start, spec.end)
+
+    def digests(args: tuple[Sequence[int], int]) -> dict[str, str]:  # what a transfer's receiver compares
+        return pool.digests(*args)
+
+    answer(conn, {"forward": forward, "digests": digests}, backend.close if backend is not None else None)
     os._exit(0)  # the transfer engine's threads must not outlive the stage, nor its teardown abort it
 
 

@@ -165,6 +165,8 @@ class DPRankInfo:
     running: int
     waiting: int
     integrity_ok: bool
+    up: bool = True  # False: out of the group (dead; rank 0 restarts it), `down` says why (its exit status)
+    down: str | None = None
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,24 @@ def _load_of(h: Health | None) -> dict[str, int | None]:
     return {f: (getattr(h, f) if h is not None else None) for f in fields}
 
 
+def dp_down_reason(lead: PeerState | None, peer: PeerState, why: str, timeout: float, wait: float = 2.0) -> str:
+    """`why` DP rank `peer` (> 0) is down, with its instance's rank 0 (`lead`)'s reason when it has one within
+    `wait` s (its health row of the rank: the exit status: 'dp rank 1 (pid N) was killed by signal 9 (SIGKILL)')."""
+    end = time.monotonic() + wait
+    while lead is not None and lead is not peer:
+        try:
+            h = lead.client.request(HEALTH, HealthQuery(), timeout=timeout)
+        except RpcError:
+            break
+        row = next((r for r in getattr(h, "dp_ranks", None) or [] if r.rank == peer.dp_rank), None)
+        if row is not None and not row.up:
+            return f"{why}; its instance's rank 0 says: {row.down}"
+        if time.monotonic() >= end:
+            break
+        time.sleep(0.1)
+    return why
+
+
 class PeerTable:
     def __init__(
         self,
@@ -264,6 +282,8 @@ class PeerTable:
 
     def mark_down(self, peer: PeerState, why: str) -> None:
         """`peer` stopped answering: no pair with it is used; a decode's requests fail (on_decode_down)."""
+        if peer.role == "decode" and peer.dp_rank and peer.ok:
+            why = dp_down_reason(self.decodes.get(peer.instance or ""), peer, why, self.t.health_rpc)
         with self._lock:
             was = peer.ok
             peer.ok, peer.error = False, why
