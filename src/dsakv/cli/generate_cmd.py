@@ -92,12 +92,18 @@ def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def step_ranks(engine: Any, lockstep: bool) -> Iterator[Any]:
+def step_ranks(engine: Any, lockstep: bool, ranks: Any = None) -> Iterator[Any]:
     """Step the engine until no request is unfinished (with `lockstep`, on any DP rank: an idle rank runs its
-    share of each step's expert-parallel collectives with no tokens); yields every step's outputs."""
+    share of each step's expert-parallel collectives with no tokens); yields every step's outputs. TP `ranks`
+    with MTP: every step's drafts and accepted counts are checked equal on every rank (RanksDiverged)."""
     if not lockstep:
+        from dsakv.engine.tp_spec import agree_drafts
+
         while engine.has_unfinished():
-            yield from engine.step()
+            outs = engine.step()
+            if ranks is not None:
+                agree_drafts(engine, ranks)
+            yield from outs
         return
     from dsakv.model.parallel import any_rank, idle_forward
 
@@ -154,12 +160,10 @@ def build_engine(args: argparse.Namespace, ranks: Any, model_dir: Path, loaded: 
         return Engine(
             (spec, attach_ep(model, ranks.rank, args.ep_size)), options.engine_config(args), model_dir=model_dir
         )
-    if ranks.size > 1:
-        from dsakv.model.parallel import load_tp_model
+    if ranks.size > 1:  # a TP shard (with MTP: the draft layer sharded the same way)
+        from dsakv.engine.tp_spec import tp_engine
 
-        return Engine(
-            load_tp_model(model_dir, ranks.group, dtype=dtype), options.engine_config(args), model_dir=model_dir
-        )
+        return tp_engine(model_dir, ranks.group, options.engine_config(args))
     if loaded is not None:
         return Engine(loaded, options.engine_config(args), model_dir=model_dir)
     return Engine(model_dir, options.engine_config(args))
@@ -247,7 +251,7 @@ def _generate(
         batches += [[]] * (-(-len(prompts) // dp) - len(batches))
     for batch in batches:
         ids.update({i: engine.add_request(prompts[i], params) for i in batch})
-        for out in step_ranks(engine, dp > 1):
+        for out in step_ranks(engine, dp > 1, ranks):
             if out.finished:
                 final[out.request_id] = out
     seconds = time.perf_counter() - t0

@@ -191,7 +191,12 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
         help="with --enable-dp-attention: D attention ranks (of the --tp-size ranks), each with its own pool, "
         "scheduler and requests (default 1)",
     )
-    g.add_argument("--enable-dp-attention", action="store_true", help="data-parallel attention over --dp-size ranks")
+    g.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 serves HTTP and places "
+        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r)",
+    )
     g.add_argument(
         "--ep-size",
         type=int,
@@ -209,7 +214,9 @@ def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> N
         default=0,
         metavar="K",
         help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
-        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution" + note,
+        "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution; with "
+        "--tp-size T the draft layer is sharded like the target layers; with --enable-dp-attention (not on a "
+        "decode role) each rank holds the whole draft layer for its own requests" + note,
     )
 
 

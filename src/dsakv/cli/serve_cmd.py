@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Any
 
 from dsakv.cli import disagg_roles, options
 from dsakv.cli.http_options import add_http_arguments, http_limits
@@ -80,7 +81,6 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     model_dir = options.model_dir_of(args)
     import torch
 
-    from dsakv.engine.engine import Engine
     from dsakv.serve.app import create_app
     from dsakv.serve.engine_backend import EngineBackend
     from dsakv.serve.server import run_http
@@ -93,19 +93,22 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     tokenizer = load_tokenizer(model_dir, checkpoint_vocab_size(model_dir))  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
     check_tp(model_dir, tp)
-    ranked = piped = None
-    if tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
+    ranked: Any = None
+    piped: Any = None
+    if getattr(args, "enable_dp_attention", False):  # DP ranks (engine/dp_serve.py): rank 0 serves HTTP
+        ranked = _dp_engine(args, cfg, model_dir)
+        if isinstance(ranked, int):
+            return ranked
+        engine = ranked.engine
+    elif tp > 1:  # TP rank processes (engine/ranks.py): rank 0 serves HTTP, ranks 1..T-1 follow its steps
         from dsakv.engine.ranks import RankedEngine, follow, start_ranks
+        from dsakv.engine.tp_spec import tp_engine
         from dsakv.model.loader import load_config
-        from dsakv.model.parallel import load_tp_model, shard_config
+        from dsakv.model.parallel import shard_config
 
         shard_config(load_config(model_dir), tp)
         ranks = start_ranks(tp, args._argv)
-        engine = Engine(
-            load_tp_model(model_dir, ranks.group, dtype=getattr(torch, cfg.engine.dtype)),
-            cfg.engine,
-            model_dir=model_dir,
-        )
+        engine = tp_engine(model_dir, ranks.group, cfg.engine)  # with MTP: the draft layer sharded too
         if not ranks.lead:
             return follow(engine, ranks)
         ranked = RankedEngine(engine, ranks)
@@ -147,6 +150,33 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
             ranked.close()
         if piped is not None:
             piped.close()
+
+
+def _dp_engine(args: argparse.Namespace, cfg: Config, model_dir: Any) -> Any:
+    """Rank 0's DPServeEngine over --dp-size DP attention ranks (each its own pool, scheduler and requests, the MoE
+    expert-parallel over all of them); on a rank r > 0 process: follow rank 0 until it stops, then the exit code."""
+    import torch
+
+    from dsakv.engine.dp import LockstepEngine
+    from dsakv.engine.dp_serve import DPServeEngine, follow_dp
+    from dsakv.engine.engine import Engine
+    from dsakv.engine.ranks import start_ranks
+    from dsakv.model.loader import load_config, load_model
+    from dsakv.model.parallel import attach_ep, divide
+
+    divide("n_routed_experts", int(load_config(model_dir).get("n_routed_experts") or 0), args.ep_size, "--ep-size")
+    ranks = start_ranks(args.dp_size, args._argv, label="DP")
+    try:
+        spec, model = load_model(model_dir, dtype=getattr(torch, cfg.engine.dtype))
+        engine = Engine((spec, attach_ep(model, ranks.rank, args.ep_size)), cfg.engine, model_dir=model_dir)
+        lockstep = LockstepEngine(engine, ranks)
+    except BaseException:
+        for p in ranks.children:
+            p.kill()
+        raise
+    if not ranks.lead:
+        return follow_dp(lockstep, ranks)
+    return DPServeEngine(lockstep, ranks)
 
 
 def validate(args: argparse.Namespace) -> None:

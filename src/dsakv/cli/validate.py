@@ -131,14 +131,14 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_tp(args)
     if role == "colocated":
         check_pp_colocated(args)
-    if getattr(args, "enable_dp_attention", False) and role != "decode":
+    if getattr(args, "enable_dp_attention", False) and role not in ("decode", "colocated"):
         raise ConfigError(
-            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves as --role "
-            "decode (dsakv generate runs it colocated)"
+            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves colocated or "
+            "as --role decode"
         )
     if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
         raise ConfigError(
-            f"--enable-dp-attention with --role decode --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
+            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
         )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
@@ -261,12 +261,13 @@ def check_tp(args: argparse.Namespace) -> None:
         raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
     if tp == 1:
         return
-    for flag, on in (
-        ("--speculative-num-steps", getattr(args, "speculative_num_steps", 0)),
-        ("--hisparse", getattr(args, "hisparse", False)),
-    ):
-        if on:
-            raise ConfigError(f"--tp-size {args.tp_size} with {flag} is not supported yet: drop one of them")
+    if getattr(args, "hisparse", False):
+        raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
+    if dpa and getattr(args, "speculative_num_steps", 0) and getattr(args, "role", "colocated") == "decode":
+        raise ConfigError(
+            "--enable-dp-attention with --role decode --speculative-num-steps is not supported yet: drop one of them "
+            "(a colocated DP-attention server or a TP decode speculates)"
+        )
 
 
 def check_dir(path: str, flag: str) -> None:

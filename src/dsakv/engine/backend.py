@@ -57,8 +57,9 @@ class GenerationBackend(Protocol):
         """Abort what is in flight and stop background work. Idempotent."""
         ...
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; raise dsakv.errors.CapacityError / ConfigError for bad input (-> HTTP 413/400)."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any] | None:
+        """Queue a request; raise dsakv.errors.CapacityError / ConfigError for bad input (-> HTTP 413/400). May
+        return fields every response object of the request carries (a colocated DP instance: {"dp_rank": r})."""
         ...
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from dsakv.engine.tp_spec import agree_drafts
 from dsakv.errors import ConfigError, Unavailable
 from dsakv.model.parallel import TPGroup, init_group
 from dsakv.util.procs import CHILD_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
@@ -228,7 +229,7 @@ def start_ranks(size: int, argv: Sequence[str], device: str = "cpu", label: str 
         for p in children:
             p.kill()
         raise
-    log.info("TP rank %d/%d joined on %s:%d", rank, size, ADDR, port)
+    log.info("%s rank %d/%d joined on %s:%d", label, rank, size, ADDR, port)
     return Ranks(group, children, label)
 
 
@@ -403,6 +404,7 @@ class RankedEngine:
             try:
                 self.ranks.broadcast(log_)
                 outs = self.engine.step()
+                agree_drafts(self.engine, self.ranks)
                 if self.after_step is not None:
                     self.after_step()
             except Exception as e:
@@ -468,5 +470,6 @@ def follow(
             else:
                 raise RanksDiverged(f"TP rank {ranks.rank} got an op it cannot apply: {type(op).__name__}")
         outs = engine.step()
+        agree_drafts(engine, ranks)
         if after_step is not None:
             after_step(outs)

@@ -188,9 +188,16 @@ def load_model(
 
 
 def build_draft(
-    cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype, name: str, num_layers: int = 1
+    cfg: dict[str, Any],
+    state_dict: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype,
+    name: str,
+    num_layers: int = 1,
+    shard: Shard | None = None,
 ) -> MTPDraft:
-    """The MTPDraft of the first `num_layers` MTP layers of a checkpoint's tensors (transformers' names)."""
+    """The MTPDraft of the first `num_layers` MTP layers of a checkpoint's tensors (transformers' names); `shard`
+    (model/parallel.py) maps (config, converted state dict) to one tensor-parallel rank's, as build_model."""
     spec = ModelSpec.from_dict(cfg, name=name)
     if spec.num_draft_layers < num_layers:
         raise ConfigError(
@@ -198,26 +205,34 @@ def build_draft(
             f"with ({num_layers} wanted): write one with `dsakv make-tiny DIR --mtp 1`, or turn speculative "
             "decoding off (--speculative-num-steps 0)"
         )
-    dcfg = DSAConfig.from_dict(cfg, spec)
+    sd = _convert(state_dict, spec, draft_layers=num_layers)
+    if shard is not None:
+        cfg, sd = shard(cfg, sd)
+    dcfg = DSAConfig.from_dict(cfg, ModelSpec.from_dict(cfg, name=name))
     with torch.device("meta"):
         draft = MTPDraft(dcfg, num_layers)
     what = (
         f"checkpoint {name!r}: its MTP layer(s) {spec.num_layers}..{spec.num_layers + num_layers - 1} do not "
         "match the config"
     )
-    _assign(draft, _convert(state_dict, spec, draft_layers=num_layers), dtype, what, "MTP tensor")
+    _assign(draft, sd, dtype, what, "MTP tensor")
     return draft.eval()
 
 
 def load_draft(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, num_layers: int = 1, weight_dtype: str = "model"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int = 1,
+    weight_dtype: str = "model",
+    shard: Shard | None = None,
 ) -> MTPDraft:
     """The MTP draft layer(s) of the checkpoint in directory `path` (layers num_hidden_layers.. of its tensors);
-    `weight_dtype` as load_model."""
+    `weight_dtype` and `shard` as load_model."""
     root = Path(path)
     cfg = load_config(root)
     draft = build_draft(
-        cfg, _read_tensors(_safetensors_files(root)), dtype=dtype, name=root.name, num_layers=num_layers
+        cfg, _read_tensors(_safetensors_files(root)), dtype=dtype, name=root.name, num_layers=num_layers, shard=shard
     )
     quantize_weights(draft, weight_dtype)
     log.info("loaded MTP draft of %s: layer(s) %s", root.name, list(draft.layer_ids))

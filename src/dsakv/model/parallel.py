@@ -149,6 +149,26 @@ def load_tp_model(
     return spec, attach(model, group)
 
 
+def load_tp_draft(
+    path: str | Path, group: TPGroup, *, dtype: torch.dtype = torch.float32, weight_dtype: str = "model"
+) -> Any:
+    """This rank's shard of the checkpoint's MTP draft layer, split as the target layers are (q_b / kv_b rows and
+    o_proj columns by head, every expert's intermediate; eh_proj, enorm / hnorm, shared_head.norm, router, q_a /
+    kv_a, the indexer replicated), its block all-reducing like theirs: every rank writes the same draft KV /
+    INDEX_K and gets the same (bitwise, all-reduced) draft hidden states, so every rank drafts the same tokens."""
+    from dsakv.model.loader import load_draft
+
+    draft = load_draft(
+        path,
+        dtype=dtype,
+        weight_dtype=weight_dtype,
+        shard=lambda cfg, sd: (shard_config(cfg, group.size), shard_state_dict(sd, group.rank, group.size)),
+    )
+    for layer in draft.layers:
+        cast(DecoderLayer, cast(Any, layer).block).reduce = group
+    return draft
+
+
 # ---- expert parallel (with DP attention: every rank its own tokens) -----------------------------------------
 
 

@@ -96,7 +96,8 @@ class EngineBackend:
 
     # ---- requests ----------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any] | None:
+        """Queue a request; the response fields naming where it runs ({"dp_rank": r} on a DP-attention engine)."""
         if self._fatal is not None:
             raise Unavailable(f"the engine is stopped after an internal error ({self._fatal}): restart the server")
         if self._thread is None:
@@ -117,6 +118,8 @@ class EngineBackend:
                     self._queues.pop(rid, None)
             raise
         self._wake.set()
+        where = getattr(self.engine, "placement", None)
+        return where(request_id) if where is not None else None
 
     def events(self, request_id: str, timeout: float) -> Iterator[TokenEvent]:
         with self._qlock:
@@ -216,7 +219,12 @@ class EngineBackend:
             "running": st.num_running,
             "waiting": st.num_waiting,
             "step_running_s": None if running is None else round(running, 3),  # figures from before that step
-        }
+        } | self._rank_rows("dp_ranks")
+
+    def _rank_rows(self, key: str) -> dict[str, Any]:
+        """{key: one row per DP rank} on a DP-attention engine (engine/dp_serve.py), else {}."""
+        rows = getattr(self.engine, "rank_rows", None)
+        return {key: rows()} if rows is not None else {}
 
     def metrics(self) -> dict[str, float]:
         m, running = self._read("metrics", self._metrics)
@@ -261,6 +269,8 @@ class EngineBackend:
                     m.update({f"hisparse_layer{layer}_{stem}_last_step": float(n) for layer, n in v.items()})
                 else:
                     m[f"hisparse_{k}"] = float(v)
+        for row in self._rank_rows("rows").get("rows", []):  # per DP rank: dsakv_dp_pages_used{dp_rank="1"}, ...
+            m.update({f'dp_{k}{{dp_rank="{row["dp_rank"]}"}}': float(v) for k, v in row.items() if k != "dp_rank"})
         spec = self.engine.spec_stats()
         if spec is not None:  # speculative decoding: dsakv_spec_acceptance_rate, dsakv_spec_mean_accepted_length, ...
             m.update({k: float(v) for k, v in spec.items()})

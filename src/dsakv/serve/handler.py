@@ -125,7 +125,7 @@ class _Server:
             self._check_features(g)
             rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
             try:
-                await self.call(self.backend.submit, rid, prompt_ids, g.params)
+                placed = await self.call(self.backend.submit, rid, prompt_ids, g.params)
             except CapacityError as e:
                 raise ApiError(413, str(e), param="max_tokens", code="context_length_exceeded") from None
             except DsakvError as e:  # errors.Unavailable (a dead rank, a stopped engine): its status 503
@@ -135,6 +135,7 @@ class _Server:
             raise
         self.metrics.started(len(prompt_ids))
         gen = _Generation(rid, g, prompt_ids, t0)
+        gen.placed = placed if isinstance(placed, dict) else {}  # e.g. {"dp_rank": 1}: in every response object
         gen.choices = [_Choice(i, self.tokenizer.detokenizer()) for i in range(g.params.n)]
         return gen
 

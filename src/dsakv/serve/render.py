@@ -56,6 +56,7 @@ class _Generation:
     t_first: float | None = None
     t_last: float | None = None
     ran: bool = False  # run() started: its `finally` frees the request; else the response's does (_Stream)
+    placed: dict[str, Any] = field(default_factory=dict)  # the backend's placement fields (a DP rank), if any
 
     @property
     def ids(self) -> list[int]:
@@ -174,4 +175,5 @@ class Renderer:
             if gen.g.kind == "completion"
             else ("chat.completion.chunk" if chunk else "chat.completion")
         )
-        return {"id": gen.rid, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+        out = {"id": gen.rid, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": choices}
+        return out | gen.placed

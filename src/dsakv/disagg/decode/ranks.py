@@ -49,17 +49,15 @@ def rank_name(cfg: DecodeConfig, rank: int) -> str:
 
 def _tp_engine(cfg: DecodeConfig) -> tuple[Any, Engine]:
     """(ranks, this rank's engine on its shard): joins (rank 0: starts) the TP group of cfg.tp_size ranks."""
-    import torch
-
     from dsakv.engine.ranks import start_ranks
+    from dsakv.engine.tp_spec import tp_engine
     from dsakv.model.loader import load_config
-    from dsakv.model.parallel import load_tp_model, shard_config
+    from dsakv.model.parallel import shard_config
 
     shard_config(load_config(Path(cfg.model)), cfg.tp_size)  # a TP size the checkpoint cannot split fails here
     ranks = start_ranks(cfg.tp_size, cfg.rank_argv)
-    try:
-        model = load_tp_model(cfg.model, ranks.group, dtype=getattr(torch, cfg.config.engine.dtype))
-        return ranks, Engine(model, cfg.config.engine, model_dir=cfg.model)
+    try:  # with MTP the draft layer is sharded as the target layers (every rank drafts the same tokens)
+        return ranks, tp_engine(cfg.model, ranks.group, cfg.config.engine)
     except BaseException:
         for p in ranks.children:
             p.kill()
