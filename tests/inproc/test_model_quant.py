@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsakv.cli import options
+from dsakv.cli.main import build_parser
 from dsakv.config import WEIGHT_DTYPES as ENGINE_WEIGHT_DTYPES
 from dsakv.config import EngineConfig
 from dsakv.errors import ConfigError
@@ -65,6 +67,13 @@ def test_weight_dtypes_agree_and_refuse_unknown():
         EngineConfig(weight_dtype="int4")
     with pytest.raises(ConfigError, match="weight dtype 'q4' is unknown"):
         round_trip(torch.ones(2, 2), "q4")
+    with pytest.raises(ConfigError, match="int8_gemv needs int8 weights, but weight_dtype is 'fp8'"):
+        EngineConfig(weight_dtype="fp8", int8_gemv=True)
+    cfg = EngineConfig(weight_dtype="int8", int8_gemv=True)
+    argv = options.engine_argv(cfg)
+    i = argv.index("--weight-dtype")
+    assert argv[i : i + 3] == ["--weight-dtype", "int8", "--int8-gemv"]
+    assert options.config_from_args(build_parser().parse_args(["serve", *argv])).engine == cfg
 
 
 @pytest.fixture(scope="module")
