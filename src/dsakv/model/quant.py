@@ -186,6 +186,12 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def use_int8_gemv(on: bool) -> None:
     """Turn the compiled int8 GEMV kernel on (compiled on first use: tens of seconds) or off (dequantise + BLAS
     matmul for every call, the reference)."""
+    if on:
+        import torch._dynamo
+
+        # one graph per input kind (1 or more rows, one or several scale blocks, contiguous or a column slice):
+        # more than dynamo's default 8, and past its limit it would run _gemv eagerly ([M, N, K] products)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     _GEMV[0] = torch.compile(_gemv, dynamic=True) if on else None
 
 
@@ -198,7 +204,7 @@ def qlinear(
         return F.linear(x, w, bias)
     kernel = _GEMV[0]
     if kernel is not None and gemv_applies(x):
-        y = kernel(x.reshape(-1, x.shape[-1]), w, scale).view(*x.shape[:-1], w.shape[0])
+        y = kernel(x.reshape(-1, x.shape[-1]), w.detach(), scale).view(*x.shape[:-1], w.shape[0])  # a Tensor
         return y if bias is None else y.add_(bias)
     return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
