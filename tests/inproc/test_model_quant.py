@@ -214,3 +214,25 @@ def test_quantize_weights_counts_projections(ckpt):
     kept = [name for name in linears if name.endswith("indexer.weights_proj")]
     assert len(kept) == 3  # deepseek_v32: every layer a producer
     assert quantize_weights(model, "int8") == len(linears) - 3
+
+
+@pytest.mark.parametrize("path", ["dense", "padded", "per_expert"])
+def test_int8_moe_paths_match_the_dequantised_weights(ckpt, path, monkeypatch):
+    """Each MoE path (dense, padded, per expert) on int8 storage gives the dequantised-weights model's output
+    (the router runs alone on int8, fused into w_in on fp32: float32 rounding apart)."""
+    from dsakv.model import layers
+
+    _, model = load_model(ckpt, weight_dtype="int8")
+    _, plain = load_model(ckpt)
+    quantize_weights(plain, "int8")
+    monkeypatch.setattr(
+        layers,
+        "choose_moe_path",
+        lambda t, k, e, m, counts=None: ("dense" if path == "dense" else "grouped") if counts is None else path,
+    )
+    x = torch.randn(9, model.spec.hidden_size, generator=torch.Generator().manual_seed(3))
+    moe, ref = model.model.layers[2].mlp, plain.model.layers[2].mlp
+    with torch.no_grad():
+        got, want = moe(x, residual=x), ref(x, residual=x)
+    assert moe._weights().w_in.dtype == torch.int8 and moe._weights().down_scale.shape == (x.shape[1], 9)
+    assert torch.allclose(got, want, rtol=0, atol=1e-5) and not torch.equal(got, x)
