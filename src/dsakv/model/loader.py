@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dsakv.cache.fingerprint import LOADED_IDENTITY, file_identity
+from dsakv.cache.fingerprint import LOADED_IDENTITY, VARIANT, file_identity
 from dsakv.errors import ConfigError
 from dsakv.model.config import DSAConfig
 from dsakv.model.dsa_model import DSAModel
@@ -180,6 +180,8 @@ def load_model(
         pack_int8(model)
     else:  # fp8, or int8 on a TP / EP shard (model/parallel.py's paths read float weights): dequantised
         quantize_weights(model, weight_dtype)
+    if weight_dtype != "model":  # other weights than the files': another fingerprint (stored KV never shared)
+        setattr(model, VARIANT, weight_dtype)
     log.info(
         "loaded %s: %s, %d layers (%d producers), %.1fM parameters",
         root.name,
