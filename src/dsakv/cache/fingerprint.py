@@ -8,7 +8,8 @@ loaded in another dtype (other KV) give another.
 Computed once per checkpoint: with the model's directory, the value is cached by the identity of its
 *.safetensors files and the dtype, in-process and in $DSAKV_CACHE_DIR/fingerprints.json (default ~/.cache/dsakv),
 so a restarted server does not re-hash. A rank's shard of a tensor- or expert-parallel model (SHARD on the model:
-kind, rank, size) is cached under its own key: each shard gets the fingerprint of its own tensors.
+kind, rank, size) is cached under its own key: each shard gets the fingerprint of its own tensors; so is a model the
+loader quantised (VARIANT: --weight-dtype int8 / fp8), whose weights are not the files' own.
 The identity is everything that changes when a file's content can have:
 resolved path, device, inode, size, mtime_ns and ctime_ns of each file (ctime moves on every write and on every
 utime, so a rewrite that restores size and mtime is still a new identity; mtime alone is never trusted). The
@@ -64,6 +65,9 @@ def _save_disk_cache(key: str, value: str) -> None:
 
 LOADED_IDENTITY = "dsakv_checkpoint_identity"  # the model attribute the loader sets (file_identity as read)
 SHARD = "dsakv_shard"  # the model attribute of a rank's shard (model/parallel.py): "tp 1/2", "ep 0/2"; "" whole
+# the model attribute naming how the loader changed the weights it read ("int8", "fp8": quantised; "" as read): the
+# same files quantised are other weights (other KV), so the cache key carries it
+VARIANT = "dsakv_weights_variant"
 
 
 def file_identity(model_dir: str | Path) -> str:
@@ -101,7 +105,9 @@ def weights_fingerprint(model: Any, model_dir: str | Path | None = None) -> str:
     if ident:
         params = list(model.parameters()) if hasattr(model, "parameters") else []
         shard = getattr(model, SHARD, "")  # a shard's tensors are not the whole model's: its own entry
+        variant = getattr(model, VARIANT, "")  # quantised on load: not the files' weights
         key = f"{params[0].dtype if params else ''}|{ident}" + (f"|{shard}" if shard else "")
+        key += f"|{variant}" if variant else ""
         with _lock:
             if key in _memo:
                 return _memo[key]

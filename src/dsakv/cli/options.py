@@ -168,6 +168,12 @@ def add_engine_arguments(
         help="projection weights on a quantised grid: int8 (per output channel) or fp8 (e4m3, 128x128 blocks), "
         "computed in --dtype; model: as loaded (default)",
     )
+    g.add_argument(
+        "--int8-gemv",
+        action="store_true",
+        help="with --weight-dtype int8: matmuls of up to 16 rows (decode) read the int8 weights in one "
+        "torch.compile'd kernel (compiled on first use) instead of dequantising per call",
+    )
     default = "torch's choice" if threads is None else str(threads)
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
@@ -436,6 +442,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=hisparse_config(args),
         dtype=getattr(args, "dtype", "float32"),
         weight_dtype=getattr(args, "weight_dtype", "model"),
+        int8_gemv=getattr(args, "int8_gemv", False),
         seed=getattr(args, "seed", None),
         speculative_num_steps=getattr(args, "speculative_num_steps", 0),
     )

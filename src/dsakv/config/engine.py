@@ -251,6 +251,7 @@ class EngineConfig:
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)
     dtype: str = "float32"  # weights: float32 | bfloat16
     weight_dtype: str = "model"  # projection weights on a quantised grid: model (as loaded) | int8 | fp8
+    int8_gemv: bool = False  # int8 weights: small-batch matmuls on the compiled int8 GEMV (model/quant.py)
     seed: int | None = None  # seed for requests that give none
     speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
 
@@ -259,6 +260,11 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r} is unknown: use one of {', '.join(DTYPES)}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError(f"weight_dtype {self.weight_dtype!r} is unknown: use one of {', '.join(WEIGHT_DTYPES)}")
+        if self.int8_gemv and self.weight_dtype != "int8":
+            raise ConfigError(
+                f"int8_gemv needs int8 weights, but weight_dtype is {self.weight_dtype!r}: add --weight-dtype int8 "
+                "or drop --int8-gemv"
+            )
         k = self.speculative_num_steps
         if isinstance(k, bool) or not isinstance(k, int):
             raise ConfigError(f"speculative_num_steps = {k!r} must be an integer >= 0")

@@ -119,6 +119,10 @@ class Engine(EngineRequests, EngineStep, EngineBooks):
                 self.model_dir, dtype=getattr(torch, cfg.dtype), weight_dtype=cfg.weight_dtype
             )
         self.model.eval()
+        if cfg.int8_gemv:  # process-wide: every int8-packed model's small matmuls (model/quant.py)
+            from dsakv.model.quant import use_int8_gemv
+
+            use_int8_gemv(True)
         self.speculative_num_steps = speculative_num_steps = cfg.speculative_num_steps
         if speculative_num_steps and draft is None:
             if self.model_dir is None:

@@ -27,6 +27,7 @@ from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, cho
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
 from dsakv.model.layers import MLP, MoE, RMSNorm, rms_norm
+from dsakv.model.quant import linear_dtype
 from dsakv.model.rope import Rope, rope_inv_freq
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
 from dsakv.spec.model import ModelSpec
@@ -107,7 +108,7 @@ class DSAModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return linear_dtype(self.lm_head)  # the model's dtype, also with int8 weights (pack_int8)
 
     def layout_for(
         self,

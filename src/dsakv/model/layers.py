@@ -11,6 +11,7 @@ Imports torch and dsakv.model.config only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.model.config import DSAConfig
+from dsakv.model.quant import dequantize, gemv_applies, qlinear, weight_scale
 
 # MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
 # multiply-adds of batched expert work. Measured on the 2-core CI box (bench/engine.py's tiny checkpoint,
@@ -42,11 +44,11 @@ class LinearGroup:
     def __init__(self, linears: Sequence[nn.Module]) -> None:
         self.linears = list(linears)  # nn.Linear, or any module with .weight [out, in] and an optional .bias
         self.sizes = [int(_w(m).shape[0]) for m in self.linears]
-        self._fused: tuple[torch.Tensor, torch.Tensor | None, list[int]] | None = None
+        self._fused: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int]] | None = None
         self._ptrs: tuple[int, int] = (0, 0)
         self._ends: tuple[nn.Module, nn.Module] = (self.linears[0], self.linears[-1])
 
-    def _current(self) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    def _current(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, list[int]]:
         f = self._fused
         if f is not None:
             head, tail = self._ends
@@ -56,6 +58,8 @@ class LinearGroup:
         members = [i for i, m in enumerate(self.linears) if _w(m).dtype == first.dtype and _w(m).device == first.device]
         with torch.inference_mode(False), torch.no_grad():
             w = torch.cat([_w(self.linears[i]) for i in members])
+            scales = [weight_scale(self.linears[i]) for i in members]
+            scale = torch.cat(cast(list[torch.Tensor], scales)) if scales[0] is not None else None  # int8 members
             biases = [_bias(self.linears[i]) for i in members]
             bias = None
             if any(b is not None for b in biases):
@@ -65,25 +69,31 @@ class LinearGroup:
             for i, b in zip(members, biases, strict=True):
                 n = self.sizes[i]
                 _w(self.linears[i]).data = w[start : start + n]
+                if scale is not None:
+                    self.linears[i].weight_scale = scale[start : start + n]
                 if b is not None:
                     assert bias is not None
                     b.data = bias[start : start + n]
                 start += n
-        self._fused = (w, bias, members)
+        self._fused = (w, scale, bias, members)
         self._ends = (self.linears[members[0]], self.linears[members[-1]])  # whose storage _current watches
         self._ptrs = (_w(self._ends[0]).data_ptr(), _w(self._ends[1]).data_ptr())
         return self._fused
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
-        w, bias, members = self._current()
-        y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+        w, scale, bias, members = self._current()
+        if scale is not None:  # int8 members (pack_int8)
+            y = qlinear(x, w, scale, bias)
+        else:
+            y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
         if len(members) == len(self.linears):
             return list(y.split_with_sizes(self.sizes, dim=-1)) if len(members) > 1 else [y]
         parts = iter(torch.split(y, [self.sizes[i] for i in members], dim=-1))
         out = []
         for i, m in enumerate(self.linears):
-            out.append(next(parts) if i in members else F.linear(x.to(_w(m).dtype), _w(m), _bias(m)))
+            alone = x if weight_scale(m) is not None else x.to(_w(m).dtype)
+            out.append(next(parts) if i in members else linear(alone, m))
         return out
 
 
@@ -117,18 +127,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
-def linear(x: torch.Tensor, m: nn.Linear) -> torch.Tensor:
-    """m(x) without the Module call machinery (the hot path runs hundreds of these per step)."""
-    return F.linear(x, m.weight, m.bias)
+def linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    """m(x) without the Module call machinery (the hot path runs hundreds of these per step); int8 weights
+    (pack_int8) through quant.qlinear."""
+    return qlinear(x, _w(m), weight_scale(m), _bias(m))
 
 
-def linear_add(x: torch.Tensor, m: nn.Linear, residual: torch.Tensor | None) -> torch.Tensor:
+def linear_add(x: torch.Tensor, m: nn.Module, residual: torch.Tensor | None) -> torch.Tensor:
     """residual + m(x) as one addmm (x and residual 2-D); m(x) if residual is None."""
+    return matmul_add(x, _w(m), weight_scale(m), _bias(m), residual)
+
+
+def matmul_add(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """residual + x @ w^T (+ bias) as one addmm (w int8 with its scale: quant.qlinear's weight; on the GEMV kernel
+    the residual is added after it, dequantised it goes through the same addmm)."""
+    if scale is not None:
+        if residual is None or gemv_applies(x):
+            y = qlinear(x, w, scale, bias)
+            return y if residual is None else y.add_(residual)
+        w = dequantize(w, scale, x.dtype)
     if residual is None:
-        return F.linear(x, m.weight, m.bias)
-    if m.bias is not None:
-        return torch.addmm(residual, x, m.weight.t()).add_(m.bias)
-    return torch.addmm(residual, x, m.weight.t())
+        return F.linear(x, w, bias)
+    if bias is not None:
+        return torch.addmm(residual, x, w.t()).add_(bias)
+    return torch.addmm(residual, x, w.t())
 
 
 class MLP(nn.Module):
@@ -228,6 +256,11 @@ class MoEWeights(NamedTuple):
     routed_width: int  # E*I: the routed experts' columns of w_down
     tail: torch.Tensor  # w_in[2*E*I:]: router | shared gate | shared up, one matmul on the grouped paths
     shared_down_t: torch.Tensor  # the shared expert's down weight, transposed (addmm)
+    # int8 weights (pack_int8), else None: w_in's per-row scale [rows, 1]; w_down's per-row scale of each column
+    # block of width gcd(I, Is) [hidden, (E*I + Is) / gcd] (each expert's and the shared down's own scales)
+    in_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    down_block: int = 1  # the column block width of down_scale
 
 
 class MoE(nn.Module):
@@ -289,11 +322,18 @@ class MoE(nn.Module):
         ei = n_e * inter
         r = n_e if fuse_router else 0
         i_s = sh.gate_proj.weight.shape[0]
+        in_scale = down_scale = None
+        blk = math.gcd(inter, i_s)
         with torch.inference_mode(False), torch.no_grad():
             rows = [w for m in ex for w in (m.gate_proj.weight, m.up_proj.weight)]
             rows += ([router] if fuse_router else []) + [sh.gate_proj.weight, sh.up_proj.weight]
             w_in = torch.cat(rows)
             w_down = torch.cat([m.down_proj.weight for m in ex] + [sh.down_proj.weight], dim=1)
+            if weight_scale(ex[0].gate_proj) is not None:  # int8 (pack_int8): the scales fused alike
+                ins = [weight_scale(p) for m in [*ex, sh] for p in (m.gate_proj, m.up_proj)]
+                in_scale = torch.cat(cast(list[torch.Tensor], ins))
+                downs = [(weight_scale(m.down_proj), inter) for m in ex] + [(weight_scale(sh.down_proj), i_s)]
+                down_scale = torch.cat([cast(torch.Tensor, d).repeat(1, n // blk) for d, n in downs], dim=1)
             for i, m in enumerate(ex):
                 m.gate_proj.weight.data = w_in[2 * i * inter : (2 * i + 1) * inter]
                 m.up_proj.weight.data = w_in[(2 * i + 1) * inter : (2 * i + 2) * inter]
@@ -316,6 +356,9 @@ class MoE(nn.Module):
             ei,
             w_in[2 * ei :],
             w_down[:, ei:].t(),
+            in_scale,
+            down_scale,
+            blk,
         )
         self._ptrs = self._members()
         return self._fused
@@ -329,7 +372,7 @@ class MoE(nn.Module):
         gate = self.gate
         ei, r = f.routed_width, f.router_rows
         if choose_moe_path(n, self._top_k, e, self._row_macs) == "dense":
-            h = F.linear(x, f.w_in)
+            h = qlinear(x, f.w_in, f.in_scale)
             logits = h[:, 2 * ei : 2 * ei + r] if r else F.linear(x.to(gate.weight.dtype), gate.weight)
             weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
             gu = h[:, : 2 * ei].view(n, e, 2, -1)
@@ -341,8 +384,11 @@ class MoE(nn.Module):
             torch.mul(F.silu(hs[:, :i_s]), hs[:, i_s:], out=act[:, ei:])
             dense = weights.new_zeros(n, e).scatter_(1, ids, weights)  # weight per token and expert (0: not picked)
             routed.mul_(dense.unsqueeze(-1))
+            if f.down_scale is not None:
+                return matmul_add(act, f.w_down, f.down_scale, None, residual)
             return torch.addmm(residual, act, f.w_down_t) if residual is not None else F.linear(act, f.w_down)
-        tail = F.linear(x, f.tail)  # router (if fused) | shared gate | shared up, views of one matmul
+        tail_scale = None if f.in_scale is None else f.in_scale[2 * ei :]
+        tail = qlinear(x, f.tail, tail_scale)  # router (if fused) | shared gate | shared up, views of one matmul
         i_s = (tail.shape[1] - r) // 2
         if r:
             logits, g, u = tail.split_with_sizes((r, i_s, i_s), dim=1)
@@ -351,7 +397,11 @@ class MoE(nn.Module):
             g, u = tail.split_with_sizes((i_s, i_s), dim=1)
         weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
         shared = F.silu(g).mul_(u)
-        out = torch.addmm(self._routed(x, weights, ids, f), shared, f.shared_down_t)  # routed sum + shared expert
+        if f.down_scale is None:
+            out = torch.addmm(self._routed(x, weights, ids, f), shared, f.shared_down_t)  # routed sum + shared expert
+        else:
+            sd = f.down_scale[:, ei // f.down_block :]
+            out = matmul_add(shared, f.w_down[:, ei:], sd, None, self._routed(x, weights, ids, f))
         return out if residual is None else out.add_(residual)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
@@ -368,16 +418,25 @@ class MoE(nn.Module):
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
             xp = x.new_zeros(num_experts, max(counts), x.shape[1])
             xp[se, pos] = x[tok]  # one gather (x[tok]) into the padded per-expert rows
-            g, u = torch.bmm(xp, f.gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, cap, 2I]: gate | up
-            yp = torch.bmm(F.silu(g).mul_(u), f.down.transpose(1, 2))
+            gate_up, down = f.gate_up, f.down
+            if f.in_scale is not None and f.down_scale is not None:  # int8: dequantised for the batched matmuls
+                ei, blk = f.routed_width, f.down_block
+                gate_up = dequantize(f.w_in[: 2 * ei], f.in_scale[: 2 * ei], x.dtype).view(f.gate_up.shape)
+                down = dequantize(f.w_down[:, :ei], f.down_scale[:, : ei // blk], x.dtype)
+                down = down.view(x.shape[1], num_experts, -1).permute(1, 0, 2)
+            g, u = torch.bmm(xp, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [E, cap, 2I]: gate | up
+            yp = torch.bmm(F.silu(g).mul_(u), down.transpose(1, 2))
             y = yp[se, pos] * ws
         else:
             xs = x[tok]  # one gather: [N * k, hidden], grouped by expert
             ys, start = [], 0
-            for expert, gate_up, c in zip(self._experts(), f.gate_ups, counts, strict=True):
+            two_i, i_b = f.gate_ups[0].shape[0], f.gate_ups[0].shape[0] // 2 // f.down_block
+            for e, (expert, gate_up, c) in enumerate(zip(self._experts(), f.gate_ups, counts, strict=True)):
                 if c:
-                    g, u = F.linear(xs[start : start + c], gate_up).chunk(2, dim=-1)  # gate | up, one matmul
-                    ys.append(F.linear(F.silu(g).mul_(u), expert.down_proj.weight))
+                    gs = None if f.in_scale is None else f.in_scale[e * two_i : (e + 1) * two_i]
+                    g, u = qlinear(xs[start : start + c], gate_up, gs).chunk(2, dim=-1)  # gate | up, one matmul
+                    ds = None if f.down_scale is None else f.down_scale[:, e * i_b : (e + 1) * i_b]
+                    ys.append(qlinear(F.silu(g).mul_(u), expert.down_proj.weight, ds))
                     start += c
             y = (torch.cat(ys) if len(ys) > 1 else ys[0]) * ws
         return torch.zeros_like(x).index_add_(0, tok, y if y.dtype == x.dtype else y.to(x.dtype))  # one scatter

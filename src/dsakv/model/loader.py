@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from dsakv.cache.fingerprint import LOADED_IDENTITY, file_identity
+from dsakv.cache.fingerprint import LOADED_IDENTITY, VARIANT, file_identity
 from dsakv.errors import ConfigError
 from dsakv.model.config import DSAConfig
 from dsakv.model.dsa_model import DSAModel
 from dsakv.model.mtp import MTPDraft, draft_name
-from dsakv.model.quant import dequantize_fp8_block, quantize_weights
+from dsakv.model.quant import dequantize_fp8_block, pack_int8, quantize_weights
 from dsakv.spec.model import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,8 @@ def load_model(
 ) -> tuple[ModelSpec, DSAModel]:
     """(spec, model) of the checkpoint in directory `path`, weights in `dtype`, on the CPU (`shard`: see
     build_model); `weight_dtype` int8 or fp8 puts every projection on that grid
-    (dsakv.model.quant.quantize_weights), "model" leaves them as loaded."""
+    (dsakv.model.quant.quantize_weights), "model" leaves them as loaded; int8 without a shard keeps int8 storage
+    (quant.pack_int8: the same weights, a quarter of the fp32 bytes)."""
     root = Path(path)
     cfg = load_config(root)
     files = _safetensors_files(root)
@@ -175,7 +176,12 @@ def load_model(
     ident = file_identity(root)  # the files as read (a rewrite meanwhile: no trusted identity)
     model = build_model(cfg, _read_tensors(files), dtype=dtype, name=root.name, shard=shard)
     setattr(model, LOADED_IDENTITY, ident if file_identity(root) == ident else "")
-    quantize_weights(model, weight_dtype)
+    if weight_dtype == "int8" and shard is None:
+        pack_int8(model)
+    else:  # fp8, or int8 on a TP / EP shard (model/parallel.py's paths read float weights): dequantised
+        quantize_weights(model, weight_dtype)
+    if weight_dtype != "model":  # other weights than the files': another fingerprint (stored KV never shared)
+        setattr(model, VARIANT, weight_dtype)
     log.info(
         "loaded %s: %s, %d layers (%d producers), %.1fM parameters",
         root.name,

@@ -15,6 +15,7 @@ WEIGHT_FORMATS: dict[str, float] = {
     "fp32": 4.0,
     "bf16": 2.0,
     "fp8": 1.0 + 4.0 / (128 * 128),  # block-scaled fp8, one fp32 per 128x128 block
+    "int8": 1.0 + 4.0 / 1024,  # int8 weight-only (--weight-dtype int8): one fp32 scale per output row of >= 1024
     "nvfp4": 0.5 + 1.0 / 16 + 4.0 / (16 * 4096),  # fp4 + fp8 scale per 16, global fp32
 }
 _HIGH = 2.0  # embeddings, norms, router stay in bf16

@@ -39,6 +39,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "hisparse_host_to_device_ratio": ("hisparse", "host_to_device_ratio"),
     "dtype": ("", "dtype"),
     "weight_dtype": ("", "weight_dtype"),
+    "int8_gemv": ("", "int8_gemv"),
     "seed": ("", "seed"),
     "speculative_num_steps": ("", "speculative_num_steps"),
 }

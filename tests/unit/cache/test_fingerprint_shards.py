@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dsakv.cache import fingerprint
-from dsakv.cache.fingerprint import SHARD, tensors_digest, weights_fingerprint
+from dsakv.cache.fingerprint import SHARD, VARIANT, tensors_digest, weights_fingerprint
 from dsakv.model.loader import load_model
 from dsakv.model.parallel import TPGroup, attach_ep, load_tp_model
 from dsakv.testing.engines import tiny_path
@@ -36,3 +36,19 @@ def test_every_shard_its_own_fingerprint(tmp_path, monkeypatch: pytest.MonkeyPat
     for shard in ("ep 0/2", "", "tp 0/2", "tp 1/2", "ep 1/2"):
         assert weights_fingerprint(models[shard], root) == got[shard], shard
     assert len(fingerprint._load_disk_cache()) == 5
+
+
+def test_quantised_on_load_its_own_fingerprint(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same files loaded as read, as int8 and as fp8 are three models (other KV): each its own fingerprint,
+    never the one the first load cached under the files' identity."""
+    monkeypatch.setenv("DSAKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fingerprint, "_memo", {})
+    root = tiny_path(ARCH)
+    got = {}
+    for wd in ("model", "int8", "fp8"):  # the plain model first: its cached value must not become the others'
+        model = load_model(root, weight_dtype=wd)[1]
+        assert getattr(model, VARIANT, "") == ("" if wd == "model" else wd)
+        got[wd] = weights_fingerprint(model, root)
+        assert got[wd] == tensors_digest(model)[:16], wd
+    assert len(set(got.values())) == 3
+    assert len(fingerprint._load_disk_cache()) == 3

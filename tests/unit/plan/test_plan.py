@@ -95,6 +95,9 @@ def test_gpu_memory_budget_is_estimated() -> None:
     spec = load_spec("glm-5.2")
     total = model_weight_bytes(spec, "bf16")
     assert 740e9 < total / 2 < 760e9  # ~750B params in bf16 ~ 1.5 TB
+    # int8 weight-only: 1 byte a linear weight + a float32 scale per 1024 (per output row), norms etc. as bf16
+    lin = (model_weight_bytes(spec, "fp32") - total) / 2  # linear params: 4 - 2 bytes each
+    assert abs(total - model_weight_bytes(spec, "int8") - lin * (1 - 4 / 1024)) < 200  # int() per layer
     d = Deployment(spec, role="decode", draft_layers=1, gpu_memory=141 * 10**9, tp=16, weight_format="fp8")
     rp = plan(d)
     (s,) = rp.stages
