@@ -162,7 +162,10 @@ def measured(args: argparse.Namespace, tmp: Path) -> None:
         finally:
             del os.environ[RANK0_ENV]
         cluster.wait_healthy([dec, *pre["rule"], *pre["rank0"]], timeout=300)
-        routers = {a: cluster.router([pre[a][0].addr], [dec.addr], kv_timeout=120.0) for a in PD_ARMS}
+        routers = {
+            a: cluster.router([pre[a][0].addr], [dec.addr], kv_timeout=120.0, rpc_timeout=60.0, health_interval=1.0)
+            for a in PD_ARMS
+        }
         for a in PD_ARMS:
             if not routers[a].wait_ready(120):
                 raise SystemExit(f"{a}: router not ready: {routers[a].health()}")
