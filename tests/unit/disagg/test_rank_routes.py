@@ -13,7 +13,14 @@ import pytest
 from dsakv.disagg.transfer import BackendMeta, Manifest, RegionInfo, check_pair
 from dsakv.disagg.transfer.bootstrap import DecodeLink, LinkPart
 from dsakv.disagg.transfer.plan import PairTable
-from dsakv.disagg.transfer.rank_routes import link_assignment, part_routes, request_rotation
+from dsakv.disagg.transfer.rank_routes import (
+    RANK0_ENV,
+    link_assignment,
+    part_routes,
+    rank0_sender,
+    request_rotation,
+    route_pairs,
+)
 from dsakv.spec import KVLayout, load_spec
 from dsakv.util import ceil_div
 
@@ -71,3 +78,22 @@ def test_tp2_prefill_to_tp2_decode_one_receiver_per_sender_per_key(layout) -> No
     assert max(a.transfers(s) for s in a.senders) <= ceil_div(2, 2) * len(layout.keys)
     mine = part_routes(lk, 0, 1, 2, rotate=request_rotation("x"))
     assert sum(len(t.pairs) for _, t in mine) == a.transfers(a.senders[1])
+
+
+@pytest.mark.parametrize("receivers", (1, 2))
+def test_bench_rank0_sender_switch_routes_every_key_from_rank0(layout, receivers, monkeypatch) -> None:
+    """DSAKV_BENCH_RANK0_SENDER=1 (bench/parallel.py's comparison arm): prefill TP rank 0 writes every key into
+    every decode rank, rank 1 sends nothing; unset (the default) the rule splits them."""
+    lk = link(layout, receivers)
+    rid = request_rotation("req-17")
+    monkeypatch.setenv(RANK0_ENV, "1")
+    assert rank0_sender()
+    routes = [part_routes(lk, 0, t, 2, rotate=rid) for t in (0, 1)]
+    assert [(p.rank, t is p.table) for p, t in routes[0]] == [(r, True) for r in range(receivers)]
+    assert routes[1] == []
+    assert route_pairs(lk, 0, 2, rid) == [[0, r] for r in range(receivers)]
+    monkeypatch.setenv(RANK0_ENV, "0")
+    assert not rank0_sender()
+    rule = link_assignment(lk, 0, 2, rotate=rid, rank0=False)
+    assert route_pairs(lk, 0, 2, rid) == [list(p) for p in sorted({(s.tp, r.tp) for s, r in rule.routes})]
+    assert {s.tp for s, _ in rule.routes} == {0, 1} and part_routes(lk, 0, 1, 2, rotate=rid) != []

@@ -10,16 +10,29 @@ the link's parts, `RankId(decode stage, 0, decode rank)`, each needing the keys 
 rule gives each (receiver, key) exactly one sender and no sender more than ceil(receivers / senders) of one key's
 receivers; with T = 1 every part gets all its keys from this rank (TP 1 -> TP 2: the one prefill rank writes both
 decode ranks' pools). The rotation is a pure function of the request id, so every prefill rank computes the same
-routes without talking to the others. Imports dsakv.disagg.transfer.{bootstrap, plan, rank_assign}; no torch.
+routes without talking to the others.
+
+Bench only: DSAKV_BENCH_RANK0_SENDER=1 in the prefill's environment (its TP ranks inherit it) swaps the rule for
+SGLang's rank-0 sender (rank_assign.assign_rank0: prefill TP rank 0 writes every key to every receiver, the
+others send nothing), so bench/parallel.py can measure the rule against it; default off, never for serving.
+Imports dsakv.disagg.transfer.{bootstrap, plan, rank_assign}; no torch.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 from dsakv.disagg.transfer.bootstrap import DecodeLink, LinkPart
 from dsakv.disagg.transfer.plan import PairTable
-from dsakv.disagg.transfer.rank_assign import Assignment, RankId, assign
+from dsakv.disagg.transfer.rank_assign import Assignment, RankId, assign, assign_rank0
+
+RANK0_ENV = "DSAKV_BENCH_RANK0_SENDER"  # bench only: rank 0 sends every key (the comparison arm)
+
+
+def rank0_sender() -> bool:
+    """Whether this process's environment asks for the rank-0 sender (RANK0_ENV set, not "" or "0")."""
+    return os.environ.get(RANK0_ENV, "0") not in ("", "0")
 
 
 def request_rotation(rid: str) -> int:
@@ -31,13 +44,18 @@ def receiver(part: LinkPart) -> RankId:
     return RankId(part.stage, 0, part.rank)
 
 
-def link_assignment(link: DecodeLink, stage: int, tp_size: int = 1, rotate: int = 0) -> Assignment:
+def link_assignment(
+    link: DecodeLink, stage: int, tp_size: int = 1, rotate: int = 0, rank0: bool | None = None
+) -> Assignment:
     """The rule over a link: senders = prefill stage `stage`'s TP ranks, receivers = the link's parts, each key
-    weighed by its page bytes (the bytes spread over the senders)."""
+    weighed by its page bytes (the bytes spread over the senders). `rank0` (default: rank0_sender()): the bench's
+    rank-0 sender instead."""
     needs = {receiver(p): [kp.key for kp in p.table.pairs] for p in link.parts}
     held = sorted({k for keys in needs.values() for k in keys})
     weight = {kp.key: kp.page_bytes for p in link.parts for kp in p.table.pairs}
     senders = {RankId(stage, 0, t): held for t in range(tp_size)}
+    if rank0_sender() if rank0 is None else rank0:
+        return assign_rank0(senders, needs)
     return assign(senders, needs, weight, rotate=rotate)
 
 
@@ -65,4 +83,4 @@ def route_pairs(link: DecodeLink, stage: int, tp_size: int, rotate: int = 0) -> 
     return [list(p) for p in sorted({(s.tp, r.tp) for s, r in a.routes})]
 
 
-__all__ = ["link_assignment", "part_routes", "receiver", "request_rotation", "route_pairs"]
+__all__ = ["RANK0_ENV", "link_assignment", "part_routes", "rank0_sender", "receiver", "request_rotation", "route_pairs"]
