@@ -158,8 +158,8 @@ CASES = [
     ("serve --role decode --model {tiny} --pp-size 2 --dist-port 70000", "--dist-port 70000 is not a TCP port"),
     ("serve --model {tiny} --pp-size 2 --pp-rank 1", "--pp-rank 1 is for --role prefill / decode: a colocated"),
     (
-        "serve --model {tiny} --pp-size 2 --tp-size 2",
-        "dsakv serve --pp-size 2 with --tp-size 2 is not supported yet (dsakv generate runs it): drop one of them",
+        "serve --model {tiny} --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
+        "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them",
     ),
     (
         "generate --model {tiny} --prompt-ids 5 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",

@@ -130,7 +130,7 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_seconds(args, "request_timeout", fix="seconds without a token before a request fails, e.g. 600")
     check_tp(args)
     if role == "colocated":
-        check_pp_colocated(args, serve=True)
+        check_pp_colocated(args)
     if getattr(args, "enable_dp_attention", False) and role not in ("decode", "colocated"):
         raise ConfigError(
             f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves colocated or "
@@ -220,9 +220,9 @@ def validate_generate(args: argparse.Namespace) -> None:
         check_dir(disk_dir, "--hicache-disk-dir")
 
 
-def check_pp_colocated(args: argparse.Namespace, serve: bool = False) -> None:
+def check_pp_colocated(args: argparse.Namespace) -> None:
     """--pp-size of a colocated pipeline (generate, serve --role colocated): this command starts every stage (with
-    --tp-size, each stage's TP ranks: generate only), not (yet) with DP attention; the engine options it refuses are
+    --tp-size, each stage's TP ranks), not (yet) with DP attention; the engine options it refuses are
     named by pipeline/colocated.refusal."""
     check_int(args, "pp_size", 1, 64, "pipeline stages (one process each)")
     pp = int(getattr(args, "pp_size", 1) or 1)
@@ -233,11 +233,6 @@ def check_pp_colocated(args: argparse.Namespace, serve: bool = False) -> None:
         )
     if pp > 1 and getattr(args, "enable_dp_attention", False):
         raise ConfigError(f"--pp-size {pp} with --enable-dp-attention is not supported yet: drop one of them")
-    if pp > 1 and getattr(args, "tp_size", 1) > 1 and serve:
-        raise ConfigError(
-            f"dsakv serve --pp-size {pp} with --tp-size {args.tp_size} is not supported yet (dsakv generate runs "
-            "it): drop one of them"
-        )
     if pp > 1:
         check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
 

@@ -13,8 +13,8 @@ its layer range (`--pp-partition a,b,..`, default an even split), all with stage
 Liveness: stage 0 polls its stage processes (a watcher thread); a stage that dies makes the step in flight and
 every later one fail with StageDown naming it and its exit status (/health 503 under serve; generate exits 2).
 The group is not re-formed: restart the command. Refused with N > 1 (clear errors, before anything starts):
-speculative decoding, HiSparse, the prefix cache and its tiers, DP attention, `serve` with TP ranks (cli/validate).
-`generate --tp-size T`: each stage is T processes, its rank 0 in the pipeline (pipeline/tp_stage.py). Prompt
+speculative decoding, HiSparse, the prefix cache and its tiers, DP attention (cli/validate).
+With `--tp-size T` each stage is T processes, its rank 0 in the pipeline (pipeline/tp_stage.py). Prompt
 logprobs: stage 0 names the positions in the step (PipeStep.logits_at), the last stage sends their logits back after
 the chunks'.
 Imports torch, dsakv.{util, spec, plan, engine, cache, model} and the pipeline's own modules.

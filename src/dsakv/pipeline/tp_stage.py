@@ -1,5 +1,5 @@
-"""TP stages of the colocated pipeline (`dsakv generate --pp-size P --tp-size T`): the rank grid (stage s, TP rank r),
-the design of the prefill's grid (disagg/prefill/grid.py) without its transfer parts.
+"""TP stages of the colocated pipeline (`dsakv generate` / `serve --pp-size P --tp-size T`): the rank grid (stage s,
+TP rank r), the design of the prefill's grid (disagg/prefill/grid.py) without its transfer parts.
 
 Each stage process is rank 0 of its stage's TP group and starts ranks 1..T-1 (engine/ranks.start_ranks: the
 stage's own torch.distributed group on its own port); every rank loads its shard (model/parallel.load_tp_model),
@@ -8,6 +8,7 @@ its own pool of the stage's layers (the full keys), and runs the stage's code:
     stage 0:      every rank runs the same Engine over the same requests (PipelinedEngine); rank 0 alone sends the
                   step to stage 1 (the all-reduce made the hidden states equal on every rank) and receives the last
                   stage's logits, which it broadcasts over the stage's group, so every rank samples the same tokens
+                  (serve: rank 0's RankedEngine wraps it, ranks 1..T-1 `follow` its log, engine/ranks.py)
     stage s > 0:  rank 0 receives each message from stage s-1 (steps, ticks, STOP) and broadcasts it over the
                   stage's group; every rank runs the same StageFollower on it; rank 0 alone sends on (the last
                   stage: the logits back to stage 0)
