@@ -1,7 +1,8 @@
 """The colocated pipeline with TP stages: `dsakv generate` / `serve --pp-size 2 --tp-size 2` run 4 processes
 (stage s, TP rank r; pipeline/tp_stage.py). Greedy and seeded tokens equal the single-process engine's (one prompt
 chunked over several steps; serve: concurrent requests), stage 0's pool ends with 0 pages used, every process exits
-0 (generate: rank 0 fails otherwise; serve: each group's stop is logged) and none is left afterwards."""
+0 (generate: rank 0 fails otherwise; serve: each group's stop is logged) and none is left afterwards; a killed
+rank of stage 1 is named in /health."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.testing.cluster import wait_for
 from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
-from dsakv.util.procs import CHILD_ENV, Proc, dsakv_cmd, free_ports
+from dsakv.util.procs import CHILD_ENV, PP_RANK_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
 POOL = ["--page-size", "4", "--num-pages", "40", "--max-batch-tokens", "8", "--threads", "1"]
@@ -122,3 +123,41 @@ def test_serve_pp2_tp2_tokens_equal_single_process_then_a_clean_stop(tmp_path: P
     assert log.count("TP group stopped: tp rank 1 exited 0") == 2, log[-3000:]  # stage 0's rank 1 and stage 1's
     assert "pipeline stopped: pipeline stage 1 exited 0" in log and "Traceback" not in log, log[-3000:]
     assert _marked(mark) == []
+
+
+def _rank_pid(mark: str, stage: int, rank: int) -> int:
+    """The pid of (stage, TP rank) of this run (rank 0 of a stage is the stage process, no DSAKV_TP_RANK)."""
+    for pid in _marked(mark):
+        try:
+            env = set((Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if f"{PP_RANK_ENV}={stage}".encode() in env and f"{TP_RANK_ENV}={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no process of stage {stage} TP rank {rank}")
+
+
+def test_serve_pp2_tp2_a_killed_stage_rank_is_named(tmp_path: Path) -> None:
+    port = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    argv = ["serve", "--model", str(tiny_path(ARCH)), "--port", str(port), *POOL]
+    mark = uuid.uuid4().hex
+    cmd = dsakv_cmd(*argv, "--pp-size", "2", "--tp-size", "2", "--stage-timeout", "120")
+    env = {**os.environ, **CHILD_ENV, MARK: mark}
+    p = Proc("serve-pp2-tp2", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}", env=env).start()
+    try:
+        wait_for(lambda: _up(url), 300, "serve --pp-size 2 --tp-size 2", [p])
+        victim = _rank_pid(mark, 1, 1)
+        os.kill(victim, signal.SIGKILL)  # idle: the next tick's broadcast on stage 1 fails
+        wait_for(lambda: not _up(url), 120, "health to turn 503", [])
+        r = httpx.get(f"{url}/health", timeout=30)
+        why = f"to its TP ranks failed: TP rank down: tp rank 1 (pid {victim}) was killed by signal 9 (SIGKILL)"
+        assert r.status_code == 503 and why in r.json()["error"], r.json()
+        assert "pipeline stage down: pipeline stage 1 (pid" in r.json()["error"], r.json()
+        assert "(stage 1: broadcasting step " in r.json()["error"], r.json()  # stage 1's rank 0 noted why
+        assert r.json()["pages_used"] == 0
+        r2 = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60)
+        assert r2.status_code == 503 and why in r2.json()["error"]["message"]
+    finally:
+        p.kill()
+    wait_for(lambda: _marked(mark) == [], 60, "every process of the grid to be gone", [])

@@ -35,7 +35,7 @@ import torch
 
 from dsakv.config import EngineConfig, PipelineConfig, PoolConfig, split_layers
 from dsakv.engine.engine import Engine
-from dsakv.engine.ranks import Ranks, dead_child
+from dsakv.engine.ranks import RankDown, Ranks, dead_child
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError, Unavailable
@@ -171,6 +171,8 @@ class PipelinedEngine:
             time.sleep(POLL_S)
 
     def _set_down(self, why: str) -> None:
+        noted = self.group.noted_down()  # a TP stage's rank 0 noted which of its ranks died (pipeline/tp_stage.py)
+        why = f"{why} ({noted})" if noted else why
         if self.down is None:
             self.down = why
             log.error("%s: every request in flight fails; restart to re-form the pipeline", why)
@@ -316,8 +318,10 @@ def run_stage(
     while True:
         try:
             kind = follower.iteration()
-        except StageLinkError as e:
+        except (StageLinkError, RankDown) as e:  # RankDown: a TP rank died under this stage's model step
             log.error("pipeline stage %d: %s: exiting (stage 0 fails what was in flight)", rank, e)
+            if isinstance(e, RankDown):
+                group.note_down(str(e))
             group.close()
             return 1
         if kind == STOP:

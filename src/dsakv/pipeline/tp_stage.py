@@ -16,7 +16,8 @@ its own pool of the stage's layers (the full keys), and runs the stage's code:
 Rank 0 + broadcast, not a pipeline per TP rank: one copy of the hidden states crosses between stages, and the
 pipeline's formation and group are the PP-only code (its TP ranks are not in it). A member (rank r > 0) of a stage
 has no pipeline link: `MemberGroup` receives the broadcast and sends nothing. A dead rank breaks its stage's
-collectives: its stage's rank 0 names it (Ranks.guard) and the pipeline breaks (stage 0 fails what it holds).
+collectives: its stage's rank 0 names it (Ranks.guard), leaves that in stage 0's rendezvous store (note_down) and
+exits 1; stage 0 fails what it holds naming both.
 Imports torch, dsakv.engine.ranks, dsakv.model and the pipeline's stage_comm.
 """
 
@@ -56,7 +57,8 @@ class LeadGroup(StageGroup):
         try:
             ranks.broadcast(msg)
         except Exception as e:  # noqa: BLE001 (a dead rank: its name, not gloo's)
-            why = f"stage {self.rank}: broadcasting step {msg.step} to its TP ranks failed: {ranks.guard(e)}"
+            why = f"broadcasting step {msg.step} to its TP ranks failed: {ranks.guard(e)}"
+            self.note_down(why)  # stage 0 names it (PipelinedEngine._set_down)
             self.break_(why)
             raise StageLinkError(why) from e
         return msg
