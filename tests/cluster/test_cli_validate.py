@@ -157,7 +157,14 @@ CASES = [
     ("serve --model {listgen}", "generation_config.json' must hold a JSON object"),
     ("serve --role decode --model {tiny} --pp-size 2 --dist-port 70000", "--dist-port 70000 is not a TCP port"),
     ("serve --model {tiny} --pp-size 2 --pp-rank 1", "--pp-rank 1 is for --role prefill / decode: a colocated"),
-    ("serve --model {tiny} --pp-size 2 --tp-size 2", "--pp-size 2 with --tp-size 2 is not supported yet"),
+    (
+        "serve --model {tiny} --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
+        "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them",
+    ),
+    (
+        "generate --model {tiny} --prompt-ids 5 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
+        "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them",
+    ),
     ("generate --model {tiny} --prompt-ids 5 --pp-size 65", "--pp-size 65 must be an integer in 1..64"),
     ("generate --model {tiny} --prompt-ids 5 --pp-size 2 --stage-timeout 0", "--stage-timeout 0.0"),
     (

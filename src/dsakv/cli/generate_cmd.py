@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7 --temperature 0.8 --top-p 0.95 --seed 1\n"
         "  dsakv generate --model DIR_WITH_TOKENIZER --prompt 'Hello'   (text needs a tokenizer in DIR)\n"
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8 --pp-size 2 --pp-partition 7,5   (2 processes)\n"
+        "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8 --pp-size 2 --tp-size 2   (2 stages x 2 TP ranks)\n"
         "  dsakv generate --model /tmp/tiny --prompt-ids 5,6,7,8,9 --prompt-ids 5,6,7,8,10 --sequential \\\n"
         "      --page-size 4 --hicache-ratio 2 --hicache-write-policy write_back --stats\n"
         "\n"
@@ -218,8 +219,10 @@ def run(args: argparse.Namespace) -> int:
         from dsakv.pipeline.colocated import start_pipeline
 
         argv = getattr(args, "_argv", None) or sys.argv[1:]
-        piped = start_pipeline(model_dir, options.engine_config(args), options.pipeline_config(args), argv)
-        if isinstance(piped, int):
+        piped = start_pipeline(model_dir, options.engine_config(args), options.pipeline_config(args), argv, ranks)
+        if isinstance(piped, int):  # a later stage (or one of its TP ranks): stopped; its TP group leaves
+            if piped == 0:
+                ranks.close()
             return piped
         try:
             return _generate(args, ranks, piped, prompts, params, dp, tokenizer)

@@ -187,7 +187,8 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
         metavar="T",
         help="tensor-parallel ranks, one process each (torch.distributed on 127.0.0.1): attention heads, dense MLP "
         "and experts split over T, MLA latent KV and index-K replicated on every rank; with --role prefill "
-        "--pp-size N every stage has T ranks (the rank grid: each sends its share of its stage's keys) (default 1)",
+        "--pp-size N every stage has T ranks (the rank grid: each sends its share of its stage's keys), as with a "
+        "colocated --pp-size N (default 1)",
     )
     g.add_argument(
         "--dp-size",
@@ -316,7 +317,8 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
 PP_SIZE_HELP = (
     "pipeline stages, one process each (colocated: this command is stage 0 and starts the others on 127.0.0.1; "
     "prefill / decode: stage k on --port + k); a stage holds only its layers' KV and its producers' index-K; "
-    "a prefill may combine it with --tp-size T (each stage T ranks, T x N processes) (default 1)"
+    "a prefill, generate and a colocated serve may combine it with --tp-size T (each stage T ranks, T x N processes; "
+    "not yet with --enable-dp-attention) (default 1)"
 )
 PP_PARTITION_HELP = "layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)"
 STAGE_TIMEOUT_HELP = "bound on every activation send/receive between stages (default 10 s)"

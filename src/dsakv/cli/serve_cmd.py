@@ -108,9 +108,23 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
 
         shard_config(load_config(model_dir), tp)
         ranks = start_ranks(tp, args._argv)
-        engine = tp_engine(model_dir, ranks.group, cfg.engine)  # with MTP: the draft layer sharded too
+        if cfg.pipeline.pp_size > 1:  # TP x PP: this stage's ranks (pipeline/tp_stage.py); stage 0's serve
+            from dsakv.pipeline.colocated import start_pipeline
+
+            piped = start_pipeline(model_dir, cfg.engine, cfg.pipeline, args._argv, ranks)
+            if isinstance(piped, int):  # a later stage (or one of its TP ranks), stopped by stage 0
+                if piped == 0:
+                    ranks.close()
+                return piped
+            engine = piped
+        else:
+            engine = tp_engine(model_dir, ranks.group, cfg.engine)  # with MTP: the draft layer sharded too
         if not ranks.lead:
-            return follow(engine, ranks)
+            try:
+                return follow(engine, ranks)
+            finally:
+                if piped is not None:
+                    piped.close()
         ranked = RankedEngine(engine, ranks)
     elif cfg.pipeline.pp_size > 1:  # stage 0 of a colocated pipeline (pipeline/colocated.py) serves HTTP
         from dsakv.pipeline.colocated import start_pipeline

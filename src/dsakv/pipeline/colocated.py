@@ -13,8 +13,10 @@ its layer range (`--pp-partition a,b,..`, default an even split), all with stage
 Liveness: stage 0 polls its stage processes (a watcher thread); a stage that dies makes the step in flight and
 every later one fail with StageDown naming it and its exit status (/health 503 under serve; generate exits 2).
 The group is not re-formed: restart the command. Refused with N > 1 (clear errors, before anything starts):
-speculative decoding, HiSparse, the prefix cache and its tiers, tensor / data parallel ranks. Prompt logprobs: stage
-0 names the positions in the step (PipeStep.logits_at), the last stage sends their logits back after the chunks'.
+speculative decoding, HiSparse, the prefix cache and its tiers, DP attention (cli/validate).
+With `--tp-size T` each stage is T processes, its rank 0 in the pipeline (pipeline/tp_stage.py). Prompt
+logprobs: stage 0 names the positions in the step (PipeStep.logits_at), the last stage sends their logits back after
+the chunks'.
 Imports torch, dsakv.{util, spec, plan, engine, cache, model} and the pipeline's own modules.
 """
 
@@ -33,13 +35,14 @@ import torch
 
 from dsakv.config import EngineConfig, PipelineConfig, PoolConfig, split_layers
 from dsakv.engine.engine import Engine
-from dsakv.engine.ranks import dead_child
+from dsakv.engine.ranks import RankDown, Ranks, dead_child
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError, Unavailable
 from dsakv.pipeline.runner import RoundTripRunner, Stage0
-from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
+from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
 from dsakv.pipeline.step import STOP, PipeStep, StepBooks
+from dsakv.pipeline.tp_stage import load_stage_model, make_group
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.util.procs import CHILD_ENV, PP_RANK_ENV, Proc, dsakv_cmd, free_ports
@@ -81,8 +84,12 @@ def stage_shape(ec: EngineConfig, spec: ModelSpec, pipe: PipelineConfig) -> tupl
     return layouts, ec.pool.pages(layouts)
 
 
-def _load(model_dir: Path, ec: EngineConfig) -> tuple[ModelSpec, Any]:
+def _load(model_dir: Path, ec: EngineConfig, ranks: Ranks | None = None) -> tuple[ModelSpec, Any]:
+    """The stage's model: the whole checkpoint, or this TP rank's shard of it (pipeline/tp_stage.py)."""
     from dsakv.model.loader import load_model
+
+    if ranks is not None and ranks.size > 1:
+        return load_stage_model(model_dir, getattr(torch, ec.dtype), ranks)  # type: ignore[no-any-return]
 
     spec, model = load_model(model_dir, dtype=getattr(torch, ec.dtype), weight_dtype=ec.weight_dtype)
     model.eval()
@@ -93,7 +100,15 @@ class PipelinedEngine:
     """Stage 0 of a colocated pipeline: the Engine API (add_request, abort, step; the rest passed through) over an
     Engine whose steps run through every stage. `close()` stops the stages."""
 
-    def __init__(self, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, port: int, children: Sequence[Proc]):
+    def __init__(
+        self,
+        model_dir: Path,
+        ec: EngineConfig,
+        pipe: PipelineConfig,
+        port: int,
+        children: Sequence[Proc],
+        ranks: Ranks | None = None,
+    ):
         self.children = list(children)
         self.size = pipe.pp_size
         self.stage_timeout = pipe.stage_timeout
@@ -102,9 +117,9 @@ class PipelinedEngine:
         self.books = StepBooks()
         self._last_send = 0.0
         self._closed = False
-        spec, model = _load(model_dir, ec)
+        spec, model = _load(model_dir, ec, ranks)
         layouts, pages = stage_shape(ec, spec, pipe)
-        self.group = StageGroup(0, self.size, ADDR, port, pipe.stage_timeout, model.dtype, spec.hidden_size)
+        self.group = make_group(0, self.size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, ranks)
         self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, pipe.stage_timeout)
         self.runner: RoundTripRunner | None = None
         self.engine = Engine(
@@ -156,6 +171,8 @@ class PipelinedEngine:
             time.sleep(POLL_S)
 
     def _set_down(self, why: str) -> None:
+        noted = self.group.noted_down()  # a TP stage's rank 0 noted which of its ranks died (pipeline/tp_stage.py)
+        why = f"{why} ({noted})" if noted else why
         if self.down is None:
             self.down = why
             log.error("%s: every request in flight fails; restart to re-form the pipeline", why)
@@ -244,10 +261,13 @@ class PipelinedEngine:
             log.info("pipeline stopped: %s exited 0", ", ".join(p.name for p in self.children))
 
 
-def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv: Sequence[str]) -> Any:
+def start_pipeline(
+    model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv: Sequence[str], ranks: Ranks | None = None
+) -> Any:
     """Stage 0 (this command as the user started it): start stages 1..N-1 as copies of `dsakv *argv` and return
     the PipelinedEngine. A stage process (DSAKV_PP_RANK set): run the stage until stage 0 stops it and return
-    its exit code (an int)."""
+    its exit code (an int). `ranks`: this process's TP group (of its stage; a TP rank r > 0 of stage 0 returns a
+    PipelinedEngine that sends nothing, pipeline/tp_stage.py)."""
     why = refusal(ec, pipe.pp_size)
     if why is not None:
         raise ConfigError(why)
@@ -256,21 +276,25 @@ def start_pipeline(model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv
     if env_rank is not None:
         if int(os.environ.get(SIZE_ENV, pipe.pp_size)) != pipe.pp_size:
             raise ConfigError(f"this stage was started for {os.environ[SIZE_ENV]} stages, not --pp-size {pipe.pp_size}")
-        return run_stage(int(env_rank), int(os.environ[PORT_ENV]), model_dir, ec, pipe)
+        return run_stage(int(env_rank), int(os.environ[PORT_ENV]), model_dir, ec, pipe, ranks)
+    if ranks is not None and not ranks.lead:  # a TP rank of stage 0: stage 0's rank 0 started the stages
+        return PipelinedEngine(model_dir, ec, pipe, 0, [], ranks)
     port = free_ports(1)
     children = []
     for k in range(1, pipe.pp_size):
         env = {**os.environ, **CHILD_ENV, PP_RANK_ENV: str(k), PORT_ENV: str(port), SIZE_ENV: str(pipe.pp_size)}
         children.append(Proc(f"pipeline stage {k}", dsakv_cmd(*argv), env=env, new_session=False).start())
     try:
-        return PipelinedEngine(model_dir, ec, pipe, port, children)
+        return PipelinedEngine(model_dir, ec, pipe, port, children, ranks)
     except BaseException:
         for p in children:
             p.kill()
         raise
 
 
-def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig) -> int:
+def run_stage(
+    rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, ranks: Ranks | None = None
+) -> int:
     """Stage `rank` > 0: its layers' pool, the group, then StageFollower steps until STOP (0) or a broken link (1)."""
     from dsakv.cache.device_pool import DevicePool
     from dsakv.pipeline.follower import StageFollower
@@ -278,10 +302,10 @@ def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: Pip
 
     if not 0 < rank < pipe.pp_size:
         raise ConfigError(f"{PP_RANK_ENV}={rank} must be in 1..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
-    spec, model = _load(model_dir, ec)
+    spec, model = _load(model_dir, ec, ranks)
     layouts, pages = stage_shape(ec, spec, pipe)
     pool = DevicePool(layouts[rank], pages, device=model.device)
-    group = StageGroup(rank, pipe.pp_size, ADDR, port, pipe.stage_timeout, model.dtype, spec.hidden_size)
+    group = make_group(rank, pipe.pp_size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, ranks)
     end = time.monotonic() + STARTUP_S
     while not group.form({"pid": os.getpid(), "pages": pages}):
         if time.monotonic() > end:
@@ -294,8 +318,10 @@ def run_stage(rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: Pip
     while True:
         try:
             kind = follower.iteration()
-        except StageLinkError as e:
+        except (StageLinkError, RankDown) as e:  # RankDown: a TP rank died under this stage's model step
             log.error("pipeline stage %d: %s: exiting (stage 0 fails what was in flight)", rank, e)
+            if isinstance(e, RankDown):
+                group.note_down(str(e))
             group.close()
             return 1
         if kind == STOP:
