@@ -7,6 +7,7 @@ counts equal the single-rank engine with MTP (greedy also == MTP off), every ran
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.timeout(600)]
 
 K = 2
 NEW = 12
+LONG_A = 240  # tokens of the request that must still run while the next one is placed
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.9, seed=11)
 
@@ -183,8 +185,8 @@ def test_serve_tp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
 
 
 def test_serve_dp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
-    """Colocated DP attention 2 with MTP: two concurrent requests, one per DP rank, each speculating on its own
-    rank; tokens == one rank with MTP; 0 pages used on both ranks after."""
+    """Colocated DP attention 2 with MTP: A (long) placed on rank 0, then B while A still runs goes to rank 1, each
+    speculating on its own rank; tokens == one rank with MTP; 0 pages used on both ranks after."""
     port = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     cmd = dsakv_cmd(
@@ -194,17 +196,35 @@ def test_serve_dp2_mtp_equals_single_rank(ckpt, tmp_path) -> None:
     p = Proc("serve-dp2-mtp", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}").start()
     try:
         wait_for(lambda: _health(url), 240, "serve DP 2 --speculative-num-steps 2", [p])
-        bodies = [{"prompt": q, "max_tokens": NEW, "temperature": 0, "ignore_eos": True} for q in PROMPTS[:2]]
+        # A runs long enough (rounds) to still be in flight on rank 0 when B is placed, whatever the load (ci: two
+        # concurrent 12-token requests both landed on rank 0 when the first finished before the second came)
+        lens = (LONG_A, NEW)
+        bodies = [
+            {"prompt": q, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            for q, n in zip(PROMPTS[:2], lens, strict=True)
+        ]
+        got: dict[int, dict] = {}
 
-        def post(body: dict) -> dict:
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        def post(i: int) -> None:
+            r = httpx.post(f"{url}/v1/completions", json=bodies[i], timeout=300)
             assert r.status_code == 200, r.text
-            return r.json()
+            got[i] = r.json()
 
-        with ThreadPoolExecutor(2) as ex:
-            got = list(ex.map(post, bodies))
-        assert [g["choices"][0]["token_ids"] for g in got] == _single(ckpt, GREEDY, prompts=PROMPTS[:2])[0]
-        assert sorted(g["dp_rank"] for g in got) == [0, 1]
+        def in_flight() -> list[int]:
+            return [r["in_flight"] for r in _health(url).get("dp_ranks", [])]
+
+        threads = [threading.Thread(target=post, args=(0,))]
+        threads[0].start()
+        wait_for(lambda: in_flight() == [1, 0] or 0 in got, 60, "A placed", [p])
+        threads.append(threading.Thread(target=post, args=(1,)))
+        threads[1].start()
+        wait_for(lambda: in_flight() == [1, 1] or 1 in got, 60, "B placed", [p])
+        for t in threads:
+            t.join(300)
+        assert [got[i]["dp_rank"] for i in (0, 1)] == [0, 1], "A finished before B came: raise LONG_A"
+        for i, n in enumerate(lens):
+            want = _single(ckpt, SamplingParams(max_new_tokens=n, ignore_eos=True), prompts=[PROMPTS[i]])[0]
+            assert [got[i]["choices"][0]["token_ids"]] == want
 
         def settled() -> bool:
             rows = _health(url).get("dp_ranks", [])

@@ -35,14 +35,13 @@ from typing import Any
 from dsakv.config import PrefillConfig
 from dsakv.disagg.prefill.follower import PrefillFollower
 from dsakv.disagg.prefill.kv_sender import KvSender, SentPart
-from dsakv.disagg.prefill.ranks import LinkOp, RankReport, RankRow, TPReports, tp_model
+from dsakv.disagg.prefill.ranks import LinkOp, RankReport, RankRow, TPReports, rank_sender, tp_model
 from dsakv.disagg.prefill.stage_context import StageContext
 from dsakv.disagg.protocol.lifecycle import StageJob
 from dsakv.disagg.protocol.messages import Hello, HelloReply
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.bootstrap import DecodeLinks
 from dsakv.disagg.transfer.manifest import Manifest
-from dsakv.disagg.transfer.staging import StagingBuffer
 from dsakv.engine.ranks import RankDown, Ranks
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
 
@@ -249,21 +248,7 @@ class StageMember:
         hello = Hello(ctx.name, ctx.rank, ctx.size, "", self.manifest.to_bytes(), tp_size=ranks.size)
         self.links = DecodeLinks(self.backend, self.manifest, hello, rpc_timeout=ctx.t.rpc)
         size = cfg.config.transfer.staging_bytes(self.role.pool.nbytes)
-        ctx.sender_ = MemberSender(
-            backend=self.backend,
-            links=self.links,
-            prefill=ctx.name,
-            stage=ctx.rank,
-            timeouts=ctx.t,
-            notifier=ctx.notifier,
-            stats=ctx.stats,
-            on_done=lambda job, ok: None,
-            debug_delay=cfg.config.transfer.debug_transfer_delay,
-            staging=StagingBuffer(self.backend, size) if size > 0 else None,
-            tp_rank=ranks.rank,
-            tp_size=ranks.size,
-            combine=self._sent,
-        )
+        ctx.sender_ = rank_sender(MemberSender, ctx, cfg, self.backend, self.links, ranks, size, self._sent)
         self._thread = threading.Thread(target=ctx.sender.loop, args=(ctx.stop,), daemon=True, name="tp-xfer")
         self._thread.start()
 

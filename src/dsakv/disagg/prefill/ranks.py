@@ -32,6 +32,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from dsakv.disagg.protocol.lifecycle import StageJob
 from dsakv.disagg.protocol.messages import Hello, HelloReply, JobSpec
 from dsakv.disagg.protocol.wire import page_list
 from dsakv.disagg.transfer.backends import make_backend
+from dsakv.disagg.transfer.backends.base import TransferBackend
 from dsakv.disagg.transfer.bootstrap import DecodeLinks
 from dsakv.disagg.transfer.manifest import Manifest
 from dsakv.disagg.transfer.staging import StagingBuffer
@@ -276,21 +278,7 @@ class PrefillRank:
         self.jobs: dict[str, StageJob] = {}
         self._out: list[RankReport] = []
         self._lock = threading.Lock()
-        ctx.sender_ = self.sender = KvSender(
-            backend=self.backend,
-            links=self.links,
-            prefill=ctx.name,
-            stage=ctx.rank,
-            timeouts=ctx.t,
-            notifier=ctx.notifier,
-            stats=ctx.stats,
-            on_done=lambda job, ok: None,
-            debug_delay=cfg.config.transfer.debug_transfer_delay,
-            staging=StagingBuffer(self.backend, size) if size > 0 else None,
-            tp_rank=ranks.rank,
-            tp_size=ranks.size,
-            combine=self._sent,
-        )
+        ctx.sender_ = self.sender = rank_sender(KvSender, ctx, cfg, self.backend, self.links, ranks, size, self._sent)
         self._thread = threading.Thread(target=self.sender.loop, args=(ctx.stop,), daemon=True, name="tp-xfer")
         self._thread.start()
 
@@ -346,6 +334,35 @@ def follow_prefill(cfg: PrefillConfig) -> int:
         rank.close()
 
 
+def rank_sender(
+    cls: type[KvSender],
+    ctx: StageContext,
+    cfg: PrefillConfig,
+    backend: TransferBackend,
+    links: DecodeLinks,
+    ranks: Ranks,
+    staging_bytes: int,
+    combine: Callable[[SentPart], None],
+) -> KvSender:
+    """A TP rank's sender (a follower rank's of any stage): its share of the stage's keys (tp_rank of tp_size, the
+    sender rule), each part handed to `combine` when its write ended; no per-job callback (rank 0 reports)."""
+    return cls(
+        backend=backend,
+        links=links,
+        prefill=ctx.name,
+        stage=ctx.rank,
+        timeouts=ctx.t,
+        notifier=ctx.notifier,
+        stats=ctx.stats,
+        on_done=lambda job, ok: None,
+        debug_delay=cfg.config.transfer.debug_transfer_delay,
+        staging=StagingBuffer(backend, staging_bytes) if staging_bytes > 0 else None,
+        tp_rank=ranks.rank,
+        tp_size=ranks.size,
+        combine=combine,
+    )
+
+
 __all__ = [
     "JobOp",
     "LinkOp",
@@ -355,5 +372,6 @@ __all__ = [
     "RankRow",
     "TPReports",
     "follow_prefill",
+    "rank_sender",
     "tp_model",
 ]
