@@ -144,9 +144,8 @@ def test_kv_deadline_fails_request_and_frees_pages():
             },
         )
         assert res["pages"] == [0, 1, 2] and c.request(HEALTH, HealthQuery()).pages_used == 3
-        t0 = time.monotonic()
+        # the event ends the 3 s wait (an empty answer after 3 s fails below: no wall-clock bound, load-proof)
         ev = c.request(EVENTS, EventsQuery(since=0, wait=3.0)).events
-        assert time.monotonic() - t0 < 2.0
         assert (ev[0].rid, ev[0].tokens, ev[0].finished, ev[0].reason) == ("late", [], True, "error")
         assert ev[0].error is not None
         assert "did not arrive within 0.3s (+0.2s grace): stage(s) [0] of 1 never reported" in ev[0].error

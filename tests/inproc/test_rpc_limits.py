@@ -64,11 +64,9 @@ def test_oversized_frame_refused_unread(server):
 def test_slow_frame_times_out(server):
     s = _open(server)
     s.sendall(struct.pack(">I", 100) + b"\x81")
-    t0 = time.monotonic()
-    assert _closed(s, 3.0)
-    assert time.monotonic() - t0 < 2.5
+    assert _closed(s, 3.0)  # closed by the 0.5 s frame timeout (a server without one keeps it open)
     s.close()
-    assert server.refused.timeout == 1
+    assert server.refused.timeout == 1  # the timeout path, not another refusal (no wall-clock bound: load-proof)
     _echo_ok(server)
 
 
