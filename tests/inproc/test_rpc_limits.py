@@ -215,3 +215,24 @@ def test_random_frames_never_stop_the_server(server):
     time.sleep(0.2)
     _echo_ok(server)
     assert server.open_connections <= 1
+
+
+def test_peer_clients_keep_one_connection_per_peer_process(server):
+    """PeerClients (the V4 prefill's STAGE_DONE / KV_FAILED, the Notifier): five calls to one decode process use
+    one connection; a new boot of the peer gets a new client (the old connection is closed)."""
+    from dsakv.disagg.protocol.worker_service import PeerClients
+
+    peers = PeerClients(5.0, 2.0)
+    try:
+        first = peers.client(server.address, "boot-1")
+        for i in range(5):
+            assert peers.client(server.address, "boot-1").call("echo", {"i": i}) == {"i": i}
+        assert peers.client(server.address, "boot-1") is first and server.open_connections == 1
+        second = peers.client(server.address, "boot-2")
+        assert second is not first and second.call("echo", {"i": 9}) == {"i": 9}
+        deadline = time.monotonic() + 5.0
+        while server.open_connections != 1 and time.monotonic() < deadline:  # the server sees the close
+            time.sleep(0.02)
+        assert server.open_connections == 1
+    finally:
+        peers.close()

@@ -99,7 +99,7 @@ class _Parts:
         @property
         def page_size(self) -> int: ...
 
-        def _post(self, addr: str, rpc: Any, msg: Any) -> None: ...
+        def _post(self, link: V4Link, rpc: Any, msg: Any) -> None: ...
 
         def _summaries(self, link: V4Link) -> list[LinkSummary]: ...
 
@@ -174,7 +174,7 @@ class V4Sender(_Parts):
             )
         dt = time.perf_counter() - t0
         for rep in reports:
-            self._post(link.addr, STAGE_DONE, rep)
+            self._post(link, STAGE_DONE, rep)
         with self.lock:
             self.jobs.pop(job.rid, None)
             self.engine.abort_parked(job.eid)

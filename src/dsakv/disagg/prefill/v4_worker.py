@@ -60,7 +60,7 @@ from dsakv.disagg.protocol.messages import (
     Submitted,
 )
 from dsakv.disagg.protocol.rpc import PeerUnavailable, RpcClient, RpcError
-from dsakv.disagg.protocol.worker_service import WorkerService, connect_at_startup
+from dsakv.disagg.protocol.worker_service import PeerClients, WorkerService, connect_at_startup
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.v4 import V4Manifest, check_v4_pair, connect_v4
 from dsakv.engine.v4_serve import check_v4_params
@@ -139,6 +139,7 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
         self.manifest = V4Manifest.from_pool(self.engine.pool, self.backend.meta(), f"{self.name}-pp0")
         self.manifests = [self.manifest.to_bytes()] + [c.manifest_bytes for c in self.children]
         self.links: dict[str, V4Link] = {}
+        self._peers = PeerClients(self.t.rpc, self.t.connect)  # STAGE_DONE / KV_FAILED: a kept connection per decode
         self.jobs: dict[str, V4Job] = {}
         self.stats = V4PrefillStats()
         self.spent = grants.SpentGrants()
@@ -292,16 +293,14 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
             self.engine.abort(job.eid)
         self.stats.dropped += 1
         if tell:
-            self._post(job.link.addr, KV_FAILED, KvFailed(job.rid, why, self.name, self.boot, 0, job.grant))
+            self._post(job.link, KV_FAILED, KvFailed(job.rid, why, self.name, self.boot, 0, job.grant))
 
-    def _post(self, addr: str, rpc: Any, msg: Any) -> None:
-        c = RpcClient(addr, timeout=self.t.rpc, connect_timeout=self.t.connect)
+    def _post(self, link: V4Link, rpc: Any, msg: Any) -> None:
+        """One control message to decode `link` on its kept connection (one per decode process, not per message)."""
         try:
-            c.request(rpc, msg)
+            self._peers.client(link.addr, link.boot).request(rpc, msg)
         except RpcError as e:
-            log.warning("prefill %s: %s of %s to %s failed: %s", self.name, rpc.name, msg.rid, addr, e)
-        finally:
-            c.close()
+            log.warning("prefill %s: %s of %s to %s failed: %s", self.name, rpc.name, msg.rid, link.addr, e)
 
     # ---- loops ------------------------------------------------------------------------------------------------
 
@@ -330,7 +329,7 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
                         self._sendq.put(job)
             for job in expired:
                 msg = KvFailed(job.rid, job.aborted or "dropped", self.name, self.boot, 0, job.grant)
-                self._post(job.link.addr, KV_FAILED, msg)
+                self._post(job.link, KV_FAILED, msg)
             if not busy:
                 self._wake.wait(0.01)
                 self._wake.clear()
@@ -355,6 +354,7 @@ class V4PrefillWorker(V4Sender, V4PrefillViews):
         self._wake.set()
         self._sendq.put(None)
         self.service.stop(join_timeout=5)
+        self._peers.close()
         self._close_children()
         self.backend.close()
         self.engine.close()

@@ -92,18 +92,16 @@ class WorkerService:
             self.stopping.wait(1.0)
 
 
-class Notifier:
-    """Fire-and-forget control RPCs (bounded each) on one background thread, in order; a client per peer."""
+class PeerClients:
+    """One kept RpcClient per peer address (each call bounded; RpcClient is thread-safe and reconnects after a
+    failure), so control messages to a peer do not open a connection each."""
 
     def __init__(self, timeout: float, connect_timeout: float) -> None:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._q: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
         self._clients: dict[str, RpcClient] = {}
         self._boots: dict[str, str] = {}  # addr -> the peer boot its client last served
         self._lock = threading.Lock()
-        self._t = threading.Thread(target=self._loop, name="notifier", daemon=True)
-        self._t.start()
 
     def client(self, addr: str, boot: str | None = None) -> RpcClient:
         """The client for `addr`; a new connection when `boot` (the peer process the caller means) differs from
@@ -118,6 +116,22 @@ class Notifier:
             if boot is not None:
                 self._boots[addr] = boot
             return c
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+
+class Notifier(PeerClients):
+    """Fire-and-forget control RPCs (bounded each) on one background thread, in order; a client per peer."""
+
+    def __init__(self, timeout: float, connect_timeout: float) -> None:
+        super().__init__(timeout, connect_timeout)
+        self._q: queue.Queue[tuple[str, Rpc[Any, Any], Any] | None] = queue.Queue()
+        self._t = threading.Thread(target=self._loop, name="notifier", daemon=True)
+        self._t.start()
 
     def post(self, addr: str, rpc: Rpc[Any, Any], msg: Any) -> None:
         self._q.put((addr, rpc, msg))
