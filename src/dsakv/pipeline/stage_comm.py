@@ -179,6 +179,9 @@ class StageGroup:
                 store.set("epoch", name)
             else:
                 store = self._client_store()
+                if not store.check(["epoch"]):  # stage 0 is up but has not formed yet (still loading): poll on the
+                    time.sleep(0.1)  # same client, not a new client per blocking get that times out
+                    return False
                 name = store.get("epoch").decode()
                 if name in (CLOSED, self._last_joined):
                     time.sleep(0.05)
