@@ -239,3 +239,26 @@ def run_requests_events(router, rids: list[str], timeout: float = 120.0) -> list
                 end = (ev.finish_reason, ev.error or "")
         out.append((toks, *end))
     return out
+
+
+def test_prefill_dp_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """What prefill DP attention does not do yet is refused by name before anything starts (exit 2)."""
+    from dsakv.cli.main import main
+
+    model = str(tiny_path(ARCH))
+    pre = ["--role", "prefill", *DP]
+    four = ["--tp-size", "4", "--dp-size", "4", "--ep-size", "4"]
+    cases = [
+        (["--pp-size", "2"], "--enable-dp-attention with --role prefill --pp-size 2 is not supported yet: give"),
+        (["--speculative-num-steps", "2"], "--enable-dp-attention with --role prefill --speculative-num-steps is not"),
+        (["--prefix-cache", "--hicache-ratio", "2"], "--enable-dp-attention with --role prefill and a host or storage"),
+        (["--port", "65533", *four], "--port 65533 with --dp-size 4: DP rank r listens on --port + r, up to 65536"),
+        (["--tp-size", "3", "--dp-size", "3", "--ep-size", "3"], "n_routed_experts = 8 is not divisible by --ep-size"),
+    ]
+    for extra, msg in cases:
+        port = [] if "--port" in extra else ["--port", str(free_ports(3))]
+        assert main(["serve", "--model", model, *port, *pre, *extra]) == 2, extra
+        assert msg in capsys.readouterr().err, extra
+    argv = ["serve", "--role", "router", "--prefill", "127.0.0.1:9", "--decode", "127.0.0.1:10", *DP]
+    assert main(argv) == 2
+    assert "--enable-dp-attention is not supported: the router runs no model" in capsys.readouterr().err
