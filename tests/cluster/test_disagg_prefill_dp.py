@@ -24,6 +24,7 @@ import torch
 
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.disagg.router.routing import page_hashes
+from dsakv.engine.dp import pid_gone
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.serve.app import create_app
@@ -40,7 +41,7 @@ pytestmark = [pytest.mark.timeout(420)]
 
 ARCH = "glm_moe_dsa"
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
-DELAY = "1.0"  # seconds each prefill rank waits before a transfer: a request is on its rank that long at least
+DELAY = "2.0"  # seconds each prefill rank waits before a transfer: a request is on its rank that long at least
 LENGTHS = (17, 23, 29, 31)  # two pages each
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
 SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
@@ -146,6 +147,11 @@ def test_prefill_dp2_tokens_per_rank_over_http(world, reference):
     assert sum(per_rank) == 2 * len(PROMPTS) and min(per_rank) >= 1, per_rank  # both prefill ranks served
     settled(pranks, dranks, cluster.procs)
 
+    def rows0() -> list[tuple]:  # rank 0's per-rank rows, as of the last lockstep round
+        return [(x.rank, x.addr, x.pages_total, x.running, x.waiting, x.up) for x in fetch_health(pranks[0]).dp_ranks]
+
+    want = [(r, a, NUM_PAGES, 0, 0, True) for r, a in enumerate(pranks)]
+    wait_for(lambda: rows0() == want, 30, "rank 0's per-rank rows", cluster.procs)
     labs = [f'{{role="prefill",addr="{a}",name="pdp.dp{r}",instance="{pranks[0]}",dp_rank="{r}"}}' for r, a in
             enumerate(pranks)]  # fmt: skip
     m = router.metrics()
@@ -226,6 +232,16 @@ def test_prefill_dp_rank_killed_fails_only_its_requests(world, reference):
     want = len(pranks) * len(dranks)
     wait_for(lambda: len(router.peers.usable_pairs()) == want, 90, "rank 1 paired again", cluster.procs)
     settled(pranks, dranks, cluster.procs)
+
+
+def test_prefill_dp_stops_cleanly(world):
+    """SIGTERM to rank 0: the stop round reaches rank 1, both stop, rank 0 exits 0 having seen rank 1 exit 0."""
+    backend, cluster, prefill, pranks, dranks, router, server = world
+    (rank1,) = child_pids(prefill.pid)
+    prefill.signal(signal.SIGTERM)
+    assert prefill.wait(60) == 0, prefill.tail()
+    assert "DP group stopped: dp rank 1 exited 0" in prefill.tail(200), prefill.tail()
+    wait_for(lambda: pid_gone(rank1), 10, "rank 1 gone")
 
 
 def run_requests_events(router, rids: list[str], timeout: float = 120.0) -> list[tuple[list[int], str | None, str]]:
