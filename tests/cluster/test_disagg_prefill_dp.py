@@ -31,7 +31,16 @@ from dsakv.serve.app import create_app
 from dsakv.serve.tokenizer import load_tokenizer
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
-from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, free_ports, run_requests, wait_for
+from dsakv.testing.cluster import (
+    DP_ARGS,
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    assert_clean,
+    free_ports,
+    run_requests,
+    wait_for,
+)
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.testing.listen import child_pids
@@ -40,7 +49,7 @@ from dsakv.testing.servers import MODEL, LiveServer
 pytestmark = [pytest.mark.timeout(420)]
 
 ARCH = "glm_moe_dsa"
-DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+DP = DP_ARGS
 DELAY = "2.0"  # seconds each prefill rank waits before a transfer: a request is on its rank that long at least
 LENGTHS = (17, 23, 29, 31)  # two pages each
 GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
@@ -78,10 +87,8 @@ def world(request, tmp_path_factory):
         extra = [*DP, "--prefix-cache", "--debug-transfer-delay", DELAY]
         (prefill,) = cluster.prefill("pdp", backend, True, (spec.num_layers,), port=port, extra=extra)
         cluster.wait_healthy([prefill, decode], timeout=240)
-        pranks = [prefill.addr, f"127.0.0.1:{port + 1}"]
-        dranks = [decode.addr, f"127.0.0.1:{dport + 1}"] if backend == "nixl" else [decode.addr]
-        for a in [*pranks, *dranks]:
-            wait_for(lambda a=a: fetch_health(a).ok, 90, f"{a} healthy", cluster.procs)
+        pranks = cluster.dp_ranks(prefill, 2)
+        dranks = cluster.dp_ranks(decode, 2 if backend == "nixl" else 1)
         router = cluster.router([prefill.addr], [decode.addr])  # rank 1 of each comes from its rank 0's health
         want = len(pranks) * len(dranks)
         wait_for(lambda: len(router.peers.usable_pairs()) == want, 90, "every rank pair handshaken", cluster.procs)

@@ -12,8 +12,8 @@ ranks (model/parallel.EPMoE: every rank takes part in every MoE layer's all-to-a
 A dead rank: the EP all-to-all needs every expert for every MoE layer, so no rank can step with the group it
 had. With plain Ranks (engine/ranks.py) every rank fails every request it holds, naming the dead rank (`down`; rank
 0 from its watcher with the exit status, the others from the dead sibling's pid), and runs no more collectives.
-With ElasticRanks (engine/elastic.py: the DP decode) the group re-forms instead: the failed collective (a round's
-all_gather, an all-to-all inside a step: StepRetry, the engine holds the step's rows) sends every survivor to
+With ElasticRanks (engine/elastic.py: the DP decode and prefill) the group re-forms instead: the failed collective (a
+round's all_gather, an all-to-all inside a step: StepRetry, the engine holds the step's rows) sends every survivor to
 `_reform` (rank 0 names the dead rank, writes the next generation without it; the others join it), the experts
 are re-placed (ElasticRanks.place), and the interrupted round runs again: the survivors' requests go on with their
 KV, the dead rank's requests were in the dead process. A restarted rank is admitted at a round boundary: rank 0's
