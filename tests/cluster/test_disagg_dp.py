@@ -26,6 +26,7 @@ from dsakv.engine.request import SamplingParams
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import (
+    DP_ARGS,
     NUM_PAGES,
     PAGE_SIZE,
     Cluster,
@@ -47,7 +48,7 @@ GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
 LONG = SamplingParams(max_new_tokens=600, ignore_eos=True)  # decodes for seconds: the kill lands mid-decode
 SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
 LONG_SEEDED = SamplingParams(max_new_tokens=600, ignore_eos=True, temperature=0.9, top_k=40, seed=78)
-DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]
+DP = DP_ARGS
 
 g = torch.Generator().manual_seed(41)
 PROMPTS = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
@@ -74,8 +75,7 @@ def world(request, tmp_path_factory):
         prefill = cluster.prefill("p1", backend, True, (spec.num_layers,))
         ptp = cluster.prefill("p2", backend, True, (spec.num_layers,), extra=["--tp-size", "2"])
         cluster.wait_healthy([*prefill, *ptp, decode], timeout=240)
-        ranks = [decode.addr, f"127.0.0.1:{port + 1}"]
-        wait_for(lambda: fetch_health(ranks[1]).ok, 60, "DP rank 1 healthy", cluster.procs)
+        ranks = cluster.dp_ranks(decode, 2)
         router = cluster.router([prefill[0].addr], [decode.addr])  # rank 1 comes from rank 0's health
         wait_for(lambda: len(router.peers.usable_pairs()) == 2, 90, "both DP ranks paired", cluster.procs)
         yield backend, cluster, decode, ranks, prefill, router, ptp
@@ -258,7 +258,7 @@ def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
     model = str(tiny_path(ARCH))
     cases = [
-        (["--role", "prefill", *DP], "dsakv serve --role prefill --enable-dp-attention is not supported yet"),
+        (["--role", "prefill", "--pp-size", "2", *DP], "--enable-dp-attention with --role prefill --pp-size 2"),
         ([*DP, "--pp-size", "2"], "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them"),
         (["--role", "decode", "--pp-size", "2", *DP], "--enable-dp-attention with --role decode --pp-size 2"),
         (["--role", "decode", "--port", "65535", *DP], "--port 65535 with --dp-size 2: DP rank r listens on"),

@@ -327,3 +327,26 @@ def test_a_worker_busy_in_a_step_stays_up_then_goes_down():
     finally:
         release.set()
         svc.stop(1.0)
+
+
+def test_dp_ranks_of_a_prefill_and_a_decode_join_the_table_each_with_its_pairs():
+    """A prefill and a decode with DP attention name their ranks (dp_addrs) in rank 0's health: each rank becomes a
+    worker of the table (a prefill rank its own load and cache mirror), paired with every worker of the other role;
+    rows and labels name the rank and its instance."""
+    p0, p1, d0, d1 = "127.0.0.1:9240", "127.0.0.1:9241", "127.0.0.1:9100", "127.0.0.1:9101"
+    t = PeerTable([p0], [d0], Timeouts(), threading.RLock(), on_decode_down=lambda p, w: None)
+    t.add_dp_ranks(t.prefills[p0], replace(_health("prefill", p0, 0), dp_rank=0, dp_size=2, dp_addrs=[p0, p1]))
+    assert sorted(t.prefills) == [p0, p1] and sorted(t.pairs) == [(p0, d0), (p1, d0)]
+    assert [(p.role, p.dp_rank, p.dp_size, p.instance) for p in t.prefills.values()] == [
+        ("prefill", 0, 2, p0),
+        ("prefill", 1, 2, p0),
+    ]
+    assert t.prefills[p1].label == f"prefill {p1} (DP rank 1 of 2 of the prefill instance at {p0})"
+    new: list[str] = []
+    t.on_new_decode = new.append
+    t.add_dp_ranks(t.decodes[d0], replace(_health("decode", d0, 0), dp_rank=0, dp_size=2, dp_addrs=[d0, d1]))
+    assert new == [d1] and sorted(t.pairs) == [(p0, d0), (p0, d1), (p1, d0), (p1, d1)]
+    t.add_dp_ranks(t.prefills[p1], replace(_health("prefill", p1, 0), dp_rank=1, dp_size=2, dp_addrs=[p0, p1]))
+    assert len(t.prefills) == 2 and len(t.pairs) == 4  # rank 1's own health adds nothing new
+    row = t.view(t.prefills[p1])
+    assert (row["dp_rank"], row["dp_size"], row["instance"], row["dp_ranks"]) == (1, 2, p0, None)  # (not polled yet)

@@ -183,9 +183,9 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     dcfg = decode_config(args, cfg)
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
     if dcfg.dp_size > 1:  # DP attention: every rank a DecodeWorker of its own on --port + rank (decode/dp.py)
-        from dsakv.disagg.decode.dp import check_experts, dp_rank_config
+        from dsakv.engine.dp import check_experts, dp_rank_config
 
-        check_experts(dcfg)  # before any rank starts
+        check_experts(dcfg.model, dcfg.dp_size)  # before any rank starts
         rank = int(os.environ.get(TP_RANK_ENV) or 0)
         dp_worker = DecodeWorker(dp_rank_config(dcfg, rank))
         line = f"dsakv decode DP rank {rank}/{dcfg.dp_size} ready on {{}} (pid {os.getpid()})"
@@ -260,6 +260,7 @@ def prefill_config(args: argparse.Namespace, cfg: Config, model_dir: str, tp: bo
         ranks = {
             "tp_size": getattr(args, "tp_size", 1),
             "rank_argv": tuple(getattr(args, "_argv", None) or sys.argv[1:]),
+            "dp_size": args.dp_size if getattr(args, "enable_dp_attention", False) else 1,
         }
     return PrefillConfig(
         model=model_dir,
@@ -333,6 +334,16 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
     model_dir = options.model_dir_of(args)
     _threads(args)
     pcfg = prefill_config(args, cfg, str(model_dir), tp=True)
+    if pcfg.dp_size > 1:  # DP attention: every rank a one-stage prefill of its own on --port + rank (prefill/dp.py)
+        from dsakv.engine.dp import check_experts, dp_rank_config
+
+        check_experts(pcfg.model, pcfg.dp_size)  # before any rank starts
+        rank = int(os.environ.get(TP_RANK_ENV) or 0)
+        dp_stage = PrefillStage(dp_rank_config(pcfg, rank))
+        line = f"dsakv prefill DP rank {rank}/{pcfg.dp_size} ready on {{}} (pid {os.getpid()})"
+        return _serve_worker(
+            dp_stage, lambda: line.format(dp_stage.address), follower=rank > 0, startup_wait=args.startup_wait
+        )
     if pcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (prefill/ranks.py)
         from dsakv.disagg.prefill.grid import follow_stage
         from dsakv.disagg.prefill.ranks import follow_prefill

@@ -23,7 +23,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from dsakv.config import DEFAULT_MAX_TOKENS  # the engine's default pool (dsakv.config: no torch)
+from dsakv.config import DEFAULT_MAX_TOKENS, dp_prefill_tier_refusal  # (dsakv.config: no torch)
 from dsakv.errors import ConfigError
 from dsakv.util import ceil_div
 
@@ -131,10 +131,10 @@ def validate_serve(args: argparse.Namespace) -> None:
     check_tp(args)
     if role == "colocated":
         check_pp_colocated(args)
-    if getattr(args, "enable_dp_attention", False) and role not in ("decode", "colocated"):
+    if getattr(args, "enable_dp_attention", False) and role not in ("decode", "colocated", "prefill"):
         raise ConfigError(
-            f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves colocated or "
-            "as --role decode"
+            f"dsakv serve --role {role} --enable-dp-attention is not supported: the router runs no model (DP "
+            "attention serves colocated, as --role prefill or as --role decode)"
         )
     if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
         raise ConfigError(
@@ -191,9 +191,11 @@ def validate_serve(args: argparse.Namespace) -> None:
             check_host(args.stage0_host, "--stage0-host")
         from dsakv.cli.disagg_roles import prefill_cache_config
 
-        prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
+        cache = prefill_cache_config(args)  # no disk tier; a storage tier on a single stage only
+        if getattr(args, "enable_dp_attention", False) and (cache.host_tier or cache.storage is not None):
+            raise ConfigError(dp_prefill_tier_refusal())
     dp = int(getattr(args, "dp_size", 1) or 1)
-    if role == "decode" and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
+    if role in ("decode", "prefill") and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
         raise ConfigError(
             f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "
             f"which must be <= {MAX_PORT}: pick a lower --port"
@@ -264,10 +266,11 @@ def check_tp(args: argparse.Namespace) -> None:
         return
     if getattr(args, "hisparse", False):
         raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
-    if dpa and getattr(args, "speculative_num_steps", 0) and getattr(args, "role", "colocated") == "decode":
+    role = getattr(args, "role", "colocated")
+    if dpa and getattr(args, "speculative_num_steps", 0) and role in ("decode", "prefill"):
         raise ConfigError(
-            "--enable-dp-attention with --role decode --speculative-num-steps is not supported yet: drop one of them "
-            "(a colocated DP-attention server or a TP decode speculates)"
+            f"--enable-dp-attention with --role {role} --speculative-num-steps is not supported yet: drop one of them "
+            "(a colocated DP-attention server or a TP decode speculates; a TP 1 prefill feeds it)"
         )
 
 

@@ -42,6 +42,7 @@ from dsakv.config.roles import (
     PrefillConfig,
     RouterConfig,
     disk_tier_refusal,
+    dp_prefill_tier_refusal,
     prefill_cache_error,
     storage_pp_error,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "Timeouts",
     "TransferConfig",
     "disk_tier_refusal",
+    "dp_prefill_tier_refusal",
     "prefill_cache_error",
     "split_layers",
     "storage_pp_error",

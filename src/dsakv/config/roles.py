@@ -60,6 +60,14 @@ def prefill_cache_error(cache: CacheConfig, pp_size: int) -> str | None:
     return None
 
 
+def dp_prefill_tier_refusal() -> str:
+    """The refusal of a host or storage tier on a prefill with DP attention (prefill/dp.py)."""
+    return (
+        "--enable-dp-attention with --role prefill and a host or storage tier (--hicache-ratio / --hicache-size / "
+        "--hicache-storage) is not supported yet: the device prefix cache (--prefix-cache) works"
+    )
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """One stage of a prefill worker: the configuration tree and where this process runs. Stage k listens for
@@ -77,12 +85,16 @@ class PrefillConfig:
     debug_fail_transfer: tuple[int, int] | None = None  # testing: (decode stage j, n): the n-th transfer to j fails
     tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 of the stage (prefill/ranks.py), ranks 1..T-1 its
     rank_argv: tuple[str, ...] = ()  # children; the `dsakv` arguments the rank processes re-run (this argv)
+    dp_size: int = 1  # --dp-size D > 1 with --enable-dp-attention: D DP ranks (prefill/dp.py), tp_size == D
+    dp_rank: int = 0  # this process's DP rank (its RPC port: the instance's --port + dp_rank)
 
     def __post_init__(self) -> None:
         pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout  # the pipeline validated itself (rank, timeout)
         if not 1 <= self.tp_size <= 256:
             raise ConfigError(f"--tp-size {self.tp_size} must be within 1-256 (tensor-parallel ranks of the prefill)")
-        if self.tp_size > 1:
+        if self.dp_size > 1:
+            self._check_dp()
+        elif self.tp_size > 1:
             if self.draft_layers:
                 raise ConfigError(
                     f"--tp-size {self.tp_size} with --role prefill and MTP (--speculative-num-steps) is not supported "
@@ -106,9 +118,38 @@ class PrefillConfig:
             raise ConfigError(refusal)
         self.config.transfer.check_options(self.backend_options)
 
+    def _check_dp(self) -> None:
+        """DP attention on the prefill (prefill/dp.py): attention TP 1 per rank, one stage, no MTP, no host or
+        storage tier (each refused by name)."""
+        dp = self.dp_size
+        if self.tp_size != dp or not 0 <= self.dp_rank < dp:
+            raise ConfigError(
+                f"--dp-size {dp} (DP rank {self.dp_rank}) with --tp-size {self.tp_size}: DP attention runs attention "
+                f"TP 1, give --tp-size {dp}"
+            )
+        if self.pp_size > 1:
+            raise ConfigError(
+                f"--enable-dp-attention with --role prefill --pp-size {self.pp_size} is not supported yet: give "
+                "--pp-size 1 (or a TP x PP prefill without DP attention)"
+            )
+        if self.draft_layers:
+            raise ConfigError(
+                "--enable-dp-attention with --role prefill and MTP (--speculative-num-steps) is not supported yet: "
+                "leave one of them out (a TP 1 prefill feeds an MTP decode)"
+            )
+        cache = self.engine.cache
+        if cache.host_tier or cache.storage is not None:
+            raise ConfigError(dp_prefill_tier_refusal())
+
     @property
     def engine(self) -> EngineConfig:
         return self.config.engine
+
+    @property
+    def attention_tp(self) -> int:
+        """Attention-TP ranks of a stage (their pools share each key): --tp-size, or 1 with DP attention (each DP
+        rank holds the whole KV of its own requests)."""
+        return 1 if self.dp_size > 1 else self.tp_size
 
     @property
     def draft_layers(self) -> int:

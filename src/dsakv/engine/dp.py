@@ -12,8 +12,8 @@ ranks (model/parallel.EPMoE: every rank takes part in every MoE layer's all-to-a
 A dead rank: the EP all-to-all needs every expert for every MoE layer, so no rank can step with the group it
 had. With plain Ranks (engine/ranks.py) every rank fails every request it holds, naming the dead rank (`down`; rank
 0 from its watcher with the exit status, the others from the dead sibling's pid), and runs no more collectives.
-With ElasticRanks (engine/elastic.py: the DP decode) the group re-forms instead: the failed collective (a round's
-all_gather, an all-to-all inside a step: StepRetry, the engine holds the step's rows) sends every survivor to
+With ElasticRanks (engine/elastic.py: the DP decode and prefill) the group re-forms instead: the failed collective (a
+round's all_gather, an all-to-all inside a step: StepRetry, the engine holds the step's rows) sends every survivor to
 `_reform` (rank 0 names the dead rank, writes the next generation without it; the others join it), the experts
 are re-placed (ElasticRanks.place), and the interrupted round runs again: the survivors' requests go on with their
 KV, the dead rank's requests were in the dead process. A restarted rank is admitted at a round boundary: rank 0's
@@ -30,7 +30,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from dsakv.errors import StepRetry
 from dsakv.model.parallel import EPMoE, idle_forward
 
 log = logging.getLogger(__name__)
+C = TypeVar("C")
 
 ROW = (
     "active",
@@ -283,9 +285,49 @@ class LockstepEngine:
         self.ranks.close()
 
 
+def dp_rank_config(cfg: C, rank: int) -> C:
+    """DP rank `rank`'s config (a DecodeConfig or PrefillConfig of an instance with DP attention): RPC on
+    port + rank, its name with '.dp<rank>'."""
+    c: Any = cfg
+    if c.dp_size <= 1:
+        return cfg
+    name = f"{c.name}.dp{rank}" if c.name else None
+    out: C = replace(c, port=c.port + rank if c.port else 0, name=name, dp_rank=rank)
+    return out
+
+
+def check_experts(model_dir: str | Path, dp_size: int) -> None:
+    """ConfigError unless --ep-size (== --dp-size) divides the checkpoint's routed experts."""
+    from dsakv.model.loader import load_config
+    from dsakv.model.parallel import divide
+
+    experts = int(load_config(Path(model_dir)).get("n_routed_experts") or 0)
+    divide("n_routed_experts", experts, dp_size, "--ep-size")
+
+
+def ep_model(model_dir: str | Path, dp_size: int, argv: Sequence[str], dtype: str) -> tuple[ElasticRanks, Any]:
+    """(ranks, (spec, model)) of one DP rank: joins (rank 0: starts) the elastic group of `dp_size` ranks running
+    `dsakv *argv` and loads the whole checkpoint with this rank's experts (model/parallel.attach_ep). A restarted
+    rank then joins the running group at a round boundary (ElasticRanks.join, once its engine is built)."""
+    from dsakv.engine.elastic import start_elastic
+    from dsakv.model.loader import load_model
+    from dsakv.model.parallel import attach_ep
+
+    check_experts(model_dir, dp_size)
+    ranks = start_elastic(dp_size, argv, label="DP")
+    ranks.model_dir, ranks.dtype = str(model_dir), getattr(torch, dtype)
+    try:
+        spec, m = load_model(model_dir, dtype=ranks.dtype)
+        return ranks, (spec, attach_ep(m, ranks.rank, ranks.size))
+    except BaseException:
+        for p in ranks.children:
+            p.kill()
+        raise
+
+
 def rank_rows(engine: Any, addrs: Sequence[str]) -> list[dict[str, Any]]:
     """The last round's rows with each rank's address (a health's per-rank view)."""
     return [{"rank": row["dp_rank"], "addr": addrs[row["dp_rank"]], **row} for row in getattr(engine, "rows", [])]
 
 
-__all__ = ["ROW", "LockstepEngine", "pid_gone", "rank_rows"]
+__all__ = ["ROW", "LockstepEngine", "check_experts", "dp_rank_config", "ep_model", "pid_gone", "rank_rows"]

@@ -1,5 +1,5 @@
-"""Elastic expert parallelism for the DP-attention decode: the group of DP ranks re-forms when one dies and when it
-comes back, the experts re-placed over the ranks that are up.
+"""Elastic expert parallelism for the DP-attention decode and prefill: the group of DP ranks re-forms when one dies
+and when it comes back, the experts re-placed over the ranks that are up.
 
     start_elastic(D, argv)   rank 0 (the command) keeps a TCPStore (DSAKV_TP_PORT) and starts ranks 1..D-1; every
                              generation g of the group is a torch.distributed group (gloo; nccl for CUDA) over the

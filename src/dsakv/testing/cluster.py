@@ -35,6 +35,7 @@ from dsakv.testing.config import engine_config
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 __all__ = [
+    "DP_ARGS",
     "Cluster",
     "Proc",
     "assert_clean",
@@ -46,6 +47,7 @@ __all__ = [
     "worker_config",
 ]
 
+DP_ARGS = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]  # DP attention, 2 ranks
 PAGE_SIZE = 16
 NUM_PAGES = 96  # 1536 tokens per pool: small pools register fast
 
@@ -138,6 +140,15 @@ class Cluster:
         for k in ranks if ranks is not None else range(n):
             out.append(self._serve(f"{name}-s{k}", f"127.0.0.1:{port + k}", [*args, "--pp-rank", str(k)]))
         return out
+
+    def dp_ranks(self, rank0: Proc, size: int, timeout: float = 90.0) -> list[str]:
+        """The RPC addresses of the `size` DP ranks of the instance (prefill or decode, `DP_ARGS`) whose rank 0 is
+        `rank0` (rank r listens on rank 0's port + r), once every rank answers its health ok."""
+        host, port = rank0.addr.rsplit(":", 1)
+        addrs = [f"{host}:{int(port) + r}" for r in range(size)]
+        for a in addrs:
+            wait_for(functools.partial(_healthy, a), timeout, f"DP rank {a} healthy", self.procs)
+        return addrs
 
     def router(self, prefill: Sequence[str], decode: Sequence[str], **kw: Any) -> RouterBackend:
         kw.setdefault("kv_timeout", 20.0)

@@ -29,33 +29,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from dsakv.config import DecodeConfig
-from dsakv.disagg.protocol.messages import DPRankInfo, StageDone
-from dsakv.engine.dp import LockstepEngine
+from dsakv.disagg.protocol.dp_view import dp_addrs, dp_health
+from dsakv.disagg.protocol.messages import StageDone
+from dsakv.engine.dp import LockstepEngine, dp_rank_config, ep_model
 from dsakv.errors import NoFreePages
 
 log = logging.getLogger(__name__)
-
-
-def dp_rank_config(cfg: DecodeConfig, rank: int) -> DecodeConfig:
-    """DP rank `rank`'s config: RPC on port + rank, its name with '.dp<rank>'."""
-    if cfg.dp_size <= 1:
-        return cfg
-    name = f"{cfg.name}.dp{rank}" if cfg.name else None
-    return replace(cfg, port=cfg.port + rank if cfg.port else 0, name=name, dp_rank=rank)
-
-
-def check_experts(cfg: DecodeConfig) -> None:
-    """ConfigError unless --ep-size (== --dp-size) divides the checkpoint's routed experts."""
-    from dsakv.model.loader import load_config
-    from dsakv.model.parallel import divide
-
-    experts = int(load_config(Path(cfg.model)).get("n_routed_experts") or 0)
-    divide("n_routed_experts", experts, cfg.dp_size, "--ep-size")
 
 
 class DPDecodeEngine(LockstepEngine):
@@ -77,8 +59,7 @@ class DecodeDP:
     def __init__(self, cfg: DecodeConfig, engine: DPDecodeEngine) -> None:
         self.cfg, self.engine = cfg, engine
         self.rank, self.dp_size = engine.rank, engine.size
-        base = cfg.port - cfg.dp_rank if cfg.port else 0
-        self.addrs = [f"{cfg.host}:{base + r}" for r in range(self.dp_size)]
+        self.addrs = dp_addrs(cfg.host, cfg.port, cfg.dp_rank, self.dp_size)
         self.pair_bytes: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -86,19 +67,11 @@ class DecodeDP:
     def build(cls, cfg: DecodeConfig, model: Any = None) -> tuple[DecodeDP, DPDecodeEngine]:
         """(the view, the engine): joins (rank 0: starts) the group of cfg.dp_size ranks and loads the whole
         checkpoint with this rank's experts."""
-        import torch
-
-        from dsakv.engine.elastic import start_elastic
         from dsakv.engine.engine import Engine
-        from dsakv.model.loader import load_model
-        from dsakv.model.parallel import attach_ep
 
-        check_experts(cfg)
-        ranks = start_elastic(cfg.dp_size, cfg.rank_argv, label="DP")
-        ranks.model_dir, ranks.dtype = str(cfg.model), getattr(torch, cfg.config.engine.dtype)
+        ranks, model = ep_model(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.config.engine.dtype)
         try:
-            spec, m = load_model(cfg.model, dtype=ranks.dtype)
-            engine = Engine((spec, attach_ep(m, ranks.rank, ranks.size)), cfg.config.engine, model_dir=cfg.model)
+            engine = Engine(model, cfg.config.engine, model_dir=cfg.model)
             if ranks.gen < 0:  # a restarted rank: admitted at the next round boundary
                 ranks.join()
             dp = DPDecodeEngine(engine, ranks)
@@ -148,30 +121,7 @@ class DecodeDP:
     def health_fields(self) -> dict[str, Any]:
         with self._lock:
             pairs = dict(self.pair_bytes)
-        rows = {
-            row["dp_rank"]: DPRankInfo(
-                rank=row["dp_rank"],
-                addr=self.addrs[row["dp_rank"]],
-                pages_free=row["pages_free"],
-                pages_used=row["pages_used"],
-                pages_total=row["pages_total"],
-                running=row["running"],
-                waiting=row["waiting"],
-                integrity_ok=bool(row["integrity_ok"]),
-            )
-            for row in self.engine.rows
-        }
-        down_ranks = getattr(self.engine.ranks, "down_ranks", dict)
-        for r, why in down_ranks().items():  # out of the group (restarting, or given up): no pool to route to
-            rows[r] = DPRankInfo(r, self.addrs[r], 0, 0, 0, 0, 0, False, up=False, down=why)
-        return {
-            "down": self.engine.down,
-            "kv_bytes_pairs": pairs,
-            "dp_rank": self.rank,
-            "dp_size": self.dp_size,
-            "dp_addrs": list(self.addrs),
-            "dp_ranks": [rows[r] for r in sorted(rows)],
-        }
+        return {"down": self.engine.down, "kv_bytes_pairs": pairs, **dp_health(self.engine, self.rank, self.addrs)}
 
     def quiesce(self) -> None:
         """Rank 0, stopping: the stop round (every rank stops its worker after it)."""
@@ -185,4 +135,4 @@ class DecodeDP:
             log.warning("decode DP rank %d: leaving the group: %s", self.rank, e)
 
 
-__all__ = ["DPDecodeEngine", "DecodeDP", "dp_rank_config"]
+__all__ = ["DPDecodeEngine", "DecodeDP", "dp_rank_config"]  # (dp_rank_config: engine/dp.py, shared)

@@ -77,6 +77,7 @@ from dsakv.engine.ranks import RankDown
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError
 
 if TYPE_CHECKING:
+    from dsakv.disagg.prefill.dp import PrefillDP
     from dsakv.disagg.prefill.grid import StageTP
     from dsakv.disagg.prefill.ranks import PrefillTP
 
@@ -96,9 +97,13 @@ class PrefillStage:
     def __init__(
         self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        ranks = None
+        ranks = dp_ranks = None
         group_cls: type[StageGroup] = StageGroup
-        if model is None and cfg.tp_size > 1:  # rank 0 of a TP stage: starts ranks 1..T-1 (prefill/ranks.py)
+        if model is None and cfg.dp_size > 1:  # DP attention: this process is one DP rank (prefill/dp.py)
+            from dsakv.engine.dp import ep_model
+
+            dp_ranks, model = ep_model(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.engine.dtype)
+        elif model is None and cfg.tp_size > 1:  # rank 0 of a TP stage: starts ranks 1..T-1 (prefill/ranks.py)
             from dsakv.disagg.prefill.grid import RelayGroup
             from dsakv.disagg.prefill.ranks import tp_model
 
@@ -114,6 +119,11 @@ class PrefillStage:
         self.cfg = cfg
         self.ctx = ctx = StageContext.build(cfg, spec, mdl, clock, group_cls=group_cls)
         self.role: StageRole = make_role(ctx)
+        self.dp: PrefillDP | None = None
+        if dp_ranks is not None:
+            from dsakv.disagg.prefill.dp import PrefillDP
+
+            self.dp = PrefillDP(cfg, dp_ranks, self.role)
         self.tp: PrefillTP | StageTP | None = None
         self.rank_down: str | None = None  # a TP rank of this stage died (the stage stays down: restart it)
         if ranks is not None and ctx.rank == 0:
@@ -149,11 +159,11 @@ class PrefillStage:
         grid = RoleGrid.from_partition(
             "prefill",
             [b - a for a, b in ctx.ranges],
-            attention_tp=cfg.tp_size,
+            attention_tp=cfg.attention_tp,
             draft_layers=ctx.layouts[-1].draft_layers,
         )
         hello = Hello(
-            self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot, cfg.tp_size
+            self.name, self.rank, self.size, self.service.address, self.manifest.to_bytes(), self.boot, cfg.attention_tp
         )
         self.links = DecodeLinks(
             self.backend,
@@ -178,10 +188,12 @@ class PrefillStage:
             debug_fail=cfg.debug_fail_transfer,
             clock=ctx.jobs.now,
             staging=self.staging,
-            tp_size=cfg.tp_size,
+            tp_size=cfg.attention_tp,
         )
         if self.tp is not None:
             self.tp.attach(ctx.sender)
+        if self.dp is not None:
+            self.dp.attach(self)
         log.info(
             "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
             self.name,
@@ -274,6 +286,7 @@ class PrefillStage:
                 transfer=TransferHealth(count=t.transfers, failures=t.failures, bytes=t.bytes, seconds=t.seconds),
                 rank_pages=self.tp.rank_pages(used) if self.tp is not None else None,
                 **self.role.health_fields(),
+                **(self.dp.health_fields() if self.dp is not None else {}),
             )
 
     # ---- RPC ----------------------------------------------------------------------------------------------
@@ -320,9 +333,13 @@ class PrefillStage:
     def stop(self) -> None:
         self.ctx.stop.set()
         self.ctx.wake.set()
+        if self.dp is not None:
+            self.dp.quiesce()  # DP rank 0: the stop round (every rank stops after it)
         self.service.stop(join_timeout=self.ctx.t.stage + 2)
         if self.tp is not None:
             self.tp.close()
+        if self.dp is not None:
+            self.dp.close()
         self.ctx.group.close()
         self.ctx.notifier.stop()
         self.backend.close()

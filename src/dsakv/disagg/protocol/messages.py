@@ -40,6 +40,7 @@ from dsakv.disagg.protocol.messages_base import (
     MAX_QUARANTINE,
     MAX_STAGES,
     Blob,
+    DPRankInfo,
     Health,
     HealthQuery,
     IntegrityQuery,
@@ -53,7 +54,6 @@ from dsakv.disagg.protocol.messages_base import (
 from dsakv.disagg.protocol.messages_decode import (
     DecodeHealth,
     DecodeStageRef,
-    DPRankInfo,
     EventRow,
     Events,
     EventsQuery,

@@ -117,6 +117,23 @@ class StageInfo:
 
 
 @dataclass(frozen=True)
+class DPRankInfo:
+    """One DP rank of a prefill or decode instance with DP attention, as the last lockstep round saw it
+    (disagg/decode/dp.py, disagg/prefill/dp.py)."""
+
+    rank: int
+    addr: str  # its RPC address (the router routes to it as a worker of its own)
+    pages_free: int
+    pages_used: int
+    pages_total: int
+    running: int
+    waiting: int
+    integrity_ok: bool
+    up: bool = True  # False: out of the group (dead; rank 0 restarts it), `down` says why (its exit status)
+    down: str | None = None
+
+
+@dataclass(frozen=True)
 class Health:
     """What every worker's HEALTH reply holds, whatever its role: liveness, its pool, counters and integrity, and
     where it sits in a pipeline. A worker answers with its role's subclass (PrefillHealth in messages_prefill,
@@ -150,6 +167,12 @@ class Health:
     layers: list[int] | None = None
     waiting: int | None = None  # prefill stage 0, decode
     running: int | None = None  # prefill stage 0, decode (stage k > 0: the requests it mirrors)
+    # DP attention (disagg/decode/dp.py, disagg/prefill/dp.py): this rank, the instance's size, every rank's RPC
+    # address (rank order) and every rank's pages / requests / integrity from the last lockstep round
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    dp_addrs: list[str] | None = None
+    dp_ranks: list[DPRankInfo] | None = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)

@@ -154,22 +154,6 @@ class Events:
 
 
 @dataclass(frozen=True)
-class DPRankInfo:
-    """One DP rank of a decode instance with DP attention, as the last lockstep round saw it (disagg/decode/dp.py)."""
-
-    rank: int
-    addr: str  # its RPC address (the router routes to it as a decode of its own)
-    pages_free: int
-    pages_used: int
-    pages_total: int
-    running: int
-    waiting: int
-    integrity_ok: bool
-    up: bool = True  # False: out of the group (dead; rank 0 restarts it), `down` says why (its exit status)
-    down: str | None = None
-
-
-@dataclass(frozen=True)
 class DecodeHealth(Health):
     """A decode worker's (or decode pipeline stage's) HEALTH reply: the common part and what a decode fills."""
 
@@ -185,9 +169,3 @@ class DecodeHealth(Health):
     staging_slots: list[int] | None = None  # decode with destination staging: [free, total] slots
     vocab_size: int | None = None  # decode: the model's vocabulary (the router 400s token ids >= it)
     features: list[str] | None = None  # engine.backend.FEATURES it serves (None: all; a DeepSeek-V4 decode: none)
-    # DP attention (disagg/decode/dp.py): this rank, the instance's size, every rank's RPC address (rank order) and
-    # every rank's pages / requests / integrity from the last lockstep round
-    dp_rank: int | None = None
-    dp_size: int | None = None
-    dp_addrs: list[str] | None = None
-    dp_ranks: list[DPRankInfo] | None = None

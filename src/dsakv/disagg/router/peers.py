@@ -78,9 +78,9 @@ class PeerState:
     cache_polls: int = 0  # prefill: cache-event replies applied
     slow_since: float | None = None  # HEALTH timed out but PING answered (same process) since then
     slow_health: int = 0  # health polls answered that way (the worker was busy in a step)
-    dp_rank: int | None = None  # decode: its DP rank in an instance with DP attention (found from its health)
+    dp_rank: int | None = None  # its DP rank in an instance with DP attention (found from its health)
     dp_size: int | None = None
-    instance: str | None = None  # decode with DP attention: the address of the instance's rank 0
+    instance: str | None = None  # with DP attention: the address of the instance's rank 0
 
     @property
     def label(self) -> str:
@@ -88,7 +88,7 @@ class PeerState:
         'decode 127.0.0.1:9001'."""
         if self.dp_rank is None:
             return f"{self.role} {self.addr}"
-        where = f"DP rank {self.dp_rank} of {self.dp_size} of the decode instance at {self.instance}"
+        where = f"DP rank {self.dp_rank} of {self.dp_size} of the {self.role} instance at {self.instance}"
         return f"{self.role} {self.addr} ({where})"
 
     @property
@@ -182,6 +182,9 @@ class PeerTable:
             **_load_of(h),
             "integrity": h.integrity if h is not None else None,
         }
+        if p.dp_rank is not None:  # DP attention: the rank, its instance, and the instance's ranks as it sees them
+            row.update(dp_rank=p.dp_rank, dp_size=p.dp_size, instance=p.instance)
+            row["dp_ranks"] = [vars(r) for r in h.dp_ranks or []] if h is not None else None
         if p.role == "prefill":
             row["num_stages"] = p.num_stages
             row["cached_prefix_pages"] = self.affinity.size(p.addr)  # the router's mirror of its cache events
@@ -192,10 +195,6 @@ class PeerTable:
         else:
             row["busy"] = p.busy_until > time.monotonic()
             row["stages"] = stage_rows(p.decode_health)  # a pipelined decode: every stage as it reports itself
-            if p.dp_rank is not None:  # DP attention: the rank, its instance, and the instance's ranks as it sees them
-                dh = p.decode_health
-                row.update(dp_rank=p.dp_rank, dp_size=p.dp_size, instance=p.instance)
-                row["dp_ranks"] = [vars(r) for r in dh.dp_ranks or []] if dh is not None else None
         return row
 
     def instance_metrics(self) -> dict[str, float]:
@@ -281,9 +280,11 @@ class PeerTable:
         return "; ".join(x for x in bad if not x.endswith(": None")) or "no pair handshaken yet"
 
     def mark_down(self, peer: PeerState, why: str) -> None:
-        """`peer` stopped answering: no pair with it is used; a decode's requests fail (on_decode_down)."""
-        if peer.role == "decode" and peer.dp_rank and peer.ok:
-            why = dp_down_reason(self.decodes.get(peer.instance or ""), peer, why, self.t.health_rpc)
+        """`peer` stopped answering: no pair with it is used; a decode's requests fail (on_decode_down) (a prefill's
+        fail on their decode, whose liveness ping finds the prefill gone)."""
+        if peer.dp_rank and peer.ok:
+            table = self.decodes if peer.role == "decode" else self.prefills
+            why = dp_down_reason(table.get(peer.instance or ""), peer, why, self.t.health_rpc)
         with self._lock:
             was = peer.ok
             peer.ok, peer.error = False, why
@@ -324,25 +325,28 @@ class PeerTable:
                 return why
         return None
 
-    def add_dp_ranks(self, peer: PeerState, h: DecodeHealth) -> None:
-        """A decode with DP attention names its instance's ranks (dp_addrs): each becomes a decode of the table
-        (its own pairs and events loop), routed to by its own load; the router so picks the DP rank."""
+    def add_dp_ranks(self, peer: PeerState, h: Health) -> None:
+        """A prefill or decode with DP attention names its instance's ranks (dp_addrs): each becomes a worker of the
+        table (its own pairs; a decode rank its events loop, a prefill rank its prefix-cache mirror), routed to by
+        its own load (and a prefill rank by its own prefix affinity); the router so picks the DP rank."""
         if h.dp_rank is None or not h.dp_addrs:
             return
         new = []
+        decode = peer.role == "decode"
+        table = self.decodes if decode else self.prefills
         with self._lock:
             inst = h.dp_addrs[0]
             for r, a in enumerate(h.dp_addrs):
-                if a not in self.decodes:
-                    self.decodes[a] = PeerState(a, "decode", RpcClient(a, timeout=self.t.rpc))
-                    for p in self.prefills:
-                        self.pairs[(p, a)] = PairState()
+                if a not in table:
+                    table[a] = PeerState(a, peer.role, RpcClient(a, timeout=self.t.rpc))
+                    for pair in [(p, a) for p in self.prefills] if decode else [(a, d) for d in self.decodes]:
+                        self.pairs[pair] = PairState()
                     new.append(a)
-                d = self.decodes[a]
-                d.dp_rank, d.dp_size, d.instance = r, len(h.dp_addrs), inst
+                w = table[a]
+                w.dp_rank, w.dp_size, w.instance = r, len(h.dp_addrs), inst
         for a in new:
-            log.info("router: decode %s is DP rank %d of the instance at %s", a, h.dp_addrs.index(a), h.dp_addrs[0])
-            if self.on_new_decode is not None:
+            log.info("router: %s %s is DP rank %d of the instance at %s", peer.role, a, h.dp_addrs.index(a), inst)
+            if decode and self.on_new_decode is not None:
                 self.on_new_decode(a)
 
     def poll_health(self) -> None:
@@ -378,8 +382,7 @@ class PeerTable:
                 peer.ok, peer.error = ok, (None if ok else str(h.down or "not ok"))
             if peer.role == "prefill":
                 self.poll_cache(peer)
-            elif isinstance(h, DecodeHealth):
-                self.add_dp_ranks(peer, h)
+            self.add_dp_ranks(peer, h)
         now = time.monotonic()
         with self._lock:
             pairs = list(self.pairs.items())
