@@ -222,8 +222,8 @@ def validate_generate(args: argparse.Namespace) -> None:
 
 def check_pp_colocated(args: argparse.Namespace) -> None:
     """--pp-size of a colocated pipeline (generate, serve --role colocated): this command starts every stage (with
-    --tp-size, each stage's TP ranks), not (yet) with DP attention; the engine options it refuses are
-    named by pipeline/colocated.refusal."""
+    --tp-size, each stage's TP ranks; with DP attention, each DP rank's pipeline: pipeline/dp_stage.py); the engine
+    options it refuses are named by pipeline/colocated.refusal."""
     check_int(args, "pp_size", 1, 64, "pipeline stages (one process each)")
     pp = int(getattr(args, "pp_size", 1) or 1)
     if getattr(args, "pp_rank", None) is not None:
@@ -231,8 +231,6 @@ def check_pp_colocated(args: argparse.Namespace) -> None:
             f"--pp-rank {args.pp_rank} is for --role prefill / decode: a colocated --pp-size {pp} starts every stage "
             "itself; drop --pp-rank"
         )
-    if pp > 1 and getattr(args, "enable_dp_attention", False):
-        raise ConfigError(f"--pp-size {pp} with --enable-dp-attention is not supported yet: drop one of them")
     if pp > 1:
         check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
 
