@@ -210,6 +210,10 @@ def run(args: argparse.Namespace) -> int:
     from dsakv.engine.request import SamplingParams
 
     check_tp_split(args, model_dir)
+    if args.pp_size > 1:  # what a colocated pipeline refuses: before any rank or stage starts
+        from dsakv.pipeline.colocated import check_refusal
+
+        check_refusal(options.engine_config(args), args.pp_size)
     dp = args.dp_size if args.enable_dp_attention else 1
     if dp > 1 and args.pp_size > 1:  # DP attention x PP: each later stage's EP group gets a port (pipeline/dp_stage)
         from dsakv.pipeline.dp_stage import reserve_stage_ports

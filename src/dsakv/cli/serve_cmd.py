@@ -93,6 +93,10 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     tokenizer = load_tokenizer(model_dir, checkpoint_vocab_size(model_dir))  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
     check_tp(model_dir, tp)
+    if cfg.pipeline.pp_size > 1:  # what a colocated pipeline refuses: before any rank or stage starts
+        from dsakv.pipeline.colocated import check_refusal
+
+        check_refusal(cfg.engine, cfg.pipeline.pp_size)
     ranked: Any = None
     piped: Any = None
     if getattr(args, "enable_dp_attention", False):  # DP ranks (engine/dp_serve.py): rank 0 serves HTTP

@@ -136,9 +136,10 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"dsakv serve --role {role} --enable-dp-attention is not supported yet: DP attention serves colocated or "
             "as --role decode"
         )
-    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
-        raise ConfigError(
-            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
+    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role != "colocated":
+        raise ConfigError(  # colocated: each DP rank a pipeline (pipeline/dp_stage.py); the decode's is not built
+            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1 "
+            "(a colocated `dsakv serve` runs DP attention with --pp-size)"
         )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):

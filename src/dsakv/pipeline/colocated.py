@@ -78,12 +78,17 @@ def refusal(ec: EngineConfig, pp_size: int) -> str | None:
     return None
 
 
+def check_refusal(ec: EngineConfig, pp_size: int) -> None:
+    """ConfigError naming what the engine branch has that a colocated pipeline of `pp_size` stages cannot run."""
+    why = refusal(ec, pp_size)
+    if why is not None:
+        raise ConfigError(why)
+
+
 def stage_shape(ec: EngineConfig, spec: ModelSpec, pipe: PipelineConfig) -> tuple[list[KVLayout], int]:
     """Every stage's layout and the one page count all stage pools share (with --kv-budget: the planner's figure
     for the stage holding the most per token)."""
-    why = refusal(ec, pipe.pp_size)
-    if why is not None:
-        raise ConfigError(why)
+    check_refusal(ec, pipe.pp_size)
     layouts = [ec.layout.layout(spec, a, b) for a, b in split_layers(spec.num_layers, pipe.pp_size, pipe.partition)]
     return layouts, ec.pool.pages(layouts)
 
@@ -305,9 +310,7 @@ def start_pipeline(
     its exit code (an int). `ranks`: this process's TP group (of its stage; a TP rank r > 0 of stage 0 returns a
     PipelinedEngine that sends nothing, pipeline/tp_stage.py) or, with `dp` (DP attention), its stage's EP group:
     every DP rank's stage 0 starts its own stages (pipeline/dp_stage.py)."""
-    why = refusal(ec, pipe.pp_size)
-    if why is not None:
-        raise ConfigError(why)
+    check_refusal(ec, pipe.pp_size)
     split_layers(ModelSpec.from_path(model_dir).num_layers, pipe.pp_size, pipe.partition)  # a bad partition: now
     env_rank = os.environ.get(PP_RANK_ENV)
     if env_rank is not None:
