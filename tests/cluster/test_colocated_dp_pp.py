@@ -60,6 +60,9 @@ def test_generate_dp2_pp2_tokens_equal_single_rank(sampling: list[str]) -> None:
     assert [(s["pages_used"], s["pages_free"], s["generated_tokens"]) for s in stats] == [(0, 40, 12)]  # rank 0
     ranks = [json.loads(line)["ranks"] for line in r.stderr.splitlines() if line.startswith('{"ranks"')]
     assert [(f["dp"], f["ep"], f["generated_tokens"]) for f in ranks] == [(2, 2, 18)]
+    # 8 rounds: rank 0 steps in each (2 prompts, 17 prompt tokens in chunks of 8), rank 1 in 6 (prefill + 5 decodes)
+    # and sends IDLE down its pipeline in the other 2, so both stages' all-to-alls stay matched
+    assert (ranks[0]["steps_per_rank"], ranks[0]["idle_rounds_per_rank"]) == ([8, 6], [0, 2])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     assert marked(mark) == []
 

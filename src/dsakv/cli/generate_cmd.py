@@ -290,6 +290,9 @@ def _generate(
     seconds = time.perf_counter() - t0
     engine.check_integrity()
     generated = ranks.gather(engine.stats().generated_tokens) if dp > 1 else [engine.stats().generated_tokens]
+    # DP x PP (a LockstepEngine): per DP rank, the rounds it ran no forward in (IDLE down its pipeline)
+    idle = ranks.gather(engine.idle_forwards) if dp > 1 and hasattr(engine, "idle_forwards") else None
+    ranks_steps = ranks.gather(engine.stats().steps) if idle is not None else None
     got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
     where: dict[int, int] = {}  # DP attention: prompt -> the DP rank that ran it (as that rank reports it)
     if dp > 1:
@@ -325,6 +328,8 @@ def _generate(
     if args.stats:
         fig = {"tp": args.tp_size, "dp": dp, "ep": args.ep_size, "seconds": round(seconds, 6)}
         fig |= {"generated_tokens": sum(generated), "kv_pool_bytes_per_rank": engine.stats().pool_bytes}
+        if idle is not None:
+            fig |= {"steps_per_rank": ranks_steps, "idle_rounds_per_rank": idle}
         print(json.dumps({"ranks": fig}), file=sys.stderr)
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:
