@@ -158,12 +158,13 @@ CASES = [
     ("serve --role decode --model {tiny} --pp-size 2 --dist-port 70000", "--dist-port 70000 is not a TCP port"),
     ("serve --model {tiny} --pp-size 2 --pp-rank 1", "--pp-rank 1 is for --role prefill / decode: a colocated"),
     (
-        "serve --model {tiny} --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
-        "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them",
+        "serve --role decode --model {tiny} --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
+        "--enable-dp-attention with --role decode --pp-size 2 is not supported yet: give --pp-size 1",
     ),
-    (
-        "generate --model {tiny} --prompt-ids 5 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
-        "--pp-size 2 with --enable-dp-attention is not supported yet: drop one of them",
+    (  # DP attention x PP runs colocated (pipeline/dp_stage.py); what a pipeline refuses is refused before any rank
+        "generate --model {tiny} --prompt-ids 5 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 "
+        "--speculative-num-steps 1",
+        "--pp-size 2 with --speculative-num-steps is not supported yet: drop one of them",
     ),
     ("generate --model {tiny} --prompt-ids 5 --pp-size 65", "--pp-size 65 must be an integer in 1..64"),
     ("generate --model {tiny} --prompt-ids 5 --pp-size 2 --stage-timeout 0", "--stage-timeout 0.0"),
@@ -232,6 +233,7 @@ def test_good_config_passes_validation(models, no_serving):
         "serve --role decode --model {tiny} --port 9100 --num-pages 256 --page-size 16",
         "serve --role prefill --model {tiny} --port 9200 --pp-size 2 --pp-partition 7,5 --hicache-ratio 2",
         "serve --role router --port 8000 --prefill 127.0.0.1:9200 --decode localhost:9100",
+        "serve --model {tiny} --port 8000 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
     ):
         with pytest.raises(AssertionError, match="would start serving"):
             main(_argv(line, models))

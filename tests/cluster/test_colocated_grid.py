@@ -22,33 +22,17 @@ from dsakv.cli import options
 from dsakv.cli.main import build_parser
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
-from dsakv.testing.cluster import wait_for
+from dsakv.testing.cluster import http_up, marked, marked_env, marked_pid, start_marked, wait_for
 from dsakv.testing.engines import prompts_for, tiny_model, tiny_path
-from dsakv.util.procs import CHILD_ENV, PP_RANK_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
+from dsakv.util.procs import PP_RANK_ENV, TP_RANK_ENV, dsakv_cmd, free_ports
 
 ARCH = "glm_moe_dsa"
 POOL = ["--page-size", "4", "--num-pages", "40", "--max-batch-tokens", "8", "--threads", "1"]
-MARK = "DSAKV_TEST_GRID_RUN"
 
 
 def _reference(argv: list[str]) -> Engine:
     """A single-process Engine over the very tree `dsakv *argv` builds."""
     return Engine(tiny_model(ARCH), options.engine_config(build_parser([argv[0]]).parse_args(argv)))
-
-
-def _marked(mark: str) -> list[int]:
-    """The pids of live processes whose environment holds MARK=mark (this run's processes, inherited)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"{MARK}={mark}".encode() in env:
-            out.append(int(d.name))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -66,7 +50,7 @@ def test_generate_pp2_tp2_tokens_equal_single_process(sampling: list[str]) -> No
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **CHILD_ENV, MARK: mark},
+        env=marked_env(mark),
     )  # every rank and stage dies with its parent (parent-death signal) should it time out
     assert r.returncode == 0, r.stderr[-3000:]
     got = [row["output_ids"] for row in json.loads(r.stdout)]
@@ -76,27 +60,17 @@ def test_generate_pp2_tp2_tokens_equal_single_process(sampling: list[str]) -> No
     assert [(s["pages_used"], s["pages_free"], s["generated_tokens"]) for s in stats] == [(0, 40, 12)]
     # exit 0 only if every process did: stage 0 waits for its TP rank 1 and stage 1, stage 1 for its TP rank 1
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert _marked(mark) == []
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+    assert marked(mark) == []
 
 
 def test_serve_pp2_tp2_tokens_equal_single_process_then_a_clean_stop(tmp_path: Path) -> None:
     port = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     argv = ["serve", "--model", str(tiny_path(ARCH)), "--port", str(port), *POOL]
-    mark = uuid.uuid4().hex
-    cmd = dsakv_cmd(*argv, "--pp-size", "2", "--tp-size", "2", "--stage-timeout", "120")
-    env = {**os.environ, **CHILD_ENV, MARK: mark}
-    p = Proc("serve-pp2-tp2", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}", env=env)
-    p.start()
+    grid = [*argv, "--pp-size", "2", "--tp-size", "2", "--stage-timeout", "120"]
+    p, mark = start_marked("serve-pp2-tp2", grid, tmp_path / "serve.log", port)
     try:
-        wait_for(lambda: _up(url), 300, "serve --pp-size 2 --tp-size 2", [p])
+        wait_for(lambda: http_up(url), 300, "serve --pp-size 2 --tp-size 2", [p])
         prompts = prompts_for([11, 4], seed=21)
         bodies = [{"prompt": q, "max_tokens": 6, "temperature": 0, "ignore_eos": True} for q in prompts]
         bodies.append({"prompt": prompts[0], "max_tokens": 6, "temperature": 0.8, "seed": 17, "ignore_eos": True})
@@ -122,34 +96,20 @@ def test_serve_pp2_tp2_tokens_equal_single_process_then_a_clean_stop(tmp_path: P
     log = (tmp_path / "serve.log").read_text()
     assert log.count("TP group stopped: tp rank 1 exited 0") == 2, log[-3000:]  # stage 0's rank 1 and stage 1's
     assert "pipeline stopped: pipeline stage 1 exited 0" in log and "Traceback" not in log, log[-3000:]
-    assert _marked(mark) == []
-
-
-def _rank_pid(mark: str, stage: int, rank: int) -> int:
-    """The pid of (stage, TP rank) of this run (rank 0 of a stage is the stage process, no DSAKV_TP_RANK)."""
-    for pid in _marked(mark):
-        try:
-            env = set((Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if f"{PP_RANK_ENV}={stage}".encode() in env and f"{TP_RANK_ENV}={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no process of stage {stage} TP rank {rank}")
+    assert marked(mark) == []
 
 
 def test_serve_pp2_tp2_a_killed_stage_rank_is_named(tmp_path: Path) -> None:
     port = free_ports(1)
     url = f"http://127.0.0.1:{port}"
     argv = ["serve", "--model", str(tiny_path(ARCH)), "--port", str(port), *POOL]
-    mark = uuid.uuid4().hex
-    cmd = dsakv_cmd(*argv, "--pp-size", "2", "--tp-size", "2", "--stage-timeout", "120")
-    env = {**os.environ, **CHILD_ENV, MARK: mark}
-    p = Proc("serve-pp2-tp2", cmd, tmp_path / "serve.log", f"127.0.0.1:{port}", env=env).start()
+    grid = [*argv, "--pp-size", "2", "--tp-size", "2", "--stage-timeout", "120"]
+    p, mark = start_marked("serve-pp2-tp2", grid, tmp_path / "serve.log", port)
     try:
-        wait_for(lambda: _up(url), 300, "serve --pp-size 2 --tp-size 2", [p])
-        victim = _rank_pid(mark, 1, 1)
+        wait_for(lambda: http_up(url), 300, "serve --pp-size 2 --tp-size 2", [p])
+        victim = marked_pid(mark, {PP_RANK_ENV: "1", TP_RANK_ENV: "1"})
         os.kill(victim, signal.SIGKILL)  # idle: the next tick's broadcast on stage 1 fails
-        wait_for(lambda: not _up(url), 120, "health to turn 503", [])
+        wait_for(lambda: not http_up(url), 120, "health to turn 503", [])
         r = httpx.get(f"{url}/health", timeout=30)
         why = f"to its TP ranks failed: TP rank down: tp rank 1 (pid {victim}) was killed by signal 9 (SIGKILL)"
         assert r.status_code == 503 and why in r.json()["error"], r.json()
@@ -160,4 +120,4 @@ def test_serve_pp2_tp2_a_killed_stage_rank_is_named(tmp_path: Path) -> None:
         assert r2.status_code == 503 and why in r2.json()["error"]["message"]
     finally:
         p.kill()
-    wait_for(lambda: _marked(mark) == [], 60, "every process of the grid to be gone", [])
+    wait_for(lambda: marked(mark) == [], 60, "every process of the grid to be gone", [])

@@ -97,6 +97,17 @@ def step_ranks(engine: Any, lockstep: bool, ranks: Any = None) -> Iterator[Any]:
     """Step the engine until no request is unfinished (with `lockstep`, on any DP rank: an idle rank runs its
     share of each step's expert-parallel collectives with no tokens); yields every step's outputs. TP `ranks`
     with MTP: every step's drafts and accepted counts are checked equal on every rank (RanksDiverged)."""
+    from dsakv.engine.dp import LockstepEngine
+
+    if isinstance(engine, LockstepEngine):  # DP attention x PP (pipeline/dp_stage.py): rounds until none is active
+        from dsakv.engine.ranks import RankDown
+
+        while True:
+            yield from engine.step()
+            if engine.down is not None:
+                raise RankDown(engine.down)
+            if engine.rows and not any(r["active"] for r in engine.rows):
+                return
     if not lockstep:
         from dsakv.engine.tp_spec import agree_drafts
 
@@ -199,7 +210,17 @@ def run(args: argparse.Namespace) -> int:
     from dsakv.engine.request import SamplingParams
 
     check_tp_split(args, model_dir)
-    ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:])
+    if args.pp_size > 1:  # what a colocated pipeline refuses: before any rank or stage starts
+        from dsakv.pipeline.colocated import check_refusal
+
+        check_refusal(options.engine_config(args), args.pp_size)
+    dp = args.dp_size if args.enable_dp_attention else 1
+    if dp > 1 and args.pp_size > 1:  # DP attention x PP: each later stage's EP group gets a port (pipeline/dp_stage)
+        from dsakv.pipeline.dp_stage import reserve_stage_ports
+
+        reserve_stage_ports(args.pp_size)
+    label = "DP" if dp > 1 and args.pp_size > 1 else "TP"
+    ranks = start_ranks(args.tp_size, getattr(args, "_argv", None) or sys.argv[1:], label=label)
     seed = args.seed
     if ranks.size > 1 and seed is None and args.temperature > 0:  # one draw for every rank
         import random
@@ -214,18 +235,20 @@ def run(args: argparse.Namespace) -> int:
         stop_token_ids=tuple(parse_ids(args.stop_token_ids, "--stop-token-ids")),
         ignore_eos=args.ignore_eos,
     )
-    dp = args.dp_size if args.enable_dp_attention else 1
     if args.pp_size > 1:  # stage 0 of a colocated pipeline; a stage process runs its stage and exits here
         from dsakv.pipeline.colocated import start_pipeline
+        from dsakv.pipeline.dp_stage import pipeline_lockstep
 
         argv = getattr(args, "_argv", None) or sys.argv[1:]
-        piped = start_pipeline(model_dir, options.engine_config(args), options.pipeline_config(args), argv, ranks)
-        if isinstance(piped, int):  # a later stage (or one of its TP ranks): stopped; its TP group leaves
+        ec, pipe = options.engine_config(args), options.pipeline_config(args)
+        piped = start_pipeline(model_dir, ec, pipe, argv, ranks, dp=dp > 1)
+        if isinstance(piped, int):  # a later stage (or one of its TP / EP ranks): stopped; its group leaves
             if piped == 0:
                 ranks.close()
             return piped
-        try:
-            return _generate(args, ranks, piped, prompts, params, dp, tokenizer)
+        try:  # DP x PP: every DP rank's stage 0 stops its own pipeline before the DP group leaves
+            engine = pipeline_lockstep(piped, ranks) if dp > 1 else piped
+            return _generate(args, ranks, engine, prompts, params, dp, tokenizer, piped.close if dp > 1 else None)
         finally:
             piped.close()
     engine = build_engine(args, ranks, model_dir)
@@ -241,7 +264,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    args: argparse.Namespace, ranks: Any, engine: Any, prompts: list[list[int]], params: Any, dp: int, tokenizer: Any
+    args: argparse.Namespace,
+    ranks: Any,
+    engine: Any,
+    prompts: list[list[int]],
+    params: Any,
+    dp: int,
+    tokenizer: Any,
+    before_close: Any = None,
 ) -> int:
     mine = [i for i in range(len(prompts)) if i % dp == ranks.rank % dp]  # DP rank r: prompts r, r + dp, ...
     ids: dict[int, str] = {}
@@ -260,18 +290,28 @@ def _generate(
     seconds = time.perf_counter() - t0
     engine.check_integrity()
     generated = ranks.gather(engine.stats().generated_tokens) if dp > 1 else [engine.stats().generated_tokens]
+    # DP x PP (a LockstepEngine): per DP rank, the rounds it ran no forward in (IDLE down its pipeline)
+    idle = ranks.gather(engine.idle_forwards) if dp > 1 and hasattr(engine, "idle_forwards") else None
+    ranks_steps = ranks.gather(engine.stats().steps) if idle is not None else None
     got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
+    where: dict[int, int] = {}  # DP attention: prompt -> the DP rank that ran it (as that rank reports it)
     if dp > 1:
-        got = {i: v for part in ranks.gather(got) for i, v in part.items()}
+        parts = ranks.gather((ranks.rank, got))
+        where = {i: r for r, part in parts for i in part}
+        got = {i: v for _, part in parts for i, v in part.items()}
     else:
         ranks.agree(got, "output tokens")
+    if before_close is not None:
+        before_close()
     ranks.close()
     if not ranks.lead:  # a rank process: its group is closed (it exits without finalization: cli/main.py)
         return 0
     rows = []
     for i, prompt in enumerate(prompts):
         out_ids, reason, error = got[i]
-        row = {"prompt_ids": prompt, "output_ids": out_ids, "finish_reason": reason}
+        row: dict[str, Any] = {"prompt_ids": prompt, "output_ids": out_ids, "finish_reason": reason}
+        if i in where:
+            row["dp_rank"] = where[i]
         if error:
             row["error"] = error
         if tokenizer is not None:
@@ -288,6 +328,8 @@ def _generate(
     if args.stats:
         fig = {"tp": args.tp_size, "dp": dp, "ep": args.ep_size, "seconds": round(seconds, 6)}
         fig |= {"generated_tokens": sum(generated), "kv_pool_bytes_per_rank": engine.stats().pool_bytes}
+        if idle is not None:
+            fig |= {"steps_per_rank": ranks_steps, "idle_rounds_per_rank": idle}
         print(json.dumps({"ranks": fig}), file=sys.stderr)
         print(json.dumps(engine.stats().as_dict()), file=sys.stderr)
         if engine.cache_stats() is not None:

@@ -93,6 +93,10 @@ def run_colocated(args: argparse.Namespace, cfg: Config) -> int:
     tokenizer = load_tokenizer(model_dir, checkpoint_vocab_size(model_dir))  # a bad one fails before loading
     tp = getattr(args, "tp_size", 1)
     check_tp(model_dir, tp)
+    if cfg.pipeline.pp_size > 1:  # what a colocated pipeline refuses: before any rank or stage starts
+        from dsakv.pipeline.colocated import check_refusal
+
+        check_refusal(cfg.engine, cfg.pipeline.pp_size)
     ranked: Any = None
     piped: Any = None
     if getattr(args, "enable_dp_attention", False):  # DP ranks (engine/dp_serve.py): rank 0 serves HTTP
@@ -179,7 +183,27 @@ def _dp_engine(args: argparse.Namespace, cfg: Config, model_dir: Any) -> Any:
     from dsakv.model.parallel import attach_ep, divide
 
     divide("n_routed_experts", int(load_config(model_dir).get("n_routed_experts") or 0), args.ep_size, "--ep-size")
+    if cfg.pipeline.pp_size > 1:  # DP attention x PP: each DP rank a pipeline (pipeline/dp_stage.py)
+        from dsakv.pipeline.dp_stage import reserve_stage_ports
+
+        reserve_stage_ports(cfg.pipeline.pp_size)
     ranks = start_ranks(args.dp_size, args._argv, label="DP")
+    if cfg.pipeline.pp_size > 1:
+        from dsakv.pipeline.colocated import start_pipeline
+        from dsakv.pipeline.dp_stage import pipeline_lockstep
+
+        try:
+            piped = start_pipeline(model_dir, cfg.engine, cfg.pipeline, args._argv, ranks, dp=True)
+        except BaseException:
+            for p in ranks.children:
+                p.kill()
+            raise
+        if isinstance(piped, int):  # (d, s > 0): stopped by its stage 0; its stage's EP group leaves
+            if piped == 0:
+                ranks.close()
+            return piped
+        stepper = pipeline_lockstep(piped, ranks)
+        return follow_dp(stepper, ranks) if not ranks.lead else DPServeEngine(stepper, ranks)
     try:
         spec, model = load_model(model_dir, dtype=getattr(torch, cfg.engine.dtype))
         engine = Engine((spec, attach_ep(model, ranks.rank, args.ep_size)), cfg.engine, model_dir=model_dir)

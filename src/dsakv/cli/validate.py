@@ -136,9 +136,10 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"dsakv serve --role {role} --enable-dp-attention is not supported: the router runs no model (DP "
             "attention serves colocated, as --role prefill or as --role decode)"
         )
-    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1:
-        raise ConfigError(
-            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1"
+    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role != "colocated":
+        raise ConfigError(  # colocated: each DP rank a pipeline (pipeline/dp_stage.py); the decode's is not built
+            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1 "
+            "(a colocated `dsakv serve` runs DP attention with --pp-size)"
         )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
@@ -224,8 +225,8 @@ def validate_generate(args: argparse.Namespace) -> None:
 
 def check_pp_colocated(args: argparse.Namespace) -> None:
     """--pp-size of a colocated pipeline (generate, serve --role colocated): this command starts every stage (with
-    --tp-size, each stage's TP ranks), not (yet) with DP attention; the engine options it refuses are
-    named by pipeline/colocated.refusal."""
+    --tp-size, each stage's TP ranks; with DP attention, each DP rank's pipeline: pipeline/dp_stage.py); the engine
+    options it refuses are named by pipeline/colocated.refusal."""
     check_int(args, "pp_size", 1, 64, "pipeline stages (one process each)")
     pp = int(getattr(args, "pp_size", 1) or 1)
     if getattr(args, "pp_rank", None) is not None:
@@ -233,8 +234,6 @@ def check_pp_colocated(args: argparse.Namespace) -> None:
             f"--pp-rank {args.pp_rank} is for --role prefill / decode: a colocated --pp-size {pp} starts every stage "
             "itself; drop --pp-rank"
         )
-    if pp > 1 and getattr(args, "enable_dp_attention", False):
-        raise ConfigError(f"--pp-size {pp} with --enable-dp-attention is not supported yet: drop one of them")
     if pp > 1:
         check_seconds(args, "stage_timeout", fix="bound on every activation send/receive between stages, e.g. 10")
 

@@ -19,6 +19,10 @@ are re-placed (ElasticRanks.place), and the interrupted round runs again: the su
 KV, the dead rank's requests were in the dead process. A restarted rank is admitted at a round boundary: rank 0's
 row sets `join`, every member re-forms with it. `down` then means the group could not re-form (the instance is
 down, as with plain Ranks).
+A DP rank whose engine is a pipeline's stage 0 (DP attention x PP, pipeline/dp_stage.py) steps through the `forwarded`
+and `idle` hooks (did the step run a forward; the idle share of stage 0 and of every later stage), and its row says
+`down` once its pipeline broke (a stage died): that round every rank gathers the texts and fails what it holds naming
+the first such DP rank (`down`), and no rank steps again (the instance is down; restart it).
 Imports torch, torch.distributed and dsakv.model.parallel; nothing assumes a device.
 """
 
@@ -55,6 +59,7 @@ ROW = (
     "integrity_ok",
     "dp_rank",
     "join",
+    "down",
 )
 IDLE_S = 0.02  # a round in which no rank had work sleeps this long (bounds the idle rounds' CPU)
 DEATH_WAIT_S = 5.0  # after a failed collective: how long to look for the dead rank (to name it)
@@ -79,8 +84,21 @@ def pid_gone(pid: int) -> bool:
 class LockstepEngine:
     """One DP rank's engine (the Engine API passed through) stepping in lockstep with the other DP ranks."""
 
-    def __init__(self, engine: Any, ranks: Ranks | ElasticRanks, integrity: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        ranks: Ranks | ElasticRanks,
+        integrity: Callable[[], bool] | None = None,
+        *,
+        forwarded: Callable[[], bool] | None = None,
+        idle: Callable[[], Any] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        """`forwarded()`: did the engine's last step run a forward (default: the first EPMoE layer ran); `idle()`:
+        this rank's share of a round it ran no forward in (default: idle_forward over the model); `on_close()`:
+        runs first in close() (a pipeline's stage 0 stops its stages). Given by pipeline/dp_stage.py."""
         self.engine, self.ranks = engine, ranks
+        self.forwarded, self.idle, self.on_close = forwarded, idle, on_close
         self.elastic = isinstance(ranks, ElasticRanks)
         self.rank, self.size = ranks.rank, ranks.size
         self.integrity = integrity or (lambda: True)
@@ -157,7 +175,23 @@ class LockstepEngine:
             self._ok, self._checked = bool(self.integrity()), now
         join = isinstance(self.ranks, ElasticRanks) and self.rank == 0 and bool(self.ranks.joiners())
         vals = (active, stop, st.pages_free, st.pages_used, st.pages_total, st.num_running, st.num_waiting, self._ok)
-        return torch.tensor([int(v) for v in (*vals, self.rank, join)], dtype=torch.int64)
+        down = self._engine_down() is not None
+        return torch.tensor([int(v) for v in (*vals, self.rank, join, down)], dtype=torch.int64)
+
+    def _engine_down(self) -> str | None:
+        """Why this rank's engine cannot step (a pipeline's stage 0 whose pipeline broke), else None."""
+        down = getattr(self.engine, "down", None)
+        return down if isinstance(down, str) else None
+
+    def _engines_down(self, rows: list[dict[str, int]]) -> None:
+        """Some rank's engine is down (its row says so): every rank gathers the texts and is down naming the first."""
+        try:
+            texts = self.ranks.gather(self._engine_down())
+        except Exception as e:  # noqa: BLE001
+            self._broken(e)
+            return
+        r = next(r["dp_rank"] for r in rows if r["down"])
+        self._mark_down(f"DP rank down: dp rank {r}: {texts[r] or 'its engine is down'}")
 
     def _round(self, stop: bool) -> list[dict[str, int]]:
         mine = self._row(stop)
@@ -184,6 +218,9 @@ class LockstepEngine:
             if any(r["stop"] for r in rows):
                 self._stop_seen()
                 return []
+            if any(r["down"] for r in rows):
+                self._engines_down(rows)
+                return []
             if any(r["join"] for r in rows):  # rank 0 admits a restarted rank: every member re-forms
                 self._reform(None)
                 return []
@@ -196,9 +233,13 @@ class LockstepEngine:
             except StepRetry as e:  # (elastic) the step's all-to-all broke: held by the engine, run again
                 self._broken(e)
                 return []
-            if self.moe is not None and self.moe.calls == calls:  # no forward ran here: this rank's share
+            ran = self.forwarded() if self.forwarded is not None else self.moe is None or self.moe.calls != calls
+            if not ran:  # no forward ran here: this rank's share
                 try:
-                    idle_forward(self.engine.model)
+                    if self.idle is not None:
+                        self.idle()
+                    else:
+                        idle_forward(self.engine.model)
                     self.idle_forwards += 1
                 except Exception as e:  # noqa: BLE001
                     self._broken(e)
@@ -274,7 +315,15 @@ class LockstepEngine:
             self.stopped = True
 
     def close(self) -> None:
-        """Leave the group (rank 0: wait for the other ranks' exit; with a rank down: kill them, RankDown)."""
+        """Leave the group (rank 0: wait for the other ranks' exit; with a rank down: kill them, RankDown); first
+        `on_close` (a pipeline's stage 0: its stages stop; then the group, even when that failed)."""
+        try:
+            if self.on_close is not None:
+                self.on_close()
+        finally:
+            self._close_ranks()
+
+    def _close_ranks(self) -> None:
         if isinstance(self.ranks, ElasticRanks):
             self.ranks.close(self.down)
             return

@@ -172,8 +172,9 @@ class DPServeEngine:
         with self._lock:
             if self._closed:
                 return []
-            if self.ranks.down is not None:
-                raise RankDown(self.ranks.down)
+            down = self.ranks.down or self.lockstep.down  # a dead rank, or (DP x PP) a DP rank's broken pipeline
+            if down is not None:
+                raise RankDown(down)
             if not self._log and not self.placed and time.monotonic() - self._last < IDLE_STEP_S:
                 return []
             self._last = time.monotonic()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
 
@@ -292,13 +292,15 @@ def attach_ep(model: DSAModel, rank: int, size: int, group: Any = None) -> DSAMo
     return model
 
 
-def idle_forward(model: DSAModel) -> int:
-    """An idle DP rank's share of one step: every EPMoE layer with 0 rows (its peers' dispatch needs it)."""
+def idle_forward(model: DSAModel, layers: Iterable[int] | None = None) -> int:
+    """An idle DP rank's share of one step: every EPMoE layer (of `layers`, a pipeline stage's; default all) with 0
+    rows (its peers' dispatch needs it)."""
     hidden = model.spec.hidden_size
     x = torch.empty((0, hidden), dtype=model.dtype, device=model.device)
     n = 0
+    every = model.model.layers
     with torch.inference_mode():
-        for layer in model.model.layers:
+        for layer in every if layers is None else (every[i] for i in layers):
             mlp = cast(DecoderLayer, layer).mlp
             if isinstance(mlp, EPMoE):
                 mlp.forward(x)

@@ -13,8 +13,10 @@ its layer range (`--pp-partition a,b,..`, default an even split), all with stage
 Liveness: stage 0 polls its stage processes (a watcher thread); a stage that dies makes the step in flight and
 every later one fail with StageDown naming it and its exit status (/health 503 under serve; generate exits 2).
 The group is not re-formed: restart the command. Refused with N > 1 (clear errors, before anything starts):
-speculative decoding, HiSparse, the prefix cache and its tiers, DP attention (cli/validate).
-With `--tp-size T` each stage is T processes, its rank 0 in the pipeline (pipeline/tp_stage.py). Prompt
+speculative decoding, HiSparse, the prefix cache and its tiers (cli/validate).
+With `--tp-size T` each stage is T processes, its rank 0 in the pipeline (pipeline/tp_stage.py). With DP attention
+(`dp`) each DP rank is a pipeline of its own, each stage's DP ranks its EP group (pipeline/dp_stage.py): stage 0 steps
+in lockstep rounds, a round without a forward on this rank runs `idle_step`. Prompt
 logprobs: stage 0 names the positions in the step (PipeStep.logits_at), the last stage sends their logits back after
 the chunks'.
 Imports torch, dsakv.{util, spec, plan, engine, cache, model} and the pipeline's own modules.
@@ -39,9 +41,11 @@ from dsakv.engine.ranks import RankDown, Ranks, dead_child
 from dsakv.engine.request import RequestOutput, SamplingParams
 from dsakv.engine.scheduler import SchedulerOutput
 from dsakv.errors import ConfigError, Unavailable
+from dsakv.model.parallel import idle_forward
+from dsakv.pipeline.dp_stage import guard_stage, load_dp_model, stage_env
 from dsakv.pipeline.runner import RoundTripRunner, Stage0
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
-from dsakv.pipeline.step import STOP, PipeStep, StepBooks
+from dsakv.pipeline.step import IDLE, STOP, PipeStep, StepBooks
 from dsakv.pipeline.tp_stage import load_stage_model, make_group
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
@@ -74,20 +78,28 @@ def refusal(ec: EngineConfig, pp_size: int) -> str | None:
     return None
 
 
+def check_refusal(ec: EngineConfig, pp_size: int) -> None:
+    """ConfigError naming what the engine branch has that a colocated pipeline of `pp_size` stages cannot run."""
+    why = refusal(ec, pp_size)
+    if why is not None:
+        raise ConfigError(why)
+
+
 def stage_shape(ec: EngineConfig, spec: ModelSpec, pipe: PipelineConfig) -> tuple[list[KVLayout], int]:
     """Every stage's layout and the one page count all stage pools share (with --kv-budget: the planner's figure
     for the stage holding the most per token)."""
-    why = refusal(ec, pipe.pp_size)
-    if why is not None:
-        raise ConfigError(why)
+    check_refusal(ec, pipe.pp_size)
     layouts = [ec.layout.layout(spec, a, b) for a, b in split_layers(spec.num_layers, pipe.pp_size, pipe.partition)]
     return layouts, ec.pool.pages(layouts)
 
 
-def _load(model_dir: Path, ec: EngineConfig, ranks: Ranks | None = None) -> tuple[ModelSpec, Any]:
-    """The stage's model: the whole checkpoint, or this TP rank's shard of it (pipeline/tp_stage.py)."""
+def _load(model_dir: Path, ec: EngineConfig, ranks: Ranks | None = None, dp: bool = False) -> tuple[ModelSpec, Any]:
+    """The stage's model: the whole checkpoint, this TP rank's shard of it (pipeline/tp_stage.py) or, with DP
+    attention, the whole checkpoint with this DP rank's experts (pipeline/dp_stage.py)."""
     from dsakv.model.loader import load_model
 
+    if dp and ranks is not None:
+        return load_dp_model(model_dir, getattr(torch, ec.dtype), ranks)  # type: ignore[no-any-return]
     if ranks is not None and ranks.size > 1:
         return load_stage_model(model_dir, getattr(torch, ec.dtype), ranks)  # type: ignore[no-any-return]
 
@@ -108,8 +120,11 @@ class PipelinedEngine:
         port: int,
         children: Sequence[Proc],
         ranks: Ranks | None = None,
+        dp: bool = False,
     ):
         self.children = list(children)
+        self.dp = dp  # DP attention x PP: lockstep rounds (pipeline/dp_stage.py); `ranks` is stage 0's EP group
+        self.last_ran = False  # the last step ran a forward (a round-trip)
         self.size = pipe.pp_size
         self.stage_timeout = pipe.stage_timeout
         self.tick_s = min(1.0, pipe.stage_timeout / 4)
@@ -117,9 +132,12 @@ class PipelinedEngine:
         self.books = StepBooks()
         self._last_send = 0.0
         self._closed = False
-        spec, model = _load(model_dir, ec, ranks)
+        spec, model = _load(model_dir, ec, ranks, dp)
         layouts, pages = stage_shape(ec, spec, pipe)
-        self.group = make_group(0, self.size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, ranks)
+        self.layers = layouts[0].main_layers
+        self.group = make_group(
+            0, self.size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, None if dp else ranks
+        )
         self.ctx = Stage0(model, layouts[0].page_size, self.size, self.group, pipe.stage_timeout)
         self.runner: RoundTripRunner | None = None
         self.engine = Engine(
@@ -211,7 +229,10 @@ class PipelinedEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step through every stage (an idle tick when due); StageDown naming the stage once one died."""
+        self.last_ran = False
         if self.down is not None:
+            if self.dp:  # the round's row said up: this rank's share of it is idle_step's (no forward)
+                return []
             raise StageDown(self.down)
         assert self.runner is not None
         outs = self.engine.step()
@@ -219,12 +240,27 @@ class PipelinedEngine:
             if o.finished:
                 self.books.dropped(o.request_id)
         ran, self.runner.ran = self.runner.ran, False
+        self.last_ran = ran
         broken, self.runner.broken = self.runner.broken, None
         if broken is not None:
+            if self.dp:  # its requests failed naming the stage; the next round's row says this rank is down
+                return outs
             raise StageDown(broken)
+        if self.dp:  # a round without a forward here sends IDLE (idle_step), the books with it
+            return outs
         if not ran and (self.books.pending or time.monotonic() - self._last_send >= self.tick_s):
             self._send(self.books.tick())
         return outs
+
+    def idle_step(self) -> None:
+        """DP attention x PP: a round this DP rank ran no forward in: stage 0's MoE layers with 0 rows, then IDLE
+        (with the books) down the pipeline, on which every later stage does the same (pipeline/dp_stage.py)."""
+        idle_forward(self.engine.model, self.layers)
+        if self.down is None:
+            try:
+                self._send(self.books.tick(IDLE))
+            except StageDown:  # down now (named): the next round's row says so
+                pass
 
     def _send(self, step: PipeStep) -> None:
         try:
@@ -262,30 +298,38 @@ class PipelinedEngine:
 
 
 def start_pipeline(
-    model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, argv: Sequence[str], ranks: Ranks | None = None
+    model_dir: Path,
+    ec: EngineConfig,
+    pipe: PipelineConfig,
+    argv: Sequence[str],
+    ranks: Ranks | None = None,
+    dp: bool = False,
 ) -> Any:
     """Stage 0 (this command as the user started it): start stages 1..N-1 as copies of `dsakv *argv` and return
     the PipelinedEngine. A stage process (DSAKV_PP_RANK set): run the stage until stage 0 stops it and return
     its exit code (an int). `ranks`: this process's TP group (of its stage; a TP rank r > 0 of stage 0 returns a
-    PipelinedEngine that sends nothing, pipeline/tp_stage.py)."""
-    why = refusal(ec, pipe.pp_size)
-    if why is not None:
-        raise ConfigError(why)
+    PipelinedEngine that sends nothing, pipeline/tp_stage.py) or, with `dp` (DP attention), its stage's EP group:
+    every DP rank's stage 0 starts its own stages (pipeline/dp_stage.py)."""
+    check_refusal(ec, pipe.pp_size)
     split_layers(ModelSpec.from_path(model_dir).num_layers, pipe.pp_size, pipe.partition)  # a bad partition: now
     env_rank = os.environ.get(PP_RANK_ENV)
     if env_rank is not None:
         if int(os.environ.get(SIZE_ENV, pipe.pp_size)) != pipe.pp_size:
             raise ConfigError(f"this stage was started for {os.environ[SIZE_ENV]} stages, not --pp-size {pipe.pp_size}")
-        return run_stage(int(env_rank), int(os.environ[PORT_ENV]), model_dir, ec, pipe, ranks)
-    if ranks is not None and not ranks.lead:  # a TP rank of stage 0: stage 0's rank 0 started the stages
+        return run_stage(int(env_rank), int(os.environ[PORT_ENV]), model_dir, ec, pipe, ranks, dp)
+    if ranks is not None and not ranks.lead and not dp:  # a TP rank of stage 0: stage 0's rank 0 started the stages
         return PipelinedEngine(model_dir, ec, pipe, 0, [], ranks)
     port = free_ports(1)
     children = []
     for k in range(1, pipe.pp_size):
         env = {**os.environ, **CHILD_ENV, PP_RANK_ENV: str(k), PORT_ENV: str(port), SIZE_ENV: str(pipe.pp_size)}
-        children.append(Proc(f"pipeline stage {k}", dsakv_cmd(*argv), env=env, new_session=False).start())
+        name = f"pipeline stage {k}"
+        if dp and ranks is not None:  # (d, k) joins stage k's EP group as rank d
+            env |= stage_env(k, ranks)
+            name = f"dp rank {ranks.rank} {name}"
+        children.append(Proc(name, dsakv_cmd(*argv), env=env, new_session=False).start())
     try:
-        return PipelinedEngine(model_dir, ec, pipe, port, children, ranks)
+        return PipelinedEngine(model_dir, ec, pipe, port, children, ranks, dp)
     except BaseException:
         for p in children:
             p.kill()
@@ -293,19 +337,30 @@ def start_pipeline(
 
 
 def run_stage(
-    rank: int, port: int, model_dir: Path, ec: EngineConfig, pipe: PipelineConfig, ranks: Ranks | None = None
+    rank: int,
+    port: int,
+    model_dir: Path,
+    ec: EngineConfig,
+    pipe: PipelineConfig,
+    ranks: Ranks | None = None,
+    dp: bool = False,
 ) -> int:
-    """Stage `rank` > 0: its layers' pool, the group, then StageFollower steps until STOP (0) or a broken link (1)."""
+    """Stage `rank` > 0: its layers' pool, the group, then StageFollower steps until STOP (0) or a broken link (1).
+    With `dp`: `ranks` is the stage's EP group (a dead peer named by guard_stage, pipeline/dp_stage.py)."""
     from dsakv.cache.device_pool import DevicePool
     from dsakv.pipeline.follower import StageFollower
     from dsakv.pipeline.page_mirror import PageMirror
 
     if not 0 < rank < pipe.pp_size:
         raise ConfigError(f"{PP_RANK_ENV}={rank} must be in 1..{pipe.pp_size - 1} (--pp-size {pipe.pp_size})")
-    spec, model = _load(model_dir, ec, ranks)
+    spec, model = _load(model_dir, ec, ranks, dp)
     layouts, pages = stage_shape(ec, spec, pipe)
     pool = DevicePool(layouts[rank], pages, device=model.device)
-    group = make_group(rank, pipe.pp_size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, ranks)
+    if dp and ranks is not None:
+        guard_stage(model, ranks, rank)
+    group = make_group(
+        rank, pipe.pp_size, port, pipe.stage_timeout, model.dtype, spec.hidden_size, None if dp else ranks
+    )
     end = time.monotonic() + STARTUP_S
     while not group.form({"pid": os.getpid(), "pages": pages}):
         if time.monotonic() > end:

@@ -8,6 +8,8 @@ one loop with the role's hooks (StageHooks):
     STEP: this stage's layers over the carried hidden states (and top-k) -> stage k+1 (the meta unchanged); the
           last stage runs hooks.last_stage instead; then hooks.stepped on every stage
     TICK / STOP: passed on unchanged (STOP: the caller's loop ends)
+    IDLE: this stage's MoE layers with 0 rows (model/parallel.idle_forward: the round's expert-parallel
+          collectives of a DP rank with no work, pipeline/dp_stage.py), then passed on like a tick
 
 The default hooks (StageHooks itself) are a round-trip pipeline's: no payload, every drop releases its pages, the
 last stage sends the logits (float32, one row per chunk, then the prompt-logprob positions a step names in its
@@ -32,10 +34,11 @@ from dsakv.cache.device_pool import DevicePool
 from dsakv.engine.model_runner import logits_at
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.dsa_model import StageCarry
+from dsakv.model.parallel import idle_forward
 from dsakv.pipeline.batch import decode_batch
 from dsakv.pipeline.page_mirror import PageMirror
 from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
-from dsakv.pipeline.step import STEP, STOP, P, PayloadOf, PipeStep
+from dsakv.pipeline.step import IDLE, STEP, STOP, P, PayloadOf, PipeStep
 from dsakv.util.stats import Stats
 
 
@@ -115,6 +118,8 @@ class StageFollower(Generic[P]):
             for rid, pages in step.hold.items():
                 self.mirror.hold(rid, pages)
         self.stats.pages_peak = max(self.stats.pages_peak, self.mirror.num_used)
+        if step.kind == IDLE:  # DP attention x PP: this DP rank's share of the round's all-to-alls, 0 rows
+            idle_forward(self.model, self.pool.layout.main_layers)
         if step.kind != STEP:
             self.stats.ticks += step.kind != STOP
             if not self.last:

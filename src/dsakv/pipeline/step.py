@@ -2,7 +2,9 @@
 tells the later stages with every step, while idle, and at shutdown:
 
     kind     STEP (a forward: `batch` holds the ForwardBatch fields, encode_batch), TICK (books only, so an idle
-             stage's receive never times out) or STOP (the pipeline shuts down: every stage exits)
+             stage's receive never times out), IDLE (DP attention x PP, pipeline/dp_stage.py: this DP rank ran no
+             forward this round, so each stage runs its MoE layers' expert-parallel collectives with 0 rows) or
+             STOP (the pipeline shuts down: every stage exits)
     hold     request id -> its pages as of this step (each later stage mirrors them in its PageMirror)
     drop     requests whose pages stage 0 freed (finished, aborted, preempted, failed); applied before `hold`
     payload  the role's own part, typed (None for a round-trip pipeline; the prefill's PrefillStep: its rows, new
@@ -28,8 +30,8 @@ from dsakv.model.batch import ForwardBatch
 from dsakv.pipeline.batch import encode_batch
 from dsakv.pipeline.stage_comm import StageLinkError
 
-STEP, TICK, STOP = "step", "tick", "stop"
-KINDS = (STEP, TICK, STOP)
+STEP, TICK, STOP, IDLE = "step", "tick", "stop", "idle"
+KINDS = (STEP, TICK, STOP, IDLE)
 FIELDS = ("kind", "batch", "hold", "drop", "payload", "logits_at")
 
 

@@ -36,13 +36,19 @@ from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 __all__ = [
     "DP_ARGS",
+    "MARK_ENV",
     "Cluster",
     "Proc",
     "assert_clean",
     "call",
     "free_ports",
+    "http_up",
+    "marked",
+    "marked_env",
+    "marked_pid",
     "role_config",
     "run_requests",
+    "start_marked",
     "wait_for",
     "worker_config",
 ]
@@ -215,3 +221,60 @@ def assert_clean(addrs: Sequence[str], timeout: float = 20.0, procs: Sequence[Pr
     """Every worker at addrs holds no page and its books balance (waits for in-flight work to settle)."""
     for a in addrs:
         wait_for(functools.partial(_clean, a), timeout, f"{a}: no page held, integrity ok", procs)
+
+
+# ---- a colocated world (rank, stage processes one command starts), marked so a test finds each process ------------
+
+MARK_ENV = "DSAKV_TEST_RUN"  # a test run's mark, inherited by every process the command starts
+
+
+def marked(mark: str, env: dict[str, str] | None = None) -> list[int]:
+    """The pids of live processes whose environment holds MARK_ENV=mark and every `env` pair (e.g. a grid's stage
+    and rank: {PP_RANK_ENV: "1", TP_RANK_ENV: "1"})."""
+    want = {f"{MARK_ENV}={mark}".encode(), *(f"{k}={v}".encode() for k, v in (env or {}).items())}
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            have = set((d / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if want <= have:
+            out.append(int(d.name))
+    return out
+
+
+def marked_pid(mark: str, env: dict[str, str]) -> int:
+    """The one live process of run `mark` whose environment holds every `env` pair."""
+    pids = marked(mark, env)
+    assert len(pids) == 1, f"{len(pids)} processes of this run hold {env}, not 1: {pids}"
+    return pids[0]
+
+
+def marked_env(mark: str) -> dict[str, str]:
+    """The environment of a command of run `mark` (this one's, CHILD_ENV, MARK_ENV=mark)."""
+    import os
+
+    from dsakv.util.procs import CHILD_ENV
+
+    return {**os.environ, **CHILD_ENV, MARK_ENV: mark}
+
+
+def start_marked(name: str, argv: Sequence[str], log: Path, port: int) -> tuple[Proc, str]:
+    """`dsakv *argv` serving on 127.0.0.1:`port` with a fresh mark every process it starts inherits (`marked`):
+    (the process, the mark)."""
+    import uuid
+
+    mark = uuid.uuid4().hex
+    return Proc(name, dsakv_cmd(*argv), log, f"127.0.0.1:{port}", env=marked_env(mark)).start(), mark
+
+
+def http_up(url: str) -> bool:
+    """GET url/health answers 200."""
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
