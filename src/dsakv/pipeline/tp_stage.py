@@ -17,7 +17,8 @@ Rank 0 + broadcast, not a pipeline per TP rank: one copy of the hidden states cr
 pipeline's formation and group are the PP-only code (its TP ranks are not in it). A member (rank r > 0) of a stage
 has no pipeline link: `MemberGroup` receives the broadcast and sends nothing. A dead rank breaks its stage's
 collectives: its stage's rank 0 names it (Ranks.guard), leaves that in stage 0's rendezvous store (note_down) and
-exits 1; stage 0 fails what it holds naming both.
+exits 1; stage 0 fails what it holds naming both. The decode pipeline's stage 0 uses LeadGroup / MemberGroup too
+(disagg/decode/grid.py); its stages s > 0, which re-form, relay through pipeline/relay.py.
 Imports torch, dsakv.engine.ranks, dsakv.model and the pipeline's stage_comm.
 """
 
@@ -49,11 +50,17 @@ class LeadGroup(StageGroup):
     ranks (a dead rank: StageLinkError naming it; the pipeline breaks)."""
 
     ranks: Ranks | None = None
+    relayed = True  # the last message received was broadcast (False from a send until the answer is relayed)
+
+    def send_to(self, dst: int, msg: StageMessage) -> None:
+        self.relayed = False
+        super().send_to(dst, msg)
 
     def recv_from(self, src: int, timeout: float | None = None, dtype: torch.dtype | None = None) -> StageMessage:
         msg = super().recv_from(src, timeout, dtype)
         ranks = self.ranks
         assert ranks is not None, "the stage's ranks are bound before the first receive"
+        self.relayed = True
         try:
             ranks.broadcast(msg)
         except Exception as e:  # noqa: BLE001 (a dead rank: its name, not gloo's)
@@ -62,6 +69,19 @@ class LeadGroup(StageGroup):
             self.break_(why)
             raise StageLinkError(why) from e
         return msg
+
+    def fail_members(self, why: str) -> None:
+        """A round trip failed before its answer was relayed (a decode pipeline's stage 0, which re-forms): the
+        other ranks, waiting for the answer, get `why` instead (MemberGroup.recv_from raises it), so every rank
+        fails the same step."""
+        ranks = self.ranks
+        if self.relayed or ranks is None or ranks.down is not None:
+            return
+        self.relayed = True
+        try:
+            ranks.broadcast(why)
+        except Exception as e:  # noqa: BLE001 (a dead rank: the ranks' watcher names it)
+            log.warning("stage %d: telling the TP ranks the round trip failed: %s", self.rank, e)
 
 
 class MemberGroup(StageGroup):
@@ -86,6 +106,8 @@ class MemberGroup(StageGroup):
             msg = self.ranks.broadcast(None)
         except Exception as e:  # noqa: BLE001 (rank 0 of the stage or a peer rank died)
             raise StageLinkError(f"stage {self.rank} TP rank {self.ranks.rank}: {e}") from e
+        if isinstance(msg, str):  # rank 0's round trip failed (LeadGroup.fail_members)
+            raise StageLinkError(msg)
         assert isinstance(msg, StageMessage), f"rank 0 of stage {self.rank} broadcast {type(msg).__name__}"
         return msg
 

@@ -50,7 +50,7 @@ def test_decode_tp2_needs_every_rank():
     ok = done({0: {0: 80, 1: 80}, 1: {0: 80, 1: 80}}, routes)
     assert tp.check_parts(None, ok) is None
     why = tp.check_parts(None, done({0: {0: 80}, 1: {0: 80}}, [[0, 0], [1, 0]]))
-    assert why is not None and "decode rank(s) [0]" in why, why
+    assert why is not None and "decode rank(s) ['tp0']" in why, why
 
 
 def _m(start: int, end: int, total: int = 4):
@@ -61,9 +61,9 @@ def _m(start: int, end: int, total: int = 4):
 def test_grid_check_names_a_missing_decode_rank_and_other_layers():
     prefill = RoleGrid.from_partition("prefill", [4], attention_tp=2)
     check = grid_check(prefill, lambda s: KEYS)
-    check("d:1", [(0, _m(0, 4))], [1])  # decode TP 2: fine
+    check("d:1", [(0, _m(0, 4))], [(0, 1)])  # decode TP 2: fine
     with pytest.raises(IncompatiblePeer, match=r"missing: stage 0 dp 0 tp 1") as e:
-        check("d:1", [(0, _m(0, 4))], [2])
+        check("d:1", [(0, _m(0, 4))], [(0, 2)])
     assert "prefill: pp 1 (4) x dp 1 x attention tp 2" in str(e.value)
     with pytest.raises(IncompatiblePeer, match=r"covers 4 layers, decode: pp 1 \(6\)"):
         check("d:1", [(0, _m(0, 6, 6))], [])

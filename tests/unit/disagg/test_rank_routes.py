@@ -44,7 +44,7 @@ def link(layout: KVLayout, ranks: int) -> DecodeLink:
     for r in range(ranks):
         dst = manifest(layout, f"decode.tp{r}", (r + 2) << 36)
         pairing = check_pair(src, dst)
-        parts.append(LinkPart(0, dst, pairing, PairTable.of(pairing.pairs), None, rank=r))  # type: ignore[arg-type]
+        parts.append(LinkPart(0, dst, pairing, PairTable.of(pairing.pairs), None, rank=r, cell=r))  # type: ignore[arg-type]
     return DecodeLink("127.0.0.1:1", "boot", parts[0].manifest, tuple(parts))
 
 

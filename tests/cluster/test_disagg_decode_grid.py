@@ -1,0 +1,186 @@
+"""A decode instance with TP 2 x PP 2 (`dsakv serve --role decode --pp-size 2 --tp-size 2`, each stage started with
+its --pp-rank; each stage's rank 0 starts its rank 1): the rank grid (stage s, TP rank r), four processes, each with
+its shard of stage s's layers, its own pool of them and its own transfer engine (decode/grid.py), fed by a TP-1
+prefill over Mooncake and a TP-2 prefill over NIXL (one stage each, every layer).
+
+Checked, exactly: greedy and seeded tokens equal the single-rank colocated engine; per request (sent one at a time),
+the bytes landed per (prefill rank, decode (stage, rank)) pair equal the sender rule's figure over the keys the
+prefill shares with that decode stage (its rotation: the router's wire id), every decode (stage, rank) pool gets each
+of its keys once (the pairs into it sum to the layout figure), every prefill rank sends, and per key no sender serves
+more than ceil(receivers / senders) of its receivers; afterwards no page is held on either side. A killed decode
+(stage 1, TP rank 1) fails the requests in flight naming it, and both stage 0's and stage 1's health say down with
+its name; the prefill holds nothing afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from dsakv.disagg.protocol.lifecycle import attempt_id
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.disagg.transfer.rank_assign import RankId, assign
+from dsakv.disagg.transfer.rank_routes import request_rotation
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
+from dsakv.testing.config import engine_config
+from dsakv.testing.engines import tiny_model, tiny_path
+from dsakv.testing.listen import child_pids
+from dsakv.util import ceil_div
+from dsakv.util.procs import dsakv_cmd, free_ports
+
+pytestmark = [pytest.mark.timeout(600)]
+
+ARCH = "glm_moe_dsa"
+PARTITION = (7, 5)  # the decode's stages: layers 0-6 and 7-11
+TP = 2
+LENGTHS = (7, 23, 41)
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+LONG = SamplingParams(max_new_tokens=600, ignore_eos=True)  # decodes for seconds: the kill lands mid-decode
+SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
+GRID = ["--tp-size", str(TP)]
+
+g = torch.Generator().manual_seed(61)
+PROMPTS = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    eng = Engine(tiny_model(ARCH), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256))
+    return {"greedy": eng.generate(PROMPTS, GREEDY), "sampled": eng.generate(PROMPTS[:2], SAMPLED)}
+
+
+def start(cluster: Cluster, backend: str, senders: int, name: str) -> tuple[list, list, object]:
+    spec = ModelSpec.from_path(tiny_path(ARCH))
+    decode = cluster.decode_pp(name, backend, PARTITION, extra=[*GRID, "--stage-timeout", "20"])
+    extra = ["--tp-size", str(senders)] if senders > 1 else []
+    prefill = cluster.prefill(f"p{name}", backend, True, (spec.num_layers,), extra=extra)
+    cluster.wait_healthy([*prefill, *decode], timeout=300)
+    router = cluster.router([prefill[0].addr], [decode[0].addr])
+    assert router.wait_ready(120), router.health()
+    return decode, prefill, router
+
+
+# one prefill shape per backend keeps the run short: TP 1 over mooncake, TP 2 over nixl
+@pytest.fixture(scope="module", params=(("mooncake", 1), ("nixl", 2)), ids=("mooncake-ptp1", "nixl-ptp2"))
+def world(request, tmp_path_factory):
+    backend, senders = request.param
+    cluster = Cluster(tiny_path(ARCH), tmp_path_factory.mktemp(f"decode-grid-{backend}"))
+    try:
+        decode, prefill, router = start(cluster, backend, senders, "dg")
+        yield backend, senders, cluster, decode, prefill, router
+    finally:
+        cluster.close()
+
+
+def stage_layout(spec: ModelSpec, a: int, b: int) -> KVLayout:
+    return KVLayout(spec, a, b, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
+
+
+def rule_pairs(spec: ModelSpec, prefill: str, senders: int, wire_id: str, length: int) -> dict[str, int]:
+    """The sender rule's bytes per (prefill rank, decode (stage, rank)) pair for one request, as the decode's health
+    keys them; checks each key's cap and each receiver's layout figure on the way."""
+    src = stage_layout(spec, 0, spec.num_layers)
+    held = list(src.by_key)
+    weight = {k: b.page_bytes for k, b in src.by_key.items()}
+    needs: dict[RankId, list] = {}
+    figure: dict[RankId, int] = {}
+    for j, (a, n) in enumerate(zip((0, PARTITION[0]), PARTITION, strict=True)):
+        dst = stage_layout(spec, a, a + n)
+        common = sorted(dst.by_key.keys() & src.by_key.keys())
+        for r in range(TP):
+            needs[RankId(j, 0, r)] = common
+            figure[RankId(j, 0, r)] = sum(dst.by_key[k].page_bytes for k in common)
+    a = assign({RankId(0, 0, t): held for t in range(senders)}, needs, weight, rotate=request_rotation(wire_id))
+    for k in held:  # per key: no sender serves more than ceil(receivers / senders) of its receivers
+        recv = [r for r, keys in needs.items() if k in keys]
+        per = [sum(1 for r in recv if a.sender_of(r, k) == RankId(0, 0, t)) for t in range(senders)]
+        assert max(per) <= ceil_div(len(recv), senders), (k, per)
+    pages = ceil_div(length, PAGE_SIZE)
+    out: dict[str, int] = {}
+    got: dict[RankId, int] = {}
+    for (s, r), nbytes in a.pair_bytes({k: w * pages for k, w in weight.items()}).items():
+        src_name = f"{prefill}:0.tp{s.tp}" if senders > 1 else f"{prefill}:0"
+        out[f"{src_name}->{r.stage}.tp{r.tp}"] = nbytes
+        got[r] = got.get(r, 0) + nbytes
+    assert got == {r: pages * f for r, f in figure.items()}, (got, figure)  # each key once into every pool
+    return out
+
+
+def test_decode_tp2_pp2_tokens_and_bytes_per_rank_pair(world, reference):
+    backend, senders, cluster, decode, prefill, router = world
+    spec = ModelSpec.from_path(tiny_path(ARCH))
+    h = fetch_health(decode[0].addr)
+    assert h.ok and h.down is None and (h.stage, h.num_stages) == (0, 2), h
+    assert [(row.stage, row.ok) for row in h.pipeline] == [(0, True), (1, True)], h.pipeline
+
+    tag = f"{backend}-grid"
+    got = run_requests(router, PROMPTS, GREEDY, f"{tag}-g")
+    assert [t for t, _, _ in got] == reference["greedy"], got
+    assert {(r, e) for _, r, e in got} == {("length", None)}
+    got = run_requests(router, PROMPTS[:2], SAMPLED, f"{tag}-s")
+    assert [t for t, _, _ in got] == reference["sampled"], got
+
+    senders_seen: set[str] = set()
+    for i, prompt in enumerate(PROMPTS):  # one request at a time: the pairs gained exactly the rule's bytes
+        before = dict(fetch_health(decode[0].addr).kv_bytes_pairs or {})
+        rid = f"{tag}-b-{i}"
+        (out,) = run_requests(router, [prompt], GREEDY, rid)
+        assert out[0] == reference["greedy"][i], out
+        after = dict(fetch_health(decode[0].addr).kv_bytes_pairs or {})
+        gained = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        want = rule_pairs(spec, "pdg", senders, attempt_id(f"{rid}-0", 1), len(prompt))
+        assert gained == {k: n for k, n in want.items() if n}, (gained, want)
+        senders_seen |= {k.split("->")[0] for k, n in want.items() if n > 0}
+    assert len(senders_seen) == senders, senders_seen  # every prefill rank sent (no rank-0 hotspot)
+    assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
+    for st in decode[1:]:
+        assert fetch_health(st.addr).pages_used == 0
+
+
+def test_killed_decode_stage1_rank1_is_named(world, reference):
+    """kill -9 of decode stage 1's TP rank 1 while two requests decode: both fail naming it (stage, rank, pid,
+    SIGKILL); stage 0 and stage 1 say down with that name, stage 0 holds no page, the prefill holds nothing."""
+    backend, senders, cluster, decode, prefill, router = world
+    rids = [f"{backend}-kill-{i}" for i in range(2)]
+    for rid, p in zip(rids, PROMPTS[:2], strict=True):
+        router.submit(rid, list(p), LONG)
+    wait_for(lambda: (fetch_health(decode[0].addr).running or 0) == 2, 60, "both requests decoding", cluster.procs)
+    (rank1,) = child_pids(decode[1].pid)
+    os.kill(rank1, signal.SIGKILL)
+    dead = f"stage 1 tp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
+    for rid, want in zip(rids, reference["greedy"][:2], strict=True):
+        toks: list[int] = []
+        end = None
+        for ev in router.events(rid, 90):
+            toks += ev.new_token_ids
+            if ev.finished:
+                end = (ev.finish_reason, ev.error or "")
+        assert end is not None and end[0] == "error" and dead in end[1], (rid, end, len(toks))
+        assert toks[:5] == want[: len(toks[:5])], (toks[:5], want)  # what streamed before the kill was right
+    wait_for(lambda: dead in (fetch_health(decode[0].addr).down or ""), 60, "stage 0 names it", cluster.procs)
+    h0 = fetch_health(decode[0].addr)
+    assert not h0.ok, h0
+    h1 = fetch_health(decode[1].addr)
+    assert not h1.ok and dead in (h1.down or ""), h1.down
+    assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
+
+
+def test_refusals_name_what_is_not_built():
+    """A TP x PP decode with MTP, and with DP attention, is refused by name before anything starts (exit 2)."""
+    base = ["serve", "--role", "decode", "--model", str(tiny_path(ARCH)), "--port", str(free_ports(3))]
+    base += ["--pp-size", "2", "--tp-size", "2"]
+    cases = [
+        (["--speculative-num-steps", "2"], "--speculative-num-steps with --role decode --pp-size 2"),
+        (["--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"], "--enable-dp-attention with --role decode"),
+    ]
+    for extra, want in cases:
+        out = subprocess.run(dsakv_cmd(*base, *extra), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and want in out.stderr, (extra, out.returncode, out.stderr[-2000:])
