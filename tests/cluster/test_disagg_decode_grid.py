@@ -1,7 +1,8 @@
 """A decode instance with TP 2 x PP 2 (`dsakv serve --role decode --pp-size 2 --tp-size 2`, each stage started with
 its --pp-rank; each stage's rank 0 starts its rank 1): the rank grid (stage s, TP rank r), four processes, each with
 its shard of stage s's layers, its own pool of them and its own transfer engine (decode/grid.py), fed by a TP-1
-prefill over Mooncake and a TP-2 prefill over NIXL (one stage each, every layer).
+prefill (one stage) over Mooncake and a TP 2 x PP 2 prefill (stages 0-4 and 5-11 against the decode's 0-6 and 7-11:
+its stage 1 writes both decode stages) over NIXL.
 
 Checked, exactly: greedy and seeded tokens equal the single-rank colocated engine; per request (sent one at a time),
 the bytes landed per (prefill rank, decode (stage, rank)) pair equal the sender rule's figure over the keys the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from typing import Any
 
 import pytest
 import torch
@@ -57,25 +59,28 @@ def reference() -> dict[str, list[list[int]]]:
     return {"greedy": eng.generate(PROMPTS, GREEDY), "sampled": eng.generate(PROMPTS[:2], SAMPLED)}
 
 
-def start(cluster: Cluster, backend: str, senders: int, name: str) -> tuple[list, list, object]:
-    spec = ModelSpec.from_path(tiny_path(ARCH))
+def start(cluster: Cluster, backend: str, senders: int, stages: tuple[int, ...], name: str) -> tuple[list, list, Any]:
     decode = cluster.decode_pp(name, backend, PARTITION, extra=[*GRID, "--stage-timeout", "20"])
     extra = ["--tp-size", str(senders)] if senders > 1 else []
-    prefill = cluster.prefill(f"p{name}", backend, True, (spec.num_layers,), extra=extra)
+    prefill = cluster.prefill(f"p{name}", backend, True, stages, extra=extra)
     cluster.wait_healthy([*prefill, *decode], timeout=300)
     router = cluster.router([prefill[0].addr], [decode[0].addr])
     assert router.wait_ready(120), router.health()
     return decode, prefill, router
 
 
-# one prefill shape per backend keeps the run short: TP 1 over mooncake, TP 2 over nixl
-@pytest.fixture(scope="module", params=(("mooncake", 1), ("nixl", 2)), ids=("mooncake-ptp1", "nixl-ptp2"))
+# one prefill shape per backend keeps the run short: TP 1 (one stage) over mooncake, TP 2 x PP 2 over nixl (its
+# stages 0-4 and 5-11 against the decode's 0-6 and 7-11: prefill stage 1 writes both decode stages)
+SHAPES = (("mooncake", 1, (12,)), ("nixl", 2, (5, 7)))
+
+
+@pytest.fixture(scope="module", params=SHAPES, ids=("mooncake-ptp1", "nixl-ptp2xpp2"))
 def world(request, tmp_path_factory):
-    backend, senders = request.param
+    backend, senders, stages = request.param
     cluster = Cluster(tiny_path(ARCH), tmp_path_factory.mktemp(f"decode-grid-{backend}"))
     try:
-        decode, prefill, router = start(cluster, backend, senders, "dg")
-        yield backend, senders, cluster, decode, prefill, router
+        decode, prefill, router = start(cluster, backend, senders, stages, "dg")
+        yield backend, (senders, stages), cluster, decode, prefill, router
     finally:
         cluster.close()
 
@@ -84,38 +89,48 @@ def stage_layout(spec: ModelSpec, a: int, b: int) -> KVLayout:
     return KVLayout(spec, a, b, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
 
 
-def rule_pairs(spec: ModelSpec, prefill: str, senders: int, wire_id: str, length: int) -> dict[str, int]:
-    """The sender rule's bytes per (prefill rank, decode (stage, rank)) pair for one request, as the decode's health
-    keys them; checks each key's cap and each receiver's layout figure on the way."""
-    src = stage_layout(spec, 0, spec.num_layers)
-    held = list(src.by_key)
-    weight = {k: b.page_bytes for k, b in src.by_key.items()}
-    needs: dict[RankId, list] = {}
-    figure: dict[RankId, int] = {}
-    for j, (a, n) in enumerate(zip((0, PARTITION[0]), PARTITION, strict=True)):
-        dst = stage_layout(spec, a, a + n)
-        common = sorted(dst.by_key.keys() & src.by_key.keys())
-        for r in range(TP):
-            needs[RankId(j, 0, r)] = common
-            figure[RankId(j, 0, r)] = sum(dst.by_key[k].page_bytes for k in common)
-    a = assign({RankId(0, 0, t): held for t in range(senders)}, needs, weight, rotate=request_rotation(wire_id))
-    for k in held:  # per key: no sender serves more than ceil(receivers / senders) of its receivers
-        recv = [r for r, keys in needs.items() if k in keys]
-        per = [sum(1 for r in recv if a.sender_of(r, k) == RankId(0, 0, t)) for t in range(senders)]
-        assert max(per) <= ceil_div(len(recv), senders), (k, per)
+def spans(partition: tuple[int, ...]) -> list[tuple[int, int]]:
+    starts = [sum(partition[:i]) for i in range(len(partition))]
+    return [(a, a + n) for a, n in zip(starts, partition, strict=True)]
+
+
+def rule_pairs(spec: ModelSpec, prefill: str, shape: tuple[int, tuple[int, ...]], wire_id: str, length: int) -> dict:
+    """The sender rule's bytes per (prefill stage and rank, decode (stage, rank)) pair for one request, as the
+    decode's health keys them; checks each key's cap, and that every decode pool received each of its keys once
+    (the pairs into it sum to its layout figure), on the way."""
+    senders, stages = shape
     pages = ceil_div(length, PAGE_SIZE)
     out: dict[str, int] = {}
     got: dict[RankId, int] = {}
-    for (s, r), nbytes in a.pair_bytes({k: w * pages for k, w in weight.items()}).items():
-        src_name = f"{prefill}:0.tp{s.tp}" if senders > 1 else f"{prefill}:0"
-        out[f"{src_name}->{r.stage}.tp{r.tp}"] = nbytes
-        got[r] = got.get(r, 0) + nbytes
-    assert got == {r: pages * f for r, f in figure.items()}, (got, figure)  # each key once into every pool
+    for i, (pa, pb) in enumerate(spans(stages)):
+        src = stage_layout(spec, pa, pb)
+        held = list(src.by_key)
+        weight = {k: b.page_bytes for k, b in src.by_key.items()}
+        needs: dict[RankId, list] = {}
+        for j, (a, b) in enumerate(spans(PARTITION)):
+            common = sorted(stage_layout(spec, a, b).by_key.keys() & src.by_key.keys())
+            if common:
+                needs |= {RankId(j, 0, r): common for r in range(TP)}
+        a = assign({RankId(i, 0, t): held for t in range(senders)}, needs, weight, rotate=request_rotation(wire_id))
+        for k in held:  # per key: no sender serves more than ceil(receivers / senders) of its receivers
+            recv = [r for r, keys in needs.items() if k in keys]
+            per = [sum(1 for r in recv if a.sender_of(r, k) == RankId(i, 0, t)) for t in range(senders)]
+            assert max(per) <= ceil_div(len(recv), senders), (k, per)
+        for (s, r), nbytes in a.pair_bytes({k: w * pages for k, w in weight.items()}).items():
+            src_name = f"{prefill}:{i}.tp{s.tp}" if senders > 1 else f"{prefill}:{i}"
+            out[f"{src_name}->{r.stage}.tp{r.tp}"] = nbytes
+            got[r] = got.get(r, 0) + nbytes
+    figure = {
+        RankId(j, 0, r): pages * stage_layout(spec, a, b).bytes_per_page
+        for j, (a, b) in enumerate(spans(PARTITION))
+        for r in range(TP)
+    }
+    assert got == figure, (got, figure)  # each key once into every (stage, rank) pool
     return out
 
 
 def test_decode_tp2_pp2_tokens_and_bytes_per_rank_pair(world, reference):
-    backend, senders, cluster, decode, prefill, router = world
+    backend, shape, cluster, decode, prefill, router = world
     spec = ModelSpec.from_path(tiny_path(ARCH))
     h = fetch_health(decode[0].addr)
     assert h.ok and h.down is None and (h.stage, h.num_stages) == (0, 2), h
@@ -136,19 +151,19 @@ def test_decode_tp2_pp2_tokens_and_bytes_per_rank_pair(world, reference):
         assert out[0] == reference["greedy"][i], out
         after = dict(fetch_health(decode[0].addr).kv_bytes_pairs or {})
         gained = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        want = rule_pairs(spec, "pdg", senders, attempt_id(f"{rid}-0", 1), len(prompt))
+        want = rule_pairs(spec, "pdg", shape, attempt_id(f"{rid}-0", 1), len(prompt))
         assert gained == {k: n for k, n in want.items() if n}, (gained, want)
         senders_seen |= {k.split("->")[0] for k, n in want.items() if n > 0}
-    assert len(senders_seen) == senders, senders_seen  # every prefill rank sent (no rank-0 hotspot)
-    assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
-    for st in decode[1:]:
-        assert fetch_health(st.addr).pages_used == 0
+    assert len(senders_seen) == shape[0] * len(shape[1]), senders_seen  # every prefill rank sent (no rank-0 hotspot)
+    assert_clean([decode[0].addr, *(p.addr for p in prefill)], procs=cluster.procs)
+    for st in decode[1:]:  # stage 1's mirror drops them with stage 0's next step or tick
+        wait_for(lambda a=st.addr: fetch_health(a).pages_used == 0, 30, "stage 1 holds no page", cluster.procs)
 
 
 def test_killed_decode_stage1_rank1_is_named(world, reference):
     """kill -9 of decode stage 1's TP rank 1 while two requests decode: both fail naming it (stage, rank, pid,
     SIGKILL); stage 0 and stage 1 say down with that name, stage 0 holds no page, the prefill holds nothing."""
-    backend, senders, cluster, decode, prefill, router = world
+    backend, _, cluster, decode, prefill, router = world
     rids = [f"{backend}-kill-{i}" for i in range(2)]
     for rid, p in zip(rids, PROMPTS[:2], strict=True):
         router.submit(rid, list(p), LONG)
@@ -170,7 +185,7 @@ def test_killed_decode_stage1_rank1_is_named(world, reference):
     assert not h0.ok, h0
     h1 = fetch_health(decode[1].addr)
     assert not h1.ok and dead in (h1.down or ""), h1.down
-    assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
+    assert_clean([decode[0].addr, *(p.addr for p in prefill)], procs=cluster.procs)
 
 
 def test_refusals_name_what_is_not_built():
