@@ -9,8 +9,8 @@ the bytes landed per (prefill rank, decode (stage, rank)) pair equal the sender 
 prefill shares with that decode stage (its rotation: the router's wire id), every decode (stage, rank) pool gets each
 of its keys once (the pairs into it sum to the layout figure), every prefill rank sends, and per key no sender serves
 more than ceil(receivers / senders) of its receivers; afterwards no page is held on either side. A killed decode
-(stage 1, TP rank 1) fails the requests in flight naming it, and both stage 0's and stage 1's health say down with
-its name; the prefill holds nothing afterwards.
+(stage 1, TP rank 1), and in an instance of its own (stage 0, TP rank 1), fails the requests in flight naming it, and
+the health says down with its name (stage 0's, and stage 1's for its own rank); nothing is held afterwards.
 """
 
 from __future__ import annotations
@@ -186,6 +186,32 @@ def test_killed_decode_stage1_rank1_is_named(world, reference):
     h1 = fetch_health(decode[1].addr)
     assert not h1.ok and dead in (h1.down or ""), h1.down
     assert_clean([decode[0].addr, *(p.addr for p in prefill)], procs=cluster.procs)
+
+
+def test_killed_decode_stage0_rank1_is_named(tmp_path, reference):
+    """kill -9 of decode stage 0's TP rank 1 (rank 0's child, which follows its log) while two requests decode: both
+    fail naming it; stage 0 says down with its name and holds no page; the prefill holds nothing."""
+    cluster = Cluster(tiny_path(ARCH), tmp_path)
+    try:
+        decode, prefill, router = start(cluster, "mooncake", 1, (12,), "dk")
+        rids = ["s0-kill-0", "s0-kill-1"]
+        for rid, p in zip(rids, PROMPTS[:2], strict=True):
+            router.submit(rid, list(p), LONG)
+        wait_for(lambda: (fetch_health(decode[0].addr).running or 0) == 2, 60, "both decoding", cluster.procs)
+        (rank1,) = child_pids(decode[0].pid)
+        os.kill(rank1, signal.SIGKILL)
+        dead = f"stage 0 tp rank 1 (pid {rank1}) was killed by signal 9 (SIGKILL)"
+        for rid in rids:
+            end = None
+            for ev in router.events(rid, 90):
+                if ev.finished:
+                    end = (ev.finish_reason, ev.error or "")
+            assert end is not None and end[0] == "error" and dead in end[1], (rid, end)
+        h0 = fetch_health(decode[0].addr)
+        assert not h0.ok and dead in (h0.down or ""), h0.down
+        assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
+    finally:
+        cluster.close()
 
 
 def test_refusals_name_what_is_not_built():
