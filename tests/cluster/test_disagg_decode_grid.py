@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,11 +28,21 @@ from dsakv.disagg.protocol.lifecycle import attempt_id
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.disagg.transfer.rank_assign import RankId, assign
 from dsakv.disagg.transfer.rank_routes import request_rotation
+from dsakv.engine.argv import engine_argv
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
-from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
+from dsakv.testing.cluster import (
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    Proc,
+    assert_clean,
+    run_requests,
+    wait_for,
+    worker_config,
+)
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
 from dsakv.testing.listen import child_pids
@@ -212,6 +223,45 @@ def test_killed_decode_stage0_rank1_is_named(tmp_path, reference):
         assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
     finally:
         cluster.close()
+
+
+def test_supervised_grid_stops_cleanly(tmp_path):
+    """`--pp-size 2 --tp-size 2` without --pp-rank (the supervisor starts both stages; each stage's rank 0 its rank
+    1): healthy, then SIGTERM to the group: exit 0, each stage's rank 0 stopped its rank 1 (exit 0), and no process
+    of the instance is left."""
+    port = free_ports(3)
+    args = ["--role", "decode", "--port", str(port), "--transfer-backend", "mooncake", "--pp-size", "2", *GRID]
+    p = Proc("dstop", dsakv_cmd("serve", "--model", str(tiny_path(ARCH)), *args, *engine_argv(worker_config(True))),
+             tmp_path / "dstop.log", f"127.0.0.1:{port}").start()  # fmt: skip
+    try:
+        wait_for(lambda: _ok(p.addr), 300, "the supervised grid healthy", [p])
+        assert len(_group_pids(p.pid)) == 5  # supervisor, 2 stages, a TP rank each
+        p.signal(signal.SIGTERM)
+        assert p.wait(120) == 0
+    finally:
+        p.kill()
+    log = (tmp_path / "dstop.log").read_text()
+    for k in (0, 1):
+        assert f"stage {k} TP group stopped: stage {k} tp rank 1 exited 0" in log, log[-3000:]
+    wait_for(lambda: _group_pids(p.pid) == [], 30, "no process of the instance left", [])
+
+
+def _ok(addr: str) -> bool:
+    try:
+        return bool(fetch_health(addr, timeout=2.0).ok)
+    except Exception:  # noqa: BLE001 (not listening yet)
+        return False
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and os.getpgid(int(d.name)) == pgid:
+                out.append(int(d.name))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
 
 
 def test_refusals_name_what_is_not_built():
