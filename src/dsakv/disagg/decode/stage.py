@@ -25,6 +25,8 @@ boot becomes "<process boot>.<formation>", so routers and prefill stages see a n
 
 The parts: DecodePipeline (stage 0's side, inside DecodeWorker: group, runner, books' holds/drops, handshake with
 every stage's manifest, per-pair bytes) and DecodeStageWorker (stage k > 0: a process of its own; stage_worker.py).
+With --tp-size T every stage is T rank processes (decode/grid.py): the handshake lists every (stage, rank) pool, the
+bytes are checked per (stage, rank) cell, and a dead rank keeps the instance down.
 Imports torch, dsakv.{spec, cache, model, engine} and dsakv.disagg; never serve or cli.
 """
 
@@ -263,7 +265,11 @@ class DecodePipeline:
         if self.group.formed:
             return True
         if self.ranks is not None:
-            worker.engine.step()  # an idle round of stage 0's ranks (their receive stays inside the group timeout)
+            try:  # an idle round of stage 0's ranks (their receive stays inside the group timeout)
+                worker.engine.step()
+            except Exception as e:  # noqa: BLE001 (a dead rank: the ranks' watcher names it, the next turn sees it)
+                log.warning("decode %s: an idle step of stage 0's TP ranks failed: %s", worker.name, e)
+                return False
             noted = self.group.noted_down()
             if noted is not None and self.down_reason is not None and noted not in self.down_reason:
                 self.down_reason = f"{self.down_reason} ({noted})"

@@ -4,10 +4,11 @@
                   1..T-1 follow its log (PrefillRank) with a one-stage stand-in group: they compute every step but
                   send nothing to stage 1 (rank 0's hidden states are theirs: the all-reduce made them equal)
     stage s > 0:  rank 0 is the PrefillStage (RPC, the pipeline's StageGroup of the stages' rank-0 processes) whose
-                  group is a RelayGroup: every message it receives from stage s-1 (steps and ticks), and a beat
-                  while it (re)joins the pipeline, is broadcast over the stage's TP group with the decode links it
-                  handshook since (LinkOp); ranks 1..T-1 (StageMember, no RPC) run the same PrefillFollower on it
-                  through a MemberGroup (receive = the broadcast, send = nothing), each with its own shard, pool,
+                  group is a RelayGroup (pipeline/relay.py, shared with the decode and colocated grids): every message
+                  it receives from stage s-1 (steps and ticks), and a beat while it (re)joins the pipeline, is
+                  broadcast over the stage's TP group with the decode links it handshook since (LinkOp); ranks
+                  1..T-1 (StageMember, no RPC) run the same PrefillFollower on it through a MemberGroup (the
+                  relay's member: receive = the broadcast, send = nothing), each with its own shard, pool,
                   transfer backend, links and KvSender
     sending:      every (s, r) sends its share of stage s's keys (rank_routes.part_routes(link, s, r, T)); after
                   each broadcast the stage gathers every rank's parts and pages in use; once all T parts of a
