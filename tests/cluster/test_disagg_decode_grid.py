@@ -10,7 +10,8 @@ prefill shares with that decode stage (its rotation: the router's wire id), ever
 of its keys once (the pairs into it sum to the layout figure), every prefill rank sends, and per key no sender serves
 more than ceil(receivers / senders) of its receivers; afterwards no page is held on either side. A killed decode
 (stage 1, TP rank 1), and in an instance of its own (stage 0, TP rank 1), fails the requests in flight naming it, and
-the health says down with its name (stage 0's, and stage 1's for its own rank); nothing is held afterwards.
+the health says down with its name (stage 0's, and stage 1's for its own rank); nothing is held afterwards. Stage 1
+killed whole and started again rejoins with new rank pools (same tokens); the supervised grid stops cleanly.
 """
 
 from __future__ import annotations
@@ -220,6 +221,29 @@ def test_killed_decode_stage0_rank1_is_named(tmp_path, reference):
             assert end is not None and end[0] == "error" and dead in end[1], (rid, end)
         h0 = fetch_health(decode[0].addr)
         assert not h0.ok and dead in (h0.down or ""), h0.down
+        assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
+    finally:
+        cluster.close()
+
+
+def test_restarted_stage1_rejoins_with_new_rank_pools(tmp_path, reference):
+    """kill -9 of decode stage 1's rank 0 (its rank 1 dies with it): stage 0 says down; stage 1 started again (new
+    ranks, new pools and manifests) rejoins, stage 0 re-forms under a new boot, the prefill handshakes again and
+    the tokens equal one rank's; nothing is held afterwards."""
+    cluster = Cluster(tiny_path(ARCH), tmp_path)
+    try:
+        decode, prefill, router = start(cluster, "mooncake", 1, (12,), "dr")
+        got = run_requests(router, PROMPTS[:1], GREEDY, "rejoin-a")
+        assert [t for t, _, _ in got] == reference["greedy"][:1], got
+        boot = fetch_health(decode[0].addr).boot
+        decode[1].kill()
+        wait_for(lambda: not fetch_health(decode[0].addr).ok, 60, "stage 0 down", cluster.procs[:1])
+        decode[1].start()
+        wait_for(lambda: fetch_health(decode[0].addr).ok, 240, "the grid re-formed", cluster.procs)
+        assert fetch_health(decode[0].addr).boot != boot
+        assert router.wait_ready(120), router.health()
+        got = run_requests(router, PROMPTS, GREEDY, "rejoin-b")
+        assert [t for t, _, _ in got] == reference["greedy"], got
         assert_clean([decode[0].addr, prefill[0].addr], procs=cluster.procs)
     finally:
         cluster.close()

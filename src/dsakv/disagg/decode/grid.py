@@ -21,7 +21,8 @@ layers (the full keys: latent KV and index-K are replicated over TP), its own tr
 A dead rank (s, r): stage s's rank 0 names it ('stage s tp rank r (pid N) was killed by signal 9 (SIGKILL)'), notes
 it in stage 0's rendezvous store and leaves the pipeline for good (s = 0: the ranks' watcher); stage 0 fails every
 request it holds naming it, says down in its health (refusing preallocs: the router places elsewhere) and never
-re-forms: restart the instance. A broken link without a dead rank re-forms as a one-rank pipeline does.
+re-forms: restart the instance. A broken link without a dead rank re-forms as a one-rank pipeline does (stage 0's
+ranks step, idle, meanwhile; a stage started again brings new ranks, whose pools the next handshake lists).
 Imports torch, dsakv.{engine, pipeline} and dsakv.disagg.{protocol, transfer, decode}; never serve or cli.
 """
 
