@@ -17,7 +17,6 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from dsakv.cli.options import engine_argv
 from dsakv.config import split_layers
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
@@ -33,7 +32,6 @@ from dsakv.testing.cluster import (
     free_ports,
     run_requests,
     wait_for,
-    worker_config,
 )
 from dsakv.testing.config import engine_config
 from dsakv.testing.engines import tiny_model, tiny_path
@@ -60,12 +58,7 @@ EXTRA = _prompts((19, 30), 15)  # the failing-pair round: one of these fails, th
 
 def decode_pp(cluster: Cluster, name: str, backend: str, partition: Sequence[int]) -> list[Proc]:
     """Every stage of a pipelined decode worker, stage k at port + k (as `--pp-size N` without --pp-rank starts)."""
-    n = len(partition)
-    port = free_ports(n + 1)
-    args = ["--role", "decode", "--port", str(port), "--transfer-backend", backend, "--pp-size", str(n)]
-    args += ["--pp-partition", ",".join(map(str, partition)), "--worker-name", name]
-    args += engine_argv(worker_config(True))
-    return [cluster._serve(f"{name}-s{k}", f"127.0.0.1:{port + k}", [*args, "--pp-rank", str(k)]) for k in range(n)]
+    return cluster.decode_pp(name, backend, partition)
 
 
 def layout(spec: ModelSpec, span: tuple[int, int]) -> KVLayout:

@@ -190,6 +190,10 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
         dp_worker = DecodeWorker(dp_rank_config(dcfg, rank))
         line = f"dsakv decode DP rank {rank}/{dcfg.dp_size} ready on {{}} (pid {os.getpid()})"
         return _serve_worker(dp_worker, lambda: line.format(dp_worker.address), follower=rank > 0)
+    if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None and pcfg is not None:  # decode/grid.py
+        from dsakv.disagg.decode.grid import follow_stage, follow_stage0
+
+        exit_now(follow_stage(dcfg) if pcfg.rank > 0 else follow_stage0(dcfg))
     if dcfg.tp_size > 1 and os.environ.get(TP_RANK_ENV) is not None:  # a follower rank (decode/ranks.py)
         from dsakv.disagg.decode.ranks import follow_decode
 

@@ -144,9 +144,10 @@ def validate_serve(args: argparse.Namespace) -> None:
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
         raise ConfigError(f"--tp-size {tp} with --role {role} is not supported: the router runs no model")
-    if tp > 1 and role == "decode" and getattr(args, "pp_size", 1) > 1:
+    if role == "decode" and getattr(args, "pp_size", 1) > 1 and getattr(args, "speculative_num_steps", 0):
         raise ConfigError(
-            f"--tp-size {tp} with --role {role} --pp-size {args.pp_size} is not supported yet: give one of them as 1"
+            f"--speculative-num-steps with --role decode --pp-size {args.pp_size} (any --tp-size) is not supported "
+            "yet: drop one of them (a one-stage decode speculates, with TP too)"
         )
     check_seconds(args, "hicache_storage_timeout", fix="longest a storage-tier call may delay a request, e.g. 2")
     disk_dir = getattr(args, "hicache_disk_dir", None)

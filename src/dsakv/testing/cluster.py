@@ -156,6 +156,18 @@ class Cluster:
             wait_for(functools.partial(_healthy, a), timeout, f"DP rank {a} healthy", self.procs)
         return addrs
 
+    def decode_pp(
+        self, name: str, backend: str, partition: Sequence[int], port: int | None = None, extra: Sequence[str] = ()
+    ) -> list[Proc]:
+        """Every stage of a pipelined decode (as `--pp-size N` without --pp-rank starts them), stage k at port + k;
+        `extra` e.g. --tp-size T (each stage's rank 0 starts its ranks 1..T-1)."""
+        n = len(partition)
+        port = port or free_ports(n + 1)
+        args = ["--role", "decode", "--port", str(port), "--transfer-backend", backend, "--pp-size", str(n)]
+        args += ["--pp-partition", ",".join(map(str, partition)), "--worker-name", name]
+        args += [*engine_argv(worker_config(True)), *extra]
+        return [self._serve(f"{name}-s{k}", f"127.0.0.1:{port + k}", [*args, "--pp-rank", str(k)]) for k in range(n)]
+
     def router(self, prefill: Sequence[str], decode: Sequence[str], **kw: Any) -> RouterBackend:
         kw.setdefault("kv_timeout", 20.0)
         kw.setdefault("rpc_timeout", 3.0)

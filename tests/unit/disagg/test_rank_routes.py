@@ -44,7 +44,7 @@ def link(layout: KVLayout, ranks: int) -> DecodeLink:
     for r in range(ranks):
         dst = manifest(layout, f"decode.tp{r}", (r + 2) << 36)
         pairing = check_pair(src, dst)
-        parts.append(LinkPart(0, dst, pairing, PairTable.of(pairing.pairs), None, rank=r))  # type: ignore[arg-type]
+        parts.append(LinkPart(0, dst, pairing, PairTable.of(pairing.pairs), None, rank=r, cell=r))  # type: ignore[arg-type]
     return DecodeLink("127.0.0.1:1", "boot", parts[0].manifest, tuple(parts))
 
 
@@ -97,3 +97,36 @@ def test_bench_rank0_sender_switch_routes_every_key_from_rank0(layout, receivers
     rule = link_assignment(lk, 0, 2, rotate=rid, rank0=False)
     assert route_pairs(lk, 0, 2, rid) == [list(p) for p in sorted({(s.tp, r.tp) for s, r in rule.routes})]
     assert {s.tp for s, _ in rule.routes} == {0, 1} and part_routes(lk, 0, 1, 2, rotate=rid) != []
+
+
+def test_tp2_prefill_into_a_tp2_x_pp2_decode_routes_by_cell() -> None:
+    """Decode TP 2 x PP 2 (layers split 0-39, 40-end): the parts are (stage, rank) pools, their cells stage x 2 +
+    rank; each pool gets each of its stage's keys once, spread over both prefill ranks, and the report's routes
+    name cells."""
+    spec = load_spec("glm-5.2")
+    src = manifest(KVLayout(spec, draft_layers=1, elide=True), "prefill", 1 << 32)
+    half = spec.num_layers // 2
+    spans = [(0, half), (half, spec.num_layers)]
+    parts = []
+    for j, (a, b) in enumerate(spans):
+        lay = KVLayout(spec, a, b, draft_layers=1 if j == 1 else 0, elide=True)
+        for r in range(2):
+            dst = manifest(lay, f"decode/stage{j}.tp{r}", (2 * j + r + 2) << 36)
+            pairing = check_pair(src, dst)
+            table = PairTable.of(pairing.pairs)
+            parts.append(LinkPart(j, dst, pairing, table, None, rank=r, cell=2 * j + r))  # type: ignore[arg-type]
+    lk = DecodeLink("127.0.0.1:1", "boot", parts[0].manifest, tuple(parts))
+    rid = request_rotation("r7")
+    routes = route_pairs(lk, 0, 2, rid)
+    assert {c for _, c in routes} == {0, 1, 2, 3} and {s for s, _ in routes} == {0, 1}, routes
+    got: dict[int, list] = {c: [] for c in range(4)}
+    by: dict[tuple, set] = {}  # (decode stage, key) -> the prefill ranks that send it there
+    for t in range(2):
+        for p, table in part_routes(lk, 0, t, 2, rotate=rid):
+            got[p.cell] += [kp.key for kp in table.pairs]
+            assert [t, p.cell] in routes
+            for kp in table.pairs:
+                by.setdefault((p.stage, kp.key), set()).add(t)
+    assert all(v == {0, 1} for v in by.values())  # two receivers per key, two senders: cap 1 each
+    for p in parts:  # every pool: each of its keys once
+        assert sorted(got[p.cell]) == sorted(kp.key for kp in p.table.pairs), p.cell

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ class DecodeTP:
             )
         ranks, engine = _tp_engine(cfg)
         manifests = ranks.gather(b"")  # every follower's, in rank order (rank 0's is the worker's own)
-        refs = [DecodeStageRef(stage=r, rpc="", manifest=m) for r, m in enumerate(manifests) if r > 0]
+        refs = [DecodeStageRef(stage=0, rpc="", manifest=m, rank=r) for r, m in enumerate(manifests) if r > 0]
         log.info("decode %s: %d TP ranks, each its own pool registered for KV transfer", rank_name(cfg, 0), ranks.size)
         return cls(ranks, refs), RankedDecode(engine, ranks)
 
@@ -140,37 +140,8 @@ class DecodeTP:
         decode rank) pair); an error if an ok report misses a decode rank or a route the sender rule gave it."""
         if self.size == 1 and p.senders == 1:
             return None
-        with self._lock:
-            if p.senders > 1:
-                for s, per in p.sender_parts.items():
-                    for r, n in per.items():
-                        key = f"{p.prefill}:{p.stage}.tp{s}->tp{r}"
-                        self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
-            else:
-                for r, n in p.rank_parts.items():
-                    key = f"{p.prefill}:{p.stage}->tp{r}"
-                    self.pair_bytes[key] = self.pair_bytes.get(key, 0) + n
-        if not p.ok:
-            return None
-        where = f"prefill {p.prefill} stage {p.stage}"
-        if sorted(p.rank_parts) != list(range(self.size)):
-            return (
-                f"{where} wrote decode rank(s) {sorted(p.rank_parts)}, but this decode has {self.size} TP rank(s), "
-                "each with its own pool: every rank must receive the KV"
-            )
-        if p.senders > 1:
-            landed = {(s, r) for s, per in p.sender_parts.items() for r, n in per.items() if n > 0}
-            routes = {(int(x[0]), int(x[1])) for x in p.routes if len(x) == 2}
-            bad = sorted((s, r) for s, r in routes if not (0 <= s < p.senders and 0 <= r < self.size))
-            missing = sorted(routes - landed)
-            if not routes or bad or missing or {r for _, r in routes} != set(range(self.size)):
-                return (
-                    f"{where} ({p.senders} TP ranks) reported routes {sorted(routes)} and landed "
-                    f"{sorted(landed)}: (prefill rank, decode rank) part(s) "
-                    f"{missing or bad or 'for every decode rank'} did not land; this decode has {self.size} TP "
-                    "rank(s) and accepts the KV only when every part the sender rule gives landed"
-                )
-        return None
+        what = f"this decode has {self.size} TP rank(s), each with its own pool"
+        return check_cells(p, self.pair_bytes, self._lock, range(self.size), lambda r: f"tp{r}", what)
 
     def health_fields(self) -> dict[str, Any]:
         with self._lock:
@@ -192,6 +163,52 @@ class DecodeTP:
             log.warning("decode: closing the TP group: %s", e)
 
 
+def check_cells(
+    p: StageDone,
+    pairs: dict[str, int],
+    lock: threading.Lock,
+    cells: Iterable[int],
+    name: Callable[[int], str],
+    what: str,
+) -> str | None:
+    """Record report `p`'s bytes per (prefill stage [and rank], decode cell) pair in `pairs` (key 'prefill:stage
+    [.tpS]->name(cell)'); an error if an ok report did not land on exactly the `cells` it must write (a cell: a
+    decode rank's pool, LinkPart.cell) or a route the sender rule gave it did not land (`what` says why each cell
+    must receive the KV)."""
+    want = sorted(cells)
+    with lock:
+        if p.senders > 1:
+            for s, per in p.sender_parts.items():
+                for r, n in per.items():
+                    key = f"{p.prefill}:{p.stage}.tp{s}->{name(r)}"
+                    pairs[key] = pairs.get(key, 0) + n
+        else:
+            for r, n in p.rank_parts.items():
+                key = f"{p.prefill}:{p.stage}->{name(r)}"
+                pairs[key] = pairs.get(key, 0) + n
+    if not p.ok:
+        return None
+    where = f"prefill {p.prefill} stage {p.stage}"
+    if sorted(p.rank_parts) != want:
+        return (
+            f"{where} wrote decode rank(s) {[name(c) for c in sorted(p.rank_parts)]}, but {what}: every rank must "
+            "receive the KV"
+        )
+    if p.senders > 1:
+        landed = {(s, r) for s, per in p.sender_parts.items() for r, n in per.items() if n > 0}
+        routes = {(int(x[0]), int(x[1])) for x in p.routes if len(x) == 2}
+        bad = sorted((s, r) for s, r in routes if not (0 <= s < p.senders and r in want))
+        missing = sorted(routes - landed)
+        if not routes or bad or missing or {r for _, r in routes} != set(want):
+            return (
+                f"{where} ({p.senders} TP ranks) reported routes {sorted(routes)} and landed "
+                f"{sorted(landed)}: (prefill rank, decode rank) part(s) "
+                f"{missing or bad or 'for every decode rank'} did not land; {what}, and it accepts the KV only "
+                "when every part the sender rule gives landed"
+            )
+    return None
+
+
 def follow_decode(cfg: DecodeConfig) -> int:
     """A follower rank of a TP decode worker: load the shard, register the pool, hand rank 0 the manifest, then
     replay rank 0's log and run every step until it says stop."""
@@ -209,4 +226,4 @@ def follow_decode(cfg: DecodeConfig) -> int:
         backend.close()
 
 
-__all__ = ["DecodeTP", "follow_decode", "rank_name"]
+__all__ = ["DecodeTP", "check_cells", "follow_decode", "rank_name"]

@@ -1,7 +1,8 @@
 """Decode pipeline stage k > 0 (DecodeStageWorker: a process of its own): its layers' pool, registered with its
 transfer engine so prefill stages write it; a mirror of stage 0's books; the loop that runs its layers of every
 decode step through the pipeline's StageFollower (pipeline/follower.py, as a colocated `--pp-size` stage does) and
-re-forms the group when it breaks. See decode/stage.py for the
+re-forms the group when it breaks; with --tp-size T its rank 0 relays every message to ranks 1..T-1 (pipeline/relay.py,
+decode/grid.py). See decode/stage.py for the
 pipeline as a whole and stage 0's side (DecodePipeline).
 """
 
@@ -9,17 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 from dsakv.cache.device_pool import DevicePool
 from dsakv.config import DecodeConfig
-from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape
+from dsakv.disagg.decode.stage import _group, _load, _span, stage_pool_shape, tp_stage_model
 from dsakv.disagg.protocol.messages import DECODE_FOLLOWER_SERVICE, DecodeHealth, PingReply
 from dsakv.disagg.protocol.worker_service import WorkerService
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.manifest import Manifest
+from dsakv.engine.ranks import RankDown, Ranks
 from dsakv.pipeline.follower import StageFollower
 from dsakv.pipeline.page_mirror import PageMirror
+from dsakv.pipeline.relay import RelayGroup
 from dsakv.pipeline.stage_comm import StageLinkError
 from dsakv.pipeline.step import STOP
 
@@ -34,6 +37,9 @@ class DecodeStageWorker:
         assert cfg.pipeline is not None and cfg.pipeline.rank > 0
         self.cfg = cfg
         self.rank, self.size = cfg.pipeline.rank, cfg.pipeline.pp_size
+        self.ranks: Ranks | None = None  # --tp-size T: this stage's TP group (its rank 0 relays, decode/grid.py)
+        if model is None and cfg.tp_size > 1:
+            self.ranks, model = tp_stage_model(cfg)
         self.spec, self.model = _load(cfg, model)
         self.model.eval()
         _, layouts, self.num_pages = stage_pool_shape(cfg, self.spec)
@@ -45,7 +51,13 @@ class DecodeStageWorker:
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
         self.backend.register(self.pool.regions())
         self.manifest = Manifest.from_pool(self.pool, self.backend.meta(), worker=f"{self.name}/stage{self.rank}")
-        self.group = _group(cfg, self.model, self.spec)
+        self.rank_manifests: list[bytes] = []  # ranks 1.. of this stage (their pools), published when it forms
+        if self.ranks is None:
+            self.group = _group(cfg, self.model, self.spec)
+        else:
+            self.rank_manifests = [bytes(m) for m in self.ranks.gather(b"")[1:]]
+            self.group = _group(cfg, self.model, self.spec, RelayGroup)
+            cast(RelayGroup, self.group).bind(self.ranks)
         self.stage_timeout = cfg.pipeline.stage_timeout
         self.follower: StageFollower[Any] = StageFollower(
             self.group, self.model, self.pool, self.mirror, self.stage_timeout
@@ -91,6 +103,8 @@ class DecodeStageWorker:
     def stop(self) -> None:
         self.service.request_stop()
         self.service.stop(join_timeout=self.stage_timeout + 2)
+        if isinstance(self.group, RelayGroup):
+            self.group.stop_ranks()  # the TP ranks stop (a dead one is named)
         self.group.close()
         self.backend.close()
 
@@ -99,6 +113,7 @@ class DecodeStageWorker:
 
     def _loop(self) -> None:
         info = {"rpc": self.address, "pid": os.getpid(), "boot": self.boot, "manifest": self.manifest.to_bytes()}
+        info["ranks"] = self.rank_manifests
         stopping = self.service.stopping
         while not stopping.is_set():
             try:
@@ -111,6 +126,11 @@ class DecodeStageWorker:
             except StageLinkError as e:
                 self._on_break(str(e))
             except Exception as e:
+                dead = self.ranks.guard(e) if self.ranks is not None else e
+                if isinstance(dead, RankDown) and isinstance(self.group, RelayGroup):  # a TP rank died in a step
+                    self.group.leave(str(dead))  # names it to stage 0, never rejoins
+                    self._on_break(str(dead))
+                    continue
                 log.exception("decode %s stage %d: step failed", self.name, self.rank)
                 why = f"decode stage {self.rank} step failed: {type(e).__name__}: {e}"
                 self.group.break_(why)
@@ -123,8 +143,9 @@ class DecodeStageWorker:
             raise StageLinkError(f"stage {self.rank}: a decode pipeline got STOP from stage {self.rank - 1}")
 
     def _on_break(self, why: str) -> None:
-        """The pipeline broke: stage 0 fails what it held; this stage forgets its mirror and re-forms."""
-        self.down_reason = why
+        """The pipeline broke: stage 0 fails what it held; this stage forgets its mirror and re-forms (not once a TP
+        rank of it died: RelayGroup.gone names it)."""
+        self.down_reason = getattr(self.group, "gone", None) or why
         self.breaks += 1
         self.follower.forget()
         log.warning("decode %s stage %d: pipeline broke (%s)", self.name, self.rank, why)

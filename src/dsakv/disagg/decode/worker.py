@@ -80,10 +80,10 @@ class DecodeWorker(KvIn):
         self.t = cfg.timeouts
         self.pipeline: DecodePipeline | None = None
         self.tp = DecodeTP()  # --tp-size > 1: the other ranks' pools and reports (decode/ranks.py); DP: decode/dp.py
-        if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline
-            from dsakv.disagg.decode.stage import DecodePipeline
+        if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline (TP: decode/grid.py)
+            from dsakv.disagg.decode.grid import stage0
 
-            self.pipeline, self.engine = DecodePipeline.build(cfg, model)
+            self.pipeline, self.engine, self.tp = stage0(cfg, model)
         elif cfg.dp_size > 1:  # DP attention: this process is one DP rank of the instance (decode/dp.py)
             from dsakv.disagg.decode.dp import DecodeDP
 

@@ -4,10 +4,11 @@
                   1..T-1 follow its log (PrefillRank) with a one-stage stand-in group: they compute every step but
                   send nothing to stage 1 (rank 0's hidden states are theirs: the all-reduce made them equal)
     stage s > 0:  rank 0 is the PrefillStage (RPC, the pipeline's StageGroup of the stages' rank-0 processes) whose
-                  group is a RelayGroup: every message it receives from stage s-1 (steps and ticks), and a beat
-                  while it (re)joins the pipeline, is broadcast over the stage's TP group with the decode links it
-                  handshook since (LinkOp); ranks 1..T-1 (StageMember, no RPC) run the same PrefillFollower on it
-                  through a MemberGroup (receive = the broadcast, send = nothing), each with its own shard, pool,
+                  group is a RelayGroup (pipeline/relay.py, shared with the decode and colocated grids): every message
+                  it receives from stage s-1 (steps and ticks), and a beat while it (re)joins the pipeline, is
+                  broadcast over the stage's TP group with the decode links it handshook since (LinkOp); ranks
+                  1..T-1 (StageMember, no RPC) run the same PrefillFollower on it through a MemberGroup (the
+                  relay's member: receive = the broadcast, send = nothing), each with its own shard, pool,
                   transfer backend, links and KvSender
     sending:      every (s, r) sends its share of stage s's keys (rank_routes.part_routes(link, s, r, T)); after
                   each broadcast the stage gathers every rank's parts and pages in use; once all T parts of a
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
+from collections.abc import Sequence
 from typing import Any
 
 from dsakv.config import PrefillConfig
@@ -42,99 +43,26 @@ from dsakv.disagg.protocol.messages import Hello, HelloReply
 from dsakv.disagg.transfer.backends import make_backend
 from dsakv.disagg.transfer.bootstrap import DecodeLinks
 from dsakv.disagg.transfer.manifest import Manifest
-from dsakv.engine.ranks import RankDown, Ranks
-from dsakv.pipeline.stage_comm import StageGroup, StageLinkError, StageMessage
+from dsakv.engine.ranks import Ranks
+from dsakv.pipeline.relay import RelayGroup as BaseRelay
+from dsakv.pipeline.relay import RelayMember, Stopped
 
 log = logging.getLogger(__name__)
 
-MSG, BEAT, BREAK, STOP = "msg", "beat", "break", "stop"  # what one round broadcasts
-GONE_WAIT_S = 0.5  # a stage with a dead rank does not rejoin: its loop waits this long per turn
 
+class RelayGroup(BaseRelay):
+    """Rank 0 of stage s > 0 of a TP prefill stage: the pipeline's relay (pipeline/relay.py), the ranks' transfer
+    parts gathered each round."""
 
-class RelayGroup(StageGroup):
-    """Rank 0 of stage s > 0 of a TP stage: the pipeline's StageGroup, each message received (and a beat per
-    formation try, a break when the pipeline broke) broadcast to the stage's other ranks, their parts gathered."""
-
-    ranks: Ranks | None = None
     reports: TPReports | None = None
-    gone: str | None = None  # a rank died: this stage never rejoins
 
-    def bind(self, ranks: Ranks) -> None:
-        self.ranks = ranks
-        self._ops: list[Any] = []
-        self._ops_lock = threading.Lock()
-
-    def relay(self, op: Any) -> None:
-        """An op every other rank applies before the next message (a decode link: LinkOp)."""
-        with self._ops_lock:
-            self._ops.append(op)
-
-    def _round(self, kind: str, msg: StageMessage | None) -> None:
-        ranks = self.ranks
-        assert ranks is not None, "RelayGroup.bind names the stage's ranks before the first round"
-        with self._ops_lock:
-            ops, self._ops = self._ops, []
-        try:
-            if ranks.down is not None:
-                raise RankDown(ranks.down)
-            ranks.broadcast((kind, ops, msg))
-            got = ranks.gather(None)
-        except Exception as e:  # noqa: BLE001 (a dead rank: RankDown naming it; the stage leaves the pipeline)
-            err = ranks.guard(e)
-            if not isinstance(err, RankDown):
-                raise
-            self._leave(str(err))
-            raise err from e
+    def gathered(self, got: Sequence[Any]) -> None:
         if self.reports is not None:
-            self.reports.theirs(got[1:])
+            self.reports.theirs(list(got))
 
-    def _leave(self, why: str) -> None:
-        if self.gone is not None:
-            return
-        self.gone = why
+    def left(self, why: str) -> None:
         if self.reports is not None:
             self.reports.fail_all(why)
-        self.note_down(why)
-        super().break_(why)
-
-    def beat(self) -> None:
-        self._round(BEAT, None)
-
-    def recv_prev(self, timeout: float | None = None) -> StageMessage:
-        if self.gone is not None:
-            raise RankDown(self.gone)
-        msg = super().recv_prev(timeout)
-        self._round(MSG, msg)
-        return msg
-
-    def form(self, info: dict[str, Any]) -> bool:
-        if self.gone is not None:
-            time.sleep(GONE_WAIT_S)
-            return False
-        self._round(BEAT, None)
-        return super().form(info)
-
-    def break_(self, why: str) -> None:
-        super().break_(why)
-        if self.gone is None and self.ranks is not None:
-            try:
-                self._round(BREAK, None)  # the other ranks forget what this stage held
-            except Exception as e:  # noqa: BLE001 (RankDown: _round left the pipeline already)
-                log.warning("prefill stage %d: telling the TP ranks the pipeline broke: %s", self.rank, e)
-
-    def stop_ranks(self) -> None:
-        """Tell the other ranks to stop and wait for them (a rank down: the rest are killed, the dead one named)."""
-        if self.ranks is None:
-            return
-        if self.gone is None and self.ranks.down is None:
-            try:
-                self.ranks.broadcast((STOP, [], None))
-            except Exception as e:  # noqa: BLE001
-                log.warning("prefill stage %d: stopping the TP ranks: %s", self.rank, e)
-        try:
-            self.ranks.close()
-        except Exception as e:  # noqa: BLE001 (a stop never raises: the rank's error is logged)
-            log.warning("prefill stage %d: closing the TP group: %s", self.rank, e)
 
 
 class StageTP:
@@ -173,50 +101,27 @@ class StageTP:
             self.reports.stop()
 
 
-class _Stopped(Exception):
-    """Rank 0 of the stage said stop."""
-
-
-class MemberGroup(StageGroup):
-    """Rank r > 0 of stage s > 0: receives what the stage's rank 0 broadcasts, sends nothing (rank 0 sends on)."""
+class MemberGroup(RelayMember):
+    """Rank r > 0 of stage s > 0: the relay's member (pipeline/relay.py) with the decode links rank 0 handshook
+    applied before each message, this rank's parts and pages in use reported after it."""
 
     member: StageMember | None = None
 
-    @property
-    def formed(self) -> bool:
-        return True
+    def apply(self, ops: Sequence[Any]) -> None:
+        assert self.member is not None
+        for op in ops:
+            self.member.links.put(op.addr, op.reply)
 
-    def form(self, info: dict[str, Any]) -> bool:
-        return True
-
-    def recv_prev(self, timeout: float | None = None) -> StageMessage:
+    def report(self) -> Any:
         m = self.member
         assert m is not None
-        while True:
-            kind, ops, msg = m.ranks.broadcast(None)
-            for op in ops:
-                m.links.put(op.addr, op.reply)
-            if kind == STOP:
-                raise _Stopped()
-            with m.lock:
-                out, m.out = m.out, []
-            m.ranks.gather(RankRow(out, m.role.pages_used()))
-            if kind == MSG:
-                return msg
-            if kind == BREAK:
-                m.role.on_break("the pipeline broke")
+        with m.lock:
+            out, m.out = m.out, []
+        return RankRow(out, m.role.pages_used())
 
-    def send_next(self, msg: StageMessage) -> None:
-        """Rank 0 of the stage sends the step on."""
-
-    def send_to(self, dst: int, msg: StageMessage) -> None:
-        """Rank 0 of the stage sends the step on."""
-
-    def break_(self, why: str) -> None:
-        raise StageLinkError(f"stage {self.rank} TP rank: {why}")
-
-    def close(self) -> None:
-        """Nothing to leave: this rank is not in the pipeline's group."""
+    def on_break(self) -> None:
+        assert self.member is not None
+        self.member.role.on_break("the pipeline broke")
 
 
 class MemberSender(KvSender):
@@ -234,7 +139,7 @@ class StageMember:
         spec, mdl = model
         mdl.eval()
         self.ranks = ranks
-        group = MemberGroup(cfg.pp_rank, cfg.pp_size, "127.0.0.1", 0, hidden_dtype=mdl.dtype)
+        group = MemberGroup(cfg.pp_rank, cfg.pp_size, ranks, mdl.dtype)
         group.member = self
         self.ctx = ctx = StageContext.build(cfg, spec, mdl, group=group)
         ctx.down_reason = None
@@ -267,7 +172,7 @@ class StageMember:
         while True:
             try:
                 self.role.iteration()
-            except _Stopped:
+            except Stopped:
                 self.ranks.close()
                 return 0
 

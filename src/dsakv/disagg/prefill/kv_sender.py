@@ -198,13 +198,13 @@ class KvSender:
             for x, handles, err, staged, slot in started:
                 quarantine = 0.0
                 parts: dict[int, int] = {}
-                ranks: dict[int, int] = {}  # decode TP rank -> bytes (a TP decode: one part per rank)
+                ranks: dict[int, int] = {}  # decode cell -> bytes (a TP decode: one part per (stage, rank))
                 for part, h in handles:
                     j = part.stage
                     try:
                         n = self.backend.wait(h).nbytes
                         parts[j] = parts.get(j, 0) + n
-                        ranks[part.rank] = ranks.get(part.rank, 0) + n
+                        ranks[part.cell] = ranks.get(part.cell, 0) + n
                     except DsakvError as e:
                         err = err or f"transfer of prefill stage {self.stage}'s layers to decode stage {j} " + (
                             f"rank {part.rank} failed: {e}" if part.rank else f"failed: {e}"

@@ -37,12 +37,14 @@ class Hello:
 
 @dataclass(frozen=True)
 class DecodeStageRef:
-    """One stage of a pipelined decode worker, as its stage 0 tells a prefill stage at handshake."""
+    """One stage of a pipelined decode worker (or one TP rank r >= 1 of a stage: its own pool), as its stage 0 tells
+    a prefill stage at handshake."""
 
     stage: int
     rpc: str
     manifest: bytes
     boot: str = ""
+    rank: int = field(default=0, metadata=bounds(0, MAX_STAGES - 1))  # HelloReply.ranks: the stage's TP rank
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class HelloReply:
     boot: str
     name: str
     stages: list[DecodeStageRef] = field(default_factory=list)  # a pipelined decode: every stage (its keys there)
-    ranks: list[DecodeStageRef] = field(default_factory=list)  # a TP decode: ranks 1.. (stage = rank), own pools
+    ranks: list[DecodeStageRef] = field(default_factory=list)  # a TP decode: every stage's ranks 1.., own pools
     grant_key: bytes = b""  # verifies this decode's page grants (only registered stages get it)
 
 

@@ -9,8 +9,9 @@
     stage k then connects its TransferBackend to the decode's (backend meta in the manifest) and keeps a
     DecodeLink (peer + PairTable) per decode address, keyed by the decode's boot id: a restarted decode
     (new boot id) is handshaken again on the next request. A TP decode's reply lists its ranks 1.. (HelloReply.
-    ranks, each rank's pool and backend endpoint in its manifest): one part per rank (rank_routes picks the keys
-    this prefill rank writes into each).
+    ranks, each rank's pool and backend endpoint in its manifest; a TP x PP decode: every stage's ranks): one part
+    per (decode stage, rank) sharing layers with this stage (rank_routes picks the keys this prefill rank writes
+    into each); its `cell` (stage x TP + rank) keys the bytes STAGE_DONE reports per part.
 
 The decode side keeps a StageRegistry: which stages of which prefill worker have handshaken (their boot id,
 RPC address, layer range, what was skipped), so it can check a request's prefill is complete, ping the stages a
@@ -60,6 +61,7 @@ class LinkPart:
     table: PairTable
     peer: Peer
     rank: int = 0  # the decode TP rank whose pool this is (HelloReply.ranks: rank r >= 1 holds rank 0's keys)
+    cell: int = 0  # its flat rank in the decode's grid, stage x TP + rank (0 for a TP-1 decode): STAGE_DONE's key
 
 
 @dataclass(frozen=True)
@@ -176,19 +178,28 @@ class DecodeLinks:
         check_draft(self.manifest, theirs, self.hello.stage, self.hello.num_stages)
         stages = [(r.stage, Manifest.from_bytes(r.manifest)) for r in reply.stages] or [(0, theirs)]
         if self.grid is not None:
-            self.grid(addr, stages, [r.stage for r in reply.ranks])
+            self.grid(addr, stages, [(r.stage, r.rank) for r in reply.ranks])
+        tp = 1 + max((r.rank for r in reply.ranks), default=0)  # the decode's TP ranks per stage
+        leads = dict(stages)
         parts = []
         for j, m in stages:  # pair by key over the layers this stage shares with each decode stage
             if not any(m.holds_layer(layer) for layer in self.manifest.layers):
                 continue
             pairing = check_pair(self.manifest, m)
-            parts.append(LinkPart(j, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m)))
-        for r, ref in enumerate(reply.ranks, 1):  # a TP decode: every rank holds the keys in a pool of its own
+            cell = j * tp if tp > 1 else 0
+            parts.append(LinkPart(j, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m), cell=cell))
+        for ref in reply.ranks:  # a TP decode: every rank of a stage holds its keys in a pool of its own
             m = Manifest.from_bytes(ref.manifest)
-            if ref.stage != r or not parts or m.keys != theirs.keys:
-                raise IncompatiblePeer(f"decode {addr}: TP rank {ref.stage} (#{r}) does not hold rank 0's keys")
+            lead = leads.get(ref.stage)
+            if ref.rank < 1 or lead is None or m.keys != lead.keys:
+                raise IncompatiblePeer(
+                    f"decode {addr}: stage {ref.stage} TP rank {ref.rank} does not hold its stage's rank 0 keys"
+                )
+            if not any(m.holds_layer(layer) for layer in self.manifest.layers):
+                continue
             pairing = check_pair(self.manifest, m)
-            parts.append(LinkPart(0, m, pairing, PairTable.of(pairing.pairs), self.backend.connect(m), rank=r))
+            table, peer = PairTable.of(pairing.pairs), self.backend.connect(m)
+            parts.append(LinkPart(ref.stage, m, pairing, table, peer, rank=ref.rank, cell=ref.stage * tp + ref.rank))
         if not parts:
             raise IncompatiblePeer(
                 f"{self.manifest.worker} (layers {self.manifest.describe_layers()}) -> decode {addr}: no decode stage "
@@ -204,7 +215,7 @@ class DecodeLinks:
         return link
 
 
-GridCheck = Callable[[str, Sequence[tuple[int, Manifest]], Sequence[int]], None]
+GridCheck = Callable[[str, Sequence[tuple[int, Manifest]], Sequence[tuple[int, int]]], None]
 
 
 def grid_check(prefill: RoleGrid, stage_keys: Callable[[int], Collection[BufferKey]]) -> GridCheck:
@@ -213,16 +224,16 @@ def grid_check(prefill: RoleGrid, stage_keys: Callable[[int], Collection[BufferK
     once, cover the same layers and draft layers, and every key a decode rank needs must have a prefill holder
     (rank_assign.check_announced / check_grids); IncompatiblePeer names the mismatch and both grids."""
 
-    def check(addr: str, stages: Sequence[tuple[int, Manifest]], ranks: Sequence[int]) -> None:
+    def check(addr: str, stages: Sequence[tuple[int, Manifest]], ranks: Sequence[tuple[int, int]]) -> None:
         ms = [m for _, m in sorted(stages, key=lambda jm: jm[0])]
         decode = RoleGrid(
             "decode",
             tuple((m.layer_start, m.layer_end) for m in ms),
-            attention_tp=1 + len(ranks),
+            attention_tp=1 + max((r for _, r in ranks), default=0),
             draft_layers=len(ms[-1].draft_layers),
         )
         try:
-            check_announced(decode, [RankId(j, 0, 0) for j, _ in stages] + [RankId(0, 0, r) for r in ranks],
+            check_announced(decode, [RankId(j, 0, 0) for j, _ in stages] + [RankId(j, 0, r) for j, r in ranks],
                             ms[0].num_main_layers)  # fmt: skip
             check_grids(
                 prefill,

@@ -77,10 +77,12 @@ def part_routes(
 
 
 def route_pairs(link: DecodeLink, stage: int, tp_size: int, rotate: int = 0) -> list[list[int]]:
-    """The (prefill TP rank, decode TP rank) pairs the rule routes any key over, sorted: what a TP prefill stage's
-    report names so the decode can check that every one of them landed (StageDone.routes)."""
+    """The (prefill TP rank, decode cell) pairs the rule routes any key over, sorted: what a TP prefill stage's
+    report names so the decode can check that every one of them landed (StageDone.routes). A decode cell is the
+    part's flat rank (LinkPart.cell: the TP rank for a one-stage decode, stage x TP + rank for a TP x PP one)."""
     a = link_assignment(link, stage, tp_size, rotate)
-    return [list(p) for p in sorted({(s.tp, r.tp) for s, r in a.routes})]
+    cell = {receiver(p): p.cell for p in link.parts}
+    return [list(p) for p in sorted({(s.tp, cell[r]) for s, r in a.routes})]
 
 
 __all__ = ["RANK0_ENV", "link_assignment", "part_routes", "rank0_sender", "receiver", "request_rotation", "route_pairs"]
