@@ -34,7 +34,6 @@ from dsakv.testing.cluster import (
     Cluster,
     assert_clean,
     free_ports,
-    run_requests,
     wait_for,
 )
 from dsakv.testing.config import engine_config
@@ -86,9 +85,7 @@ def world(request, ckpt, tmp_path_factory):
     cluster = Cluster(ckpt, tmp_path_factory.mktemp(f"dp-mtp-{backend}"))
     try:
         port = free_ports(2)  # rank r listens on port + r
-        decode = cluster.decode(
-            "ddp2-mtp", backend, True, port=port, extra=[*DP_ARGS, "--worker-name", "ddp2m", *SPEC]
-        )
+        decode = cluster.decode("ddp2-mtp", backend, True, port=port, extra=[*DP_ARGS, "--worker-name", "ddp2m", *SPEC])
         prefill = cluster.prefill("p-mtp", backend, True, (12,), extra=SPEC)
         cluster.wait_healthy([*prefill, decode], timeout=240)
         ranks = cluster.dp_ranks(decode, 2)
@@ -172,8 +169,8 @@ def test_decode_dp2_mtp_tokens_accept_counts_per_rank_and_clean_pools(world, ckp
 
     # all at once: tokens == the single-rank engine with MTP == MTP off
     got = _run(world, PROMPTS, GREEDY, "all")
-    assert [t for t, _ in got] == _engine(ckpt, 2).generate(PROMPTS, GREEDY) == _engine(ckpt, 0).generate(
-        PROMPTS, GREEDY
+    assert (
+        [t for t, _ in got] == _engine(ckpt, 2).generate(PROMPTS, GREEDY) == _engine(ckpt, 0).generate(PROMPTS, GREEDY)
     )
     for (_, r), p in zip(got, PROMPTS, strict=True):
         pages[r] += _pages(p)
