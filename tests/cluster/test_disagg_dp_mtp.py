@@ -14,6 +14,8 @@ included (bytes == pages x the layout figure); 0 pages used on both ranks and on
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import replace
 
 import pytest
@@ -37,12 +39,14 @@ from dsakv.testing.cluster import (
     wait_for,
 )
 from dsakv.testing.config import engine_config
+from dsakv.testing.listen import child_pids
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(400)]
 
 SPEC = ["--speculative-num-steps", "2"]
 NEW = 10
+KILL_LONG = 600  # tokens of each request decoding when DP rank 1 is killed (the kill lands mid-decode)
 LONG_A = 200  # tokens of the request that must still decode on its rank while the next one is placed
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 SEEDED = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.9, seed=23)
@@ -130,14 +134,19 @@ def _rank_of(world, rid: str) -> int:
     return ranks.index(decode())
 
 
-def _tokens(router, rid: str) -> list[int]:
+def _tokens(router, rid: str, want: tuple[str, str | None] = ("length", None)) -> list[int]:
+    """The tokens of `rid` once it finished with (reason, error) == want (error "*": any error message)."""
     toks: list[int] = []
     end = None
     for ev in router.events(rid, 180):
         toks += ev.new_token_ids
         if ev.finished:
             end = (ev.finish_reason, ev.error)
-    assert end == ("length", None), (rid, end)
+    assert end is not None and end[0] == want[0], (rid, end)
+    if want[1] == "*":
+        assert end[1] and "DP rank 1 of 2" in end[1], (rid, end)
+    else:
+        assert end[1] == want[1], (rid, end)
     return toks
 
 
@@ -218,3 +227,34 @@ def test_decode_dp2_mtp_tokens_accept_counts_per_rank_and_clean_pools(world, ckp
         h = fetch_health(a)
         assert h.ok and (h.pages_used, h.running, h.waiting) == (0, 0, 0), h
         assert h.kv_bytes_pairs == {f"p-mtp:0->dp{r}": pages[r] * lay.bytes_per_page}, (r, pages, h.kv_bytes_pairs)
+
+
+def test_dp_rank_killed_while_both_speculate_only_its_request_fails(world, ckpt):
+    """kill -9 of DP rank 1 while each rank drafts and verifies one long seeded request: rank 1's fails naming its DP
+    rank; the group re-forms over rank 0, whose request goes on (a verify whose all-to-all broke is held and drafted
+    and verified again) to the single-rank MTP engine's tokens and accept counts exactly; 0 pages on rank 0 and the
+    prefill after."""
+    backend, cluster, decode, ranks, prefill, router = world
+    params = replace(SEEDED, max_new_tokens=KILL_LONG)
+    before = _snap(ranks)
+    rids = [f"{backend}-kill-{i}" for i in range(2)]
+    router.submit(rids[0], list(PROMPTS[0]), params)
+    first = _rank_of(world, rids[0])
+    wait_for(lambda: fetch_health(ranks[first]).running == 1, 60, "the first request decoding", cluster.procs)
+    router.submit(rids[1], list(PROMPTS[1]), params)
+    where = [first, _rank_of(world, rids[1])]
+    assert sorted(where) == [0, 1], where
+    wait_for(lambda: [fetch_health(a).running for a in ranks] == [1, 1], 60, "one on each rank", cluster.procs)
+    (rank1,) = child_pids(decode.pid)
+    os.kill(rank1, signal.SIGKILL)
+    kept, lost = where.index(0), where.index(1)
+    toks = _tokens(router, rids[kept], ("length", None))
+    err = _tokens(router, rids[lost], ("error", "*"))
+    assert len(err) < KILL_LONG
+    want, spec = _alone(ckpt, PROMPTS[kept], params)
+    assert toks == want
+    assert_clean([ranks[0], prefill[0].addr], procs=[decode, *prefill])
+    h0 = fetch_health(ranks[0])
+    assert h0.spec is not None and {k: h0.spec[k] - before[0][k] for k in KEYS} == spec, (h0.spec, before[0], spec)
+    rows = [(x.rank, x.up) for x in h0.dp_ranks or []]
+    assert rows[0] == (0, True) and h0.ok and h0.down is None, (rows, h0)
