@@ -9,7 +9,9 @@ Checked over a real transfer backend through the router (rank 1 found from rank 
 tokens == the colocated single-rank engine with MTP (greedy also == MTP off); the accept counts of each DP rank ==
 the single-rank engine running that rank's requests alone; requests land on both DP ranks (a long one holds rank
 a, the next is placed on the other rank; asserted by rank); each rank receives its own requests' keys, the draft's
-included (bytes == pages x the layout figure); 0 pages used on both ranks and on the prefill after.
+included (bytes == pages x the layout figure); 0 pages used on both ranks and on the prefill after. kill -9 of DP
+rank 1 while both ranks speculate: only its request fails, rank 0's == the single-rank MTP engine (tokens and
+accept counts), 0 pages on rank 0 and the prefill.
 """
 
 from __future__ import annotations
