@@ -233,9 +233,10 @@ def test_decode_dp2_mtp_tokens_accept_counts_per_rank_and_clean_pools(world, ckp
 
 def test_dp_rank_killed_while_both_speculate_only_its_request_fails(world, ckpt):
     """kill -9 of DP rank 1 while each rank drafts and verifies one long seeded request: rank 1's fails naming its DP
-    rank; the group re-forms over rank 0, whose request goes on (a verify whose all-to-all broke is held and drafted
-    and verified again) to the single-rank MTP engine's tokens and accept counts exactly; 0 pages on rank 0 and the
-    prefill after."""
+    rank; the group re-forms over rank 0, whose request goes on to the single-rank MTP engine's tokens and accept
+    counts exactly, whichever collective the kill broke (a round's all_gather: the round runs again; a verify's
+    all-to-all: the step is held, drafted and verified again, seen in runs here and forced in
+    tests/inproc/test_step_retry.py); 0 pages on rank 0 and the prefill after."""
     backend, cluster, decode, ranks, prefill, router = world
     params = replace(SEEDED, max_new_tokens=KILL_LONG)
     before = _snap(ranks)
