@@ -119,10 +119,11 @@ def test_generate_dp2_mtp_equals_single_rank(ckpt, capsys) -> None:
     assert stats["pages_used"] == 0 and stats["generated_tokens"] == NEW * len(PROMPTS[0::2])
     tp_s, _, _ = _generate(ckpt, capsys, *DP, "--temperature", "0.9", "--seed", "11")
     assert tp_s == _single(ckpt, SEEDED)[0]
-    # a DP-attention decode role does not speculate yet: refused before anything starts
-    argv = ["serve", "--role", "decode", "--model", str(ckpt), "--port", str(free_ports(3)), *DP]
+    # a DP-attention prefill role does not speculate yet: refused before anything starts (a DP-attention decode
+    # does: tests/cluster/test_disagg_dp_mtp.py)
+    argv = ["serve", "--role", "prefill", "--model", str(ckpt), "--port", str(free_ports(3)), *DP]
     assert main([*argv, "--speculative-num-steps", "2"]) == 2
-    assert "--enable-dp-attention with --role decode --speculative-num-steps is not supported yet" in (
+    assert "--enable-dp-attention with --role prefill --speculative-num-steps is not supported yet" in (
         capsys.readouterr().err
     )
 

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsakv.engine.engine import Engine
+from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import FinishReason, SamplingParams
 from dsakv.errors import StepRetry
+from dsakv.model.loader import load_model
+from dsakv.model.tiny import make_tiny
+from dsakv.testing.config import engine_config
 from dsakv.testing.engines import engine, prompts_for
 
 ARCH = "glm_moe_dsa"
@@ -76,3 +81,40 @@ def test_abort_while_the_step_is_held() -> None:
     st = eng.stats()
     assert (st.pages_used, st.num_running, st.num_waiting) == (0, 0, 0)
     eng.check_integrity()
+
+
+def _mtp_engine(ckpt: Any) -> Engine:
+    cfg = engine_config(page_size=4, max_tokens=256)
+    return Engine(load_model(ckpt), cfg, speculative_num_steps=2, model_dir=ckpt, spec_poison_rejected=True)
+
+
+def test_held_speculative_step_runs_again_to_the_same_tokens_and_accept_counts(tmp_path) -> None:
+    """With MTP (a DP-attention decode speculating): the verify forward's all-to-all breaks after the chain drafted
+    and the target wrote its KV; the held step drafts and verifies again: tokens (greedy and seeded) and accept
+    counts == an uninterrupted run, nothing failed, no page leaked."""
+    ckpt = make_tiny(tmp_path / "mtp", seed=0, mtp=1)
+    fit_mtp(ckpt, num_prompts=4, steps=30)
+    prompts = fit_prompts(512, 4)[:2] + PROMPTS[:1]
+    for params in (PARAMS, SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.9, seed=5)):
+        ref_eng = _mtp_engine(ckpt)
+        ref = ref_eng.generate(prompts, params)
+        eng = _mtp_engine(ckpt)
+        target = eng.speculator.target
+        forward, seen = target.stage_forward, [0]
+
+        def forward_then_break(*a: Any, _f: Any = forward, _seen: list[int] = seen) -> Any:
+            out = _f(*a)
+            _seen[0] += 1
+            if _seen[0] - 1 in (0, 2, 3):  # the prefill step and two verify steps
+                raise StepRetry(f"verify {_seen[0] - 1}: the group re-forms")
+            return out
+
+        target.stage_forward = forward_then_break
+        rids = [eng.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+        final, retries = run_all(eng)
+        assert retries == 3
+        assert [list(final[r].output_ids) for r in rids] == ref
+        assert eng.spec_stats() == ref_eng.spec_stats() and (eng.spec_stats() or {})["spec_accepted_tokens"] > 0
+        st = eng.stats()
+        assert (st.pages_used, st.num_running, st.num_waiting) == (0, 0, 0)
+        eng.check_integrity()

@@ -267,10 +267,10 @@ def check_tp(args: argparse.Namespace) -> None:
     if getattr(args, "hisparse", False):
         raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
     role = getattr(args, "role", "colocated")
-    if dpa and getattr(args, "speculative_num_steps", 0) and role in ("decode", "prefill"):
+    if dpa and getattr(args, "speculative_num_steps", 0) and role == "prefill":
         raise ConfigError(
             f"--enable-dp-attention with --role {role} --speculative-num-steps is not supported yet: drop one of them "
-            "(a colocated DP-attention server or a TP decode speculates; a TP 1 prefill feeds it)"
+            "(a TP 1 prefill with --speculative-num-steps feeds a DP-attention decode that speculates)"
         )
 
 

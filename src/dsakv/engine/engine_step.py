@@ -71,9 +71,8 @@ class EngineStep:
             errors: dict[int, str] = {}  # chunk index -> its request's own error: that request fails alone
             try:
                 next_tokens = self._run_rows(chunks, errors)
-            except StepRetry:  # its collective broke (a rank died): held for the re-formed group, nothing lost
-                self._held, self._pending = sched, outputs + self._pending
-                self._steps -= 1
+            except StepRetry:
+                self._hold(sched, outputs)
                 raise
             except Exception as e:  # the step failed: its requests finish with the error, pages come back
                 sched = self._fail_rows(sched, outputs, errors)
@@ -89,6 +88,11 @@ class EngineStep:
             if self.check_every_step:
                 self.check_integrity()
             return outputs
+
+    def _hold(self, sched: Any, outputs: list[RequestOutput]) -> None:
+        """The step's collective broke (a rank died, engine/dp.py): hold it for the re-formed group, nothing lost."""
+        self._held, self._pending = sched, outputs + self._pending
+        self._steps -= 1
 
     def _run_rows(self, chunks: Sequence[ScheduledChunk], errors: dict[int, str]) -> list[int | None]:
         """The step's forward and sampling; a row whose admission (HiSparse), prompt logprobs, logits or sampling
@@ -160,6 +164,9 @@ class EngineStep:
         positions = [self._prompt_logprob_positions(c) for c in chunks]
         try:
             produced = self.speculator.run(chunks, positions)
+        except StepRetry:  # the verify's all-to-all broke: nothing kept yet (drafts and states change after it)
+            self._hold(sched, outputs)
+            raise
         except Exception as e:  # the step failed: its requests finish with the error, pages come back
             return self._fail_step(sched, outputs, e, "speculative")
         errors = dict(self.speculator.errors)

@@ -81,7 +81,9 @@ def layer_weight_bytes(spec: ModelSpec, layer: int, weight_format: str, grid: Ra
     owns = draft or (not spec.has_indexer) or spec.indexer_types[layer] == "full"
     rep_a, split_a, high_a = _attention_params(spec, with_indexer=owns)
     dense_m, routed_m, high_m = _mlp_params(spec, moe=draft or layer >= spec.first_k_dense_replace)
-    lin = rep_a + split_a / atp + dense_m / atp + routed_m / grid.tp
+    # the routed experts split over the MoE group's tp ranks; an MTP draft layer under DP attention is whole on every
+    # DP rank (each drafts for its own requests with no collective in the draft: disagg/decode/dp.py)
+    lin = rep_a + split_a / atp + dense_m / atp + routed_m / (1 if draft and grid.dp_attention else grid.tp)
     total = lin * qb + (high_a + high_m) * _HIGH
     if draft:  # MTP block: enorm, hnorm, eh_proj, its own final norm
         total += (2 * spec.hidden_size * spec.hidden_size) * _HIGH + 3 * spec.hidden_size * _HIGH

@@ -43,7 +43,7 @@ def test_seed_decode_tp8_dp8_json(capsys) -> None:
     expect = sum(layer_weight_bytes(spec, i, "bf16", g) for i in range(79))
     assert r["weight_bytes_per_rank_estimate"] == [expect + embedding_bytes(spec, g) + lm_head_bytes(spec, g)]
     # elastic EP: a survivor of one rank's death loads ceil(32 / 7) = 5 of its experts in each of the 75 main MoE
-    # layers (3..77; the DP decode runs no draft layer), 3 x 6144 x 2048 bf16 each
+    # layers (3..77; the draft layer is whole on every DP rank: nothing to load), 3 x 6144 x 2048 bf16 each
     assert r["reform_headroom_bytes_per_rank"] == [75 * 5 * 3 * 6144 * 2048 * 2] == [28_311_552_000]
 
 
@@ -109,6 +109,11 @@ def test_layer_weights_per_rank_exact() -> None:
     moe8 = layer_weight_bytes(spec, 3, "bf16", RankGrid(tp=8, dp=8, dp_attention=True, ep=8))
     one = layer_weight_bytes(spec, 3, "bf16")
     assert one - moe8 == routed * 2 * 7 // 8
+    # the MTP draft layer (78) under DP attention: whole on every DP rank (each drafts for its own requests, no
+    # collective in a draft); under plain TP its experts are split like the main layers'
+    dp8 = RankGrid(tp=8, dp=8, dp_attention=True, ep=8)
+    assert layer_weight_bytes(spec, 78, "bf16", dp8) == layer_weight_bytes(spec, 78, "bf16")
+    assert layer_weight_bytes(spec, 78, "bf16") - layer_weight_bytes(spec, 78, "bf16", RankGrid(tp=8)) > routed * 7 // 4
     # single rank == the whole model
     whole = sum(layer_weight_bytes(spec, i, "fp8") for i in range(79)) + embedding_bytes(spec) + lm_head_bytes(spec)
     assert model_weight_bytes(spec, "fp8") == whole

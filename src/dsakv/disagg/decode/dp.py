@@ -9,6 +9,10 @@
     model                  the whole checkpoint with each MoE layer an EPMoE holding experts [r E/D, (r+1) E/D)
     steps                  engine/dp.LockstepEngine: a round gathers every rank's row; every rank runs each MoE
                            layer's all-to-all once per round (an idle rank with 0 rows)
+    MTP                    (--speculative-num-steps) each rank drafts and verifies its own requests as a single-rank
+                           MTP decode (the draft's KV and hidden state from the prefill), with the whole draft layer
+                           (its MoE not expert-parallel: a draft runs no collective); only the verify calls the
+                           EPMoE layers, once per round like a plain step (a broken verify is held: StepRetry)
     routing                every rank's health names the instance's ranks (dp_addrs) and, from the last round, each
                            rank's pages / running / waiting / integrity (dp_ranks); the router adds each rank as a
                            decode it routes to by load (disagg/router/peers.py): it picks the DP rank
