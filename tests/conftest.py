@@ -15,6 +15,19 @@ except ImportError:  # the planner tests run without torch
 else:
     torch.set_num_threads(1)
 
+# transformers and huggingface_hub bind their log handler to sys.stderr as it is at their first log; if that is a
+# test's capsys (a test that runs main([...])), every later log of this worker goes to a closed stream ("--- Logging
+# error ---" and a traceback, which the cluster tests' log scan reports: seen with test_tp_mtp after test_disagg_dp's
+# flag errors on one worker). Set them up here, once, before any test captures anything.
+try:
+    from huggingface_hub.utils import logging as _hf_logging
+    from transformers.utils import logging as _tf_logging
+except ImportError:  # the planner tests run without them
+    pass
+else:
+    _tf_logging.get_logger("transformers")
+    _hf_logging.get_logger("huggingface_hub")
+
 # One cluster secret for every PD process the suite starts (they inherit DSAKV_CLUSTER_SECRET_FILE) and for this
 # process's own calls (as the router: in-process RouterBackend, health). require=False: in-process workers started
 # without a secret still answer this process's plain calls.

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsakv.cli import disagg_roles, options
 from dsakv.cli.http_options import add_http_arguments, http_limits
+from dsakv.cli.logs import setup_logging
 from dsakv.config import Config
 
 log = logging.getLogger("dsakv.serve")
@@ -71,10 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_hisparse_arguments(p, " (colocated role; /metrics shows dsakv_hisparse_*)")
     options.add_parallel_arguments(eng)
     disagg_roles.add_arguments(p)
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def run_colocated(args: argparse.Namespace, cfg: Config) -> int:

@@ -13,6 +13,7 @@ import logging
 import signal
 import threading
 
+from dsakv.cli.logs import setup_logging
 from dsakv.errors import ConfigError
 from dsakv.plan.units import parse_size
 
@@ -41,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from dsakv.cache.storage.master import MasterProcess, StoreHolder
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
     if not 0 < args.port < 65533:
         raise ConfigError(f"--port {args.port}: needs port, port + 1 and port + 2 in 1..65535")
     size = parse_size(args.size, "--size")
