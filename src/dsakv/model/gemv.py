@@ -30,7 +30,7 @@ import torch
 
 ROWS = 4  # calls of at most this many rows take the compiled kernel (more: the BLAS matmul)
 _ON = [False]  # use_compiled_gemv
-_KERNELS: dict[tuple[int, ...], Callable[..., Any]] = {}  # (rows, N, K, w strides) -> its compiled kernel
+_KERNELS: dict[tuple[int, ...], Callable[..., Any]] = {}  # (rows, N, K, w strides, threads) -> compiled kernel
 _LOCK = threading.Lock()
 
 
@@ -56,10 +56,10 @@ def _kernel(rows: int, w: torch.Tensor) -> Callable[..., Any]:
     Compiled by inductor from the traced graph of one static shape, without dynamo: no guards are evaluated per
     call (a dynamo-compiled function spent ~20 us a call on them, and with the weights' varying strides and offsets
     it kept several guarded graphs per shape); the shape key is this dict's."""
-    key = (rows, *w.shape, *w.stride())
+    key = (rows, *w.shape, *w.stride(), torch.get_num_threads())  # inductor parallelises for the threads it sees
     fn = _KERNELS.get(key)
     if fn is None:
-        import torch._inductor
+        import torch._inductor as inductor
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with _LOCK, torch.inference_mode(False), torch.no_grad():
@@ -67,7 +67,7 @@ def _kernel(rows: int, w: torch.Tensor) -> Callable[..., Any]:
             if fn is None:
                 x0 = torch.zeros(rows, int(w.shape[1]), dtype=w.dtype, device=w.device)
                 w0 = torch.empty_strided(tuple(w.shape), w.stride(), dtype=w.dtype, device=w.device)
-                fn = _KERNELS[key] = torch._inductor.compile(make_fx(_gemv)(x0, w0), [x0, w0])
+                fn = _KERNELS[key] = inductor.compile(make_fx(_gemv)(x0, w0), [x0, w0])
     return fn
 
 
