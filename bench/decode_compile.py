@@ -69,6 +69,20 @@ def profile(model: tuple, args: argparse.Namespace, steps: int = 8) -> str:
     return "\n".join(out)
 
 
+def _rows(fig: dict[tuple[int, int, str, str], list[float]], thr: int, batches: list[int]) -> None:
+    med = statistics.median
+    for b in batches:
+        for clock in ("wall", "cpu"):
+            e, c = fig[(thr, b, "eager", clock)], fig[(thr, b, "compiled", clock)]
+            r = sorted(x / y for x, y in zip(c, e, strict=True))
+            print(
+                f"{thr:>3}  {b:>5}  {clock:>5}  {med(e):>7.1f} ({min(e):.1f}..{max(e):.1f})  "
+                f"{med(c):>7.1f} ({min(c):.1f}..{max(c):.1f})  x{med(r):.2f} ({r[0]:.2f}..{r[-1]:.2f})  "
+                f"load {_load()}",
+                flush=True,
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
@@ -103,6 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(profile(model, args))
         fig: dict[tuple[int, int, str, str], list[float]] = {}
         loads = []
+        print(
+            f"\n8-layer bench checkpoint (glm_moe_dsa, 148M parameters, fp32 weights and cache), decode after prompts "
+            f"of 64, {args.decode_tokens} timed steps a round; median of {args.rounds} interleaved rounds (min..max), "
+            "tokens/s; ratio: median of the per-round ratios (min..max); each thread count's rows as it finishes"
+        )
+        head = f"{'thr':>3}  {'batch':>5}  {'clock':>5}  {'eager':>18}  {'compiled':>18}  {'compiled/eager':>20}"
+        print(head)
+        print("-" * len(head))
         for thr in threads:
             torch.set_num_threads(thr)
             for _ in range(args.rounds):
@@ -114,25 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                         fig.setdefault((thr, b, arm, "cpu"), []).append(be.LAST_CPU_TPS[0])
                 loads.append(_load())
                 print(f"  threads {thr}: round done (load {loads[-1]})", file=sys.stderr)
+            _rows(fig, thr, batches)
         use_compiled_gemv(False)
     med = statistics.median
-    print(
-        f"\n8-layer bench checkpoint (glm_moe_dsa, 148M parameters, fp32 weights and cache), decode after prompts of "
-        f"64, {args.decode_tokens} timed steps a round; median of {args.rounds} interleaved rounds (min..max), "
-        "tokens/s; ratio: median of the per-round ratios (min..max)"
-    )
-    head = f"{'thr':>3}  {'batch':>5}  {'clock':>5}  {'eager':>18}  {'compiled':>18}  {'compiled/eager':>20}"
-    print(head)
-    print("-" * len(head))
-    for thr in threads:
-        for b in batches:
-            for clock in ("wall", "cpu"):
-                e, c = fig[(thr, b, "eager", clock)], fig[(thr, b, "compiled", clock)]
-                r = sorted(x / y for x, y in zip(c, e, strict=True))
-                print(
-                    f"{thr:>3}  {b:>5}  {clock:>5}  {med(e):>7.1f} ({min(e):.1f}..{max(e):.1f})  "
-                    f"{med(c):>7.1f} ({min(c):.1f}..{max(c):.1f})  x{med(r):.2f} ({r[0]:.2f}..{r[-1]:.2f})"
-                )
     if len(threads) > 1:
         t1, t2 = threads[0], threads[-1]
         for b in batches:
