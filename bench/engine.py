@@ -53,6 +53,7 @@ from dsakv.cli import options
 from dsakv.config import LayoutConfig
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
+from dsakv.model.gemv import use_compiled_gemv
 from dsakv.model.loader import load_model
 from dsakv.model.tiny import make_tiny
 from dsakv.plan.units import parse_size
@@ -641,6 +642,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--llama-prompt", type=int, default=512, help="llama section: prompt tokens (default 512)")
     ap.add_argument("--llama-seqs", type=int, default=16, help="llama section: sequences of batched decode (16)")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="every dsakv arm with --compile (model/gemv.py's compiled GEMV for 1-4 row float32 matmuls; "
+        "bench/decode_compile.py measures it against eager)",
+    )
     ap.add_argument("--json", help="also write every figure to this JSON file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -673,6 +680,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{spec.name}: {spec.num_layers} layers, producers {list(spec.producers)}, {n_params / 1e6:.0f}M "
             f"parameters, torch threads {args.threads}"
         )
+        if args.compile:  # process-wide, as `dsakv generate --compile`; the warm-ups compile its shapes
+            use_compiled_gemv(True)
+            for b in sorted({1, 16, args.llama_seqs, *batches}):
+                decode_tps(model, True, b, args, ("fp32", "fp32"))
+            dsakv_prefill_tps(model, 1, args.llama_prompt, args)  # its per-expert groups of <= 4 rows
+        print(f"dsakv decode: {'--compile (compiled GEMV, 1-4 rows)' if args.compile else 'eager'}")
+        results["compile"] = bool(args.compile)
         decode_tps(model, True, 1, args, ("fp32", "fp32"))  # warm-up
         if "prefill" in sections:
             results["prefill"] = prefill_section(path, model, args)

@@ -174,6 +174,12 @@ def add_engine_arguments(
         help="with --weight-dtype int8: matmuls of up to 16 rows (decode) read the int8 weights in one "
         "torch.compile'd kernel (compiled on first use) instead of dequantising per call",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="float32 weights on CPU: matmuls of 1-2 rows (decode) on one torch.compile'd GEMV (model/gemv.py; "
+        "compiled on first use) instead of the BLAS call; off: the eager reference",
+    )
     default = "torch's choice" if threads is None else str(threads)
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
 
@@ -445,6 +451,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=getattr(args, "dtype", "float32"),
         weight_dtype=getattr(args, "weight_dtype", "model"),
         int8_gemv=getattr(args, "int8_gemv", False),
+        compile_decode=getattr(args, "compile", False),
         seed=getattr(args, "seed", None),
         speculative_num_steps=getattr(args, "speculative_num_steps", 0),
     )

@@ -252,6 +252,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights: float32 | bfloat16
     weight_dtype: str = "model"  # projection weights on a quantised grid: model (as loaded) | int8 | fp8
     int8_gemv: bool = False  # int8 weights: small-batch matmuls on the compiled int8 GEMV (model/quant.py)
+    compile_decode: bool = False  # float weights: 1-2 row matmuls on the compiled GEMV (model/gemv.py, --compile)
     seed: int | None = None  # seed for requests that give none
     speculative_num_steps: int = 0  # MTP speculative decoding: drafts verified per step (0 = off)
 

@@ -55,6 +55,8 @@ def engine_argv(cfg: EngineConfig, defaults: EngineConfig = EngineConfig()) -> l
         out += ["--weight-dtype", cfg.weight_dtype]
     if cfg.int8_gemv:
         out += ["--int8-gemv"]
+    if cfg.compile_decode:
+        out += ["--compile"]
     if cfg.speculative_num_steps != defaults.speculative_num_steps:
         out += ["--speculative-num-steps", str(cfg.speculative_num_steps)]
     h = cfg.hisparse

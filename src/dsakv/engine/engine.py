@@ -123,6 +123,10 @@ class Engine(EngineRequests, EngineStep, EngineBooks):
             from dsakv.model.quant import use_int8_gemv
 
             use_int8_gemv(True)
+        if cfg.compile_decode:  # process-wide too: every float model's few-row matmuls (model/gemv.py)
+            from dsakv.model.gemv import use_compiled_gemv
+
+            use_compiled_gemv(True)
         self.speculative_num_steps = speculative_num_steps = cfg.speculative_num_steps
         if speculative_num_steps and draft is None:
             if self.model_dir is None:

@@ -26,7 +26,7 @@ from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import MLP, MoE, RMSNorm, rms_norm
+from dsakv.model.layers import MLP, MoE, RMSNorm, linear, rms_norm
 from dsakv.model.quant import linear_dtype
 from dsakv.model.rope import Rope, rope_inv_freq
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
@@ -280,7 +280,7 @@ class DSAModel(nn.Module):
             logits = None
             if lay.end == self.spec.num_layers:
                 last = torch.cumsum(batch.extend_lens.to(self.device), 0) - 1
-                logits = self.lm_head(self.model.norm(x[last])).float()
+                logits = linear(self.model.norm(x[last]), self.lm_head).float()  # no Module call: --compile's GEMV
             packed = pack_topk(topk, ctx, self.spec.index_topk) if topk is not None else None
             return StageCarry(hidden=x, topk=packed, logits=logits)
 

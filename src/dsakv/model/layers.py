@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.model.config import DSAConfig
+from dsakv.model.gemv import gemv
 from dsakv.model.quant import dequantize, gemv_applies, qlinear, weight_scale
 
 # MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
@@ -83,10 +84,7 @@ class LinearGroup:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
         w, scale, bias, members = self._current()
-        if scale is not None:  # int8 members (pack_int8)
-            y = qlinear(x, w, scale, bias)
-        else:
-            y = F.linear(x if x.dtype == w.dtype else x.to(w.dtype), w, bias)
+        y = qlinear(x if scale is not None or x.dtype == w.dtype else x.to(w.dtype), w, scale, bias)
         if len(members) == len(self.linears):
             return list(y.split_with_sizes(self.sizes, dim=-1)) if len(members) > 1 else [y]
         parts = iter(torch.split(y, [self.sizes[i] for i in members], dim=-1))
@@ -145,15 +143,18 @@ def matmul_add(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
 ) -> torch.Tensor:
-    """residual + x @ w^T (+ bias) as one addmm (w int8 with its scale: quant.qlinear's weight; on the GEMV kernel
-    the residual is added after it, dequantised it goes through the same addmm)."""
+    """residual + x @ w^T (+ bias) as one addmm (w int8 with its scale: quant.qlinear's weight; on the GEMV kernels,
+    int8 or --compile's float one, the residual is added after it, dequantised it goes through the same addmm)."""
     if scale is not None:
         if residual is None or gemv_applies(x):
             y = qlinear(x, w, scale, bias)
             return y if residual is None else y.add_(residual)
         w = dequantize(w, scale, x.dtype)
     if residual is None:
-        return F.linear(x, w, bias)
+        return qlinear(x, w, None, bias)
+    g = gemv(x, w)  # the compiled float GEMV (--compile) for a few rows, else None
+    if g is not None:
+        return (g if bias is None else g.add_(bias)).add_(residual)
     if bias is not None:
         return torch.addmm(residual, x, w.t()).add_(bias)
     return torch.addmm(residual, x, w.t())
@@ -255,7 +256,7 @@ class MoEWeights(NamedTuple):
     w_down_t: torch.Tensor  # w_down.t(), as addmm takes it
     routed_width: int  # E*I: the routed experts' columns of w_down
     tail: torch.Tensor  # w_in[2*E*I:]: router | shared gate | shared up, one matmul on the grouped paths
-    shared_down_t: torch.Tensor  # the shared expert's down weight, transposed (addmm)
+    shared_down: torch.Tensor  # w_down[:, E*I:]: the shared expert's down weight
     # int8 weights (pack_int8), else None: w_in's per-row scale [rows, 1]; w_down's per-row scale of each column
     # block of width gcd(I, Is) [hidden, (E*I + Is) / gcd] (each expert's and the shared down's own scales)
     in_scale: torch.Tensor | None = None
@@ -355,7 +356,7 @@ class MoE(nn.Module):
             w_down.t(),
             ei,
             w_in[2 * ei :],
-            w_down[:, ei:].t(),
+            w_down[:, ei:],
             in_scale,
             down_scale,
             blk,
@@ -398,10 +399,10 @@ class MoE(nn.Module):
         weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
         shared = F.silu(g).mul_(u)
         if f.down_scale is None:
-            out = torch.addmm(self._routed(x, weights, ids, f), shared, f.shared_down_t)  # routed sum + shared expert
+            out = matmul_add(shared, f.shared_down, None, None, self._routed(x, weights, ids, f))  # + shared expert
         else:
             sd = f.down_scale[:, ei // f.down_block :]
-            out = matmul_add(shared, f.w_down[:, ei:], sd, None, self._routed(x, weights, ids, f))
+            out = matmul_add(shared, f.shared_down, sd, None, self._routed(x, weights, ids, f))
         return out if residual is None else out.add_(residual)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:

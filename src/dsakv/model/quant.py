@@ -11,16 +11,16 @@ model's weights (`--weight-dtype fp8`, and int8 on a sharded model: the quantise
 matmuls streaming weights in the model's dtype). Embeddings, norms, the router and the indexer's weights_proj
 (float32 in transformers too) are left as they are.
 
-`pack_int8` keeps int8 storage instead (`--weight-dtype int8` on one rank): each projection's `weight` becomes
-the int8 [N, K] tensor and a `weight_scale` buffer [N, 1] (float32) its per-channel scale, so the weights take
-a quarter of their fp32 bytes. `qlinear(x, w, scale)` computes x @ (w * scale)^T for either form (scale None:
-plain F.linear). With int8 it dequantises per call into x's dtype (the same weights as quantize_weights, so the
-same results: any device) unless the int8 GEMV kernel is on (`use_int8_gemv`) and the call has at most
-GEMV_ROWS rows: then one torch.compile'd reduction reads the int8 weights directly (CPU; its sums run in another
-order than the BLAS's, ~1e-6 relative). A scale [N, nb] holds nb equal column blocks' scales (the MoE's fused
-down weight: one block per expert). kv_b_proj stays in the model's dtype on the int8 grid: attention uses it
-as per-head views (W_UK, W_UV) in batched matmuls.
-Imports torch only (and dsakv.errors).
+`pack_int8` keeps int8 storage instead (`--weight-dtype int8` on one rank): each projection's `weight` becomes the
+int8 [N, K] tensor and a `weight_scale` buffer [N, 1] (float32) its per-channel scale, so the weights take a quarter
+of their fp32 bytes. `qlinear(x, w, scale)` computes x @ (w * scale)^T for either form (scale None: plain F.linear,
+or model/gemv.py's compiled GEMV for a few rows under `--compile`). With int8 it dequantises per call into x's dtype
+(the same weights as quantize_weights, so the same results: any device) unless the int8 GEMV kernel is on
+(`use_int8_gemv`) and the call has at most GEMV_ROWS rows: then one torch.compile'd reduction reads the int8 weights
+directly (CPU; its sums run in another order than the BLAS's, ~1e-6 relative). A scale [N, nb] holds nb equal column
+blocks' scales (the MoE's fused down weight: one block per expert). kv_b_proj stays in the model's dtype on the int8
+grid: attention uses it as per-head views (W_UK, W_UV) in batched matmuls.
+Imports torch only (and dsakv.errors, dsakv.model.gemv).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.errors import ConfigError
+from dsakv.model.gemv import gemv
 
 WEIGHT_DTYPES = ("model", "int8", "fp8")
 FP8_BLOCK = 128
@@ -201,7 +202,10 @@ def qlinear(
     """x [..., K] @ (w * scale)^T (+ bias): F.linear when scale is None; int8 w [N, K] with scale [N, nb]
     otherwise (the compiled GEMV on CPU for at most GEMV_ROWS rows when on, else dequantised per call)."""
     if scale is None:
-        return F.linear(x, w, bias)
+        y = gemv(x, w)  # the compiled float GEMV (--compile) for a few rows, else None
+        if y is None:
+            return F.linear(x, w, bias)
+        return y if bias is None else y.add_(bias)
     kernel = _GEMV[0]
     if kernel is not None and gemv_applies(x):
         y = kernel(x.reshape(-1, x.shape[-1]), w.detach(), scale).view(*x.shape[:-1], w.shape[0])  # a Tensor

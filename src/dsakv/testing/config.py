@@ -40,6 +40,7 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "dtype": ("", "dtype"),
     "weight_dtype": ("", "weight_dtype"),
     "int8_gemv": ("", "int8_gemv"),
+    "compile_decode": ("", "compile_decode"),
     "seed": ("", "seed"),
     "speculative_num_steps": ("", "speculative_num_steps"),
 }
