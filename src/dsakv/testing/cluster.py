@@ -87,8 +87,20 @@ def call(addr: str, method: str, params: Any = None, timeout: float = 5.0) -> An
         c.close()
 
 
+def _not_yet() -> tuple[type[BaseException], ...]:
+    """What a predicate may raise while the thing it waits for is not up yet: an RPC or socket error, or an HTTP
+    client's transport error (httpx's are not OSErrors: a server still starting refused the connection and ended
+    the wait at once, ciH: test_disagg_listen's router under load)."""
+    try:
+        import httpx
+    except ImportError:
+        return (RpcError, OSError)
+    return (RpcError, OSError, httpx.TransportError)
+
+
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, procs: Sequence[Proc] = ()) -> Any:
     end = time.monotonic() + timeout
+    not_yet = _not_yet()
     procs = [p for p in procs if p.alive()]  # only those alive now must stay alive
     last: Any = None
     while time.monotonic() < end:
@@ -96,7 +108,7 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, procs: Sequence
             last = pred()
             if last:
                 return last
-        except (RpcError, OSError) as e:
+        except not_yet as e:
             last = e
         for p in procs:
             if not p.alive():
