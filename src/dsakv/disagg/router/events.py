@@ -38,6 +38,9 @@ class EventPoller:
             beat()
             try:
                 ok = self.poll(addr, client, self.t.poll_wait)
+            except (RpcError, OSError) as e:  # the connection failed (the client reconnects on the next poll)
+                log.warning("router: events poll of %s failed: %s: %s", addr, type(e).__name__, e)
+                ok = False
             except Exception:
                 log.exception("router: events poll of %s failed", addr)
                 ok = False
