@@ -23,17 +23,16 @@ from dsakv.disagg.transfer.bootstrap import StageRegistry
 from dsakv.disagg.transfer.manifest import BackendMeta, Manifest, RegionInfo
 from dsakv.engine.engine import Engine
 from dsakv.engine.model_runner import build_batch
-from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.engine.scheduler import ScheduledChunk
 from dsakv.engine.speculative import draft_prefill
 from dsakv.model.loader import load_draft, load_model
-from dsakv.model.tiny import make_tiny
 from dsakv.plan.capacity import Deployment, plan
 from dsakv.spec.layout import KVLayout
 from dsakv.spec.model import ModelSpec
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests, wait_for
 from dsakv.testing.config import engine_config
+from dsakv.testing.engines import fitted_mtp_tiny, mtp_prompts
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(400)]
@@ -49,15 +48,11 @@ SPEC = ["--speculative-num-steps", str(K)]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """The 12-layer tiny model with one MTP layer fitted on fit_prompts (high acceptance there, ~0 elsewhere)."""
-    path = make_tiny(tmp_path_factory.mktemp("mtp-pd") / "tiny", seed=0, mtp=1)
-    fit_mtp(path, num_prompts=16, steps=60)
-    return path
+    return fitted_mtp_tiny(tmp_path_factory.mktemp("mtp-pd"))
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    fresh = [torch.randint(2, 512, (n,), generator=g).tolist() for n in (7, 41, 290)]  # 290: two chunks of <= 256
-    return fit_prompts(512, 16)[:3] + fresh
+    return mtp_prompts(3, (7, 41, 290), seed=7)  # 290: two chunks of <= 256
 
 
 PROMPTS = _prompts()

@@ -7,16 +7,14 @@ draft layer and drafts from the first decode step. Tokens == the colocated singl
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dsakv.disagg.protocol.messages import fetch_health
 from dsakv.engine.engine import Engine
-from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_model
-from dsakv.model.tiny import make_tiny
 from dsakv.testing.cluster import NUM_PAGES, PAGE_SIZE, Cluster, assert_clean, run_requests
 from dsakv.testing.config import engine_config
+from dsakv.testing.engines import fitted_mtp_tiny, mtp_prompts
 from dsakv.util import ceil_div
 
 pytestmark = [pytest.mark.timeout(500)]
@@ -29,14 +27,11 @@ KEYS = ("spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    path = make_tiny(tmp_path_factory.mktemp("tp-mtp-pd") / "tiny", seed=0, mtp=1)
-    fit_mtp(path, num_prompts=16, steps=60)
-    return path
+    return fitted_mtp_tiny(tmp_path_factory.mktemp("tp-mtp-pd"))
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return fit_prompts(512, 16)[:2] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in (9, 37)]
+    return mtp_prompts(2, (9, 37), seed=3)
 
 
 PROMPTS = _prompts()

@@ -16,13 +16,12 @@ import torch
 
 from dsakv.cli.main import main
 from dsakv.engine.engine import Engine
-from dsakv.engine.mtp_fit import fit_mtp, fit_prompts
 from dsakv.engine.request import SamplingParams
 from dsakv.model.loader import load_config, load_draft, load_model
 from dsakv.model.parallel import TPGroup, load_tp_draft
-from dsakv.model.tiny import make_tiny
 from dsakv.testing.cluster import wait_for
 from dsakv.testing.config import engine_config
+from dsakv.testing.engines import fitted_mtp_tiny, mtp_prompts
 from dsakv.util.procs import Proc, dsakv_cmd, free_ports
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -37,14 +36,11 @@ SEEDED = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=0.9, se
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """The 12-layer tiny model with one MTP layer fitted on fit_prompts (drafts accepted there, rarely elsewhere)."""
-    path = make_tiny(tmp_path_factory.mktemp("tp-mtp") / "tiny", seed=0, mtp=1)
-    fit_mtp(path, num_prompts=16, steps=60)
-    return path
+    return fitted_mtp_tiny(tmp_path_factory.mktemp("tp-mtp"))
 
 
 def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return fit_prompts(512, 16)[:2] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in (6, 23)]
+    return mtp_prompts(2, (6, 23), seed=5)
 
 
 PROMPTS = _prompts()

@@ -102,3 +102,22 @@ def drive(
 
 def greedy_params(n: int, **kw: object) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def fitted_mtp_tiny(root: Path) -> Path:
+    """The MTP tests' checkpoint: the 12-layer tiny glm_moe_dsa model (seed 0) with one MTP layer fitted on
+    fit_prompts(512, 16), so drafts are accepted there and rarely elsewhere; written under `root`."""
+    from dsakv.engine.mtp_fit import fit_mtp
+
+    path = make_tiny(root / "tiny", seed=0, mtp=1)
+    fit_mtp(path, num_prompts=16, steps=60)
+    return path
+
+
+def mtp_prompts(fitted: int, fresh: Sequence[int], seed: int) -> list[list[int]]:
+    """The first `fitted` prompts the MTP layer was fitted on, then random prompts of the `fresh` lengths (a
+    generator seeded `seed`)."""
+    from dsakv.engine.mtp_fit import fit_prompts
+
+    g = torch.Generator().manual_seed(seed)
+    return fit_prompts(512, 16)[:fitted] + [torch.randint(2, 512, (n,), generator=g).tolist() for n in fresh]
