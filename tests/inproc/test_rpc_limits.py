@@ -230,7 +230,7 @@ def test_peer_clients_keep_one_connection_per_peer_process(server):
         assert peers.client(server.address, "boot-1") is first and server.open_connections == 1
         second = peers.client(server.address, "boot-2")
         assert second is not first and second.call("echo", {"i": 9}) == {"i": 9}
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 30.0  # ends as soon as it holds; generous for a loaded box
         while server.open_connections != 1 and time.monotonic() < deadline:  # the server sees the close
             time.sleep(0.02)
         assert server.open_connections == 1
