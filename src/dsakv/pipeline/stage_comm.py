@@ -90,6 +90,24 @@ def _listen_socket(host: str, port: int) -> socket.socket | None:
         return s
 
 
+def _server_store(host: str, port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """Stage 0's rendezvous TCPStore server, listening on `host` only (a wildcard host: every interface).
+
+    The server takes ownership of the listening fd it is given and closes it when it goes, so it is handed a
+    duplicate and our socket object is closed here: passing `sock.fileno()` and keeping `sock` closed the same fd
+    number twice (the store, then the socket's finaliser), and the second close hit whatever fd had reused the
+    number by then (another test's HTTP socket in the same process: EBADF; an epoll fd: libuv abort())."""
+    listen = _listen_socket(host, port)
+    fd = None if listen is None else os.dup(listen.fileno())
+    try:
+        return dist.TCPStore(
+            host, port, size, True, timeout=_td(timeout_s), wait_for_workers=False, master_listen_fd=fd
+        )
+    finally:  # on a failure the dup may or may not have been taken: it is left alone (never closed twice)
+        if listen is not None:
+            listen.close()
+
+
 def _gloo_options(host: str, timeout_s: float) -> Any:
     """Gloo options whose device listens on `host` (by default gloo binds whatever the machine's hostname
     resolves to)."""
@@ -136,18 +154,8 @@ class StageGroup:
         self.peer_info: dict[int, dict[str, Any]] = {}  # rank -> what it published at formation
         # the rendezvous and the gloo pairs listen on this stage's host only (a wildcard host: all interfaces)
         self.bind_host = bind_host or store_host
-        self._listen: socket.socket | None = None
         if size > 1 and rank == 0:
-            self._listen = _listen_socket(store_host, store_port)
-            self._store = dist.TCPStore(
-                store_host,
-                store_port,
-                size,
-                True,
-                timeout=_td(self.timeout_s),
-                wait_for_workers=False,
-                master_listen_fd=self._listen.fileno() if self._listen is not None else None,
-            )
+            self._store = _server_store(store_host, store_port, size, self.timeout_s)
 
     # ---- formation -----------------------------------------------------------------------------
 
