@@ -182,6 +182,16 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     _threads(args)
     dcfg = decode_config(args, cfg)
     pcfg = dcfg.pipeline  # the tree's one pipeline config when pipelined (its rank: --pp-rank)
+    if dcfg.dp_size > 1 and pcfg is not None:  # DP attention x PP: cell (DP rank, stage) (decode/dp_pipe.py)
+        from dsakv.disagg.decode import dp_pipe
+        from dsakv.engine.dp import check_experts
+
+        check_experts(dcfg.model, dcfg.dp_size)  # before any rank starts
+        rank = int(os.environ.get(TP_RANK_ENV) or 0)
+        cell: Any = dp_pipe.DPStageWorker(dcfg) if pcfg.rank > 0 else DecodeWorker(dp_pipe.cell_config(dcfg, rank))
+        line = f"dsakv decode DP rank {rank}/{dcfg.dp_size} stage {pcfg.rank}/{pcfg.pp_size} ready on {{}} (pid {{}})"
+        # only (0, 0) stops on SIGTERM: its stop round, then STOP down every DP rank's pipeline, stops the rest
+        return _serve_worker(cell, lambda: line.format(cell.address, os.getpid()), follower=rank > 0 or pcfg.rank > 0)
     if dcfg.dp_size > 1:  # DP attention: every rank a DecodeWorker of its own on --port + rank (decode/dp.py)
         from dsakv.engine.dp import check_experts, dp_rank_config
 

@@ -136,8 +136,8 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"dsakv serve --role {role} --enable-dp-attention is not supported: the router runs no model (DP "
             "attention serves colocated, as --role prefill or as --role decode)"
         )
-    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role != "colocated":
-        raise ConfigError(  # colocated: each DP rank a pipeline (pipeline/dp_stage.py); the decode's is not built
+    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role == "prefill":
+        raise ConfigError(  # colocated / decode: each DP rank a pipeline (pipeline/dp_stage.py, decode/dp_pipe.py)
             f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1 "
             "(a colocated `dsakv serve` runs DP attention with --pp-size)"
         )

@@ -194,6 +194,7 @@ class DecodePipeline:
         self._lock = threading.Lock()
         self.books = StepBooks()
         self._last_send = 0.0
+        self.note_wait = NOTE_WAIT_S if self.tp > 1 else 0.0  # how long a broken link waits for a stage's note
 
     @classmethod
     def build(
@@ -227,7 +228,7 @@ class DecodePipeline:
     def named(self, why: str) -> str:
         """`why`, with the dead TP rank a later stage noted in stage 0's rendezvous store (polled up to NOTE_WAIT_S
         with TP ranks: the note may trail the broken link), if any."""
-        end = time.monotonic() + (NOTE_WAIT_S if self.tp > 1 else 0.0)
+        end = time.monotonic() + self.note_wait
         while True:
             noted = self.group.noted_down()
             if noted is not None:
@@ -326,8 +327,12 @@ class DecodePipeline:
                     why = self.named(str(e))
         if why is not None:
             self.down_reason = why
-            self.books.clear()
-            worker.on_pipeline_break(f"decode {worker.name}: pipeline broke ({why})")
+            self.on_break(worker, why)
+
+    def on_break(self, worker: DecodeWorker, why: str) -> None:
+        """The pipeline broke: stage 0 fails every request it holds (DP attention x PP: decode/dp_pipe.py)."""
+        self.books.clear()
+        worker.on_pipeline_break(f"decode {worker.name}: pipeline broke ({why})")
 
     # ---- RPC hooks --------------------------------------------------------------------------------------------
 

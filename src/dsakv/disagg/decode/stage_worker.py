@@ -33,6 +33,8 @@ class DecodeStageWorker:
     """Decode stage k > 0: its layers' pool (registered with its transfer engine: prefill stages write it), a
     mirror of stage 0's books, and the loop that runs its layers of every decode step."""
 
+    reform = True  # a broken pipeline forms again (not with DP attention: decode/dp_pipe.py)
+
     def __init__(self, cfg: DecodeConfig, model: tuple[Any, Any] | None = None) -> None:
         assert cfg.pipeline is not None and cfg.pipeline.rank > 0
         self.cfg = cfg
@@ -118,6 +120,9 @@ class DecodeStageWorker:
         while not stopping.is_set():
             try:
                 if not self.group.formed:
+                    if self.breaks and not self.reform:
+                        stopping.wait(0.2)
+                        continue
                     if self.group.form(info):
                         self.down_reason = None
                         log.info("decode %s stage %d: serving (epoch %s)", self.name, self.rank, self.group.epoch)

@@ -80,7 +80,11 @@ class DecodeWorker(KvIn):
         self.t = cfg.timeouts
         self.pipeline: DecodePipeline | None = None
         self.tp = DecodeTP()  # --tp-size > 1: the other ranks' pools and reports (decode/ranks.py); DP: decode/dp.py
-        if cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a decode pipeline (TP: decode/grid.py)
+        if cfg.pipeline is not None and cfg.dp_size > 1:  # DP attention x PP: cell (d, 0) (decode/dp_pipe.py)
+            from dsakv.disagg.decode import dp_pipe
+
+            self.pipeline, self.engine, self.tp = dp_pipe.stage0(cfg)  # type: ignore[assignment]
+        elif cfg.pipeline is not None and cfg.pipeline.pp_size > 1:  # stage 0 of a pipeline (TP: decode/grid.py)
             from dsakv.disagg.decode.grid import stage0
 
             self.pipeline, self.engine, self.tp = stage0(cfg, model)
