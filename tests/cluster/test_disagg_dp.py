@@ -260,7 +260,7 @@ def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
     cases = [
         (["--role", "prefill", "--pp-size", "2", *DP], "--enable-dp-attention with --role prefill --pp-size 2"),
         ([*DP, "--pp-size", "2", "--prefix-cache"], "--pp-size 2 with the prefix cache (--prefix-cache / --hicache-*)"),
-        (["--role", "decode", "--pp-size", "2", *DP], "--enable-dp-attention with --role decode --pp-size 2"),
+        (["--role", "decode", "--pp-size", "2", "--port", "65531", *DP], "cell (DP rank d, stage s) listens on"),
         (["--role", "decode", "--port", "65535", *DP], "--port 65535 with --dp-size 2: DP rank r listens on"),
         (["--role", "decode", *DP[:4], "--enable-dp-attention", "--ep-size", "1"], "give --ep-size 2, not 1"),
         (

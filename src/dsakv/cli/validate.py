@@ -197,6 +197,18 @@ def validate_serve(args: argparse.Namespace) -> None:
         if getattr(args, "enable_dp_attention", False) and (cache.host_tier or cache.storage is not None):
             raise ConfigError(dp_prefill_tier_refusal())
     dp = int(getattr(args, "dp_size", 1) or 1)
+    dp_pp = role == "decode" and pp > 1 and getattr(args, "enable_dp_attention", False)  # decode/dp_pipe.py
+    if dp_pp and args.port + dp * pp + (0 if getattr(args, "dist_port", None) else dp) - 1 > MAX_PORT:
+        raise ConfigError(
+            f"--port {args.port} with --dp-size {dp} --pp-size {pp}: cell (DP rank d, stage s) listens on --port + "
+            f"d x {pp} + s, each DP rank's rendezvous on --port + {dp * pp} + d (without --dist-port), up to "
+            f"{args.port + dp * pp + dp - 1}, which must be <= {MAX_PORT}: pick a lower --port"
+        )
+    if dp_pp and getattr(args, "dist_port", None) is not None and args.dist_port + dp - 1 > MAX_PORT:
+        raise ConfigError(
+            f"--dist-port {args.dist_port} with --dp-size {dp}: DP rank d's rendezvous is on --dist-port + d, up to "
+            f"{args.dist_port + dp - 1}, which must be <= {MAX_PORT}: pick a lower --dist-port"
+        )
     if role in ("decode", "prefill") and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
         raise ConfigError(
             f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "

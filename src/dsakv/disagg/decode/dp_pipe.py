@@ -45,7 +45,7 @@ from dsakv.config import DecodeConfig
 from dsakv.disagg.decode.dp import DecodeDP, DPDecodeEngine
 from dsakv.disagg.decode.stage import DecodePipeline, DecodeWorker
 from dsakv.disagg.decode.stage_worker import DecodeStageWorker
-from dsakv.engine.dp import check_experts
+from dsakv.engine.dp import DEATH_WAIT_S, check_experts
 from dsakv.engine.ranks import RankDown, Ranks, start_ranks
 from dsakv.model.parallel import idle_forward
 from dsakv.pipeline.dp_stage import guard_stage, load_dp_model
@@ -160,7 +160,9 @@ class DPDecodePipeline(DecodePipeline):
         out = super().health_fields(worker)
         dp = worker.tp.health_fields()  # type: ignore[attr-defined]
         out.update({k: v for k, v in dp.items() if k.startswith("dp_")})
-        out["down"] = out.get("down") or dp.get("down")
+        out["down"] = down = out.get("down") or dp.get("down")
+        if down:  # the instance fails whole: no DP rank of it serves (the next round says so on every rank)
+            out["dp_ranks"] = [dataclasses.replace(r, up=False, down=down) for r in out.get("dp_ranks") or []]
         return out
 
 
@@ -178,6 +180,10 @@ class DPPipeEngine(DPDecodeEngine):
 
     def _engine_down(self) -> str | None:
         return self.pipe.dp_down()
+
+    def find_down(self, wait: float = 5.0) -> str | None:
+        """A step that failed because this rank's pipeline broke (named already) looks for no dead DP rank."""
+        return None if self.pipe.dp_down() is not None else super().find_down(wait)
 
 
 class DecodeDPPipe(DecodeDP):
@@ -242,6 +248,9 @@ class DPStageWorker(DecodeStageWorker):
         try:
             kind = self.follower.iteration()
         except RankDown as e:  # an all-to-all of this stage's EP group broke: a peer died
+            end = time.monotonic() + (DEATH_WAIT_S if self.ep.children else 0.0)
+            while self.ep.check() is None and time.monotonic() < end:  # (0, s): its exit status, when it is ours
+                time.sleep(0.05)
             why = self.ep.down or str(e)
             self.group.note_down(why)
             self.group.break_(why)
