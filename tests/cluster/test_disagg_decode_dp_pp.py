@@ -112,9 +112,9 @@ def test_dp2_pp2_tokens_routing_and_bytes_per_cell(world, reference):
         assert h.ok and h.down is None and (h.stage, h.num_stages) == (0, PP), h
         assert (h.dp_rank, h.dp_size, h.dp_addrs) == (d, DP, stage0), h
         assert h.name == f"dq.dp{d}"
-        assert [(row.stage, row.rpc, row.ok) for row in h.pipeline] == [
-            (s, addrs[(d, s)], True) for s in range(PP)
-        ], h.pipeline
+        assert [(row.stage, row.rpc, row.ok) for row in h.pipeline] == [(s, addrs[(d, s)], True) for s in range(PP)], (
+            h.pipeline
+        )
         assert [list(row.layers) for row in h.pipeline] == [[0, 6], [7, 11]]
 
     got = run_requests(router, PROMPTS, GREEDY, "dq-g")
@@ -144,10 +144,11 @@ def test_dp2_pp2_tokens_routing_and_bytes_per_cell(world, reference):
     # one request at a time: exactly one DP rank's pairs gain, by that request's pages; the other rank's nothing
     served = []
     for i, prompt in enumerate(PROMPTS[:3]):
-        before = [pairs(a) for a in stage0]
+        was = [pairs(a) for a in stage0]
         (out,) = run_requests(router, [prompt], GREEDY, f"dq-one-{i}")
         assert out[0] == reference["greedy"][i], out
-        gained = [{k: v - b.get(k, 0) for k, v in pairs(a).items() if v != b.get(k, 0)} for a, b in zip(stage0, before)]
+        now = [pairs(a) for a in stage0]
+        gained = [{k: v - was[r].get(k, 0) for k, v in now[r].items() if v != was[r].get(k, 0)} for r in range(DP)]
         d = next(r for r in range(DP) if gained[r])
         assert gained[d] == {f"p1:0->{s}": PAGES_EACH * lays[s].bytes_per_page for s in range(PP)}, gained
         assert gained[1 - d] == {}, gained
