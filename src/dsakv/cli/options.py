@@ -208,7 +208,8 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
         "--enable-dp-attention",
         action="store_true",
         help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 serves HTTP and places "
-        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r)",
+        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r, with "
+        "--pp-size P cell (DP rank d, stage s) on --port + d P + s)",
     )
     g.add_argument(
         "--ep-size",
