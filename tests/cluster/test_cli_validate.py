@@ -158,9 +158,9 @@ CASES = [
     ("serve --role decode --model {tiny} --pp-size 2 --dist-port 70000", "--dist-port 70000 is not a TCP port"),
     ("serve --model {tiny} --pp-size 2 --pp-rank 1", "--pp-rank 1 is for --role prefill / decode: a colocated"),
     (  # a decode's DP attention x PP (decode/dp_pipe.py): every cell's port and rendezvous must be a port
-        "serve --role decode --model {tiny} --port 65530 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention "
+        "serve --role decode --model {tiny} --port 65531 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention "
         "--ep-size 2",
-        "--port 65530 with --dp-size 2 --pp-size 2: cell (DP rank d, stage s) listens on --port + d x 2 + s",
+        "--port 65531 with --dp-size 2 --pp-size 2: cell (DP rank d, stage s) listens on --port + d x 2 + s",
     ),
     (
         "serve --role decode --model {tiny} --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 "
