@@ -7,10 +7,12 @@ Checked, exactly: greedy and seeded tokens equal the single-rank colocated engin
 rank 0's health and serves requests on both ranks (which one: the cells' `started` counters, and per request the
 one DP rank whose stage pairs gained bytes); per request the bytes landed per (prefill, decode (d, s)) pair equal
 the pages x that stage's layout bytes per page on the serving DP rank, and nothing on the other; afterwards no
-page is held on any cell. kill -9 of cell (1, 1) while each DP rank decodes a request: the instance fails whole
-(as the colocated version: the EP groups are not re-formed), both requests fail naming 'stage 1 dp rank 1 (pid N)
-was killed by signal 9 (SIGKILL)', both DP ranks' health say down with that name, no page is held on DP rank 0 or
-1's stage 0. Supervised (no --pp-rank): SIGTERM stops every process with exit 0.
+page is held on any cell. A PP 2 prefill (layers 0-4, 5-11) likewise: per (prefill stage i, decode stage j) the
+bytes of the keys they share, each decode stage's total its layout figure (each key once). kill -9 of cell (1, 1)
+while each DP rank decodes a request: the instance fails whole (as the colocated version: the EP groups are not
+re-formed), both requests fail naming 'stage 1 dp rank 1 (pid N) was killed by signal 9 (SIGKILL)', both DP ranks'
+health say down with that name, no page is held on DP rank 0 or 1's stage 0. Supervised (no --pp-rank): SIGTERM
+stops every process with exit 0.
 """
 
 from __future__ import annotations
@@ -157,6 +159,43 @@ def test_dp2_pp2_tokens_routing_and_bytes_per_cell(world, reference):
     assert_clean([*stage0, prefill[0].addr], procs=cluster.procs)
     for d, s in ((0, 1), (1, 1)):  # stage 1's mirrors drop them with stage 0's next step or tick
         wait_for(lambda a=addrs[(d, s)]: fetch_health(a).pages_used == 0, 30, f"cell {d},{s} clean", cluster.procs)
+
+
+PREFILL_PP = (5, 7)  # a PP 2 prefill across the decode's stages: its stage 1 (layers 5-11) writes both decode stages
+
+
+def test_pp2_prefill_writes_each_key_once_into_its_dp_ranks_stages(world, reference):
+    """A PP 2 prefill (layers 0-4, 5-11) -> the DP 2 x PP 2 decode (0-6, 7-11), one request at a time: tokens == one
+    rank; exactly one DP rank gains, per (prefill stage i, decode stage j) the pages x the bytes of the keys they
+    share, so each decode stage's total is its layout figure (each key once); the other DP rank gains nothing."""
+    cluster, decode, addrs, _, _ = world
+    spec = ModelSpec.from_path(tiny_path(ARCH))
+    prefill = cluster.prefill("pp", "mooncake", True, PREFILL_PP)
+    cluster.wait_healthy(prefill, timeout=240)
+    router = cluster.router([prefill[0].addr], [decode[0].addr])
+    wait_for(lambda: len(router.peers.usable_pairs()) == DP, 90, "both DP ranks paired with pp", cluster.procs)
+    lays = layouts(spec)
+    cut = PREFILL_PP[0]
+    src = [KVLayout(spec, a, b, kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
+           for a, b in ((0, cut), (cut, spec.num_layers))]  # fmt: skip
+    per_page = {
+        f"pp:{i}->{j}": sum(b.page_bytes for k, b in src[i].by_key.items() if k in lays[j].by_key)
+        for i in range(2)
+        for j in range(PP)
+    }
+    for j in range(PP):  # every key of a decode stage is held by exactly one prefill stage
+        assert sum(per_page[f"pp:{i}->{j}"] for i in range(2)) == lays[j].bytes_per_page, per_page
+    stage0 = [addrs[(d, 0)] for d in range(DP)]
+    for i, prompt in enumerate(PROMPTS[:2]):
+        was = [pairs(a) for a in stage0]
+        (out,) = run_requests(router, [prompt], GREEDY, f"dq-pp-{i}")
+        assert out[0] == reference["greedy"][i], out
+        now = [pairs(a) for a in stage0]
+        gained = [{k: v - was[r].get(k, 0) for k, v in now[r].items() if v != was[r].get(k, 0)} for r in range(DP)]
+        d = next(r for r in range(DP) if gained[r])
+        assert gained[d] == {k: PAGES_EACH * n for k, n in per_page.items() if n}, gained
+        assert gained[1 - d] == {}, gained
+    assert_clean([*stage0, *(p.addr for p in prefill)], procs=cluster.procs)
 
 
 def test_killed_cell_dp1_stage1_fails_the_instance_naming_it(world, reference):
