@@ -230,7 +230,8 @@ def add_speculative_argument(g: argparse._ActionsContainer, note: str = "") -> N
         help="speculative decoding with the checkpoint's MTP layer reused K times: K drafts verified per step "
         "(default 0 = off); greedy output is unchanged, sampled output keeps the target's distribution; with "
         "--tp-size T the draft layer is sharded like the target layers; with --enable-dp-attention (not on a "
-        "decode role) each rank holds the whole draft layer for its own requests" + note,
+        "prefill role, nor with a decode's --pp-size) each rank holds the whole draft layer for its own "
+        "requests" + note,
     )
 
 
