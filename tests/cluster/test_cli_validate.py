@@ -112,6 +112,11 @@ CASES = [
         "serve --role prefill --model {tiny} --transfer-staging-size lots",
         "--transfer-staging-size = 'lots' is not a size",
     ),
+    ("serve --role prefill --model {tiny} --tp-size 2 --hisparse", "--hisparse with --role prefill --tp-size 2 is not"),
+    (
+        "serve --role decode --model {tiny} --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --hisparse",
+        "--hisparse with --enable-dp-attention --dp-size 2 is not supported yet: drop --hisparse, or run attention TP",
+    ),
     ("serve --role decode --model {experts}", "'num_experts_per_tok' = 11"),
     ("serve --role decode --model {truncated}", "is corrupt or truncated"),
     ("serve --role prefill --model {tiny} --pp-size 0", "--pp-size 0 must be an integer in 1..256"),

@@ -84,8 +84,6 @@ def test_tp_size_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "num_attention_heads = 4 is not divisible by --tp-size 3: pick a size dividing 4" in capsys.readouterr().err
     assert main(_argv(prompts, "--tp-size", "0")) == 2
     assert "--tp-size 0 must be an integer in 1..64" in capsys.readouterr().err
-    assert main(_argv(prompts, "--tp-size", "2", "--hisparse")) == 2
-    assert "--tp-size 2 with --hisparse is not supported yet" in capsys.readouterr().err
 
 
 DP = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--ep-size", "2"]

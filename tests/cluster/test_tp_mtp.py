@@ -2,7 +2,7 @@
 --tp-size 2 --speculative-num-steps 2` run two rank processes (gloo on 127.0.0.1), each with its shard of the target
 and of the draft layer (model/parallel.load_tp_draft) and the draft's KV / index-K in its own pool. Tokens and accept
 counts equal the single-rank engine with MTP (greedy also == MTP off), every rank agrees on every step's drafts
-(engine/tp_spec.agree_drafts), 0 pages used after."""
+(engine/tp_spec.agree_step), 0 pages used after."""
 
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ def load_tokenizer(model_dir: Path):  # type: ignore[no-untyped-def]
 def step_ranks(engine: Any, lockstep: bool, ranks: Any = None) -> Iterator[Any]:
     """Step the engine until no request is unfinished (with `lockstep`, on any DP rank: an idle rank runs its
     share of each step's expert-parallel collectives with no tokens); yields every step's outputs. TP `ranks`
-    with MTP: every step's drafts and accepted counts are checked equal on every rank (RanksDiverged)."""
+    with MTP or HiSparse: every step's drafts and accepted counts, HiSparse rows copied and hot-buffer residency
+    are checked equal on every rank (engine/tp_spec.agree_step: RanksDiverged)."""
     from dsakv.engine.dp import LockstepEngine
 
     if isinstance(engine, LockstepEngine):  # DP attention x PP (pipeline/dp_stage.py): rounds until none is active
@@ -109,12 +110,12 @@ def step_ranks(engine: Any, lockstep: bool, ranks: Any = None) -> Iterator[Any]:
             if engine.rows and not any(r["active"] for r in engine.rows):
                 return
     if not lockstep:
-        from dsakv.engine.tp_spec import agree_drafts
+        from dsakv.engine.tp_spec import agree_step
 
         while engine.has_unfinished():
             outs = engine.step()
             if ranks is not None:
-                agree_drafts(engine, ranks)
+                agree_step(engine, ranks)
             yield from outs
         return
     from dsakv.model.parallel import any_rank, idle_forward
@@ -293,6 +294,10 @@ def _generate(
     # DP x PP (a LockstepEngine): per DP rank, the rounds it ran no forward in (IDLE down its pipeline)
     idle = ranks.gather(engine.idle_forwards) if dp > 1 and hasattr(engine, "idle_forwards") else None
     ranks_steps = ranks.gather(engine.stats().steps) if idle is not None else None
+    hs_ranks = None  # TP with HiSparse: every rank's own pool, its counters, residency and pages held at the end
+    if dp == 1 and ranks.size > 1 and engine.hisparse_stats() is not None:
+        hs = {**engine.hisparse_stats(), "residency": engine.hisparse.residency_digest()}
+        hs_ranks = ranks.gather(hs | {"pages_used": engine.stats().pages_used})
     got = {i: (list(final[rid].output_ids), str(final[rid].finish_reason), final[rid].error) for i, rid in ids.items()}
     where: dict[int, int] = {}  # DP attention: prompt -> the DP rank that ran it (as that rank reports it)
     if dp > 1:
@@ -336,6 +341,8 @@ def _generate(
             print(json.dumps({"prefix_cache": engine.cache_stats()}), file=sys.stderr)
         if engine.hisparse_stats() is not None:
             print(json.dumps({"hisparse": engine.hisparse_stats()}), file=sys.stderr)
+        if hs_ranks is not None:
+            print(json.dumps({"hisparse_per_rank": hs_ranks}), file=sys.stderr)
         if engine.spec_stats() is not None:
             print(json.dumps({"speculative": engine.spec_stats()}), file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0

@@ -252,7 +252,8 @@ def check_pp_colocated(args: argparse.Namespace) -> None:
 
 
 def check_tp(args: argparse.Namespace) -> None:
-    """--tp-size: 1..64, and not (yet) with the features whose extra state the ranks do not share."""
+    """--tp-size: 1..64, and not (yet) with the features whose extra state the ranks do not share (HiSparse runs
+    with attention TP: every rank its own HiSparse pool; not with DP attention)."""
     check_int(args, "tp_size", 1, 64, "tensor-parallel ranks")
     check_int(args, "dp_size", 1, 64, "data-parallel attention ranks")
     check_int(args, "ep_size", 1, 64, "expert-parallel ranks")
@@ -276,9 +277,17 @@ def check_tp(args: argparse.Namespace) -> None:
         raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
     if tp == 1:
         return
-    if getattr(args, "hisparse", False):
-        raise ConfigError(f"--tp-size {args.tp_size} with --hisparse is not supported yet: drop one of them")
+    if dpa and getattr(args, "hisparse", False):  # attention TP (no DP) runs HiSparse: one pool per TP rank
+        raise ConfigError(
+            f"--hisparse with --enable-dp-attention --dp-size {dp} is not supported yet: drop --hisparse, or run "
+            f"attention TP (--tp-size {tp} without --dp-size / --enable-dp-attention / --ep-size)"
+        )
     role = getattr(args, "role", "colocated")
+    if role == "prefill" and getattr(args, "hisparse", False):
+        raise ConfigError(
+            f"--hisparse with --role prefill --tp-size {tp} is not supported: HiSparse is a decode's pool (a "
+            "prefill keeps its KV on the device and writes the decode's host pool): give --hisparse to the decode"
+        )
     if dpa and getattr(args, "speculative_num_steps", 0) and role == "prefill":
         raise ConfigError(
             f"--enable-dp-attention with --role {role} --speculative-num-steps is not supported yet: drop one of them "

@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from dsakv.engine.tp_spec import agree_drafts
+from dsakv.engine.tp_spec import agree_step
 from dsakv.errors import ConfigError, Unavailable
 from dsakv.model.parallel import TPGroup, init_group
 from dsakv.util.procs import CHILD_ENV, TP_RANK_ENV, Proc, dsakv_cmd, free_ports
@@ -164,13 +164,17 @@ class Ranks:
         return out
 
     def agree(self, value: Any, what: str) -> Any:
-        """Gather `value` from every rank; raise RanksDiverged naming the first rank that differs from rank 0."""
+        """Gather `value` from every rank; raise RanksDiverged naming the first rank that differs from rank 0 (a
+        dict: one gather, and the error names the first entry that differs, `what` + its key, and both values)."""
         if self.size == 1:
             return value
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, value)
         for r, v in enumerate(out):
             if v != out[0]:
+                if isinstance(v, dict):
+                    k = next(k for k in v if v[k] != out[0].get(k))
+                    what = f"{what}{k} {v[k]} (rank 0: {out[0].get(k)})"
                 raise RanksDiverged(f"TP rank {r} computed other {what} than rank 0: the ranks diverged")
         return out[0]
 
@@ -404,7 +408,7 @@ class RankedEngine:
             try:
                 self.ranks.broadcast(log_)
                 outs = self.engine.step()
-                agree_drafts(self.engine, self.ranks)
+                agree_step(self.engine, self.ranks)
                 if self.after_step is not None:
                     self.after_step()
             except Exception as e:
@@ -470,6 +474,6 @@ def follow(
             else:
                 raise RanksDiverged(f"TP rank {ranks.rank} got an op it cannot apply: {type(op).__name__}")
         outs = engine.step()
-        agree_drafts(engine, ranks)
+        agree_step(engine, ranks)
         if after_step is not None:
             after_step(outs)

@@ -1,7 +1,9 @@
 """MTP speculative decoding over tensor-parallel ranks (engine/ranks.py): each rank's draft layer is its shard
 of the checkpoint's MTP layer, split as the target layers are (model/parallel.load_tp_draft), so every rank
 computes the same all-reduced draft hidden states, draws the same drafts (the request's seed is rank 0's) and
-accepts the same tokens; `agree_drafts` checks that after every step (one all_gather of a small digest).
+accepts the same tokens. With --hisparse every rank holds its own HiSparse pool (the keys are replicated) and
+picks the same top-k, so it copies the same rows into the same hot-buffer slots. `agree_step` checks both after
+every step (one all_gather of a small digest, only when there is something to check).
 Imports torch, dsakv.model and dsakv.engine.
 """
 
@@ -36,9 +38,29 @@ def draft_digest(engine: Any) -> Any:
     return sp.stats.draft_tokens, sp.stats.accepted_tokens, sp.stats.verify_steps, states
 
 
-def agree_drafts(engine: Any, ranks: Any) -> None:
-    """RanksDiverged unless every rank of `ranks` (engine/ranks.Ranks) drafted and accepted the same tokens this
-    step (a speculating group)."""
-    digest = draft_digest(engine)
-    if digest is not None:
-        ranks.agree(digest, "MTP drafts / accepted tokens")
+def hisparse_digest(engine: Any) -> Any:
+    """What every rank of a HiSparse TP group must agree on after each step: the step count, the rows copied
+    host -> device per layer this step, the hot-buffer residency (HiSparsePool.residency_digest) and the logical
+    pages held; None without --hisparse."""
+    pool = getattr(engine, "hisparse", None)
+    if pool is None:
+        return None
+    rows = tuple(pool.stats.step_rows().items())
+    return pool.stats.steps, rows, pool.residency_digest(), engine.allocator.num_used
+
+
+def agree_step(engine: Any, ranks: Any) -> None:
+    """RanksDiverged unless every rank of `ranks` (engine/ranks.Ranks) drafted and accepted the same tokens
+    (MTP) and copied the same HiSparse rows into the same residency (--hisparse) this step; no collective when
+    neither is on. Counts the checked steps in the HiSparse stats (rank_checked_steps)."""
+    checks = (
+        ("MTP drafts / accepted tokens", draft_digest(engine)),
+        ("HiSparse (step, rows copied per layer, residency, pages held)", hisparse_digest(engine)),
+    )
+    digest = {what: d for what, d in checks if d is not None}
+    if not digest or ranks.size == 1:
+        return
+    ranks.agree(digest, "")
+    pool = getattr(engine, "hisparse", None)
+    if pool is not None:
+        pool.stats.rank_checked()

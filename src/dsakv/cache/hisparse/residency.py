@@ -36,6 +36,7 @@ class Residency:
     _gidx: dict[int, int]
     _state: torch.Tensor
     _clocks: list[int]
+    _reqs: dict[RequestId, _Request]
     _work: tuple[SwapRows, torch.Tensor] | None
     _cols: torch.Tensor
     _hot_words: dict[int, torch.Tensor]
@@ -222,6 +223,21 @@ class Residency:
             rows, work = self._work
             self._work = None
             self._state.index_copy_(1, rows.blocks, work)
+
+    def residency_digest(self) -> str:
+        """16 hex digits over the residency after the last step: every group's and block's logical position per
+        hot row and its last-used clock, the groups' clocks, each admitted request's block, length and pages
+        (the TP ranks of one group compare it after every step: engine/tp_spec.py). Reads the state once."""
+        import hashlib
+
+        self._flush()
+        h = hashlib.sha1(self._state.cpu().numpy().tobytes())
+        h.update(repr(self._clocks).encode())
+        for rid in sorted(self._reqs, key=str):
+            req = self._reqs[rid]
+            h.update(repr((str(rid), req.block, req.length)).encode())
+            h.update(req.pages.tobytes())
+        return h.hexdigest()[:16]
 
     def _rebase_clock(self, g: int) -> None:
         self._flush()

@@ -21,6 +21,8 @@ class HiSparseStats:
     step: dict[int, LayerStats] = field(default_factory=dict)
     total: dict[int, LayerStats] = field(default_factory=dict)
     steps: int = 0
+    rank_checked_steps: int = 0  # steps whose counters and residency every TP rank found equal (engine/tp_spec)
+    last_checked_step: int = 0  # the last step counted there (an idle engine step runs no HiSparse step)
 
     def add(self, layer: int, lookups: int, hits: int, rows: int, nbytes: int) -> None:
         for table in (self.step, self.total):
@@ -40,6 +42,12 @@ class HiSparseStats:
         lookups = sum(s.lookups for s in self.total.values())
         return sum(s.hits for s in self.total.values()) / lookups if lookups else 1.0
 
+    def rank_checked(self) -> None:
+        """Every TP rank found this step's rows and residency equal (counted once per HiSparse step)."""
+        if self.steps != self.last_checked_step:
+            self.last_checked_step = self.steps
+            self.rank_checked_steps += 1
+
     def step_rows(self) -> dict[int, int]:
         return {layer: s.rows_in for layer, s in sorted(self.step.items())}
 
@@ -49,6 +57,7 @@ class HiSparseStats:
     def to_dict(self) -> dict[str, object]:
         return {
             "steps": self.steps,
+            "rank_checked_steps": self.rank_checked_steps,
             "hit_rate": round(self.hit_rate, 6),
             "rows_in_total": sum(s.rows_in for s in self.total.values()),
             "bytes_in_total": sum(s.bytes_in for s in self.total.values()),
