@@ -246,7 +246,9 @@ def add_hisparse_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
         action="store_true",
         help="decode with HiSparse: each step copies only the missing top-k rows host -> device per layer; the "
         "pool options size the logical pool (--kv-budget: the device budget, as `dsakv plan --hisparse-ratio`; "
-        "--max-tokens / --num-pages: logical tokens)" + note,
+        "--max-tokens / --num-pages: logical tokens); with --tp-size T every rank its own HiSparse pool, the ranks "
+        "checking each step's rows and residency equal (not with --enable-dp-attention, --pp-size, a TP prefill)"
+        + note,
     )
     g.add_argument(
         "--hisparse-top-k",

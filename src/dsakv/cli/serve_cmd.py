@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "layer's KV and last hidden state with the prompt's KV -- give the same flag to prefill and decode, the "
         "handshake refuses a mismatch; router: ignored)",
     )
-    options.add_hisparse_arguments(p, " (colocated role; /metrics shows dsakv_hisparse_*)")
+    options.add_hisparse_arguments(p, " (colocated and decode roles; /metrics shows dsakv_hisparse_*)")
     options.add_parallel_arguments(eng)
     disagg_roles.add_arguments(p)
 
