@@ -244,11 +244,9 @@ def add_hisparse_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
     g.add_argument(
         "--hisparse",
         action="store_true",
-        help="decode with HiSparse: each step copies only the missing top-k rows host -> device per layer; the "
-        "pool options size the logical pool (--kv-budget: the device budget, as `dsakv plan --hisparse-ratio`; "
-        "--max-tokens / --num-pages: logical tokens); with --tp-size T every rank its own HiSparse pool, the ranks "
-        "checking each step's rows and residency equal (not with --enable-dp-attention, --pp-size, a TP prefill)"
-        + note,
+        help="HiSparse decode: each step copies only the missing top-k rows host -> device per layer; pool options "
+        "size the logical pool (--kv-budget: the device budget; --max-tokens / --num-pages: logical tokens); with "
+        "--tp-size T each rank its own pool, checked equal every step (not with DP attention, PP, a TP prefill)" + note,
     )
     g.add_argument(
         "--hisparse-top-k",
