@@ -172,9 +172,9 @@ class Ranks:
         dist.all_gather_object(out, value)
         for r, v in enumerate(out):
             if v != out[0]:
-                if isinstance(v, dict):
-                    k = next(k for k in v if v[k] != out[0].get(k))
-                    what = f"{what}{k} {v[k]} (rank 0: {out[0].get(k)})"
+                if isinstance(v, dict) and isinstance(out[0], dict):
+                    k = next(k for k in {**out[0], **v} if v.get(k) != out[0].get(k))
+                    what = f"{what}{k} {v.get(k)} (rank 0: {out[0].get(k)})"
                 raise RanksDiverged(f"TP rank {r} computed other {what} than rank 0: the ranks diverged")
         return out[0]
 
