@@ -112,7 +112,8 @@ CASES = [
         "serve --role prefill --model {tiny} --transfer-staging-size lots",
         "--transfer-staging-size = 'lots' is not a size",
     ),
-    ("serve --role prefill --model {tiny} --tp-size 2 --hisparse", "--hisparse with --role prefill --tp-size 2 is not"),
+    ("serve --role prefill --model {tiny} --tp-size 2 --hisparse", "--hisparse with --role prefill is not supported"),
+    ("serve --role prefill --model {tiny} --hisparse", "--hisparse with --role prefill is not supported"),
     (
         "serve --role decode --model {tiny} --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2 --hisparse",
         "--hisparse with --enable-dp-attention --dp-size 2 is not supported yet: drop --hisparse, or run attention TP",

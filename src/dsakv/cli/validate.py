@@ -275,6 +275,11 @@ def check_tp(args: argparse.Namespace) -> None:
             )
     elif ep > 1:
         raise ConfigError(f"--ep-size {ep} needs --enable-dp-attention (tensor-parallel ranks split the experts by TP)")
+    if getattr(args, "role", "colocated") == "prefill" and getattr(args, "hisparse", False):
+        raise ConfigError(  # any TP: a prefill has no HiSparse pool (it was ignored at TP 1)
+            "--hisparse with --role prefill is not supported: HiSparse is a decode's pool (a prefill keeps its KV "
+            "on the device and writes the decode's host pool): give --hisparse to the decode"
+        )
     if tp == 1:
         return
     if dpa and getattr(args, "hisparse", False):  # attention TP (no DP) runs HiSparse: one pool per TP rank
@@ -283,11 +288,6 @@ def check_tp(args: argparse.Namespace) -> None:
             f"attention TP (--tp-size {tp} without --dp-size / --enable-dp-attention / --ep-size)"
         )
     role = getattr(args, "role", "colocated")
-    if role == "prefill" and getattr(args, "hisparse", False):
-        raise ConfigError(
-            f"--hisparse with --role prefill --tp-size {tp} is not supported: HiSparse is a decode's pool (a "
-            "prefill keeps its KV on the device and writes the decode's host pool): give --hisparse to the decode"
-        )
     if dpa and getattr(args, "speculative_num_steps", 0) and role == "prefill":
         raise ConfigError(
             f"--enable-dp-attention with --role {role} --speculative-num-steps is not supported yet: drop one of them "
