@@ -50,25 +50,68 @@ def compiled_gemv_on() -> bool:
     return _ON[0]
 
 
-def _kernel(rows: int, w: torch.Tensor) -> Callable[..., Any]:
-    """The kernel for x [rows, K] contiguous and a weight of w's shape and strides (any storage offset).
+def _kernel(
+    rows: int, w: torch.Tensor, fn: Callable[..., Any] = _gemv, x_shape: tuple[int, ...] = ()
+) -> Callable[..., Any]:
+    """The kernel `fn` for x [rows, K] contiguous (or x of x_shape) and a weight of w's shape and strides (any
+    storage offset).
 
     Compiled by inductor from the traced graph of one static shape, without dynamo: no guards are evaluated per
     call (a dynamo-compiled function spent ~20 us a call on them, and with the weights' varying strides and offsets
     it kept several guarded graphs per shape); the shape key is this dict's."""
-    key = (rows, *w.shape, *w.stride(), torch.get_num_threads())  # inductor parallelises for the threads it sees
-    fn = _KERNELS.get(key)
-    if fn is None:
+    kind = _KINDS.index(fn)
+    key = (kind, rows, *x_shape, *w.shape, *w.stride(), torch.get_num_threads())  # inductor parallelises for them
+    f = _KERNELS.get(key)
+    if f is None:
         import torch._inductor as inductor
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with _LOCK, torch.inference_mode(False), torch.no_grad():
-            fn = _KERNELS.get(key)
-            if fn is None:
-                x0 = torch.zeros(rows, int(w.shape[1]), dtype=w.dtype, device=w.device)
+            f = _KERNELS.get(key)
+            if f is None:
+                x0 = torch.zeros(x_shape or (rows, int(w.shape[-1])), dtype=w.dtype, device=w.device)
                 w0 = torch.empty_strided(tuple(w.shape), w.stride(), dtype=w.dtype, device=w.device)
-                fn = _KERNELS[key] = inductor.compile(make_fx(_gemv)(x0, w0), [x0, w0])
-    return fn
+                f = _KERNELS[key] = inductor.compile(make_fx(fn)(x0, w0), [x0, w0])
+    return f
+
+
+def _bgemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per batch entry b: x[b] [M, K] @ w[b] [N, K]^T, written [B, N, M] (each weight row read once, as _gemv)."""
+    return (w[:, :, None, :] * x[:, None, :, :]).sum(-1)
+
+
+def _bgemv_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per batch entry b: x[b] [M, K] @ w[b] [K, N] -> [B, M, N], a weight whose N dimension is contiguous."""
+    return (x[:, :, :, None] * w[:, None, :, :]).sum(2)
+
+
+_KINDS = (_gemv, _bgemv, _bgemv_kn)
+
+
+def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch.bmm(x [B, M, K], w [B, K, N]) -> [B, M, N]: on a compiled kernel when it is on and applies (float32
+    on CPU, at most ROWS rows, w a view with its K or its N dimension contiguous: the absorbed attention's per-head
+    W_UK and W_UV^T at decode), else torch.bmm itself (the reference). The result may be a non-contiguous view."""
+    if (
+        not _ON[0]
+        or x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or x.device.type != "cpu"
+        or w.device != x.device
+        or x.dim() != 3
+        or w.dim() != 3
+        or not 0 < x.shape[1] <= ROWS
+    ):
+        return torch.bmm(x, w)
+    xc = x.contiguous()
+    if w.stride(1) == 1:  # a transposed [B, N, K] weight (W_UV^T): rows of K contiguous, read once each
+        wt = w.transpose(1, 2)
+        y: torch.Tensor = _kernel(0, wt, _bgemv, tuple(xc.shape))(xc, wt.detach())  # [B, N, M]
+        return y.transpose(1, 2)
+    if w.stride(2) == 1:  # [B, K, N] rows of N contiguous (W_UK)
+        out: torch.Tensor = _kernel(0, w, _bgemv_kn, tuple(xc.shape))(xc, w.detach())
+        return out
+    return torch.bmm(x, w)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

@@ -276,7 +276,8 @@ class MoE(nn.Module):
       busiest expert, one batched matmul over the stacked [gate | up] weights [E, 2I, hidden] and one over the
       downs, one scatter-add back;
     - per expert: the same grouping, then one gate|up matmul and one down matmul per hit expert on its contiguous
-      slice (prefill, decode batches of larger models).
+      slice (prefill, decode batches of larger models); one float32 token (batch-1 decode) skips the grouping
+      (_routed_one: its experts in id order, the same sums, bitwise).
     On the grouped paths the router and the shared expert's gate and up are one matmul (w_in's tail), and the
     shared expert's down adds the routed sum inside its addmm.
 
@@ -408,13 +409,37 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
         n, k = ids.shape
         num_experts = len(self.experts)
+        if n == 1 and x.dtype == weights.dtype == torch.float32:
+            if choose_moe_path(1, k, num_experts, self._row_macs, counts=[1] * k) == "per_expert":
+                return self._routed_one(x, weights, ids, f)
+        return self._routed_grouped(x, weights, ids, f)
+
+    def _routed_one(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
+        """One float32 token (batch-1 decode) on the per-expert path without its sort, gather and scatter: its
+        experts in expert-id order, each output times its routing weight (a float32 multiply, as the grouped
+        path's), summed in that order (the grouped path's index_add_ into zeros: the same float32 sums)."""
+        two_i, i_b = f.gate_ups[0].shape[0], f.gate_ups[0].shape[0] // 2 // f.down_block
+        acc = None
+        for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist(), strict=True)):
+            gs = None if f.in_scale is None else f.in_scale[e * two_i : (e + 1) * two_i]
+            g, u = qlinear(x, f.gate_ups[e], gs).chunk(2, dim=-1)  # gate | up, one matmul
+            ds = None if f.down_scale is None else f.down_scale[:, e * i_b : (e + 1) * i_b]
+            y = qlinear(F.silu(g).mul_(u), cast(MLP, self.experts[e]).down_proj.weight, ds).mul_(w)
+            acc = y if acc is None else acc.add_(y)
+        assert acc is not None
+        return acc
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
+        """Tokens grouped per expert (one stable sort), then the padded or per-expert path (choose_moe_path)."""
+        n, k = ids.shape
+        num_experts = len(self.experts)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
         ws = weights.reshape(-1)[order, None]
         counts_t = torch.bincount(flat, minlength=num_experts)
         counts = counts_t.tolist()
-        if choose_moe_path(n, k, num_experts, self._row_macs, counts) == "padded":
+        if choose_moe_path(n, k, num_experts, self._row_macs, counts=counts) == "padded":
             se = flat[order]
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
             xp = x.new_zeros(num_experts, max(counts), x.shape[1])
