@@ -1,6 +1,7 @@
 """MoE._routed_one, the batch-1 decode shortcut of the per-expert path (no sort, gather or scatter): bitwise the
 grouped per-expert path's output for one float32 token, for top_k 2 and 4 (4: the sum order matters, the test
-fails if the experts are not added in expert-id order or a weight is dropped or misplaced)."""
+fails if the experts are not added in expert-id order or a weight is dropped or misplaced); and the blocked
+down-weight storage (MoEWeights.blocked) against the column layout."""
 
 from __future__ import annotations
 
@@ -54,3 +55,42 @@ def test_one_token_shortcut_only_where_per_expert_is_chosen(moe, monkeypatch):
             calls.clear()
             moe(torch.cat([x, x]))  # two tokens: the grouped path
             assert not calls
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Two loads of a tiny checkpoint with experts wide enough that the dense MoE path never runs (so the downs
+    are stored as contiguous blocks) and top_k 4; the second load's MoE kept in the column layout."""
+    over = {"moe_intermediate_size": 2048, "num_experts_per_tok": 4}
+    path = make_tiny(tmp_path_factory.mktemp("wide"), seed=1, layers=2, overrides=over)
+    return load_model(path)[1].model.layers[1].mlp, load_model(path)[1].model.layers[1].mlp
+
+
+def test_blocked_downs_alias_the_weights_and_give_the_column_layouts_outputs(wide, monkeypatch):
+    """MoEWeights.blocked: each expert's (and the shared expert's) down weight a contiguous block of the flat
+    w_down, values and state-dict names unchanged; the per-expert and padded paths give the column layout's
+    outputs (per-expert bitwise, padded within float32 rounding)."""
+    moe, col = wide
+    before = {k: v.detach().clone() for k, v in moe.state_dict().items()}
+    f = moe._weights()
+    after = moe.state_dict()
+    assert f.blocked and list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    inter, hidden = moe.experts[0].down_proj.weight.shape[1], moe.experts[0].down_proj.weight.shape[0]
+    size = f.w_down.element_size()
+    for e, m in enumerate(moe.experts):
+        assert m.down_proj.weight.is_contiguous()
+        assert m.down_proj.weight.data_ptr() == f.w_down.data_ptr() + e * hidden * inter * size
+        assert torch.equal(f.down[e], m.down_proj.weight)
+    assert moe.shared_experts.down_proj.weight.data_ptr() == f.shared_down.data_ptr()
+    with monkeypatch.context() as mp:  # the column layout: built while the rule says dense for one token
+        mp.setattr(layers, "choose_moe_path", lambda *a, counts=None: "dense")
+        fc = col._weights()
+    assert not fc.blocked and not col.experts[1].down_proj.weight.is_contiguous()
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for rows in (1, 6):  # one token (_routed_one), a decode batch (per-expert)
+            assert torch.equal(moe(x[:rows]), col(x[:rows]))
+        monkeypatch.setattr(
+            layers, "choose_moe_path", lambda *a, counts=None: "grouped" if counts is None else "padded"
+        )
+        torch.testing.assert_close(moe(x), col(x), rtol=1e-5, atol=1e-5)
