@@ -108,7 +108,27 @@ def test_head_bmm_kernels_match_torch_bmm(compiled):
             assert not torch.equal(got, torch.zeros_like(got))
     x = torch.randn(4, ROWS + 1, 8, generator=g)
     assert torch.equal(bmm(x, w_uk), torch.bmm(x, w_uk))  # more rows: torch.bmm
+    with pytest.raises(RuntimeError):  # mismatched batches: torch.bmm's error, not a broadcast
+        bmm(x[:1, :1], w_uk)
     assert torch.equal(bmm(x[:, :1].double(), w_uk.double()), torch.bmm(x[:, :1].double(), w_uk.double()))
     use_compiled_gemv(False)
     x = torch.randn(4, 1, 40, generator=g)
     assert torch.equal(bmm(x, w_uv_t), torch.bmm(x, w_uv_t))  # off: torch.bmm
+
+
+def test_compiled_rms_norm_matches_eager(compiled):
+    """gemv.rms_norm: F.rms_norm within float32 rounding on the kernel (a strided slice as attention passes it),
+    None where it does not apply (more than ROWS rows, float64, off)."""
+    from dsakv.model.gemv import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 48, generator=g)[:, :40] * 3  # row stride 48: a slice of a fused projection's output
+    w = torch.randn(40, generator=g)
+    got = rms_norm(x, w, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (40,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, torch.nn.functional.rms_norm(x, (40,), w, 1e-1))  # eps is the kernel's own
+    assert rms_norm(torch.randn(ROWS + 1, 40), w, 1e-6) is None
+    assert rms_norm(x.double(), w.double(), 1e-6) is None
+    use_compiled_gemv(False)
+    assert rms_norm(x, w, 1e-6) is None

@@ -117,6 +117,8 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         or x.dim() != 3
         or w.dim() != 3
         or not 0 < x.shape[1] <= ROWS
+        or x.shape[0] != w.shape[0]  # (the kernel would broadcast where torch.bmm raises)
+        or x.shape[2] != w.shape[1]
     ):
         return torch.bmm(x, w)
     xc = x.contiguous()
