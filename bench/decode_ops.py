@@ -36,7 +36,7 @@ def _load() -> str:
 # ---- worker: one arm, commands on stdin, one JSON line per answer on stdout -------------------------------------
 
 
-def worker(path: str, threads: int) -> None:
+def worker(path: str, threads: int, compile_decode: bool = False, cache: str = "fp8") -> None:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -47,11 +47,15 @@ def worker(path: str, threads: int) -> None:
     from dsakv.model.loader import load_model
 
     torch.set_num_threads(threads)
+    if compile_decode:  # --compile: model/gemv.py's kernels, process-wide (as `dsakv generate --compile`)
+        from dsakv.model.gemv import use_compiled_gemv
+
+        use_compiled_gemv(True)
     model = load_model(path)
     args = argparse.Namespace(
         model_path=Path(path),
-        kv_format="fp8-656",
-        index_format="fp8-132",
+        kv_format="fp32" if cache == "fp32" else "fp8-656",
+        index_format="fp32" if cache == "fp32" else "fp8-132",
         page_size=64,
         max_batch_tokens=2048,
         decode_prompt_len=64,
@@ -98,10 +102,10 @@ def worker(path: str, threads: int) -> None:
 
 
 class Arm:
-    def __init__(self, name: str, src: Path, ckpt: Path, threads: int) -> None:
+    def __init__(self, name: str, src: Path, ckpt: Path, threads: int, extra: list[str]) -> None:
         self.name = name
         env = dict(os.environ, PYTHONPATH=str(src))
-        cmd = [sys.executable, __file__, "--worker", str(ckpt), "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--worker", str(ckpt), "--threads", str(threads), *extra]
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def ask(self, **cmd: Any) -> dict:
@@ -127,11 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=16, help="timed decode steps per round (default 16)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--arch", default="glm_moe_dsa", choices=("glm_moe_dsa", "deepseek_v32"))
+    ap.add_argument("--compile", action="store_true", help="both arms with --compile (model/gemv.py's kernels)")
+    ap.add_argument("--cache", default="fp8", choices=("fp8", "fp32"), help="KV and index-K cache format")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.threads)
+        worker(args.worker, args.threads, args.compile, args.cache)
         return 0
+    extra = ["--cache", args.cache] + (["--compile"] if args.compile else [])
     sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "src"))
     import engine as be
@@ -157,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = make_tiny(Path(tmp) / "bench", arch=args.arch, seed=0, layers=be.BENCH_LAYERS, overrides=be.BENCH_SHAPE)
         mine = f"this tree ({head}{', src modified' if dirty.stdout.strip() else ''})"
         arms = [
-            Arm(f"baseline {args.baseline} ({rev})", base_root / "src", ckpt, args.threads),
-            Arm(mine, ROOT / "src", ckpt, args.threads),
+            Arm(f"baseline {args.baseline} ({rev})", base_root / "src", ckpt, args.threads, extra),
+            Arm(mine, ROOT / "src", ckpt, args.threads, extra),
         ]
         try:
             toks = [a.ask(op="tokens", batch=4, n=16)["tokens"] for a in arms]
@@ -181,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
             for a in arms:
                 a.close()
     print(
-        f"\n{be.BENCH_LAYERS}-layer bench checkpoint ({args.arch}, 148M parameters, fp32 weights, fp8 cache, elision"
-        f" on), {args.threads} torch thread(s); decode after prompts of 64, {args.decode_tokens} timed steps a round;"
+        f"\n{be.BENCH_LAYERS}-layer bench checkpoint ({args.arch}, 148M parameters, fp32 weights, {args.cache} cache, "
+        f"elision on{', --compile' if args.compile else ''}), {args.threads} torch thread(s); decode after prompts of "
+        f"64, {args.decode_tokens} timed steps a round;"
         f" median of {args.rounds} interleaved rounds, decode tokens per process CPU-second (min..max)"
     )
     print(f"{'batch':>5}  {'arm':<36} {'ATen ops/step':>13}  {'tok/CPU-s':>9}  {'(min..max)':<15}  ratio")

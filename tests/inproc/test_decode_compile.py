@@ -87,3 +87,48 @@ def test_compile_flag_cli_and_argv():
     assert engine_config(args).compile_decode is True
     assert "--compile" in engine_argv(EngineConfig(compile_decode=True))
     assert "--compile" not in engine_argv(EngineConfig())
+
+
+def test_head_bmm_kernels_match_torch_bmm(compiled):
+    """gemv.bmm, the absorbed attention's per-head W_UK and W_UV^T products at decode: on the kernel (both weight
+    layouts, views into one kv_b_proj weight as attention.py takes them) within float32 rounding of torch.bmm, and
+    torch.bmm itself (bitwise) where it does not apply."""
+    from dsakv.model.gemv import bmm
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4 * 24, 40, generator=g).view(4, 24, 40)  # H 4, nope 8 | v 16, r 40
+    w_uk, w_uv_t = w[:, :8], w[:, 8:].transpose(1, 2)  # [H, nope, r] rows contiguous; [H, r, v] a transposed view
+    for rows in (1, ROWS):
+        q, o = torch.randn(rows, 4, 8, generator=g), torch.randn(rows, 4, 40, generator=g)
+        for x, wt in ((q.transpose(0, 1), w_uk), (o.transpose(0, 1), w_uv_t)):
+            ref = torch.bmm(x, wt)
+            got = bmm(x, wt)
+            assert got.shape == ref.shape == (4, rows, wt.shape[2])
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            assert not torch.equal(got, torch.zeros_like(got))
+    x = torch.randn(4, ROWS + 1, 8, generator=g)
+    assert torch.equal(bmm(x, w_uk), torch.bmm(x, w_uk))  # more rows: torch.bmm
+    with pytest.raises(RuntimeError):  # mismatched batches: torch.bmm's error, not a broadcast
+        bmm(x[:1, :1], w_uk)
+    assert torch.equal(bmm(x[:, :1].double(), w_uk.double()), torch.bmm(x[:, :1].double(), w_uk.double()))
+    use_compiled_gemv(False)
+    x = torch.randn(4, 1, 40, generator=g)
+    assert torch.equal(bmm(x, w_uv_t), torch.bmm(x, w_uv_t))  # off: torch.bmm
+
+
+def test_compiled_rms_norm_matches_eager(compiled):
+    """gemv.rms_norm: F.rms_norm within float32 rounding on the kernel (a strided slice as attention passes it),
+    None where it does not apply (more than ROWS rows, float64, off)."""
+    from dsakv.model.gemv import rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(ROWS, 48, generator=g)[:, :40] * 3  # row stride 48: a slice of a fused projection's output
+    w = torch.randn(40, generator=g)
+    got = rms_norm(x, w, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, torch.nn.functional.rms_norm(x, (40,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got, torch.nn.functional.rms_norm(x, (40,), w, 1e-1))  # eps is the kernel's own
+    assert rms_norm(torch.randn(ROWS + 1, 40), w, 1e-6) is None
+    assert rms_norm(x.double(), w.double(), 1e-6) is None
+    use_compiled_gemv(False)
+    assert rms_norm(x, w, 1e-6) is None

@@ -53,7 +53,7 @@ This is what transformers' GlmMoeDsaAttention / DeepseekV32Attention compute (ea
 with the cache in the pool instead of a DynamicCache. Nothing here is CPU-only: every tensor is
 made on the input's device.
 StepContext, RowSource and TopK live in model/step_context.py (re-exported here).
-Imports torch, dsakv.spec and dsakv.model.{config,layers,step_context}.
+Imports torch, dsakv.spec and dsakv.model.{config,gemv,layers,step_context}.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.model.config import DSAConfig
+from dsakv.model.gemv import bmm
 from dsakv.model.layers import LinearGroup, RMSNorm, linear_add, rms_norm
 from dsakv.model.step_context import SCORE_BLOCK_ELEMS, StepContext, TopK
 from dsakv.model.step_context import RowSource as RowSource  # re-exported: HiSparseStep implements it
@@ -327,7 +328,7 @@ class MLAttention(nn.Module):
         [T, k]: their pool slots (read unless the step has a row source)."""
         t, h, r = x.shape[0], self.num_heads, self.kv_lora_rank
         w_uk, w_uv_t = self._w_uk_uv(x.dtype)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r]
+        q_lat = bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, r] (gemv.bmm: --compile's kernel)
         query = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + d]
         k = slots.shape[1]
         blocks = ctx.query_blocks(k * max(r + self.rope_dim, h))
@@ -354,7 +355,7 @@ class MLAttention(nn.Module):
             else:
                 o_lat[q0:q1] = o
         assert o_lat is not None
-        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
+        return bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
 
     def _expanded(
         self,

@@ -21,6 +21,7 @@ from torch import nn
 
 from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import gemv
+from dsakv.model.gemv import rms_norm as compiled_rms_norm
 from dsakv.model.quant import dequantize, gemv_applies, qlinear, weight_scale
 
 # MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
@@ -119,8 +120,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)), the normalisation in float32 (as transformers). The hot path calls this directly
     with the RMSNorm's weight and eps (no Module call per use)."""
     if x.dtype is torch.float32 and weight.dtype is torch.float32:
+        y = compiled_rms_norm(x, weight, eps)  # --compile: one kernel at decode, else None
         # transformers' formula (x * rsqrt(mean(x^2) + eps) * weight), bitwise: one call, its ops in C++
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps) if y is None else y
     h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), None, eps)
     return weight * h.to(x.dtype)
 
@@ -248,11 +250,11 @@ class MoEWeights(NamedTuple):
 
     w_in: torch.Tensor  # [2*E*I + R + 2*Is, hidden]: expert 0's gate | up, expert 1's gate | up, ... | router (R = E
     #                      rows, or 0 if it runs alone) | shared gate | shared up
-    w_down: torch.Tensor  # [hidden, E*I + Is]: routed downs | shared down (column blocks)
+    w_down: torch.Tensor  # [hidden, E*I + Is]: routed downs | shared down (column blocks); or flat (blocked)
     router_rows: int  # R
     gate_up: torch.Tensor  # [E, 2I, hidden] view of w_in: each expert's gate rows then its up rows
     gate_ups: list[torch.Tensor]  # gate_up[e] for each expert, as views made once (no indexing op per step)
-    down: torch.Tensor  # [E, hidden, I] view of w_down
+    down: torch.Tensor  # [E, hidden, I] view of w_down (contiguous if blocked)
     w_down_t: torch.Tensor  # w_down.t(), as addmm takes it
     routed_width: int  # E*I: the routed experts' columns of w_down
     tail: torch.Tensor  # w_in[2*E*I:]: router | shared gate | shared up, one matmul on the grouped paths
@@ -262,6 +264,10 @@ class MoEWeights(NamedTuple):
     in_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
     down_block: int = 1  # the column block width of down_scale
+    # float weights of a MoE whose dense path never runs: w_down is flat [E*hidden*I + hidden*Is], each down (and
+    # `down`, `shared_down`) a contiguous block of it, so a decode GEMV streams it (a [hidden, I] column block of
+    # [hidden, E*I + Is] read at ~7 GB/s against ~18 contiguous at one row, bench/decode_ops.py)
+    blocked: bool = False
 
 
 class MoE(nn.Module):
@@ -276,7 +282,8 @@ class MoE(nn.Module):
       busiest expert, one batched matmul over the stacked [gate | up] weights [E, 2I, hidden] and one over the
       downs, one scatter-add back;
     - per expert: the same grouping, then one gate|up matmul and one down matmul per hit expert on its contiguous
-      slice (prefill, decode batches of larger models).
+      slice (prefill, decode batches of larger models); one float32 token (batch-1 decode) skips the grouping
+      (_routed_one: its experts in id order, the same sums, bitwise).
     On the grouped paths the router and the shared expert's gate and up are one matmul (w_in's tail), and the
     shared expert's down adds the routed sum inside its addmm.
 
@@ -329,8 +336,18 @@ class MoE(nn.Module):
             rows = [w for m in ex for w in (m.gate_proj.weight, m.up_proj.weight)]
             rows += ([router] if fuse_router else []) + [sh.gate_proj.weight, sh.up_proj.weight]
             w_in = torch.cat(rows)
-            w_down = torch.cat([m.down_proj.weight for m in ex] + [sh.down_proj.weight], dim=1)
-            if weight_scale(ex[0].gate_proj) is not None:  # int8 (pack_int8): the scales fused alike
+            int8 = weight_scale(ex[0].gate_proj) is not None
+            # the dense path never runs (not even for one token) and float weights: each down a contiguous block
+            blocked = not int8 and choose_moe_path(1, self._top_k, n_e, self._row_macs) != "dense"
+            downs_w = [m.down_proj.weight for m in ex] + [sh.down_proj.weight]
+            if blocked:
+                w_down = torch.cat([w.reshape(-1) for w in downs_w])  # [E*hidden*I + hidden*Is]
+                d_views = [w_down[i * hidden * inter :][: hidden * inter].view(hidden, inter) for i in range(n_e)]
+                d_views.append(w_down[ei * hidden :].view(hidden, i_s))
+            else:
+                w_down = torch.cat(downs_w, dim=1)
+                d_views = [w_down[:, i * inter : (i + 1) * inter] for i in range(n_e)] + [w_down[:, ei:]]
+            if int8:  # (pack_int8): the scales fused alike
                 ins = [weight_scale(p) for m in [*ex, sh] for p in (m.gate_proj, m.up_proj)]
                 in_scale = torch.cat(cast(list[torch.Tensor], ins))
                 downs = [(weight_scale(m.down_proj), inter) for m in ex] + [(weight_scale(sh.down_proj), i_s)]
@@ -338,28 +355,33 @@ class MoE(nn.Module):
             for i, m in enumerate(ex):
                 m.gate_proj.weight.data = w_in[2 * i * inter : (2 * i + 1) * inter]
                 m.up_proj.weight.data = w_in[(2 * i + 1) * inter : (2 * i + 2) * inter]
-                m.down_proj.weight.data = w_down[:, i * inter : (i + 1) * inter]
+                m.down_proj.weight.data = d_views[i]
             if fuse_router:
                 router.data = w_in[2 * ei : 2 * ei + r]
             s0 = 2 * ei + r
             sh.gate_proj.weight.data = w_in[s0 : s0 + i_s]
             sh.up_proj.weight.data = w_in[s0 + i_s : s0 + 2 * i_s]
-            sh.down_proj.weight.data = w_down[:, ei:]
+            sh.down_proj.weight.data = d_views[-1]
         gate_up = w_in[: 2 * ei].view(n_e, 2 * inter, hidden)
+        if blocked:
+            down = w_down[: ei * hidden].view(n_e, hidden, inter)
+        else:
+            down = w_down[:, :ei].view(hidden, n_e, inter).permute(1, 0, 2)
         self._fused = MoEWeights(
             w_in,
             w_down,
             r,
             gate_up,
             list(gate_up.unbind(0)),
-            w_down[:, :ei].view(hidden, n_e, inter).permute(1, 0, 2),
+            down,
             w_down.t(),
             ei,
             w_in[2 * ei :],
-            w_down[:, ei:],
+            d_views[-1],
             in_scale,
             down_scale,
             blk,
+            blocked,
         )
         self._ptrs = self._members()
         return self._fused
@@ -372,7 +394,7 @@ class MoE(nn.Module):
         n, e = x.shape[0], self._n_experts
         gate = self.gate
         ei, r = f.routed_width, f.router_rows
-        if choose_moe_path(n, self._top_k, e, self._row_macs) == "dense":
+        if not f.blocked and choose_moe_path(n, self._top_k, e, self._row_macs) == "dense":
             h = qlinear(x, f.w_in, f.in_scale)
             logits = h[:, 2 * ei : 2 * ei + r] if r else F.linear(x.to(gate.weight.dtype), gate.weight)
             weights, ids = gate.route(logits if logits.dtype == torch.float32 else logits.float())
@@ -408,13 +430,37 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
         n, k = ids.shape
         num_experts = len(self.experts)
+        if n == 1 and x.dtype == weights.dtype == torch.float32:
+            if choose_moe_path(1, k, num_experts, self._row_macs, counts=[1] * k) == "per_expert":
+                return self._routed_one(x, weights, ids, f)
+        return self._routed_grouped(x, weights, ids, f)
+
+    def _routed_one(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
+        """One float32 token (batch-1 decode) on the per-expert path without its sort, gather and scatter: its
+        experts in expert-id order, each output times its routing weight (a float32 multiply, as the grouped
+        path's), summed in that order (the grouped path's index_add_ into zeros: the same float32 sums)."""
+        two_i, i_b = f.gate_ups[0].shape[0], f.gate_ups[0].shape[0] // 2 // f.down_block
+        acc = None
+        for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist(), strict=True)):
+            gs = None if f.in_scale is None else f.in_scale[e * two_i : (e + 1) * two_i]
+            g, u = qlinear(x, f.gate_ups[e], gs).chunk(2, dim=-1)  # gate | up, one matmul
+            ds = None if f.down_scale is None else f.down_scale[:, e * i_b : (e + 1) * i_b]
+            y = qlinear(F.silu(g).mul_(u), cast(MLP, self.experts[e]).down_proj.weight, ds).mul_(w)
+            acc = y if acc is None else acc.add_(y)
+        assert acc is not None
+        return acc
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:
+        """Tokens grouped per expert (one stable sort), then the padded or per-expert path (choose_moe_path)."""
+        n, k = ids.shape
+        num_experts = len(self.experts)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tok = torch.div(order, k, rounding_mode="floor")
         ws = weights.reshape(-1)[order, None]
         counts_t = torch.bincount(flat, minlength=num_experts)
         counts = counts_t.tolist()
-        if choose_moe_path(n, k, num_experts, self._row_macs, counts) == "padded":
+        if choose_moe_path(n, k, num_experts, self._row_macs, counts=counts) == "padded":
             se = flat[order]
             pos = torch.arange(n * k, device=x.device) - (torch.cumsum(counts_t, 0) - counts_t)[se]
             xp = x.new_zeros(num_experts, max(counts), x.shape[1])

@@ -116,7 +116,7 @@ def test_moe_path_rule():
 
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_moe_paths_agree(model, tokens, monkeypatch):
-    """dense, padded and per-expert MoE give the same outputs (top_k 2: the same sums, bitwise)."""
+    """dense, padded and per-expert MoE give the same outputs within float32 rounding."""
     import dsakv.model.layers as layers
 
     moe = model.model.layers[1].mlp
@@ -127,10 +127,15 @@ def test_moe_paths_agree(model, tokens, monkeypatch):
         monkeypatch.setattr(
             layers, "choose_moe_path", lambda *a, counts=None, p=path, g=grouped: g if counts is None else p
         )
+        bmm, calls = torch.bmm, []
+        monkeypatch.setattr(torch, "bmm", lambda *a, c=calls, f=bmm, **k: c.append(1) or f(*a, **k))
         with torch.inference_mode():
             outs[path] = moe(x)
+        monkeypatch.setattr(torch, "bmm", bmm)
+        assert bool(calls) is (path == "padded")  # the path asked for ran (only padded runs batched matmuls)
     torch.testing.assert_close(outs["dense"], outs["per_expert"], rtol=1e-6, atol=1e-6)
-    assert torch.equal(outs["padded"], outs["per_expert"])
+    # padded's batched matmul may sum in another order than per-expert's matmuls at several rows an expert
+    torch.testing.assert_close(outs["padded"], outs["per_expert"], rtol=1e-6, atol=1e-6)
 
 
 def test_fused_projections_alias_the_weights(model):
