@@ -136,10 +136,10 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"dsakv serve --role {role} --enable-dp-attention is not supported: the router runs no model (DP "
             "attention serves colocated, as --role prefill or as --role decode)"
         )
-    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role != "colocated":
-        raise ConfigError(  # colocated: each DP rank a pipeline (pipeline/dp_stage.py); the decode's is not built
+    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role == "decode":
+        raise ConfigError(  # colocated / prefill: each DP rank a pipeline (pipeline/dp_stage.py, prefill/dp_pp.py)
             f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1 "
-            "(a colocated `dsakv serve` runs DP attention with --pp-size)"
+            "(a colocated `dsakv serve` and --role prefill run DP attention with --pp-size)"
         )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
@@ -197,7 +197,15 @@ def validate_serve(args: argparse.Namespace) -> None:
         if getattr(args, "enable_dp_attention", False) and (cache.host_tier or cache.storage is not None):
             raise ConfigError(dp_prefill_tier_refusal())
     dp = int(getattr(args, "dp_size", 1) or 1)
-    if role in ("decode", "prefill") and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
+    dpa = getattr(args, "enable_dp_attention", False)
+    if role == "prefill" and dpa and pp > 1:  # prefill/dp_pp.py
+        last = args.port + dp * (pp + 1) - 1
+        if last > MAX_PORT:
+            raise ConfigError(
+                f"--port {args.port} with --dp-size {dp} --pp-size {pp}: DP rank d uses --port + d x {pp + 1} .. "
+                f"+ {pp} (its stages and rendezvous), up to {last}, which must be <= {MAX_PORT}: pick a lower --port"
+            )
+    elif role in ("decode", "prefill") and dpa and args.port + dp - 1 > MAX_PORT:
         raise ConfigError(
             f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "
             f"which must be <= {MAX_PORT}: pick a lower --port"

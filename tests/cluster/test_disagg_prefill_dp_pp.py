@@ -1,0 +1,270 @@
+"""A prefill instance with DP attention x PP (`dsakv serve --role prefill --pp-size 2 --tp-size 2 --dp-size 2
+--enable-dp-attention --ep-size 2 --prefix-cache`, started without --pp-rank): four processes (DP rank d, stage s;
+prefill/dp_pp.py), each DP rank a pipeline of its own with its own pools and prefix cache, each stage's two DP ranks
+the EP group of its MoE layers; mooncake into a TP-1 decode, through the router (over real HTTP for the tokens).
+
+Checked: greedy and seeded tokens equal the single-rank engine; one request at a time, the router places it by
+load (the rank whose prefix cache holds fewer pages has more free) and both ranks serve; the bytes each (prefill
+(d, s), decode) pair gains are exactly its pages x stage s's bytes per page, from DP rank d's two stages only;
+prefix affinity per rank (a repeated prompt goes to the rank that caches it: 64 hit tokens there); SIGTERM stops
+every process with exit 0 (each stage's EP group sees its DP rank 1 exit 0). kill -9 of (d=1, s=1): the instance
+is not re-formed, it fails whole: every DP rank's health is down naming that process, (0, 1)'s its exit signal; a
+new request fails; no page is leaked on DP rank 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+
+from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.engine.dp import pid_gone
+from dsakv.engine.engine import Engine
+from dsakv.engine.request import SamplingParams
+from dsakv.serve.app import create_app
+from dsakv.serve.tokenizer import load_tokenizer
+from dsakv.spec.layout import KVLayout
+from dsakv.spec.model import ModelSpec
+from dsakv.testing.cluster import (
+    DP_ARGS,
+    NUM_PAGES,
+    PAGE_SIZE,
+    Cluster,
+    assert_clean,
+    free_ports,
+    run_requests,
+    wait_for,
+    worker_config,
+)
+from dsakv.testing.config import engine_config
+from dsakv.testing.engines import tiny_model, tiny_path
+from dsakv.testing.servers import MODEL, LiveServer
+from dsakv.util import ceil_div
+
+pytestmark = [pytest.mark.timeout(420)]
+
+ARCH = "glm_moe_dsa"
+PARTITION = (7, 5)
+P = len(PARTITION)
+LENGTHS = (17, 23, 41)
+GREEDY = SamplingParams(max_new_tokens=5, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top_k=40, seed=77)
+
+g = torch.Generator().manual_seed(47)
+PROMPTS = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
+SHARED = [torch.randint(2, 512, (70,), generator=g).tolist() for _ in range(2)]  # 4 whole pages + 6 tokens each
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[list[int]]]:
+    eng = Engine(tiny_model(ARCH), engine_config(page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_batch_tokens=256))
+    return {
+        "greedy": eng.generate(PROMPTS, GREEDY),
+        "sampled": eng.generate(PROMPTS, SAMPLED),
+        "shared": eng.generate(SHARED, GREEDY),
+    }
+
+
+def start(cluster: Cluster, name: str, extra: list[str] = ()) -> tuple:
+    """A TP-1 decode and the DP 2 x PP 2 prefill (its user command: it starts the stages, each stage its DP rank
+    1); (prefill command, decode, every DP rank's stage addresses [[s0, s1], ..])."""
+    from dsakv.engine.argv import engine_argv
+
+    decode = cluster.decode("dec", "mooncake", True, extra=["--worker-name", "dec"])
+    port = free_ports(2 * (P + 1))  # DP rank d: stage s on port + d (P + 1) + s, its rendezvous on + P
+    args = ["--role", "prefill", "--port", str(port), "--transfer-backend", "mooncake", "--pp-size", str(P)]
+    args += ["--pp-partition", ",".join(map(str, PARTITION)), "--worker-name", name, *DP_ARGS, "--prefix-cache"]
+    args += [*engine_argv(worker_config(True)), *extra]
+    prefill = cluster._serve(name, f"127.0.0.1:{port}", args)
+    cells = [[f"127.0.0.1:{port + d * (P + 1) + s}" for s in range(P)] for d in range(2)]
+    cluster.wait_healthy([decode], timeout=240)
+    for row in cells:
+        for a in row:
+            wait_for(lambda a=a: fetch_health(a).ok, 300, f"prefill cell {a} healthy", cluster.procs)
+    return prefill, decode, cells
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    cluster = Cluster(tiny_path(ARCH), tmp_path_factory.mktemp("prefill-dp-pp"))
+    server = None
+    try:
+        prefill, decode, cells = start(cluster, "pdp")
+        router = cluster.router([cells[0][0]], [decode.addr])  # DP rank 1 comes from rank 0's health
+        wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
+        server = LiveServer(create_app(router, MODEL, load_tokenizer(tiny_path(ARCH), 512))).start()
+        yield cluster, prefill, decode, cells, router, server
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.close()
+
+
+def http_complete(server, prompts, params: SamplingParams) -> list[dict]:
+    """POST /v1/completions with token-id prompts (one request each, all at once): the JSON replies in order."""
+
+    def one(p: list[int]) -> dict:
+        body = {"model": MODEL, "prompt": p, "max_tokens": params.max_new_tokens, "ignore_eos": True}
+        body["temperature"] = params.temperature
+        if params.temperature:
+            body.update(top_k=params.top_k, seed=params.seed)
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))
+
+
+def stage_bytes(s: int, pages: int) -> int:
+    spec = ModelSpec.from_path(tiny_path(ARCH))
+    a = sum(PARTITION[:s])
+    lay = KVLayout(spec, a, a + PARTITION[s], kv_format="fp32", index_format="fp32", page_size=PAGE_SIZE)
+    return pages * lay.bytes_per_page
+
+
+def settled(cells: list[list[str]], decode: str, procs=()) -> None:
+    """No page on the decode; every cell holds no job and no page but its prefix cache's, its books balanced."""
+    assert_clean([decode], procs=procs)
+
+    def clean(a: str) -> bool:
+        h = fetch_health(a)
+        return (h.jobs, h.pages_used - (h.cache_pages or 0), h.integrity) == (0, 0, "ok")
+
+    for a in (a for row in cells for a in row):
+        wait_for(lambda a=a: clean(a), 30, f"prefill cell {a}: no job, no page but the cache's", procs)
+
+
+def cell_bytes(cells: list[list[str]]) -> list[list[int]]:
+    """The bytes each (DP rank d, stage s) cell wrote to the decode so far (its transfer engine's count)."""
+    return [[fetch_health(a).transfer.bytes for a in row] for row in cells]
+
+
+def router_current(router, ranks: list[str]) -> bool:
+    """The router's view of each rank's free pages is the rank's own (its placement by load is decided on it)."""
+    views = [router.peers.prefills[a].health for a in ranks]
+    return all(v is not None and v.pages_free == fetch_health(a).pages_free for v, a in zip(views, ranks, strict=True))
+
+
+def submitted(addrs: list[str]) -> list[int]:
+    return [fetch_health(a).counters["submitted"] for a in addrs]
+
+
+def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
+    cluster, prefill, decode, cells, router, server = world
+    ranks = [row[0] for row in cells]
+    for d, row in enumerate(cells):
+        for s, a in enumerate(row):
+            h = fetch_health(a)
+            assert (h.ok, h.name, h.stage, h.num_stages, h.pages_total) == (True, f"pdp.dp{d}", s, P, NUM_PAGES), h
+            assert (h.dp_rank, h.dp_size, h.dp_addrs) == (d, 2, ranks), h
+    rows = {row["addr"]: row for row in router.health()["prefill"]}
+    assert [(rows[a]["dp_rank"], rows[a]["instance"], rows[a]["num_stages"]) for a in ranks] == [
+        (0, ranks[0], P),
+        (1, ranks[0], P),
+    ], rows
+
+    for params, ref in ((GREEDY, reference["greedy"]), (SAMPLED, reference["sampled"])):
+        got = http_complete(server, PROMPTS, params)
+        assert [c["choices"][0]["token_ids"] for c in got] == ref, got
+    settled(cells, decode.addr, cluster.procs)
+
+    # one at a time: placed by load on the rank with more free pages; its two stages send its keys, nothing else
+    placed = []
+    for i, prompt in enumerate(PROMPTS):
+        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
+        before, sent = cell_bytes(cells), submitted(ranks)
+        (out,) = run_requests(router, [prompt], GREEDY, f"seq-{i}", timeout=120)
+        assert out == (reference["greedy"][i], "length", None), out
+        (d,) = [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
+        gained = [[n - b for n, b in zip(x, y, strict=True)] for x, y in zip(cell_bytes(cells), before, strict=True)]
+        pages = ceil_div(len(prompt), PAGE_SIZE)
+        want = [[stage_bytes(s, pages) if r == d else 0 for s in range(P)] for r in range(2)]
+        assert gained == want, (d, gained, want)
+        placed.append(d)
+        settled(cells, decode.addr, cluster.procs)
+    assert sorted(set(placed)) == [0, 1], placed  # both DP ranks served
+
+
+def test_prefix_affinity_per_dp_rank(world, reference):
+    """Each shared prompt alone (placed by load: the second on the other rank), then each again: it goes to the
+    rank that caches it, with 64 hit tokens (4 whole pages) there and the single-rank tokens."""
+    cluster, prefill, decode, cells, router, server = world
+    ranks = [row[0] for row in cells]
+    where = []
+    for i, p in enumerate(SHARED):
+        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
+        sent = submitted(ranks)
+        (out,) = run_requests(router, [p], GREEDY, f"shared-{i}", timeout=120)
+        assert out == (reference["shared"][i], "length", None), out
+        where += [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
+        settled(cells, decode.addr, cluster.procs)
+    assert sorted(where) == [0, 1], where
+
+    from dsakv.disagg.router.routing import page_hashes
+
+    def mirrored() -> bool:
+        aff = router.peers.affinity
+        return all(aff.matched(ranks[r], page_hashes(p, PAGE_SIZE)) == 4 for r, p in zip(where, SHARED, strict=True))
+
+    wait_for(mirrored, 30, "each rank's cache mirrored by the router")
+    hits = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks]
+    for i, p in enumerate(SHARED):
+        (out,) = run_requests(router, [p], GREEDY, f"again-{i}", timeout=120)
+        assert out == (reference["shared"][i], "length", None), out
+    hits2 = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks]
+    assert [h2 - h for h2, h in zip(hits2, hits, strict=True)] == [64, 64], (where, hits, hits2)
+    settled(cells, decode.addr, cluster.procs)
+
+
+def test_prefill_dp_pp_sigterm_stops_every_process(world):
+    """SIGTERM to the command: (0, 0)'s stop round stops (1, 0), (0, 1) stops (1, 1); each EP group sees its DP rank
+    1 exit 0, both stages exit 0, the command exits 0."""
+    cluster, prefill, decode, cells, router, server = world
+    pids = [fetch_health(a).pid for row in cells for a in row]
+    prefill.signal(signal.SIGTERM)
+    assert prefill.wait(120) == 0, prefill.tail(60)
+    log = prefill.tail(400)
+    for s in range(P):
+        assert f"DP group stopped: dp rank 1 pipeline stage {s} exited 0" in log, log[-4000:]
+    assert "prefill: stopped: stage 0 exited 0, stage 1 exited 0" in log, log[-4000:]
+    assert "Traceback" not in log, log[-4000:]
+    wait_for(lambda: all(pid_gone(p) for p in pids), 30, "every prefill process gone")
+
+
+def test_prefill_dp_pp_cell_killed_fails_the_instance_whole(tmp_path):
+    """kill -9 of (DP rank 1, stage 1): not re-formed; every DP rank is down naming it, (0, 1) names its signal, a
+    new request fails, DP rank 0 keeps no page but its cache's."""
+    cluster = Cluster(tiny_path(ARCH), tmp_path)
+    try:
+        prefill, decode, cells = start(cluster, "pk")
+        router = cluster.router([cells[0][0]], [decode.addr], queue_timeout=5.0)
+        wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
+        (out,) = run_requests(router, [PROMPTS[0]], GREEDY, "before", timeout=120)
+        assert out[1:] == ("length", None), out
+        victim = fetch_health(cells[1][1]).pid
+        os.kill(victim, signal.SIGKILL)
+        named = f"dp rank 1 pipeline stage 1 (pid {victim})"
+
+        def down(a: str) -> str:
+            h = fetch_health(a)
+            return "" if h.ok else h.down or ""
+
+        for a in (cells[0][0], cells[1][0], cells[0][1]):
+            wait_for(lambda a=a: named in down(a), 60, f"{a} down naming the dead cell", [prefill])
+        assert f"{named} was killed by signal 9 (SIGKILL)" in down(cells[0][1])
+        wait_for(lambda: not router.peers.usable_pairs(), 30, "the router routes to no prefill rank")
+        (out,) = run_requests(router, [PROMPTS[1]], GREEDY, "after", timeout=60)
+        assert out[1] == "error", out
+        h = fetch_health(cells[0][0])
+        assert (h.jobs, h.pages_used - (h.cache_pages or 0), h.integrity) == (0, 0, "ok"), h
+        assert_clean([decode.addr], procs=[decode])
+        prefill.signal(signal.SIGTERM)
+        prefill.wait(120)
+    finally:
+        cluster.close()
