@@ -237,34 +237,53 @@ def test_prefill_dp_pp_sigterm_stops_every_process(world):
     wait_for(lambda: all(pid_gone(p) for p in pids), 30, "every prefill process gone")
 
 
-def test_prefill_dp_pp_cell_killed_fails_the_instance_whole(tmp_path):
-    """kill -9 of (DP rank 1, stage 1): not re-formed; every DP rank is down naming it, (0, 1) names its signal, a
-    new request fails, DP rank 0 keeps no page but its cache's."""
+def test_prefill_dp_pp_cell_killed_only_its_dp_rank_fails(tmp_path, reference):
+    """kill -9 of (DP rank 1, stage 1) while a request of DP rank 1 waits in its transfer (--debug-transfer-delay):
+    that request fails naming DP rank 1; (1, 0) leaves; each stage's EP group re-forms without DP rank 1 (its
+    experts loaded onto DP rank 0); the router takes rank 1 out with rank 0's reason; DP rank 0 keeps serving with
+    the single-rank tokens and leaks no page; (0, 1) names the dead cell and its signal."""
     cluster = Cluster(tiny_path(ARCH), tmp_path)
     try:
-        prefill, decode, cells = start(cluster, "pk")
-        router = cluster.router([cells[0][0]], [decode.addr], queue_timeout=5.0)
+        prefill, decode, cells = start(cluster, "pk", ["--debug-transfer-delay", "2.0"])
+        ranks = [row[0] for row in cells]
+        router = cluster.router([ranks[0]], [decode.addr])
         wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
         (out,) = run_requests(router, [PROMPTS[0]], GREEDY, "before", timeout=120)
-        assert out[1:] == ("length", None), out
-        victim = fetch_health(cells[1][1]).pid
+        assert out == (reference["greedy"][0], "length", None), out
+        assert submitted(ranks) == [1, 0]  # a tie: the first address; its cache now holds a page, so ...
+        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
+        router.submit("lost", list(PROMPTS[1]), GREEDY)  # ... the next goes to DP rank 1 (more free pages)
+        wait_for(lambda: fetch_health(cells[1][1]).jobs == 1, 30, "the request on (1, 1), transferring")
+        victim, leaver = fetch_health(cells[1][1]).pid, fetch_health(cells[1][0]).pid
         os.kill(victim, signal.SIGKILL)
-        named = f"dp rank 1 pipeline stage 1 (pid {victim})"
+        toks, reason, error = run_requests_events(router, ["lost"])[0]
+        assert reason == "error" and f"prefill pk.dp1 stage 1 at {cells[1][1]} is dead" in error, (toks, error)
 
-        def down(a: str) -> str:
-            h = fetch_health(a)
-            return "" if h.ok else h.down or ""
+        wait_for(lambda: pid_gone(leaver), 60, "(1, 0) left the instance", [prefill])
+        wait_for(lambda: not router.peers.prefills[ranks[1]].ok, 30, "the router marks DP rank 1 down")
+        assert [p for p, _ in router.peers.usable_pairs()] == [ranks[0]], router.peers.usable_pairs()
+        left = f"dp rank 1 pipeline stage 0 (pid {leaver}) exited with status 3: not restarted"
+        assert left in (router.peers.prefills[ranks[1]].error or ""), router.peers.prefills[ranks[1]].error
+        killed = f"dp rank 1 pipeline stage 1 (pid {victim}) was killed by signal 9 (SIGKILL): not restarted"
+        killed += " (restart the instance)"
+        assert [(x.rank, x.up, x.down) for x in fetch_health(cells[0][1]).dp_ranks] == [(1, False, killed)]
 
-        for a in (cells[0][0], cells[1][0], cells[0][1]):
-            wait_for(lambda a=a: named in down(a), 60, f"{a} down naming the dead cell", [prefill])
-        assert f"{named} was killed by signal 9 (SIGKILL)" in down(cells[0][1])
-        wait_for(lambda: not router.peers.usable_pairs(), 30, "the router routes to no prefill rank")
-        (out,) = run_requests(router, [PROMPTS[1]], GREEDY, "after", timeout=60)
-        assert out[1] == "error", out
-        h = fetch_health(cells[0][0])
-        assert (h.jobs, h.pages_used - (h.cache_pages or 0), h.integrity) == (0, 0, "ok"), h
-        assert_clean([decode.addr], procs=[decode])
-        prefill.signal(signal.SIGTERM)
-        prefill.wait(120)
+        got = run_requests(router, PROMPTS, GREEDY, "after", timeout=120)  # rank 0 alone, all experts
+        assert got == [(t, "length", None) for t in reference["greedy"]], got
+        assert fetch_health(ranks[0]).ok and prefill.alive()
+        settled([cells[0]], decode.addr, [prefill])  # 0 pages leaked on DP rank 0 (and the decode)
     finally:
         cluster.close()
+
+
+def run_requests_events(router, rids: list[str], timeout: float = 120.0) -> list[tuple[list[int], str | None, str]]:
+    out = []
+    for rid in rids:
+        toks: list[int] = []
+        end: tuple[str | None, str] = (None, "")
+        for ev in router.events(rid, timeout):
+            toks += ev.new_token_ids
+            if ev.finished:
+                end = (ev.finish_reason, ev.error or "")
+        out.append((toks, *end))
+    return out
