@@ -243,6 +243,8 @@ class ElasticRanks:
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
+                if self._closing:  # the ranks exit now: not a death (nor a restart)
+                    continue
                 self.poll_dead()
                 self._restart_due()
             except Exception:  # noqa: BLE001 (the watcher must survive a store hiccup)

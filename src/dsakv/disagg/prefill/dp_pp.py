@@ -51,6 +51,7 @@ from dsakv.engine.elastic import ElasticRanks
 from dsakv.engine.ranks import RankDown
 from dsakv.model.parallel import EPMoE, EPReformed, idle_forward
 from dsakv.pipeline.stage_comm import StageLinkError
+from dsakv.pipeline.step import IDLE, STOP
 from dsakv.util.procs import exit_now
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class PrefillDPPP:
             self.engine.wake = ctx.wake.set
             role.engine = self.engine
         else:
+            role.on_stop = stage.request_stop  # (d, 0) sends STOP when the instance stops
             ranks.place(ctx.model)
 
             def guard(e: Exception) -> BaseException:
@@ -166,7 +168,7 @@ class PrefillDPPP:
         idle_forward(ctx.model, ctx.layout.main_layers)
         if self.broken is None and ctx.group.formed:
             try:
-                self.stage.role.send_idle()
+                self.stage.role.send_books(IDLE)
             except StageLinkError as e:  # the loop leaves at once (hold); not the EP group's failure
                 self.broke(self.explain(str(e)))
 
@@ -220,8 +222,15 @@ class PrefillDPPP:
             self.engine.quiesce()
 
     def close(self) -> None:
-        """Leave the EP group: (0, s), s > 0, first stops its (d, s); rank 0 waits for its ranks' exit."""
+        """Leave the EP group: (d, 0) first sends STOP down its pipeline, (0, s), s > 0, SIGTERMs its (d, s); rank 0
+        waits for its ranks' exit."""
+        ctx = self.stage.ctx
         if self.engine is not None:
+            if self.broken is None and ctx.group.formed:  # the pipeline's stages stop on it (their EP groups too)
+                try:
+                    self.stage.role.send_books(STOP)
+                except StageLinkError as e:
+                    log.info("prefill %s: STOP down the pipeline: %s", self.stage.name, e)
             self.engine.close()
             return
         if self.rank == 0:

@@ -366,10 +366,10 @@ class PipelineLeader(LeaderViews):
         self.ctx.group.send_next(msg)
         self._last_send = time.monotonic()
 
-    def send_idle(self) -> None:
-        """DP attention x PP (prefill/dp_pp.py): this DP rank ran no forward in a round: IDLE (with the books) down
-        the pipeline, on which every later stage runs its MoE layers with 0 rows. StageLinkError if it broke."""
-        self._send(StageMessage(self.runner.step, self.books.tick(IDLE, payload=self._payload()).meta()))
+    def send_books(self, kind: str = IDLE) -> None:
+        """DP attention x PP (prefill/dp_pp.py): IDLE (this DP rank ran no forward in a round: every later stage
+        runs its MoE layers with 0 rows) or STOP (the instance stops), with the books. StageLinkError if it broke."""
+        self._send(StageMessage(self.runner.step, self.books.tick(kind, payload=self._payload()).meta()))
 
     def on_break(self, why: str) -> None:
         """The pipeline broke: fail what is still computing (every stage that computed its part still transfers

@@ -412,7 +412,7 @@ class PrefillStage:
                     self._on_break(why)
 
     def _on_break(self, reason: str) -> None:
-        if self.dppp is not None:
+        if self.dppp is not None and not self.ctx.stop.is_set():
             reason = self.dppp.explain(reason)
             self.dppp.broke(reason)
         why = f"prefill {self.name}: pipeline broke ({reason})"
