@@ -1,11 +1,13 @@
 """A prefill instance with DP attention x PP (`dsakv serve --role prefill --pp-size 2 --tp-size 2 --dp-size 2
 --enable-dp-attention --ep-size 2 --prefix-cache`, started without --pp-rank): four processes (DP rank d, stage s;
 prefill/dp_pp.py), each DP rank a pipeline of its own with its own pools and prefix cache, each stage's two DP ranks
-the EP group of its MoE layers; mooncake into a TP-1 decode, through the router (over real HTTP for the tokens).
+the EP group of its MoE layers; mooncake into a TP-1 decode and nixl into a decode with DP attention (2 ranks),
+through the router (over real HTTP for the tokens).
 
 Checked: greedy and seeded tokens equal the single-rank engine; one request at a time, the router places it by
 load (the rank whose prefix cache holds fewer pages has more free) and both ranks serve; the bytes each (prefill
-(d, s), decode) pair gains are exactly its pages x stage s's bytes per page, from DP rank d's two stages only;
+(d, s), decode rank) pair gains are exactly its pages x stage s's bytes per page, from DP rank d's two stages
+only, into one decode rank;
 prefix affinity per rank (a repeated prompt goes to the rank that caches it: 64 hit tokens there); SIGTERM stops
 every process with exit 0 (each stage's EP group sees its DP rank 1 exit 0). kill -9 of (d=1, s=1): the instance
 is not re-formed, it fails whole: every DP rank's health is down naming that process, (0, 1)'s its exit signal; a
@@ -70,35 +72,40 @@ def reference() -> dict[str, list[list[int]]]:
     }
 
 
-def start(cluster: Cluster, name: str, extra: list[str] = ()) -> tuple:
-    """A TP-1 decode and the DP 2 x PP 2 prefill (its user command: it starts the stages, each stage its DP rank
-    1); (prefill command, decode, every DP rank's stage addresses [[s0, s1], ..])."""
+def start(cluster: Cluster, name: str, extra: list[str] = (), backend: str = "mooncake", dp_decode: bool = False):
+    """A TP-1 decode (or one with DP attention, 2 ranks) and the DP 2 x PP 2 prefill (its user command: it starts
+    the stages, each stage its DP rank 1); (prefill command, decode, its ranks' addresses, every DP rank's stage
+    addresses [[s0, s1], ..])."""
     from dsakv.engine.argv import engine_argv
 
-    decode = cluster.decode("dec", "mooncake", True, extra=["--worker-name", "dec"])
+    dport = free_ports(2)
+    decode = cluster.decode("dec", backend, True, port=dport, extra=[*(DP_ARGS if dp_decode else []), "--worker-name",
+                            "dec"])  # fmt: skip
+    dranks = [f"127.0.0.1:{dport + r}" for r in range(2 if dp_decode else 1)]
     port = free_ports(2 * (P + 1))  # DP rank d: stage s on port + d (P + 1) + s, its rendezvous on + P
-    args = ["--role", "prefill", "--port", str(port), "--transfer-backend", "mooncake", "--pp-size", str(P)]
+    args = ["--role", "prefill", "--port", str(port), "--transfer-backend", backend, "--pp-size", str(P)]
     args += ["--pp-partition", ",".join(map(str, PARTITION)), "--worker-name", name, *DP_ARGS, "--prefix-cache"]
     args += [*engine_argv(worker_config(True)), *extra]
     prefill = cluster._serve(name, f"127.0.0.1:{port}", args)
     cells = [[f"127.0.0.1:{port + d * (P + 1) + s}" for s in range(P)] for d in range(2)]
-    cluster.wait_healthy([decode], timeout=240)
-    for row in cells:
-        for a in row:
-            wait_for(lambda a=a: fetch_health(a).ok, 300, f"prefill cell {a} healthy", cluster.procs)
-    return prefill, decode, cells
+    for a in [*dranks, *(a for row in cells for a in row)]:
+        wait_for(lambda a=a: fetch_health(a).ok, 300, f"{a} healthy", cluster.procs)
+    return prefill, decode, dranks, cells
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    cluster = Cluster(tiny_path(ARCH), tmp_path_factory.mktemp("prefill-dp-pp"))
+@pytest.fixture(scope="module", params=(("mooncake", False), ("nixl", True)), ids=("mooncake-tp1", "nixl-dp2"))
+def world(request, tmp_path_factory):
+    """mooncake: into a TP-1 decode; nixl: into a decode with DP attention (2 ranks)."""
+    backend, dp_decode = request.param
+    cluster = Cluster(tiny_path(ARCH), tmp_path_factory.mktemp(f"prefill-dp-pp-{backend}"))
     server = None
     try:
-        prefill, decode, cells = start(cluster, "pdp")
-        router = cluster.router([cells[0][0]], [decode.addr])  # DP rank 1 comes from rank 0's health
-        wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
+        prefill, decode, dranks, cells = start(cluster, "pdp", backend=backend, dp_decode=dp_decode)
+        router = cluster.router([cells[0][0]], [decode.addr])  # DP rank 1 of each comes from its rank 0's health
+        want = 2 * len(dranks)
+        wait_for(lambda: len(router.peers.usable_pairs()) == want, 120, "every rank pair", cluster.procs)
         server = LiveServer(create_app(router, MODEL, load_tokenizer(tiny_path(ARCH), 512))).start()
-        yield cluster, prefill, decode, cells, router, server
+        yield cluster, prefill, dranks, cells, router, server
     finally:
         if server is not None:
             server.stop()
@@ -128,9 +135,9 @@ def stage_bytes(s: int, pages: int) -> int:
     return pages * lay.bytes_per_page
 
 
-def settled(cells: list[list[str]], decode: str, procs=()) -> None:
-    """No page on the decode; every cell holds no job and no page but its prefix cache's, its books balanced."""
-    assert_clean([decode], procs=procs)
+def settled(cells: list[list[str]], decode: list[str], procs=()) -> None:
+    """No page on any decode rank; every cell holds no job and no page but its prefix cache's, its books balanced."""
+    assert_clean(decode, procs=procs)
 
     def clean(a: str) -> bool:
         h = fetch_health(a)
@@ -145,6 +152,10 @@ def cell_bytes(cells: list[list[str]]) -> list[list[int]]:
     return [[fetch_health(a).transfer.bytes for a in row] for row in cells]
 
 
+def pairs_of(addrs: list[str]) -> list[dict[str, int]]:
+    return [dict(fetch_health(a).kv_bytes_pairs or {}) for a in addrs]
+
+
 def router_current(router, ranks: list[str]) -> bool:
     """The router's view of each rank's free pages is the rank's own (its placement by load is decided on it)."""
     views = [router.peers.prefills[a].health for a in ranks]
@@ -156,7 +167,7 @@ def submitted(addrs: list[str]) -> list[int]:
 
 
 def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
-    cluster, prefill, decode, cells, router, server = world
+    cluster, prefill, dranks, cells, router, server = world
     ranks = [row[0] for row in cells]
     for d, row in enumerate(cells):
         for s, a in enumerate(row):
@@ -172,13 +183,13 @@ def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
     for params, ref in ((GREEDY, reference["greedy"]), (SAMPLED, reference["sampled"])):
         got = http_complete(server, PROMPTS, params)
         assert [c["choices"][0]["token_ids"] for c in got] == ref, got
-    settled(cells, decode.addr, cluster.procs)
+    settled(cells, dranks, cluster.procs)
 
     # one at a time: placed by load on the rank with more free pages; its two stages send its keys, nothing else
     placed = []
     for i, prompt in enumerate(PROMPTS):
         wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
-        before, sent = cell_bytes(cells), submitted(ranks)
+        before, sent, pairs = cell_bytes(cells), submitted(ranks), pairs_of(dranks)
         (out,) = run_requests(router, [prompt], GREEDY, f"seq-{i}", timeout=120)
         assert out == (reference["greedy"][i], "length", None), out
         (d,) = [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
@@ -186,15 +197,20 @@ def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
         pages = ceil_div(len(prompt), PAGE_SIZE)
         want = [[stage_bytes(s, pages) if r == d else 0 for s in range(P)] for r in range(2)]
         assert gained == want, (d, gained, want)
+        if len(dranks) > 1:  # a DP decode: one of its ranks got every key, from DP rank d's cells, each once
+            diff = [{k: v - b.get(k, 0) for k, v in a.items() if v != b.get(k, 0)} for a, b in
+                    zip(pairs_of(dranks), pairs, strict=True)]  # fmt: skip
+            (r,) = [r for r, x in enumerate(diff) if x]
+            assert diff[r] == {f"pdp.dp{d}:{s}->dp{r}": want[d][s] for s in range(P)}, diff
         placed.append(d)
-        settled(cells, decode.addr, cluster.procs)
+        settled(cells, dranks, cluster.procs)
     assert sorted(set(placed)) == [0, 1], placed  # both DP ranks served
 
 
 def test_prefix_affinity_per_dp_rank(world, reference):
     """Each shared prompt alone (placed by load: the second on the other rank), then each again: it goes to the
     rank that caches it, with 64 hit tokens (4 whole pages) there and the single-rank tokens."""
-    cluster, prefill, decode, cells, router, server = world
+    cluster, prefill, dranks, cells, router, server = world
     ranks = [row[0] for row in cells]
     where = []
     for i, p in enumerate(SHARED):
@@ -203,7 +219,7 @@ def test_prefix_affinity_per_dp_rank(world, reference):
         (out,) = run_requests(router, [p], GREEDY, f"shared-{i}", timeout=120)
         assert out == (reference["shared"][i], "length", None), out
         where += [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
-        settled(cells, decode.addr, cluster.procs)
+        settled(cells, dranks, cluster.procs)
     assert sorted(where) == [0, 1], where
 
     from dsakv.disagg.router.routing import page_hashes
@@ -219,13 +235,13 @@ def test_prefix_affinity_per_dp_rank(world, reference):
         assert out == (reference["shared"][i], "length", None), out
     hits2 = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks]
     assert [h2 - h for h2, h in zip(hits2, hits, strict=True)] == [64, 64], (where, hits, hits2)
-    settled(cells, decode.addr, cluster.procs)
+    settled(cells, dranks, cluster.procs)
 
 
 def test_prefill_dp_pp_sigterm_stops_every_process(world):
     """SIGTERM to the command: (0, 0)'s stop round stops (1, 0), each (d, 0) sends STOP down its pipeline; each EP
     group sees its DP rank 1 exit 0, both stages exit 0, the command exits 0, nothing is reported down."""
-    cluster, prefill, decode, cells, router, server = world
+    cluster, prefill, dranks, cells, router, server = world
     pids = [fetch_health(a).pid for row in cells for a in row]
     prefill.signal(signal.SIGTERM)
     assert prefill.wait(120) == 0, prefill.tail(60)
@@ -244,7 +260,7 @@ def test_prefill_dp_pp_cell_killed_only_its_dp_rank_fails(tmp_path, reference):
     the single-rank tokens and leaks no page; (0, 1) names the dead cell and its signal."""
     cluster = Cluster(tiny_path(ARCH), tmp_path)
     try:
-        prefill, decode, cells = start(cluster, "pk", ["--debug-transfer-delay", "2.0"])
+        prefill, decode, dranks, cells = start(cluster, "pk", ["--debug-transfer-delay", "2.0"])
         ranks = [row[0] for row in cells]
         router = cluster.router([ranks[0]], [decode.addr])
         wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
@@ -272,7 +288,7 @@ def test_prefill_dp_pp_cell_killed_only_its_dp_rank_fails(tmp_path, reference):
         got = run_requests(router, PROMPTS, GREEDY, "after", timeout=120)  # rank 0 alone, all experts
         assert got == [(t, "length", None) for t in reference["greedy"]], got
         assert fetch_health(ranks[0]).ok and prefill.alive()
-        settled([cells[0]], decode.addr, [prefill])  # 0 pages leaked on DP rank 0 (and the decode)
+        settled([cells[0]], dranks, [prefill])  # 0 pages leaked on DP rank 0 (and the decode)
     finally:
         cluster.close()
 

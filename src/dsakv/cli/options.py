@@ -208,7 +208,8 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
         "--enable-dp-attention",
         action="store_true",
         help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 serves HTTP and places "
-        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r)",
+        "each request on the rank with the fewest in flight; serve --role decode / prefill: rank r listens on --port + "
+        "r; --role prefill --pp-size P: DP rank r is a pipeline of P stages on --port + r (P + 1) + s)",
     )
     g.add_argument(
         "--ep-size",
@@ -323,8 +324,9 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
 PP_SIZE_HELP = (
     "pipeline stages, one process each (colocated: this command is stage 0 and starts the others on 127.0.0.1; "
     "prefill / decode: stage k on --port + k); a stage holds only its layers' KV and its producers' index-K; "
-    "a prefill, generate and a colocated serve may combine it with --tp-size T (each stage T ranks, T x N processes; "
-    "not yet with --enable-dp-attention) (default 1)"
+    "a prefill, generate and a colocated serve may combine it with --tp-size T (each stage T ranks, T x N processes) "
+    "or with --enable-dp-attention (each DP rank a pipeline of its own, each stage's DP ranks its EP group; not yet "
+    "on a decode) (default 1)"
 )
 PP_PARTITION_HELP = "layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)"
 STAGE_TIMEOUT_HELP = "bound on every activation send/receive between stages (default 10 s)"

@@ -367,7 +367,7 @@ class PrefillStage:
         info = {"rpc": self.address, "pid": os.getpid(), "boot": self.boot}
         while not ctx.stop.is_set():
             try:
-                if self.dppp is not None and self.dppp.hold():  # DP x PP: broken for good (prefill/dp_pp.py)
+                if self.dppp is not None and self.dppp.hold():  # DP x PP: its pipeline broke, the DP rank leaves
                     continue
                 if not ctx.group.formed:
                     if self.tp is not None:  # the TP ranks keep following (their parts and releases, the group's
