@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from dsakv.disagg.protocol.messages import fetch_health
+from dsakv.disagg.router.routing import page_hashes
 from dsakv.engine.dp import pid_gone
 from dsakv.engine.engine import Engine
 from dsakv.engine.request import SamplingParams
@@ -59,7 +60,9 @@ SAMPLED = SamplingParams(max_new_tokens=5, ignore_eos=True, temperature=0.9, top
 
 g = torch.Generator().manual_seed(47)
 PROMPTS = [torch.randint(2, 512, (n,), generator=g).tolist() for n in LENGTHS]
-SHARED = [torch.randint(2, 512, (70,), generator=g).tolist() for _ in range(2)]  # 4 whole pages + 6 tokens each
+FRESH = [torch.randint(2, 512, (34,), generator=g).tolist() for _ in range(6)]  # 2 whole pages + 2 tokens each
+TAILS = [torch.randint(2, 512, (8,), generator=g).tolist() for _ in FRESH]
+AGAIN = [p[:32] + t for p, t in zip(FRESH, TAILS, strict=True)]  # FRESH[i]'s 2 whole pages, then 8 new tokens
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +71,8 @@ def reference() -> dict[str, list[list[int]]]:
     return {
         "greedy": eng.generate(PROMPTS, GREEDY),
         "sampled": eng.generate(PROMPTS, SAMPLED),
-        "shared": eng.generate(SHARED, GREEDY),
+        "fresh": eng.generate(FRESH, GREEDY),
+        "again": eng.generate(AGAIN, GREEDY),
     }
 
 
@@ -185,16 +189,10 @@ def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
         assert [c["choices"][0]["token_ids"] for c in got] == ref, got
     settled(cells, dranks, cluster.procs)
 
-    # one at a time: placed by load on the rank with more free pages; its two stages send its keys, nothing else
-    placed = []
-    for i, prompt in enumerate(PROMPTS):
-        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
-        before, sent, pairs = cell_bytes(cells), submitted(ranks), pairs_of(dranks)
-        (out,) = run_requests(router, [prompt], GREEDY, f"seq-{i}", timeout=120)
-        assert out == (reference["greedy"][i], "length", None), out
-        (d,) = [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
+    # one at a time, cached nowhere: placed by load; its two stages send its keys, nothing else
+    def check(d: int, i: int, before: list[list[int]], pairs: list[dict[str, int]]) -> None:
         gained = [[n - b for n, b in zip(x, y, strict=True)] for x, y in zip(cell_bytes(cells), before, strict=True)]
-        pages = ceil_div(len(prompt), PAGE_SIZE)
+        pages = ceil_div(len(FRESH[i]), PAGE_SIZE)
         want = [[stage_bytes(s, pages) if r == d else 0 for s in range(P)] for r in range(2)]
         assert gained == want, (d, gained, want)
         if len(dranks) > 1:  # a DP decode: one of its ranks got every key, from DP rank d's cells, each once
@@ -202,40 +200,57 @@ def test_prefill_dp2_pp2_tokens_bytes_and_ranks(world, reference):
                     zip(pairs_of(dranks), pairs, strict=True)]  # fmt: skip
             (r,) = [r for r, x in enumerate(diff) if x]
             assert diff[r] == {f"pdp.dp{d}:{s}->dp{r}": want[d][s] for s in range(P)}, diff
-        placed.append(d)
+
+    holders = place_fresh(world, reference, check)
+    assert sorted(holders) == [0, 1], holders  # both DP ranks served
+
+
+def place_fresh(world, reference, check=None) -> dict[int, int]:
+    """Send FRESH prompts (cached nowhere yet) one at a time until each DP rank caches one: each goes to the rank
+    with more free pages (load), and 2 whole pages of it stay in that rank's cache, so the lead moves. {DP rank:
+    FRESH index it caches}; `check(d, i, cell bytes before, decode pairs before)` after each."""
+    cluster, prefill, dranks, cells, router, server = world
+    ranks = [row[0] for row in cells]
+    aff = router.peers.affinity
+    holders: dict[int, int] = {}
+    for i, prompt in enumerate(FRESH):
+        cached = [r for r in range(2) if aff.matched(ranks[r], page_hashes(prompt, PAGE_SIZE)) == 2]
+        if cached:
+            holders.setdefault(cached[0], i)
+            continue
+        if len(holders) == 2:
+            break
+        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
+        before, sent, pairs = cell_bytes(cells), submitted(ranks), pairs_of(dranks)
+        (out,) = run_requests(router, [prompt], GREEDY, f"fresh-{i}-{len(holders)}", timeout=120)
+        assert out == (reference["fresh"][i], "length", None), out
+        (d,) = [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
+        if check is not None:
+            check(d, i, before, pairs)
         settled(cells, dranks, cluster.procs)
-    assert sorted(set(placed)) == [0, 1], placed  # both DP ranks served
+        mine = page_hashes(prompt, PAGE_SIZE)
+        wait_for(lambda a=ranks[d], h=mine: aff.matched(a, h) == 2, 30, "its pages mirrored by the router")
+        holders.setdefault(d, i)
+    return holders
 
 
 def test_prefix_affinity_per_dp_rank(world, reference):
-    """Each shared prompt alone (placed by load: the second on the other rank), then each again: it goes to the
-    rank that caches it, with 64 hit tokens (4 whole pages) there and the single-rank tokens."""
+    """A prompt whose first 2 pages one DP rank caches (and the other not) goes to that rank, whatever the load,
+    with 32 hit tokens there and the single-rank tokens; for each rank."""
     cluster, prefill, dranks, cells, router, server = world
     ranks = [row[0] for row in cells]
-    where = []
-    for i, p in enumerate(SHARED):
-        wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
-        sent = submitted(ranks)
-        (out,) = run_requests(router, [p], GREEDY, f"shared-{i}", timeout=120)
-        assert out == (reference["shared"][i], "length", None), out
-        where += [r for r, (n, b) in enumerate(zip(submitted(ranks), sent, strict=True)) if n != b]
+    holders = place_fresh(world, reference)
+    assert sorted(holders) == [0, 1], holders
+    for d, i in sorted(holders.items()):
+        hits, sent = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks], submitted(ranks)
+        picked = router.peers.prefills[ranks[d]].picked_affinity
+        (out,) = run_requests(router, [AGAIN[i]], GREEDY, f"again-{i}", timeout=120)
+        assert out == (reference["again"][i], "length", None), out
+        gained = [n - b for n, b in zip(submitted(ranks), sent, strict=True)]
+        hit = [h2 - h for h2, h in zip((fetch_health(a).prefix_cache["hit_tokens"] for a in ranks), hits, strict=True)]
+        assert (gained, hit) == ([int(r == d) for r in range(2)], [32 * (r == d) for r in range(2)]), (d, gained, hit)
+        assert router.peers.prefills[ranks[d]].picked_affinity == picked + 1
         settled(cells, dranks, cluster.procs)
-    assert sorted(where) == [0, 1], where
-
-    from dsakv.disagg.router.routing import page_hashes
-
-    def mirrored() -> bool:
-        aff = router.peers.affinity
-        return all(aff.matched(ranks[r], page_hashes(p, PAGE_SIZE)) == 4 for r, p in zip(where, SHARED, strict=True))
-
-    wait_for(mirrored, 30, "each rank's cache mirrored by the router")
-    hits = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks]
-    for i, p in enumerate(SHARED):
-        (out,) = run_requests(router, [p], GREEDY, f"again-{i}", timeout=120)
-        assert out == (reference["shared"][i], "length", None), out
-    hits2 = [fetch_health(a).prefix_cache["hit_tokens"] for a in ranks]
-    assert [h2 - h for h2, h in zip(hits2, hits, strict=True)] == [64, 64], (where, hits, hits2)
-    settled(cells, dranks, cluster.procs)
 
 
 def test_prefill_dp_pp_sigterm_stops_every_process(world):
@@ -264,12 +279,18 @@ def test_prefill_dp_pp_cell_killed_only_its_dp_rank_fails(tmp_path, reference):
         ranks = [row[0] for row in cells]
         router = cluster.router([ranks[0]], [decode.addr])
         wait_for(lambda: len(router.peers.usable_pairs()) == 2, 120, "both DP ranks paired", cluster.procs)
-        (out,) = run_requests(router, [PROMPTS[0]], GREEDY, "before", timeout=120)
-        assert out == (reference["greedy"][0], "length", None), out
-        assert submitted(ranks) == [1, 0]  # a tie: the first address; its cache now holds a page, so ...
+        for i in (0, 2):  # until DP rank 0 caches more pages (PROMPTS[0]: 1 whole page, PROMPTS[2]: 2) ...
+            if fetch_health(ranks[0]).cache_pages > fetch_health(ranks[1]).cache_pages:
+                break
+            wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
+            (out,) = run_requests(router, [PROMPTS[i]], GREEDY, f"before-{i}", timeout=120)
+            assert out == (reference["greedy"][i], "length", None), out
+            settled(cells, dranks, cluster.procs)  # its pages released into its rank's cache
+        assert fetch_health(ranks[0]).cache_pages > fetch_health(ranks[1]).cache_pages
         wait_for(lambda: router_current(router, ranks), 30, "the router's view of both ranks current")
-        router.submit("lost", list(PROMPTS[1]), GREEDY)  # ... the next goes to DP rank 1 (more free pages)
-        wait_for(lambda: fetch_health(cells[1][1]).jobs == 1, 30, "the request on (1, 1), transferring")
+        router.submit("lost", list(PROMPTS[1]), GREEDY)  # ... so the next goes to DP rank 1 (more free pages)
+        where = lambda: [fetch_health(a).jobs for row in cells for a in row]  # noqa: E731
+        wait_for(lambda: where()[3] == 1, 30, f"the request on (1, 1), transferring (jobs per cell: {where()})")
         victim, leaver = fetch_health(cells[1][1]).pid, fetch_health(cells[1][0]).pid
         os.kill(victim, signal.SIGKILL)
         toks, reason, error = run_requests_events(router, ["lost"])[0]

@@ -86,7 +86,7 @@ class PrefillConfig:
     tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 of the stage (prefill/ranks.py), ranks 1..T-1 its
     rank_argv: tuple[str, ...] = ()  # children; the `dsakv` arguments the rank processes re-run (this argv)
     dp_size: int = 1  # --dp-size D > 1 with --enable-dp-attention: D DP ranks (prefill/dp.py), tp_size == D
-    dp_rank: int = 0  # this process's DP rank (its RPC port: the instance's --port + dp_rank)
+    dp_rank: int = 0  # this process's DP rank (RPC: --port + dp_rank; with --pp-size P, + dp_rank (P + 1), dp_pp.py)
 
     def __post_init__(self) -> None:
         pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout  # the pipeline validated itself (rank, timeout)
