@@ -4,14 +4,15 @@ prefill/dp_pp.py), each DP rank a pipeline of its own with its own pools and pre
 the EP group of its MoE layers; mooncake into a TP-1 decode and nixl into a decode with DP attention (2 ranks),
 through the router (over real HTTP for the tokens).
 
-Checked: greedy and seeded tokens equal the single-rank engine; one request at a time, the router places it by
-load (the rank whose prefix cache holds fewer pages has more free) and both ranks serve; the bytes each (prefill
-(d, s), decode rank) pair gains are exactly its pages x stage s's bytes per page, from DP rank d's two stages
-only, into one decode rank;
-prefix affinity per rank (a repeated prompt goes to the rank that caches it: 64 hit tokens there); SIGTERM stops
-every process with exit 0 (each stage's EP group sees its DP rank 1 exit 0). kill -9 of (d=1, s=1): the instance
-is not re-formed, it fails whole: every DP rank's health is down naming that process, (0, 1)'s its exit signal; a
-new request fails; no page is leaked on DP rank 0.
+Checked: greedy and seeded tokens equal the single-rank engine; one request at a time, cached nowhere, the router
+places it by load (the rank whose prefix cache holds fewer pages has more free) until both ranks served; the bytes
+each (prefill (d, s), decode rank) pair gains are exactly its pages x stage s's bytes per page, from DP rank d's two
+stages only, into one decode rank; prefix affinity per rank (a prompt sharing 2 pages one rank caches goes there:
+32 hit tokens there, none on the other); SIGTERM stops every process with exit 0 (each stage's EP group sees its DP
+rank 1 exit 0, nothing reported down). kill -9 of (d=1, s=1) while a request of DP rank 1 is in its transfer: that
+request fails naming DP rank 1's stage 1, (1, 0) leaves, both stages' EP groups re-form without DP rank 1; rank 0's
+row says why, (0, 1)'s names the SIGKILL; the router routes to DP rank 0 only, which serves the single-rank tokens
+(all experts now its own) and leaks no page.
 """
 
 from __future__ import annotations
