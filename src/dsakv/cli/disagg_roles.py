@@ -241,7 +241,7 @@ def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill"
                 time.sleep(1.0)
                 p.start()
     finally:
-        stop_all(procs, timeout=15)
+        stop_all(procs, timeout=15 if restart else 90)  # DP x PP: each stage's EP group closes first (bounded)
         log.info("%s: stopped: %s", role, ", ".join(f"stage {k} exited {p.poll()}" for k, p in enumerate(procs)))
     return rc
 

@@ -233,6 +233,7 @@ class PrefillDPPP:
                     log.info("prefill %s: STOP down the pipeline: %s", self.stage.name, e)
             self.engine.close()
             return
+        ctx.group.close()  # its stage 0's STOP (if still to come) fails at once: nobody waits on this stage
         if self.rank == 0:
             for p in self.ranks.children:
                 p.signal(SIGTERM)
