@@ -246,6 +246,8 @@ def test_good_config_passes_validation(models, no_serving):
         "serve --role prefill --model {tiny} --port 9200 --pp-size 2 --pp-partition 7,5 --hicache-ratio 2",
         "serve --role router --port 8000 --prefill 127.0.0.1:9200 --decode localhost:9100",
         "serve --model {tiny} --port 8000 --pp-size 2 --tp-size 2 --dp-size 2 --enable-dp-attention --ep-size 2",
+        "serve --role prefill --model {tiny} --port 9250 --pp-size 2 --prefix-cache --tp-size 2 --dp-size 2 "
+        "--enable-dp-attention --ep-size 2",
     ):
         with pytest.raises(AssertionError, match="would start serving"):
             main(_argv(line, models))

@@ -258,7 +258,7 @@ def test_dp_serve_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
     model = str(tiny_path(ARCH))
     cases = [
-        (["--role", "prefill", "--pp-size", "2", *DP], "--enable-dp-attention with --role prefill --pp-size 2"),
+        (["--role", "prefill", "--port", "65531", "--pp-size", "2", *DP], "--port 65531 with --dp-size 2 --pp-size 2"),
         ([*DP, "--pp-size", "2", "--prefix-cache"], "--pp-size 2 with the prefix cache (--prefix-cache / --hicache-*)"),
         (["--role", "decode", "--pp-size", "2", "--port", "65531", *DP], "cell (DP rank d, stage s) listens on"),
         (["--role", "decode", "--port", "65535", *DP], "--port 65535 with --dp-size 2: DP rank r listens on"),

@@ -272,7 +272,8 @@ def test_prefill_dp_flag_errors(capsys: pytest.CaptureFixture[str]) -> None:
     pre = ["--role", "prefill", *DP]
     four = ["--tp-size", "4", "--dp-size", "4", "--ep-size", "4"]
     cases = [
-        (["--pp-size", "2"], "--enable-dp-attention with --role prefill --pp-size 2 is not supported yet: give"),
+        (["--pp-size", "2", "--port", "65531"], "--pp-size 2: DP rank d uses --port + d x 3 .. + 2 (its stages and"),
+        (["--pp-size", "2", "--speculative-num-steps", "2"], "--enable-dp-attention with --role prefill --specul"),
         (["--speculative-num-steps", "2"], "--enable-dp-attention with --role prefill --speculative-num-steps is not"),
         (["--prefix-cache", "--hicache-ratio", "2"], "--enable-dp-attention with --role prefill and a host or storage"),
         (["--port", "65533", *four], "--port 65533 with --dp-size 4: DP rank r listens on --port + r, up to 65536"),

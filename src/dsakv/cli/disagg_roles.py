@@ -213,10 +213,11 @@ def run_decode(args: argparse.Namespace, cfg: Config) -> int:
     return _serve_worker(worker, lambda: f"dsakv decode{stage} ready on {worker.address} (pid {os.getpid()})")
 
 
-def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill") -> int:
+def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill", restart: bool = True) -> int:
     """Start every stage of the prefill (or decode) worker as a child process and supervise them: a stage that dies is
     started again (it rejoins the pipeline), unless it dies again within 30 s three times in a row (then all
-    stop and the exit code is its). SIGTERM / SIGINT stop them all."""
+    stop and the exit code is its), or `restart` is off (DP attention x PP: the instance is not re-formed, all
+    stop at once). SIGTERM / SIGINT stop them all; each stage's exit status is logged."""
     argv = list(sys.argv[1:])
     procs = [Proc(f"stage {k}", dsakv_cmd(*argv, "--pp-rank", str(k)), env=dict(os.environ)) for k in range(pp_size)]
     for k, p in enumerate(procs):
@@ -235,6 +236,12 @@ def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill"
                 if code is None:
                     continue
                 quick_deaths[k] = quick_deaths[k] + 1 if time.monotonic() - p.started_at < 30 else 1
+                if not restart:
+                    log.error("%s: stage %d exited with code %s (DP attention x PP is not re-formed): stopping", role,
+                              k, code)  # fmt: skip
+                    rc = code or 1
+                    stopping.append(True)
+                    break
                 if quick_deaths[k] >= 3:
                     log.error("%s: stage %d exited with code %s three times in a row: stopping", role, k, code)
                     rc = code or 1
@@ -244,7 +251,8 @@ def _launch_stages(args: argparse.Namespace, pp_size: int, role: str = "prefill"
                 time.sleep(1.0)
                 p.start()
     finally:
-        stop_all(procs, timeout=15)
+        stop_all(procs, timeout=15 if restart else 90)  # DP x PP: each stage's EP group closes first (bounded)
+        log.info("%s: stopped: %s", role, ", ".join(f"stage {k} exited {p.poll()}" for k, p in enumerate(procs)))
     return rc
 
 
@@ -342,12 +350,22 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
     if _is_v4(args):
         return run_v4_prefill(args, cfg)
     if cfg.pipeline.pp_size > 1 and cfg.pipeline.pp_rank is None:
-        return _launch_stages(args, cfg.pipeline.pp_size)
+        return _launch_stages(args, cfg.pipeline.pp_size, restart=not getattr(args, "enable_dp_attention", False))
     from dsakv.disagg.prefill.worker import PrefillStage
 
     model_dir = options.model_dir_of(args)
     _threads(args)
     pcfg = prefill_config(args, cfg, str(model_dir), tp=True)
+    if pcfg.dp_size > 1 and pcfg.pp_size > 1:  # DP attention x PP: process (DP rank d, stage s) (prefill/dp_pp.py)
+        from dsakv.disagg.prefill.dp_pp import dp_pp_config
+
+        rank = int(os.environ.get(TP_RANK_ENV) or 0)
+        cell = PrefillStage(dp_pp_config(pcfg, rank))
+        line = f"dsakv prefill DP rank {rank}/{pcfg.dp_size} stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {{}} (pid "
+        return _serve_worker(  # (d, 0), d >= 1: rank 0's stop round stops it; a later stage stops on SIGTERM
+            cell, lambda: line.format(cell.address) + f"{os.getpid()})", follower=pcfg.pp_rank == 0 and rank > 0,
+            startup_wait=args.startup_wait,
+        )  # fmt: skip
     if pcfg.dp_size > 1:  # DP attention: every rank a one-stage prefill of its own on --port + rank (prefill/dp.py)
         from dsakv.engine.dp import check_experts, dp_rank_config
 

@@ -207,9 +207,9 @@ def add_parallel_arguments(g: argparse._ActionsContainer) -> None:
     g.add_argument(
         "--enable-dp-attention",
         action="store_true",
-        help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 serves HTTP and places "
-        "each request on the rank with the fewest in flight; serve --role decode: rank r listens on --port + r, with "
-        "--pp-size P cell (DP rank d, stage s) on --port + d P + s)",
+        help="data-parallel attention over --dp-size ranks (generate; serve colocated: rank 0 places each request on "
+        "the rank with the fewest in flight; --role decode / prefill: rank r on --port + r; with --pp-size P, stage "
+        "s of DP rank d on --port + d P + s (decode) or --port + d (P + 1) + s (prefill))",
     )
     g.add_argument(
         "--ep-size",
@@ -325,8 +325,8 @@ def add_transfer_arguments(g: argparse._ActionsContainer) -> None:
 PP_SIZE_HELP = (
     "pipeline stages, one process each (colocated: this command is stage 0 and starts the others on 127.0.0.1; "
     "prefill / decode: stage k on --port + k); a stage holds only its layers' KV and its producers' index-K; "
-    "a prefill, generate and a colocated serve may combine it with --tp-size T (each stage T ranks, T x N processes; "
-    "not yet with --enable-dp-attention) (default 1)"
+    "it combines with --tp-size T (each stage T ranks, T x N processes; generate, serve, a prefill or a decode) or "
+    "with --enable-dp-attention (each DP rank a pipeline of its own, each stage's DP ranks its EP group) (default 1)"
 )
 PP_PARTITION_HELP = "layers per stage, e.g. 5,3,2,2 (default: even split, earlier stages larger)"
 STAGE_TIMEOUT_HELP = "bound on every activation send/receive between stages (default 10 s)"

@@ -136,11 +136,6 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"dsakv serve --role {role} --enable-dp-attention is not supported: the router runs no model (DP "
             "attention serves colocated, as --role prefill or as --role decode)"
         )
-    if getattr(args, "enable_dp_attention", False) and getattr(args, "pp_size", 1) > 1 and role == "prefill":
-        raise ConfigError(  # colocated / decode: each DP rank a pipeline (pipeline/dp_stage.py, decode/dp_pipe.py)
-            f"--enable-dp-attention with --role {role} --pp-size {args.pp_size} is not supported yet: give --pp-size 1 "
-            "(a colocated `dsakv serve` runs DP attention with --pp-size)"
-        )
     tp = getattr(args, "tp_size", 1)
     if tp > 1 and role not in ("colocated", "decode", "prefill"):
         raise ConfigError(f"--tp-size {tp} with --role {role} is not supported: the router runs no model")
@@ -197,7 +192,8 @@ def validate_serve(args: argparse.Namespace) -> None:
         if getattr(args, "enable_dp_attention", False) and (cache.host_tier or cache.storage is not None):
             raise ConfigError(dp_prefill_tier_refusal())
     dp = int(getattr(args, "dp_size", 1) or 1)
-    dp_pp = role == "decode" and pp > 1 and getattr(args, "enable_dp_attention", False)  # decode/dp_pipe.py
+    dpa = getattr(args, "enable_dp_attention", False)
+    dp_pp = role == "decode" and pp > 1 and dpa  # decode/dp_pipe.py
     if dp_pp and args.port + dp * pp + (0 if getattr(args, "dist_port", None) else dp) - 1 > MAX_PORT:
         raise ConfigError(
             f"--port {args.port} with --dp-size {dp} --pp-size {pp}: cell (DP rank d, stage s) listens on --port + "
@@ -209,7 +205,14 @@ def validate_serve(args: argparse.Namespace) -> None:
             f"--dist-port {args.dist_port} with --dp-size {dp}: DP rank d's rendezvous is on --dist-port + d, up to "
             f"{args.dist_port + dp - 1}, which must be <= {MAX_PORT}: pick a lower --dist-port"
         )
-    if role in ("decode", "prefill") and getattr(args, "enable_dp_attention", False) and args.port + dp - 1 > MAX_PORT:
+    if role == "prefill" and dpa and pp > 1:  # prefill/dp_pp.py
+        last = args.port + dp * (pp + 1) - 1
+        if last > MAX_PORT:
+            raise ConfigError(
+                f"--port {args.port} with --dp-size {dp} --pp-size {pp}: DP rank d uses --port + d x {pp + 1} .. "
+                f"+ {pp} (its stages and rendezvous), up to {last}, which must be <= {MAX_PORT}: pick a lower --port"
+            )
+    elif role in ("decode", "prefill") and dpa and args.port + dp - 1 > MAX_PORT:
         raise ConfigError(
             f"--port {args.port} with --dp-size {dp}: DP rank r listens on --port + r, up to {args.port + dp - 1}, "
             f"which must be <= {MAX_PORT}: pick a lower --port"

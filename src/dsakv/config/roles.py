@@ -86,7 +86,7 @@ class PrefillConfig:
     tp_size: int = 1  # --tp-size T > 1: this process is TP rank 0 of the stage (prefill/ranks.py), ranks 1..T-1 its
     rank_argv: tuple[str, ...] = ()  # children; the `dsakv` arguments the rank processes re-run (this argv)
     dp_size: int = 1  # --dp-size D > 1 with --enable-dp-attention: D DP ranks (prefill/dp.py), tp_size == D
-    dp_rank: int = 0  # this process's DP rank (its RPC port: the instance's --port + dp_rank)
+    dp_rank: int = 0  # this process's DP rank (RPC: --port + dp_rank; with --pp-size P, + dp_rank (P + 1), dp_pp.py)
 
     def __post_init__(self) -> None:
         pipe, rpc = self.pipeline, self.config.transfer.rpc_timeout  # the pipeline validated itself (rank, timeout)
@@ -119,18 +119,13 @@ class PrefillConfig:
         self.config.transfer.check_options(self.backend_options)
 
     def _check_dp(self) -> None:
-        """DP attention on the prefill (prefill/dp.py): attention TP 1 per rank, one stage, no MTP, no host or
-        storage tier (each refused by name)."""
+        """DP attention on the prefill (prefill/dp.py; with --pp-size, prefill/dp_pp.py): attention TP 1 per rank,
+        no MTP, no host or storage tier (each refused by name)."""
         dp = self.dp_size
         if self.tp_size != dp or not 0 <= self.dp_rank < dp:
             raise ConfigError(
                 f"--dp-size {dp} (DP rank {self.dp_rank}) with --tp-size {self.tp_size}: DP attention runs attention "
                 f"TP 1, give --tp-size {dp}"
-            )
-        if self.pp_size > 1:
-            raise ConfigError(
-                f"--enable-dp-attention with --role prefill --pp-size {self.pp_size} is not supported yet: give "
-                "--pp-size 1 (or a TP x PP prefill without DP attention)"
             )
         if self.draft_layers:
             raise ConfigError(

@@ -75,6 +75,7 @@ class ElasticRanks:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closing = False  # close() began: no more restarts
+        self.respawn = True  # rank 0 restarts a dead rank (off: it stays out, 'not restarted', prefill/dp_pp.py)
 
     # ---- the Ranks interface LockstepEngine uses --------------------------------------------------------------
 
@@ -189,7 +190,9 @@ class ElasticRanks:
                 why = f"{p.name} (pid {p.pid}) {exit_text(rc)}"
                 self._joining.discard(r)
                 n = self.restarts.get(r, 0)
-                if n < len(RESPAWN_BACKOFF_S):
+                if not self.respawn:
+                    why += ": not restarted (restart the instance)"
+                elif n < len(RESPAWN_BACKOFF_S):
                     self._next_try[r] = now + RESPAWN_BACKOFF_S[n]
                 else:
                     why += f" after {n} restarts in a row: not restarted again (restart the instance)"
@@ -240,6 +243,8 @@ class ElasticRanks:
     def _watch(self) -> None:
         while not self._stop.wait(POLL_S):
             try:
+                if self._closing:  # the ranks exit now: not a death (nor a restart)
+                    continue
                 self.poll_dead()
                 self._restart_due()
             except Exception:  # noqa: BLE001 (the watcher must survive a store hiccup)

@@ -229,6 +229,15 @@ class EPMoE(nn.Module):
             raise (self.on_error(e) if self.on_error else e) from e
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer (pure in x); run again from the start when `on_error` re-formed the group (EPReformed)."""
+        for _ in range(MAX_REFORMS):
+            try:
+                return self._forward(x, residual)
+            except EPReformed:
+                continue
+        return self._forward(x, residual)
+
+    def _forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         self.calls += 1
         n = x.shape[0]
         gate = cast(Router, self.gate)
@@ -263,6 +272,15 @@ class EPMoE(nn.Module):
             F.linear(F.silu(F.linear(x, sh.gate_proj.weight)) * F.linear(x, sh.up_proj.weight), sh.down_proj.weight)
         )
         return out if residual is None else out.add_(residual)
+
+
+class EPReformed(Exception):
+    """What an EPMoE's `on_error` returns once it re-formed the group over the ranks still up and re-placed the
+    experts (disagg/prefill/dp_pp.py): the layer runs again over the new group (every survivor failed the same
+    all-to-all, so every survivor runs the same layer again)."""
+
+
+MAX_REFORMS = 8  # an EPMoE layer runs again at most this often (each re-form drops at least one dead rank)
 
 
 def ep_owners(n_experts: int, size: int, members: list[int]) -> list[int]:

@@ -29,8 +29,8 @@ Liveness (the instance is not re-formed: it fails whole, restart it): a dead (d,
 DP rank d and its dead stage; under `serve` rank 0 fails what it holds with that text and /health answers 503.
 A dead (d, 0) is a dead DP rank (engine/dp.py, as without PP). Every wait is bounded (gloo timeouts, the stage
 timeout, the groups' collective timeout).
-Refused with this shape (by name): MTP, HiSparse, the prefix cache (pipeline/colocated.refusal), --role prefill
-(cli/validate). The decode role's DP x PP (disagg/decode/dp_pipe.py) shares load_dp_model and guard_stage.
+Refused with this shape (by name): MTP, HiSparse, the prefix cache (pipeline/colocated.refusal). The decode role's
+DP x PP (disagg/decode/dp_pipe.py) shares load_dp_model and guard_stage; the prefill's is disagg/prefill/dp_pp.py.
 Imports torch, dsakv.engine.{ranks, dp}, dsakv.model.
 """
 

@@ -79,10 +79,15 @@ class PrefillFollower(StageHooks[PrefillStep]):
     def handlers(self) -> dict[Rpc[Any, Any], Callable[[Any], Any]]:
         return {}
 
+    on_stop: Callable[[], None] | None = None  # DP attention x PP (prefill/dp_pp.py): stage 0 sends STOP at its stop
+
     def iteration(self) -> None:
-        """One message from stage k-1 through the pipeline's follower; a prefill pipeline never sends STOP (its
-        stages re-form instead), so one is a protocol error."""
+        """One message from stage k-1 through the pipeline's follower (passed on first); a prefill pipeline sends
+        STOP only with DP attention x PP (on_stop), otherwise its stages re-form instead: a protocol error."""
         if self.stage.iteration() == STOP:
+            if self.on_stop is not None:
+                self.on_stop()
+                return
             raise StageLinkError(f"stage {self.ctx.rank}: a prefill pipeline got STOP from stage {self.ctx.rank - 1}")
 
     # ---- the hooks (pipeline/follower.py) ----------------------------------------------------------------------

@@ -64,7 +64,7 @@ from dsakv.errors import CapacityError, ConfigError
 from dsakv.pipeline.host_replay import HostCopyLog
 from dsakv.pipeline.runner import PipelineRunner
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage
-from dsakv.pipeline.step import PipeStep, StepBooks
+from dsakv.pipeline.step import IDLE, PipeStep, StepBooks
 from dsakv.util import ceil_div
 
 log = logging.getLogger(__name__)
@@ -365,6 +365,11 @@ class PipelineLeader(LeaderViews):
     def _send(self, msg: StageMessage) -> None:
         self.ctx.group.send_next(msg)
         self._last_send = time.monotonic()
+
+    def send_books(self, kind: str = IDLE) -> None:
+        """DP attention x PP (prefill/dp_pp.py): IDLE (this DP rank ran no forward in a round: every later stage
+        runs its MoE layers with 0 rows) or STOP (the instance stops), with the books. StageLinkError if it broke."""
+        self._send(StageMessage(self.runner.step, self.books.tick(kind, payload=self._payload()).meta()))
 
     def on_break(self, why: str) -> None:
         """The pipeline broke: fail what is still computing (every stage that computed its part still transfers

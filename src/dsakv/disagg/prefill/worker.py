@@ -78,6 +78,7 @@ from dsakv.pipeline.stage_comm import StageGroup, StageLinkError
 
 if TYPE_CHECKING:
     from dsakv.disagg.prefill.dp import PrefillDP
+    from dsakv.disagg.prefill.dp_pp import PrefillDPPP
     from dsakv.disagg.prefill.grid import StageTP
     from dsakv.disagg.prefill.ranks import PrefillTP
 
@@ -97,9 +98,13 @@ class PrefillStage:
     def __init__(
         self, cfg: PrefillConfig, model: tuple[Any, Any] | None = None, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        ranks = dp_ranks = None
+        ranks = dp_ranks = pp_ranks = None
         group_cls: type[StageGroup] = StageGroup
-        if model is None and cfg.dp_size > 1:  # DP attention: this process is one DP rank (prefill/dp.py)
+        if model is None and cfg.dp_size > 1 and cfg.pp_size > 1:  # DP attention x PP: (d, s) (prefill/dp_pp.py)
+            from dsakv.disagg.prefill.dp_pp import dp_pp_model
+
+            pp_ranks, model = dp_pp_model(cfg)
+        elif model is None and cfg.dp_size > 1:  # DP attention: this process is one DP rank (prefill/dp.py)
             from dsakv.engine.dp import ep_model
 
             dp_ranks, model = ep_model(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.engine.dtype)
@@ -137,6 +142,11 @@ class PrefillStage:
             self.tp = StageTP(ranks, ctx.group)
         self.name = ctx.name
         self.rank, self.size = ctx.rank, ctx.size
+        self.dppp: PrefillDPPP | None = None
+        if pp_ranks is not None:
+            from dsakv.disagg.prefill.dp_pp import PrefillDPPP
+
+            self.dppp = PrefillDPPP(cfg, pp_ranks, self)
         self.layout = ctx.layout
         self.layer_start, self.layer_end = ctx.ranges[ctx.rank]
         self.backend = make_backend(cfg.config.transfer.backend, **cfg.backend_options.kwargs())
@@ -194,6 +204,8 @@ class PrefillStage:
             self.tp.attach(ctx.sender)
         if self.dp is not None:
             self.dp.attach(self)
+        if self.dppp is not None:
+            self.dppp.attach()
         log.info(
             "prefill %s stage %d/%d: layers %d-%d, %d pages x %d tokens, %d B/token, elide=%s, backend %s, rpc %s",
             self.name,
@@ -287,6 +299,7 @@ class PrefillStage:
                 rank_pages=self.tp.rank_pages(used) if self.tp is not None else None,
                 **self.role.health_fields(),
                 **(self.dp.health_fields() if self.dp is not None else {}),
+                **(self.dppp.health_fields() if self.dppp is not None else {}),
             )
 
     # ---- RPC ----------------------------------------------------------------------------------------------
@@ -333,13 +346,15 @@ class PrefillStage:
     def stop(self) -> None:
         self.ctx.stop.set()
         self.ctx.wake.set()
-        if self.dp is not None:
-            self.dp.quiesce()  # DP rank 0: the stop round (every rank stops after it)
+        for dp in (self.dp, self.dppp):
+            if dp is not None:
+                dp.quiesce()  # DP rank 0: the stop round (every rank stops after it)
         self.service.stop(join_timeout=self.ctx.t.stage + 2)
         if self.tp is not None:
             self.tp.close()
-        if self.dp is not None:
-            self.dp.close()
+        for dp in (self.dp, self.dppp):
+            if dp is not None:
+                dp.close()
         self.ctx.group.close()
         self.ctx.notifier.stop()
         self.backend.close()
@@ -352,6 +367,8 @@ class PrefillStage:
         info = {"rpc": self.address, "pid": os.getpid(), "boot": self.boot}
         while not ctx.stop.is_set():
             try:
+                if self.dppp is not None and self.dppp.hold():  # DP x PP: its pipeline broke, the DP rank leaves
+                    continue
                 if not ctx.group.formed:
                     if self.tp is not None:  # the TP ranks keep following (their parts and releases, the group's
                         with self.role.lock:  # timeout) while the transfers drain
@@ -374,6 +391,8 @@ class PrefillStage:
             except StageLinkError as e:
                 self._on_break(str(e))
             except RankDown as e:  # a TP rank died: every request fails naming it; submissions are refused
+                if self.dppp is not None:
+                    self.dppp.broke(str(e))
                 if self.rank_down is None:
                     self.rank_down = str(e)
                     with self.role.lock:
@@ -393,6 +412,9 @@ class PrefillStage:
                     self._on_break(why)
 
     def _on_break(self, reason: str) -> None:
+        if self.dppp is not None and not self.ctx.stop.is_set():
+            reason = self.dppp.explain(reason)
+            self.dppp.broke(reason)
         why = f"prefill {self.name}: pipeline broke ({reason})"
         with self.role.lock:
             if self.size > 1:

@@ -150,6 +150,11 @@ class Notifier(PeerClients):
     def stop(self) -> None:
         self._q.put(None)
 
+    def drain(self, timeout: float) -> None:
+        """Stop after every call posted so far was made (bounded by `timeout`)."""
+        self.stop()
+        self._t.join(timeout)
+
 
 def connect_at_startup(addrs: Sequence[str], connect: Callable[[str], object], wait: float) -> None:
     """A prefill's --decode peers at startup: `connect(addr)` each, retrying while it is unreachable (not up yet)
