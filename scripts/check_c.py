@@ -8,9 +8,10 @@ from pathlib import Path
 
 from dsakv.cache.native import SOURCE
 from dsakv.disagg.transfer.backends.bind_shim import SHIM_SOURCE
+from dsakv.model.native import SOURCE as GEMM_SOURCE
 from dsakv.util.cbuild import CSource, build
 
-SOURCES: tuple[CSource, ...] = (SOURCE, SHIM_SOURCE)
+SOURCES: tuple[CSource, ...] = (SOURCE, SHIM_SOURCE, GEMM_SOURCE)
 
 
 def main() -> int:

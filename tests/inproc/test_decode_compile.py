@@ -16,6 +16,7 @@ from dsakv.engine.sampling import SamplingParams
 from dsakv.model import gemv as gemv_mod
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.loader import load_model
+from dsakv.model.native import MAX_ROWS
 from dsakv.model.tiny import make_tiny
 from dsakv.testing.config import engine_config as flat_config
 from dsakv.testing.models import greedy, prompts_for
@@ -75,7 +76,7 @@ def test_gemv_applies_to_few_float_rows_only(compiled):
     y = gemv(x, w)
     assert y is not None and y.shape == (ROWS, 5)
     assert torch.allclose(y, x @ w.t(), atol=1e-5)
-    assert gemv(torch.randn(ROWS + 1, 7), w) is None  # more rows: the BLAS
+    assert gemv(torch.randn(MAX_ROWS + 1, 7), w) is None  # more rows: the BLAS (ROWS + 1..MAX_ROWS: model/native)
     assert gemv(x.double(), w.double()) is None  # float32 only
     assert gemv(torch.randn(0, 7), w) is None
     use_compiled_gemv(False)

@@ -24,7 +24,7 @@ strides (the kernel's key), which the generated call asserts.
 Whole decoder layers were not compiled: inductor leaves their matmuls to the same BLAS call (extern mm), so it
 could only fuse the ~10% of the step outside them, and the per-expert MoE path's expert loop and the pool's
 reads and writes are data-dependent graph breaks.
-Imports torch only (a CPU-only kernel: every entry point returns the eager result or None off CPU).
+Imports torch and dsakv.model.native (a CPU-only kernel: every entry point returns the eager result or None off CPU).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from dsakv.model.native import MAX_ROWS, small_gemm
 
 ROWS = 4  # calls of at most this many rows take the compiled kernel (more: the BLAS matmul)
 _ON = [False]  # use_compiled_gemv
@@ -73,6 +75,7 @@ def _compiled(
     f = _KERNELS.get(key)
     if f is None:
         from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with _LOCK, torch.inference_mode(False), torch.no_grad():
@@ -81,7 +84,9 @@ def _compiled(
                 ex = [torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype, device=t.device) for t in like()]
                 for t in ex:
                     t.zero_()  # (the trace reads no values; deterministic inputs all the same)
-                graph = compile_fx_inner(make_fx(lambda *a: (fn(*a),))(*ex), ex)
+                # (inductor's decompositions, as torch.compile traces: silu and the like lower to its own kernels)
+                traced = make_fx(lambda *a: (fn(*a),), decomposition_table=select_decomp_table())(*ex)
+                graph = compile_fx_inner(traced, ex)
                 # the generated module's call([inputs]) itself: no AOT runtime wrapper (~4 us a call less); the
                 # inputs always have the traced shapes and strides (the key), the kernel reads them unaligned
                 f = _KERNELS[key] = getattr(graph, "current_callable", graph)
@@ -134,14 +139,18 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T on the compiled kernel ([..., N]), or None unless it is on and applies: float32 x
-    and w on CPU, at most ROWS rows, w's last dimension contiguous (the caller then runs its BLAS matmul)."""
+    and w on CPU, at most ROWS rows (ROWS + 1 .. native.MAX_ROWS: the C tile kernel, one torch thread), w's last
+    dimension contiguous (the caller then runs its BLAS matmul)."""
     if not _ON[0] or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
         return None
     k = x.shape[-1]
     rows = x.numel() // max(1, k)
-    if rows > ROWS or rows == 0 or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device:
+    if rows > MAX_ROWS or rows == 0 or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device:
         return None
     xc = x if x.dim() == 2 and x.is_contiguous() else x.reshape(rows, k).contiguous()
+    if rows > ROWS:  # 5-16 rows: the C tile kernel (model/native), or None (the BLAS)
+        z = small_gemm(xc, w)
+        return None if z is None else z.view(*x.shape[:-1], w.shape[0])
     y: torch.Tensor = _kernel(rows, w)([xc, w])[0]  # [N, M]
     if rows == 1:
         return y.view(*x.shape[:-1], w.shape[0])  # [N, 1] is the row already

@@ -22,6 +22,7 @@ from torch import nn
 from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import gemv
 from dsakv.model.gemv import rms_norm as compiled_rms_norm
+from dsakv.model.moe_fused import moe_one, route
 from dsakv.model.quant import dequantize, gemv_applies, qlinear, weight_scale
 
 # MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
@@ -203,26 +204,16 @@ class Router(nn.Module):
         return self.route(F.linear(x.to(torch.float32), self.weight.to(torch.float32)))
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router logits float32 [N, num_experts] -> (weights, expert ids), as forward."""
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.topk_group >= self.n_group:  # every group kept (GLM: one group): no group limit to apply
-            ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-            return self._weights(scores, ids), ids
-        per_group = self.num_experts // self.n_group
-        group_scores = choice.view(-1, self.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
-        return self._weights(scores, ids), ids
-
-    def _weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob:
-            weights.div_(weights.sum(dim=-1, keepdim=True).add_(1e-20))
-        return weights.mul_(self.routed_scaling_factor)
+        """Router logits float32 [N, num_experts] -> (weights, expert ids), as forward (moe_fused.route)."""
+        return route(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
 
 
 def choose_moe_path(tokens: int, top_k: int, experts: int, row_macs: int, counts: list[int] | None = None) -> str:
@@ -410,6 +401,9 @@ class MoE(nn.Module):
             if f.down_scale is not None:
                 return matmul_add(act, f.w_down, f.down_scale, None, residual)
             return torch.addmm(residual, act, f.w_down_t) if residual is not None else F.linear(act, f.w_down)
+        fused = moe_one(x, residual, f, gate) if n == 1 else None  # --compile: one call for one token
+        if fused is not None:
+            return fused
         tail_scale = None if f.in_scale is None else f.in_scale[2 * ei :]
         tail = qlinear(x, f.tail, tail_scale)  # router (if fused) | shared gate | shared up, views of one matmul
         i_s = (tail.shape[1] - r) // 2

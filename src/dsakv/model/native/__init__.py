@@ -1,0 +1,105 @@
+"""`--compile`'s small-row float32 matmul in C (small_gemm.c): y[M, N] = x[M, K] . w[N, K]^T for 5-12 rows (decode
+batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP/s on this project's CPU box. A
+4 x 4 register tile (4 weight rows x 4 rows of x) over a K block that stays in L1 reads each weight element from
+memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 (so gemv.gemv takes it up to MAX_ROWS).
+
+    y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
+
+Applies to float32 CPU tensors, 1 <= M <= LIMIT, rows of x and w contiguous, one torch thread (the kernel runs on
+the calling thread; with more threads the BLAS's own win); callers fall back to the BLAS on None. Built on first use
+with -O3 -march=native (GCC/Clang vector extensions: AVX-512 here, AVX2 / NEON elsewhere) into ~/.cache/dsakv
+(dsakv.util.cbuild), named by the source, the flags and this CPU's feature flags; without a compiler, if the build
+fails, or with DSAKV_NO_NATIVE=1, every call returns None after one warning. Its sums run in another order than the
+BLAS's (~1e-6 relative). Imports torch and dsakv.util.cbuild only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+from dsakv.util.cbuild import CSource, cache_roots, compile_into, compiler
+
+log = logging.getLogger(__name__)
+
+SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native"))
+MAX_ROWS = 12  # gemv takes it for ROWS + 1 .. MAX_ROWS rows (MKL is as fast at 16: bench/decode_ops.py)
+LIMIT = 16  # the C kernel's own limit (MMAX)
+_LIB: list[ctypes.CDLL | None | bool] = [None]  # None: not tried yet; False: unavailable (warned once)
+
+
+def _cpu_tag() -> str:
+    """The machine and its CPU feature flags (a -march=native build runs only where they are the same)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
+
+
+def _build() -> ctypes.CDLL | None:
+    name = f"small_gemm-{SOURCE.tag()}-{_cpu_tag()}.so"
+    cc = compiler()
+    why = "no C compiler (cc, gcc or clang) on PATH"
+    for root in cache_roots():
+        out = root / name
+        try:
+            if not out.is_file():
+                if cc is None:
+                    break
+                err = compile_into(SOURCE, out, cc)
+                if err is not None:
+                    why = err
+                    break
+            lib = ctypes.CDLL(str(out))
+            i64, p = ctypes.c_int64, ctypes.c_void_p
+            lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64]
+            lib.small_gemm.restype = ctypes.c_int
+            return lib
+        except (OSError, AttributeError, subprocess.SubprocessError) as e:
+            why = f"cannot build or load it in {root}: {e}"
+    log.warning("--compile's 5-16 row matmuls stay on the BLAS: %s", why)
+    return None
+
+
+def lib() -> ctypes.CDLL | None:
+    if _LIB[0] is None:
+        _LIB[0] = False if os.environ.get("DSAKV_NO_NATIVE") else (_build() or False)
+    out = _LIB[0]
+    return out if isinstance(out, ctypes.CDLL) else None
+
+
+def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ w [N, K]^T -> a new float32 [M, N] on the C kernel, or None where it does not apply (see above)."""
+    if (
+        x.dtype != torch.float32
+        or w.dtype != torch.float32
+        or x.device.type != "cpu"
+        or w.device.type != "cpu"
+        or x.dim() != 2
+        or w.dim() != 2
+        or not 0 < x.shape[0] <= LIMIT
+        or x.shape[1] != w.shape[1]
+        or x.stride(1) != 1
+        or w.stride(1) != 1
+        or torch.get_num_threads() != 1
+    ):
+        return None
+    c = lib()
+    if c is None:
+        return None
+    m, k = int(x.shape[0]), int(x.shape[1])
+    n = int(w.shape[0])
+    y = torch.empty((m, n), dtype=torch.float32)
+    if c.small_gemm(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), n, m, n, k) != 0:
+        return None
+    return y

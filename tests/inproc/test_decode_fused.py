@@ -1,0 +1,127 @@
+"""`--compile`'s decode kernels against the reference path: moe_fused.moe_one (a batch-1 MoE layer as one compiled
+call: router, the picked experts read by id, shared expert, residual) within float32 summation rounding of
+MoE.forward on the eager path; model/native's C small-row matmul (5-16 rows) within float32 rounding of x @ w^T;
+each None wherever it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsakv.model.config import DSAConfig
+from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
+from dsakv.model.layers import MoE, choose_moe_path
+from dsakv.model.moe_fused import moe_one
+from dsakv.model.native import LIMIT, MAX_ROWS, small_gemm
+from dsakv.model.tiny import tiny_config
+
+# experts large enough that the dense path never runs (MoEWeights.blocked), as on the bench checkpoint and real
+# models: a batch-1 token takes the per-expert path, the one moe_one replaces
+SHAPE = {"hidden_size": 256, "moe_intermediate_size": 512, "n_routed_experts": 8, "num_experts_per_tok": 2}
+
+
+def make_moe(groups: tuple[int, int], seed: int) -> MoE:
+    over = {**SHAPE, "n_group": groups[0], "topk_group": groups[1]}
+    cfg = DSAConfig.from_dict(tiny_config("deepseek_v32", overrides=over))
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(cfg)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        moe.gate.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.01)
+    return moe
+
+
+@pytest.fixture
+def compiled():
+    use_compiled_gemv(True)
+    try:
+        yield
+    finally:
+        use_compiled_gemv(False)
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_moe_one_matches_eager_moe(groups, compiled):
+    """One token, with and without a residual, on a MoE whose experts are large enough to be blocked (one group,
+    and DeepSeek's group-limited routing, 4 groups of which 2 are kept): moe_one within 1e-5 relative of the
+    eager MoE.forward, and the eager forward with --compile on returns moe_one's result (it took the kernel)."""
+    moe = make_moe(groups, seed=groups[0])
+    f = moe._weights()
+    assert f.blocked and choose_moe_path(1, 2, 8, moe._row_macs) != "dense"
+    g = torch.Generator().manual_seed(5)
+    seen: set[tuple[int, ...]] = set()
+    with torch.inference_mode():
+        for _ in range(6):
+            x, res = torch.randn(1, 256, generator=g), torch.randn(1, 256, generator=g)
+            use_compiled_gemv(False)
+            ref = moe.forward(x, residual=res.clone())
+            ref_plain = moe.forward(x)
+            ids = moe.gate.route(torch.nn.functional.linear(x, moe.gate.weight))[1]
+            seen.add(tuple(sorted(ids[0].tolist())))
+            use_compiled_gemv(True)
+            got = moe_one(x, res, f, moe.gate)
+            plain = moe_one(x, None, f, moe.gate)
+            assert got is not None and plain is not None
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+            torch.testing.assert_close(plain, ref_plain, rtol=1e-5, atol=1e-5 * float(ref_plain.abs().max()))
+            assert torch.equal(moe.forward(x, residual=res.clone()), got)  # MoE.forward took the kernel
+    assert len(seen) > 1  # different tokens picked different experts: the kernel reads them by id
+
+
+def test_moe_one_applies_to_one_float_token_only(compiled):
+    moe = make_moe((1, 1), seed=3)
+    f = moe._weights()
+    x = torch.randn(1, 256)
+    with torch.inference_mode():
+        assert moe_one(x, None, f, moe.gate) is not None
+        assert moe_one(torch.randn(2, 256), None, f, moe.gate) is None  # two tokens: the grouped path
+        assert moe_one(x.double(), None, f, moe.gate) is None  # float32 only
+        assert moe_one(x, torch.randn(1, 64), f, moe.gate) is None  # a residual of another shape
+        use_compiled_gemv(False)
+        assert moe_one(x, None, f, moe.gate) is None  # --compile off: the eager path
+
+
+def test_small_gemm_matches_matmul():
+    """model/native's C tile kernel: every row count 1..LIMIT (ragged 4-row tiles), N and K off the 4-row and
+    16-lane tiles, rows of x and w with gaps (slices of wider tensors: a fused projection's column block) within
+    float32 rounding of x @ w^T; None where it does not apply."""
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(203, 530, generator=g)
+    w = wide[:, 3:520]  # [203, 517]: row stride 530, K 517 = 32 * 16 + 5
+    for m in range(1, LIMIT + 1):
+        x = torch.randn(m, 600, generator=g)[:, 10:527]  # row stride 600
+        got = small_gemm(x, w)
+        assert got is not None and got.shape == (m, 203)
+        torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-4)
+    x = torch.randn(LIMIT + 1, 517, generator=g)
+    assert small_gemm(x, w) is None  # over its limit
+    assert small_gemm(x[:4].double(), w.double()) is None
+    assert small_gemm(x[:4, :516], w) is None  # K mismatch
+    assert small_gemm(x[:4].t().contiguous().t(), w) is None  # x's rows not contiguous
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert small_gemm(x[:4], w) is None  # more threads: the BLAS's own
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gemv_takes_the_c_kernel_for_5_to_12_rows(compiled):
+    """gemv.gemv with --compile: 1-ROWS rows on the inductor kernel, ROWS+1..MAX_ROWS on the C kernel (bitwise its
+    result), more on the BLAS (None); within float32 rounding of the matmul."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(96, 200, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for m in (1, ROWS, ROWS + 1, 11, MAX_ROWS):
+            x = torch.randn(m, 200, generator=g)
+            y = gemv(x, w)
+            assert y is not None and y.shape == (m, 96)
+            torch.testing.assert_close(y, x @ w.t(), rtol=1e-5, atol=1e-4)
+            if m > ROWS:
+                assert torch.equal(y, small_gemm(x, w))
+        assert gemv(torch.randn(MAX_ROWS + 1, 200), w) is None
+    finally:
+        torch.set_num_threads(threads)
