@@ -177,8 +177,8 @@ def add_engine_arguments(
     g.add_argument(
         "--compile",
         action="store_true",
-        help="float32 weights on CPU: matmuls of 1-2 rows (decode) on one torch.compile'd GEMV (model/gemv.py; "
-        "compiled on first use) instead of the BLAS call; off: the eager reference",
+        help="float32 weights on CPU (decode): 1-4 row matmuls, per-head products, RMSNorm and a batch-1 MoE layer on "
+        "inductor kernels, 5-12 rows on a C kernel (model/gemv.py, moe_fused.py; built on first use); off: eager",
     )
     default = "torch's choice" if threads is None else str(threads)
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")
