@@ -5,8 +5,9 @@ per cell (DP rank d, stage s), as the colocated version lays them out (pipeline/
     cell (d, s)      stage s's layers, its own pool of them (producers' index-K only: the planner's layout) holding DP
                      rank d's requests only, its own transfer backend and manifest; the whole checkpoint with every
                      MoE layer an EPMoE (experts [d E/D, (d+1) E/D))
-    EP group of s    (0, s) .. (D-1, s): a gloo group of its own (engine/ranks.start_ranks, label 'stage s DP'): the
-                     supervisor starts (0, s) with --pp-rank s, which starts (d, s) for d = 1..D-1
+    EP group of s    (0, s) .. (D-1, s): an elastic gloo group of its own (pipeline/dp_stage.elastic_stage, as the
+                     prefill's DP x PP: 'dp rank d pipeline stage s'): the supervisor starts (0, s) with --pp-rank s,
+                     which starts (d, s) for d = 1..D-1
     pipeline of d    (d, 0) .. (d, P-1): a decode pipeline of its own: RPC of (d, s) on --port + d P + s, its
                      rendezvous on --dist-port + d (default --port + D P + d); name '<name>.dp<d>'. (d, 0) is a
                      DecodeWorker the prefill handshakes as a decode of its own: its HelloReply lists DP rank d's
@@ -18,11 +19,15 @@ per cell (DP rank d, stage s), as the colocated version lays them out (pipeline/
                      EP group is matched per round (an idle DP rank runs 0 rows); ticks carry the books only
     routing          each (d, 0)'s health carries the DP rows (dp_addrs, dp_ranks, decode/dp.py): the router routes
                      to each DP rank by load
-    a dead cell      the instance fails whole, as the colocated version (the EP groups are not re-formed: restart
-                     it): (0, s), the parent of (d, s), names a dead child with its exit status in every DP rank's
-                     pipeline store; a broken link of (d, 0) waits (bounded) for that name; the next round's row of
-                     (d, 0) says down, every DP rank fails every request it holds naming it, health says down and
-                     preallocs are refused. No pipeline re-forms.
+    a dead cell      (d, s), d >= 1: DP rank d only. (0, s), its parent, names it with its exit status in DP rank d's
+                     pipeline store (ElasticRanks.on_dead); (d, 0), its link broken, waits (bounded) for that name,
+                     fails what it holds naming it, waits (bounded) until the router read that and exits EXIT_BROKEN,
+                     as does every other cell of DP rank d whose link broke; each stage's EP group re-forms without
+                     DP rank d (stage 0 at a round's all_gather, a later stage in the all-to-all in flight: the layer
+                     runs again, EPReformed), experts re-placed from the checkpoint; rank 0's health row says DP rank
+                     d is down (not restarted). A dead cell of DP rank 0 (or (0, s): its children die with it) is the
+                     instance's death: (0, 0)'s row says down, every DP rank fails what it holds, health down,
+                     preallocs refused.
     stop             SIGTERM reaches (0, 0) (the other cells ignore it): the stop round, then every (d, 0) sends
                      STOP down its pipeline; each (d, s) leaves its EP group and exits 0
 Refused (cli/validate): MTP, HiSparse (decode/stage.stage_pool_shape).
