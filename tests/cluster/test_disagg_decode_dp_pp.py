@@ -9,10 +9,10 @@ one DP rank whose stage pairs gained bytes); per request the bytes landed per (p
 the pages x that stage's layout bytes per page on the serving DP rank, and nothing on the other; afterwards no
 page is held on any cell. A PP 2 prefill (layers 0-4, 5-11) likewise: per (prefill stage i, decode stage j) the
 bytes of the keys they share, each decode stage's total its layout figure (each key once). kill -9 of cell (1, 1)
-while each DP rank decodes a request: the instance fails whole (as the colocated version: the EP groups are not
-re-formed), both requests fail naming 'stage 1 dp rank 1 (pid N) was killed by signal 9 (SIGKILL)', both DP ranks'
-health say down with that name, no page is held on DP rank 0 or 1's stage 0. Supervised (no --pp-rank): SIGTERM
-stops every process with exit 0.
+while each DP rank decodes a request: only DP rank 1's request fails, naming 'dp rank 1 pipeline stage 1 (pid N) was
+killed by signal 9 (SIGKILL)'; DP rank 0's decodes to its end, its EP groups re-formed without DP rank 1; rank 0's
+health and the router take DP rank 1 out; new requests' tokens == one rank; no page held. Supervised (no
+--pp-rank): SIGTERM stops every process with exit 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -198,10 +197,11 @@ def test_pp2_prefill_writes_each_key_once_into_its_dp_ranks_stages(world, refere
     assert_clean([*stage0, *(p.addr for p in prefill)], procs=cluster.procs)
 
 
-def test_killed_cell_dp1_stage1_fails_the_instance_naming_it(world, reference):
-    """kill -9 of cell (1, 1) while each DP rank decodes one request: the instance fails whole (its EP groups are
-    not re-formed); both requests fail naming the cell and the signal; both DP ranks say down with that name and
-    hold no page; the prefill holds nothing."""
+def test_killed_cell_dp1_stage1_fails_only_dp_rank_1(world, reference):
+    """kill -9 of cell (1, 1) while each DP rank decodes one request: DP rank 1's request fails naming the cell and
+    the signal, DP rank 0's decodes to its end; DP rank 1 leaves (its stage 0 exits 3), both stages' EP groups
+    re-form without it; rank 0's health shows it down and the router routes to DP rank 0 only: new requests'
+    tokens == one rank; no page held on DP rank 0's cells or the prefill."""
     cluster, decode, addrs, prefill, router = world
     stage0 = [addrs[(d, 0)] for d in range(DP)]
     rids = [f"dq-kill-{i}" for i in range(DP)]
@@ -210,23 +210,37 @@ def test_killed_cell_dp1_stage1_fails_the_instance_naming_it(world, reference):
     wait_for(lambda: [fetch_health(a).running for a in stage0] == [1, 1], 90, "one on each DP rank", cluster.procs)
     (cell,) = child_pids(decode[1].pid)  # (0, 1) started (1, 1)
     os.kill(cell, signal.SIGKILL)
-    dead = f"stage 1 dp rank 1 (pid {cell}) was killed by signal 9 (SIGKILL)"
+    dead = f"dp rank 1 pipeline stage 1 (pid {cell}) was killed by signal 9 (SIGKILL)"
+    ends = []
     for rid in rids:
-        end: Any = None
-        for ev in router.events(rid, 120):
+        n, end = 0, None
+        for ev in router.events(rid, 240):
+            n += len(ev.new_token_ids)
             if ev.finished:
                 end = (ev.finish_reason, ev.error or "")
-        assert end is not None and end[0] == "error" and dead in end[1], (rid, end)
-    for a in stage0:
-        wait_for(lambda a=a: dead in (fetch_health(a).down or ""), 60, f"{a} names the dead cell", cluster.procs)
-        h = fetch_health(a)
-        assert not h.ok and [(x.rank, x.up, dead in (x.down or "")) for x in h.dp_ranks or []] == [
-            (0, False, True),
-            (1, False, True),
-        ], h.dp_ranks
-    print(f"the requests failed with: {end[1]}")
-    wait_for(lambda: not router.peers.usable_pairs(), 60, "the router routes to neither DP rank", cluster.procs)
-    assert_clean([*stage0, prefill[0].addr], procs=cluster.procs)
+        ends.append((n, end))
+    failed = [e for _, e in ends if e is not None and e[0] == "error"]
+    assert len(failed) == 1 and dead in failed[0][1], ends
+    assert (LONG.max_new_tokens, ("length", "")) in ends, ends  # DP rank 0's request decoded to its end
+
+    def rank1_down() -> bool:
+        rows = fetch_health(stage0[0]).dp_ranks or []
+        return [(x.rank, x.up) for x in rows] == [(0, True), (1, False)]
+
+    wait_for(rank1_down, 90, "rank 0's health shows DP rank 1 down", cluster.procs)
+    h = fetch_health(stage0[0])
+    assert h.ok and h.down is None, h
+    assert (
+        "dp rank 1 pipeline stage 0" in (h.dp_ranks[1].down or "") and "exited with status 3" in h.dp_ranks[1].down
+    ), h.dp_ranks
+    wait_for(lambda: len(router.peers.usable_pairs()) == 1, 60, "the router routes to DP rank 0 only", cluster.procs)
+    was = fetch_health(stage0[0]).counters["started"]
+    got = run_requests(router, PROMPTS, GREEDY, "dq-after")
+    assert [t for t, _, _ in got] == reference["greedy"], got
+    assert fetch_health(stage0[0]).counters["started"] == was + len(PROMPTS)
+    print(f"DP rank 1's request failed with: {failed[0][1]}; DP rank 1: {h.dp_ranks[1].down}")
+    assert_clean([stage0[0], prefill[0].addr], procs=cluster.procs)
+    wait_for(lambda: fetch_health(addrs[(0, 1)]).pages_used == 0, 30, "cell 0,1 clean", cluster.procs)
 
 
 def test_supervised_dp_pp_stops_cleanly(tmp_path):
@@ -247,7 +261,7 @@ def test_supervised_dp_pp_stops_cleanly(tmp_path):
         p.kill()
     log = (tmp_path / "dstop.log").read_text()
     for s in range(PP):
-        assert f"stage {s} DP group stopped: stage {s} dp rank 1 exited 0" in log, log[-3000:]
+        assert f"DP group stopped: dp rank 1 pipeline stage {s} exited 0" in log, log[-3000:]
     wait_for(lambda: _group_pids(p.pid) == [], 30, "no process of the instance left", [])
 
 

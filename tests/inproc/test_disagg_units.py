@@ -4,6 +4,7 @@ pages, the router's queue deadline, and a PP=2 round trip equal to colocated ser
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -67,6 +68,19 @@ def test_event_log_cursor_wait_and_trim():
     assert got.lost and [e.seq for e in got.events] == [3, 4, 5]
     t0 = time.monotonic()
     assert log.since(5, 0.2).events == [] and time.monotonic() - t0 >= 0.19
+
+
+def test_event_log_wait_read_until_a_reader_asked_past_the_last_event():
+    """A leaving DP rank waits until the router read its last event: a read is a since() after it; a router syncing
+    (since 1 << 62) read nothing."""
+    log = EventLog()
+    assert log.wait_read(0.0)  # nothing to read
+    log.append("a", [5], False)
+    log.append("a", [6], True, "error", "gone")
+    assert log.since(1 << 62).events == [] and not log.wait_read(0.05)
+    assert [e.seq for e in log.since(0).events] == [1, 2] and not log.wait_read(0.05)  # got them, not yet done
+    threading.Timer(0.1, lambda: log.since(2, 1.0)).start()  # the reader's next poll, after it handled them
+    assert log.wait_read(30.0)
 
 
 def test_page_mirror_books():

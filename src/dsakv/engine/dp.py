@@ -43,7 +43,7 @@ import torch.distributed as dist
 from dsakv.engine.elastic import ElasticRanks
 from dsakv.engine.ranks import RankDown, Ranks
 from dsakv.errors import StepRetry
-from dsakv.model.parallel import EPMoE, idle_forward
+from dsakv.model.parallel import EPMoE, EPReformed, idle_forward
 
 log = logging.getLogger(__name__)
 C = TypeVar("C")
@@ -255,7 +255,13 @@ class LockstepEngine:
                     ]
             return list(outs)
 
+    rerun_layer = False  # (elastic) a broken all-to-all re-forms the group and runs the layer again (a pipeline's
+    # stage 0: its step cannot be held and run again, its later stages got the message already)
+
     def _guard(self, e: Exception) -> BaseException:
+        if self.elastic and self.rerun_layer:
+            self._reform(e)
+            return EPReformed(str(e)) if self.down is None else RankDown(self.down)
         if self.elastic:
             return StepRetry(f"{type(e).__name__} in the EP all-to-all: the group re-forms")
         down = self.find_down()

@@ -75,6 +75,7 @@ class ElasticRanks:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closing = False  # close() began: no more restarts
+        self.on_dead: Callable[[int, str], None] | None = None  # rank 0: told each death (DP rank, why) once
         self.respawn = True  # rank 0 restarts a dead rank (off: it stays out, 'not restarted', prefill/dp_pp.py)
 
     # ---- the Ranks interface LockstepEngine uses --------------------------------------------------------------
@@ -198,8 +199,10 @@ class ElasticRanks:
                     why += f" after {n} restarts in a row: not restarted again (restart the instance)"
                 self.dead[r] = why
                 found[r] = why
-        for why in found.values():
+        for r, why in found.items():
             log.error("%s rank down: %s: its requests fail; the group re-forms over the others", self.label, why)
+            if self.on_dead is not None:
+                self.on_dead(r, why)
         return {r: self.dead[r] for r in self.members if r in self.dead}
 
     def wait_dead(self, wait: float) -> dict[int, str]:

@@ -30,7 +30,8 @@ DP rank d and its dead stage; under `serve` rank 0 fails what it holds with that
 A dead (d, 0) is a dead DP rank (engine/dp.py, as without PP). Every wait is bounded (gloo timeouts, the stage
 timeout, the groups' collective timeout).
 Refused with this shape (by name): MTP, HiSparse, the prefix cache (pipeline/colocated.refusal). The decode role's
-DP x PP (disagg/decode/dp_pipe.py) shares load_dp_model and guard_stage; the prefill's is disagg/prefill/dp_pp.py.
+and prefill DP x PP (disagg/decode/dp_pipe.py, disagg/prefill/dp_pp.py) share elastic_stage, reform and
+guard_reform: their EP groups re-form without a dead DP rank.
 Imports torch, dsakv.engine.{ranks, dp}, dsakv.model.
 """
 
@@ -39,20 +40,23 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsakv.engine import ranks as ranks_mod
-from dsakv.engine.dp import DEATH_WAIT_S, LockstepEngine, pid_gone
+from dsakv.engine.dp import DEATH_WAIT_S, LockstepEngine, ep_model, pid_gone
+from dsakv.engine.elastic import ElasticRanks
 from dsakv.engine.ranks import RankDown, Ranks
 from dsakv.errors import ConfigError
-from dsakv.model.parallel import EPMoE
+from dsakv.model.parallel import EPMoE, EPReformed
 from dsakv.util.procs import PP_RANK_ENV, TP_RANK_ENV, free_ports
 
 log = logging.getLogger(__name__)
 
+EXIT_BROKEN = 3  # a disaggregated DP x PP cell whose pipeline broke leaves with this status (its EP groups re-form)
 STAGE_PORTS_ENV = "DSAKV_DP_STAGE_PORTS"  # the rendezvous port of each later stage's EP group: "p1,p2,.."
 
 
@@ -109,6 +113,51 @@ def guard_stage(model: Any, ranks: Ranks, stage: int) -> None:
             m.on_error = guard
 
 
+def elastic_stage(
+    model_dir: str | Path, dp_size: int, argv: Sequence[str], dtype: str, stage: int
+) -> tuple[ElasticRanks, tuple[Any, Any]]:
+    """(the EP group of stage `stage`, (spec, model)) of a disaggregated DP x PP cell (d, stage): (0, stage) starts
+    (d, stage) for d >= 1 (named 'dp rank d pipeline stage s'; not restarted: its pipeline is gone) and all join;
+    the whole checkpoint with this DP rank's experts. The prefill's (prefill/dp_pp.py) and the decode's
+    (decode/dp_pipe.py)."""
+    ranks, model = ep_model(model_dir, dp_size, argv, dtype)
+    ranks.respawn = False
+    for r, p in ranks.procs.items():
+        p.name = f"dp rank {r} pipeline stage {stage}"
+    return ranks, model
+
+
+def reform(ranks: ElasticRanks, model: Any, failure: BaseException) -> None:
+    """Re-form `ranks` without its dead members (rank 0 names them; the others join its next generation) and
+    re-place the experts; RankDown if it cannot (no rank died, or rank 0 is gone)."""
+    log.warning("dp rank %d: an all-to-all failed (%s): re-forming the EP group", ranks.rank, failure)
+    if ranks.rank == 0:
+        dead = ranks.wait_dead(DEATH_WAIT_S)
+        if not dead:
+            raise RankDown(f"an all-to-all failed ({type(failure).__name__}: {failure}) but no rank died")
+        ranks.lead_reform(drop=sorted(dead))
+    else:
+        ranks.follow_reform()
+    ranks.place(model)
+
+
+def guard_reform(model: Any, ranks: ElasticRanks, stage: int) -> None:
+    """(d, stage), stage > 0, of a disaggregated DP x PP: its experts placed; a broken all-to-all of the stage's
+    EP group re-forms it without the dead cell and runs the layer again (EPReformed); RankDown if it cannot."""
+    ranks.place(model)
+
+    def guard(e: Exception) -> BaseException:
+        try:
+            reform(ranks, model, e)
+        except Exception as why:  # noqa: BLE001 (the group cannot re-form: this stage is down)
+            return RankDown(f"DP rank down: the EP group of pipeline stage {stage} could not re-form: {why}")
+        return EPReformed(str(e))
+
+    for m in model.modules():
+        if isinstance(m, EPMoE):
+            m.on_error = guard
+
+
 def pipeline_lockstep(piped: Any, ranks: Ranks) -> LockstepEngine:
     """DP rank d's stage 0 (a PipelinedEngine) stepping in lockstep with the other DP ranks' stage 0."""
     return LockstepEngine(
@@ -116,4 +165,15 @@ def pipeline_lockstep(piped: Any, ranks: Ranks) -> LockstepEngine:
     )
 
 
-__all__ = ["STAGE_PORTS_ENV", "guard_stage", "load_dp_model", "pipeline_lockstep", "reserve_stage_ports", "stage_env"]
+__all__ = [
+    "EXIT_BROKEN",
+    "STAGE_PORTS_ENV",
+    "elastic_stage",
+    "guard_reform",
+    "guard_stage",
+    "load_dp_model",
+    "pipeline_lockstep",
+    "reform",
+    "reserve_stage_ports",
+    "stage_env",
+]

@@ -5,8 +5,9 @@ per cell (DP rank d, stage s), as the colocated version lays them out (pipeline/
     cell (d, s)      stage s's layers, its own pool of them (producers' index-K only: the planner's layout) holding DP
                      rank d's requests only, its own transfer backend and manifest; the whole checkpoint with every
                      MoE layer an EPMoE (experts [d E/D, (d+1) E/D))
-    EP group of s    (0, s) .. (D-1, s): a gloo group of its own (engine/ranks.start_ranks, label 'stage s DP'): the
-                     supervisor starts (0, s) with --pp-rank s, which starts (d, s) for d = 1..D-1
+    EP group of s    (0, s) .. (D-1, s): an elastic gloo group of its own (pipeline/dp_stage.elastic_stage, as the
+                     prefill's DP x PP: 'dp rank d pipeline stage s'): the supervisor starts (0, s) with --pp-rank s,
+                     which starts (d, s) for d = 1..D-1
     pipeline of d    (d, 0) .. (d, P-1): a decode pipeline of its own: RPC of (d, s) on --port + d P + s, its
                      rendezvous on --dist-port + d (default --port + D P + d); name '<name>.dp<d>'. (d, 0) is a
                      DecodeWorker the prefill handshakes as a decode of its own: its HelloReply lists DP rank d's
@@ -18,11 +19,15 @@ per cell (DP rank d, stage s), as the colocated version lays them out (pipeline/
                      EP group is matched per round (an idle DP rank runs 0 rows); ticks carry the books only
     routing          each (d, 0)'s health carries the DP rows (dp_addrs, dp_ranks, decode/dp.py): the router routes
                      to each DP rank by load
-    a dead cell      the instance fails whole, as the colocated version (the EP groups are not re-formed: restart
-                     it): (0, s), the parent of (d, s), names a dead child with its exit status in every DP rank's
-                     pipeline store; a broken link of (d, 0) waits (bounded) for that name; the next round's row of
-                     (d, 0) says down, every DP rank fails every request it holds naming it, health says down and
-                     preallocs are refused. No pipeline re-forms.
+    a dead cell      (d, s), d >= 1: DP rank d only. (0, s), its parent, names it with its exit status in DP rank d's
+                     pipeline store (ElasticRanks.on_dead); (d, 0), its link broken, waits (bounded) for that name,
+                     fails what it holds naming it, waits (bounded) until the router read that and exits EXIT_BROKEN,
+                     as does every other cell of DP rank d whose link broke; each stage's EP group re-forms without
+                     DP rank d (stage 0 at a round's all_gather, a later stage in the all-to-all in flight: the layer
+                     runs again, EPReformed), experts re-placed from the checkpoint; rank 0's health row says DP rank
+                     d is down (not restarted). A dead cell of DP rank 0 (or (0, s): its children die with it) is the
+                     instance's death: (0, 0)'s row says down, every DP rank fails what it holds, health down,
+                     preallocs refused.
     stop             SIGTERM reaches (0, 0) (the other cells ignore it): the stop round, then every (d, 0) sends
                      STOP down its pipeline; each (d, s) leaves its EP group and exits 0
 Refused (cli/validate): MTP, HiSparse (decode/stage.stage_pool_shape).
@@ -35,26 +40,26 @@ import dataclasses
 import datetime
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from dsakv.config import DecodeConfig
 from dsakv.disagg.decode.dp import DecodeDP, DPDecodeEngine
 from dsakv.disagg.decode.stage import DecodePipeline, DecodeWorker
 from dsakv.disagg.decode.stage_worker import DecodeStageWorker
-from dsakv.engine.dp import DEATH_WAIT_S, check_experts
-from dsakv.engine.ranks import RankDown, Ranks, start_ranks
+from dsakv.engine.elastic import ElasticRanks
+from dsakv.engine.ranks import RankDown
 from dsakv.model.parallel import idle_forward
-from dsakv.pipeline.dp_stage import guard_stage, load_dp_model
+from dsakv.pipeline.dp_stage import EXIT_BROKEN, elastic_stage, guard_reform
 from dsakv.pipeline.stage_comm import StageLinkError, StageMessage, default_dist_port
 from dsakv.pipeline.step import IDLE, STOP
+from dsakv.util.procs import exit_now
 
 log = logging.getLogger(__name__)
 NOTE_WAIT_S = 10.0  # a broken link of (d, 0): how long it waits for the dead cell's name (its parent notes it)
 NOTE_POLL_S = 0.2  # how often (d, 0) looks for a note in its store while serving
+LEAVE_READ_S = 10.0  # a leaving DP rank d >= 1: how long it waits for the router to read its failures
 
 
 def cell_config(cfg: DecodeConfig, d: int) -> DecodeConfig:
@@ -68,45 +73,43 @@ def cell_config(cfg: DecodeConfig, d: int) -> DecodeConfig:
     return dataclasses.replace(cfg, config=tree, port=cfg.port + d * p, name=name, dp_rank=d)
 
 
-def stage_ep(cfg: DecodeConfig) -> tuple[Ranks, tuple[Any, Any]]:
-    """(stage s's EP group, the whole checkpoint with this DP rank's experts): (0, s) starts (d, s), d >= 1."""
+def stage_ep(cfg: DecodeConfig) -> tuple[ElasticRanks, tuple[Any, Any]]:
+    """(stage s's elastic EP group, the whole checkpoint with this DP rank's experts): (0, s) starts (d, s), d >= 1
+    (pipeline/dp_stage.elastic_stage, as the prefill's DP x PP)."""
     assert cfg.pipeline is not None
-    check_experts(cfg.model, cfg.dp_size)
-    ranks = start_ranks(cfg.dp_size, cfg.rank_argv, label=f"stage {cfg.pipeline.rank} DP")
+    return elastic_stage(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.config.engine.dtype, cfg.pipeline.rank)
+
+
+def note_dp_rank(cfg: DecodeConfig, d: int, stage: int, why: str) -> None:
+    """Leave `why` in DP rank d's pipeline store as stage `stage`'s note (best effort, bounded): (d, 0) names it
+    (StageGroup.noted_down) when its pipeline breaks."""
+    assert cfg.pipeline is not None
+    p = cell_config(cfg, d).config.pipeline
     try:
-        return ranks, load_dp_model(Path(cfg.model), getattr(torch, cfg.config.engine.dtype), ranks)
-    except BaseException:
-        for p in ranks.children:
-            p.kill()
-        raise
-
-
-def note_instance(cfg: DecodeConfig, stage: int, why: str) -> None:
-    """Leave `why` in every DP rank's pipeline store as stage `stage`'s note (best effort, bounded): each (d, 0)
-    names it (StageGroup.noted_down)."""
-    assert cfg.pipeline is not None
-    for d in range(cfg.dp_size):
-        p = cell_config(cfg, d).config.pipeline
-        try:
-            wait = datetime.timedelta(seconds=2)
-            host, port = p.stage0_host or cfg.host, int(p.dist_port or 0)
-            store = dist.TCPStore(host, port, cfg.pipeline.pp_size, False, timeout=wait)
-            store.set(f"down/{stage}", why)
-        except Exception as e:  # noqa: BLE001 (that DP rank's stage 0 is gone: nobody to tell)
-            log.warning("decode stage %d: could not note %r in dp rank %d's store: %s", stage, why, d, e)
+        wait = datetime.timedelta(seconds=2)
+        host, port = p.stage0_host or cfg.host, int(p.dist_port or 0)
+        store = dist.TCPStore(host, port, cfg.pipeline.pp_size, False, timeout=wait)
+        store.set(f"down/{stage}", why)
+    except Exception as e:  # noqa: BLE001 (that DP rank's stage 0 is gone: nobody to tell)
+        log.warning("decode stage %d: could not note %r in dp rank %d's store: %s", stage, why, d, e)
 
 
 class DPDecodePipeline(DecodePipeline):
-    """(d, 0)'s pipeline: formed once (a break is final: the EP groups cannot re-form), IDLE down it in a round it
-    runs no forward, STOP down it when the instance stops; its breaks fail requests through the lockstep's down."""
+    """(d, 0)'s pipeline: formed once (a break is final: its stages would miss rounds of their EP groups), IDLE down
+    it in a round it runs no forward, STOP down it when the instance stops. A break of DP rank 0's fails the
+    instance (the next round's row says down); of DP rank d >= 1's: DP rank d leaves (`leave`)."""
 
     formed_once = False
     stop_sent = False
     broken: str | None = None
+    leaving: str | None = None  # DP rank d >= 1 whose pipeline broke: it fails what it holds and exits
+    worker: DecodeWorker | None = None
+    dp_rank = 0
     lock: Any = None  # the LockstepEngine's: every send of this pipeline (the runner's, IDLE, ticks, STOP) under it
     _polled = 0.0
 
     def ready(self, worker: DecodeWorker) -> bool:
+        self.worker = worker
         if self.formed_once:
             return True
         self.formed_once = super().ready(worker)
@@ -119,12 +122,16 @@ class DPDecodePipeline(DecodePipeline):
             super().after_step(worker, outs)
 
     def on_break(self, worker: DecodeWorker, why: str) -> None:
-        """Kept: the next round's row says down and every DP rank fails what it holds (decode/dp.py's attach)."""
+        """Kept: DP rank 0's next round's row says down and every DP rank fails what it holds (decode/dp.py's
+        attach); DP rank d >= 1 leaves at its next step (DPPipeEngine.step)."""
         self.books.clear()
         self.broken = self.broken or why
+        if self.dp_rank > 0:
+            self.leaving = self.leaving or why
 
     def dp_down(self) -> str | None:
-        """Why this DP rank cannot step: its pipeline broke, or a cell of the instance died (a note in its store)."""
+        """Why this DP rank cannot step: its pipeline broke, or a later stage of it died (noted in its store by
+        that stage's parent (0, s))."""
         if not self.formed_once or self.broken is not None:
             return self.broken
         now = time.monotonic()
@@ -133,7 +140,20 @@ class DPDecodePipeline(DecodePipeline):
             noted = self.group.noted_down()
             if noted is not None:
                 self.broken = self.down_reason = f"pipeline {noted}"
+                if self.dp_rank > 0:
+                    self.leaving = self.broken
         return self.broken
+
+    def leave(self) -> None:
+        """DP rank d >= 1, its pipeline broken: fail every request it holds naming why, wait (bounded) until the
+        router read those failures, exit EXIT_BROKEN: stage 0's EP group re-forms without it at the next round."""
+        why, worker = self.leaving, self.worker
+        assert why is not None and worker is not None
+        self.down_reason = f"DP rank down: dp rank {self.dp_rank}: its pipeline broke ({why})"
+        log.error("decode %s: %s: this DP rank fails what it holds and leaves the instance", worker.name, why)
+        worker.on_pipeline_break(f"decode {worker.name}: {self.down_reason}")
+        worker.events.wait_read(LEAVE_READ_S)  # type: ignore[attr-defined]
+        exit_now(EXIT_BROKEN)
 
     def _send(self, kind: str) -> None:
         runner = self.runner
@@ -168,22 +188,35 @@ class DPDecodePipeline(DecodePipeline):
 
 class DPPipeEngine(DPDecodeEngine):
     """(d, 0)'s engine: lockstep rounds over its pipeline's Engine (did it forward: the runner ran; idle: stage 0's
-    MoE with 0 rows and IDLE down); its row says down once its pipeline broke or a cell's death was noted."""
+    MoE with 0 rows and IDLE down) over stage 0's elastic EP group: a broken all-to-all re-forms it and runs the
+    layer again; DP rank 0's row says down once its pipeline broke; DP rank d >= 1 leaves instead."""
 
-    def __init__(self, engine: Any, ranks: Ranks, pipe: DPDecodePipeline) -> None:
+    rerun_layer = True
+
+    def __init__(self, engine: Any, ranks: ElasticRanks, pipe: DPDecodePipeline) -> None:
         self.pipe = pipe
         super().__init__(engine, ranks, forwarded=self._ran, idle=lambda: pipe.idle(engine.model))
         pipe.lock = self._lock
+        pipe.dp_rank = ranks.rank
 
     def _ran(self) -> bool:
         return bool(self.pipe.runner is not None and self.pipe.runner.ran)
 
     def _engine_down(self) -> str | None:
-        return self.pipe.dp_down()
+        return self.pipe.dp_down() if self.rank == 0 else None
+
+    def step(self) -> list[Any]:
+        """A round; DP rank d >= 1 whose pipeline broke joins no more rounds: it leaves (the stop does not wait)."""
+        if self.rank > 0 and not self.stopped:
+            self.pipe.dp_down()
+            if self.pipe.leaving is not None:
+                self.pipe.leave()
+        return super().step()
 
     def find_down(self, wait: float = 5.0) -> str | None:
-        """A step that failed because this rank's pipeline broke (named already) looks for no dead DP rank."""
-        return None if self.pipe.dp_down() is not None else super().find_down(wait)
+        """A failed step names its cause itself (the broken pipeline, noted): no dead DP rank to look for (the
+        elastic group re-forms around one)."""
+        return None
 
 
 class DecodeDPPipe(DecodeDP):
@@ -221,8 +254,9 @@ def stage0(cfg: DecodeConfig) -> tuple[DPDecodePipeline, DPPipeEngine, DecodeDPP
 
 
 class DPStageWorker(DecodeStageWorker):
-    """Cell (d, s), s > 0: a decode stage of DP rank d's pipeline whose MoE layers run over stage s's EP group; a
-    break is final; STOP (the instance stops) stops it; (0, s) notes a dead (d, s) in every DP rank's store."""
+    """Cell (d, s), s > 0: a decode stage of DP rank d's pipeline whose MoE layers run over stage s's elastic EP
+    group (a dead member: re-formed without it, the layer run again); a break is final (d >= 1: it exits, so its
+    stage's EP group re-forms without it); STOP stops it; (0, s) notes a dead (d, s) in DP rank d's store."""
 
     reform = False
 
@@ -232,32 +266,34 @@ class DPStageWorker(DecodeStageWorker):
         self.instance = instance
         try:
             super().__init__(cell_config(instance, self.ep.rank), model)
-            guard_stage(self.model, self.ep, self.rank)
+            guard_reform(self.model, self.ep, self.rank)
         except BaseException:
             for p in self.ep.children:
                 p.kill()
             raise
-        self.ep.on_down(self._cell_down)
+        self.ep.on_dead = self._cell_down
 
-    def _cell_down(self, why: str) -> None:
-        """(0, s)'s watcher: a (d, s) died (its exit status): named in every DP rank's store."""
-        self.down_reason = why
-        note_instance(self.instance, self.rank, why)
+    def _cell_down(self, d: int, why: str) -> None:
+        """(0, s)'s watcher: (d, s) died (its exit status): named in DP rank d's store ((d, 0) fails with it)."""
+        note_dp_rank(self.instance, d, self.rank, why)
 
     def iteration(self) -> None:
         try:
             kind = self.follower.iteration()
-        except RankDown as e:  # an all-to-all of this stage's EP group broke: a peer died
-            end = time.monotonic() + (DEATH_WAIT_S if self.ep.children else 0.0)
-            while self.ep.check() is None and time.monotonic() < end:  # (0, s): its exit status, when it is ours
-                time.sleep(0.05)
-            why = self.ep.down or str(e)
-            self.group.note_down(why)
-            self.group.break_(why)
-            raise StageLinkError(why) from e
+        except RankDown as e:  # this stage's EP group could not re-form (its rank 0 is gone)
+            self.group.note_down(str(e))
+            self.group.break_(str(e))
+            raise StageLinkError(str(e)) from e
         if kind == STOP:
             log.info("decode %s stage %d: STOP from stage %d", self.name, self.rank, self.rank - 1)
             self.request_stop()
+
+    def _on_break(self, why: str) -> None:
+        super()._on_break(why)
+        if self.ep.rank > 0 and not self.service.stopping.is_set():
+            log.error("decode %s stage %d: its pipeline broke (%s): DP rank %d leaves the instance", self.name,
+                      self.rank, why, self.ep.rank)  # fmt: skip
+            exit_now(EXIT_BROKEN)
 
     def stop(self) -> None:
         super().stop()

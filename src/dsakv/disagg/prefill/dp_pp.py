@@ -46,17 +46,15 @@ from typing import Any
 from dsakv.config import PrefillConfig
 from dsakv.disagg.prefill.dp import PrefillDPEngine
 from dsakv.disagg.protocol.dp_view import dp_health
-from dsakv.engine.dp import DEATH_WAIT_S, ep_model, pid_gone
+from dsakv.engine.dp import DEATH_WAIT_S, pid_gone
 from dsakv.engine.elastic import ElasticRanks
-from dsakv.engine.ranks import RankDown
-from dsakv.model.parallel import EPMoE, EPReformed, idle_forward
+from dsakv.model.parallel import idle_forward
+from dsakv.pipeline.dp_stage import EXIT_BROKEN, elastic_stage, guard_reform
 from dsakv.pipeline.stage_comm import StageLinkError
 from dsakv.pipeline.step import IDLE, STOP
 from dsakv.util.procs import exit_now
 
 log = logging.getLogger(__name__)
-
-EXIT_BROKEN = 3  # a cell of a DP rank whose pipeline broke leaves with this status (its EP groups re-form)
 
 
 def dp_pp_config(cfg: PrefillConfig, rank: int) -> PrefillConfig:
@@ -78,35 +76,14 @@ def dp_pp_addrs(cfg: PrefillConfig) -> list[str]:
 
 
 def dp_pp_model(cfg: PrefillConfig) -> tuple[ElasticRanks, tuple[Any, Any]]:
-    """(the EP group of this process's stage, (spec, model)): (0, s) starts (d, s) for d >= 1 (named 'dp rank d
-    pipeline stage s'; not restarted) and all join; the whole checkpoint with this DP rank's experts."""
-    ranks, model = ep_model(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.engine.dtype)
-    ranks.respawn = False
-    for r, p in ranks.procs.items():
-        p.name = f"dp rank {r} pipeline stage {cfg.pp_rank}"
-    return ranks, model
-
-
-def reform(ranks: ElasticRanks, model: Any, failure: BaseException) -> None:
-    """Re-form `ranks` without its dead members (rank 0 names them; the others join its next generation) and
-    re-place the experts; RankDown if it cannot (no rank died, or rank 0 is gone)."""
-    log.warning("dp rank %d: an all-to-all failed (%s): re-forming the EP group", ranks.rank, failure)
-    if ranks.rank == 0:
-        dead = ranks.wait_dead(DEATH_WAIT_S)
-        if not dead:
-            raise RankDown(f"an all-to-all failed ({type(failure).__name__}: {failure}) but no rank died")
-        ranks.lead_reform(drop=sorted(dead))
-    else:
-        ranks.follow_reform()
-    ranks.place(model)
+    """(the EP group of this process's stage, (spec, model)): pipeline/dp_stage.elastic_stage."""
+    return elastic_stage(cfg.model, cfg.dp_size, cfg.rank_argv, cfg.engine.dtype, cfg.pp_rank)
 
 
 class PipelineDPEngine(PrefillDPEngine):
     """A DP rank's stage 0 in lockstep: a broken all-to-all re-forms the group and runs the layer again."""
 
-    def _guard(self, e: Exception) -> BaseException:
-        self._reform(e)
-        return EPReformed(str(e)) if self.down is None else RankDown(self.down)
+    rerun_layer = True
 
 
 class PrefillDPPP:
@@ -126,19 +103,7 @@ class PrefillDPPP:
             role.engine = self.engine
         else:
             role.on_stop = stage.request_stop  # (d, 0) sends STOP when the instance stops
-            ranks.place(ctx.model)
-
-            def guard(e: Exception) -> BaseException:
-                try:
-                    reform(ranks, ctx.model, e)
-                except Exception as why:  # noqa: BLE001 (the group cannot re-form: this stage is down)
-                    return RankDown(f"DP rank down: the EP group of pipeline stage {self.pp_rank} could not "
-                                    f"re-form: {why}")  # fmt: skip
-                return EPReformed(str(e))
-
-            for m in ctx.model.modules():
-                if isinstance(m, EPMoE):
-                    m.on_error = guard
+            guard_reform(ctx.model, ranks, self.pp_rank)
         log.info("prefill DP rank %d/%d pipeline stage %d: its experts, its pool", self.rank, self.size, self.pp_rank)
 
     def attach(self) -> None:
