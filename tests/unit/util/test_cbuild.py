@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dsakv.cache.native import SOURCE
 from dsakv.disagg.transfer.backends.bind_shim import SHIM_SOURCE
+from dsakv.model.native import SOURCE as GEMM_SOURCE
 from dsakv.util.cbuild import CSource
 
 PKG = Path(__file__).resolve().parents[3] / "src" / "dsakv"
@@ -17,8 +18,11 @@ def test_every_c_file_has_its_csource_and_none_is_inside_python():
     assert {p.relative_to(PKG).as_posix() for p in PKG.rglob("*.c")} == {
         "cache/native/page_native.c",
         "disagg/transfer/backends/bind_shim.c",
+        "model/native/small_gemm.c",
     }
-    assert {SOURCE.path.resolve(), SHIM_SOURCE.path.resolve()} == {p.resolve() for p in PKG.rglob("*.c")}
+    assert {SOURCE.path.resolve(), SHIM_SOURCE.path.resolve(), GEMM_SOURCE.path.resolve()} == {
+        p.resolve() for p in PKG.rglob("*.c")
+    }
     for py in PKG.rglob("*.py"):  # no C program in a Python string any more
         assert "#include <" not in py.read_text(), py
 
