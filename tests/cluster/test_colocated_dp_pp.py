@@ -157,6 +157,9 @@ def test_serve_dp2_pp2_a_killed_stage_is_named(tmp_path: Path) -> None:
         who = f"dp rank 1 pipeline stage 1 (pid {victim})"
         for name in ("A", "B"):
             assert got[name].status_code != 200 and who in got[name].text, (name, got[name].text)
+        # the requests may fail in the round that saw the break; the instance is down from the next round (the
+        # serve loop's next step raises RankDown within its 0.5 s wake): health is polled, not read once (ciP)
+        wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, 60, "health to say down", [p])
         r = httpx.get(f"{url}/health", timeout=30)
         assert r.status_code == 503 and who in r.json()["error"], r.json()
         assert r.json()["error"].startswith("RankDown: DP rank down: dp rank "), r.json()

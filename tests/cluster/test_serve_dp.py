@@ -79,8 +79,13 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         assert h is not None and [r["dp_rank"] for r in h["dp_ranks"]] == [0, 1], h
         assert [r["pages_total"] for r in h["dp_ranks"]] == [128, 128] and h["pages_total"] == 256, h
         prompts = prompts_for([9, 4, 13, 6], seed=21)
-        # long enough (rounds) that A and B still run while C and D are admitted, whatever the machine's load
-        long = [{"prompt": q, "max_tokens": LONG, "temperature": 0, "ignore_eos": True} for q in prompts[:2]]
+        # long enough (rounds) that A still runs while C and D are admitted, whatever the machine's load (B may end
+        # first: C or D then takes rank 1 either way); A runs LONGER: under load 12 a 240-token A ended while B was
+        # being placed and C and D both went to rank 0 (ciP)
+        long = [
+            {"prompt": q, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            for q, n in zip(prompts[:2], (LONGER, LONG), strict=True)
+        ]
         short = [
             {"prompt": prompts[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True},
             {"prompt": prompts[3], "max_tokens": 8, "temperature": 0.8, "seed": 17, "ignore_eos": True},
@@ -100,7 +105,8 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         assert got["a"]["dp_rank"] == 0 and got["b"]["dp_rank"] == {1}
         assert sorted([got["c"]["dp_rank"], got["d"]["dp_rank"]]) == [0, 1]
         one = engine(ARCH, page_size=4, max_tokens=512)
-        want = one.generate(prompts[:2], SamplingParams(max_new_tokens=LONG, ignore_eos=True))
+        want = one.generate(prompts[:1], SamplingParams(max_new_tokens=LONGER, ignore_eos=True))
+        want += one.generate(prompts[1:2], SamplingParams(max_new_tokens=LONG, ignore_eos=True))
         want += one.generate(prompts[2:3], SamplingParams(max_new_tokens=8, ignore_eos=True))
         want += one.generate(prompts[3:], SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.8, seed=17))
         assert [got[n]["choices"][0]["token_ids"] for n in "abcd"] == want
@@ -112,7 +118,7 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
         wait_for(settled, 60, "both DP ranks idle with 0 pages used", [p])
         rows = _rows(url)
         assert [r["requests_total"] for r in rows] == [2, 2]
-        assert [r["generated_tokens"] for r in rows] == [LONG + 8, LONG + 8]
+        assert [r["generated_tokens"] for r in rows] == [LONGER + 8, LONG + 8]
         metrics = httpx.get(f"{url}/metrics", timeout=30).text
         for r in (0, 1):
             assert f'dsakv_dp_requests_total{{dp_rank="{r}"}} 2' in metrics, metrics
@@ -140,7 +146,7 @@ def test_serve_dp2_places_by_load_tokens_equal_single_rank(tmp_path) -> None:
             wait_for(lambda: [r["pages_used"] > 0 for r in _rows(url)][1:] == [True], 60, "I holds pages", [p])
         g.join(300)
         want_g = one.generate(prompts[:1], SamplingParams(max_new_tokens=LONGER, ignore_eos=True))[0]
-        assert got["g"]["choices"][0]["token_ids"] == want_g and want_g[:LONG] == want[0]
+        assert got["g"]["choices"][0]["token_ids"] == want_g == want[0]  # G is A again (both LONGER)
         wait_for(settled, 60, "both DP ranks idle with 0 pages used after the abort", [p])
         assert [r["requests_total"] for r in _rows(url)] == [3, 4]
         assert p.stop(timeout=60) in (0, -15), p.tail()
