@@ -15,11 +15,13 @@ a newer compiler's new warning cannot turn the fast path off on a user's machine
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +71,25 @@ def compile_into(src: CSource, out: Path, cc: str, strict: bool = False, timeout
             return f"{cc} failed: {r.stderr.strip()[:300]}"
         os.replace(obj, out)  # atomic: concurrent processes may build it at once
     return None
+
+
+def load_or_build(src: CSource, name: str, load: Callable[[Path], ctypes.CDLL]) -> tuple[ctypes.CDLL | None, str]:
+    """(`load` of the library `name` in the first cache root that has it or can build it, "") or (None, why not)."""
+    cc = compiler()
+    why = "no C compiler (cc, gcc or clang) on PATH"
+    for root in cache_roots():
+        out = root / name
+        try:
+            if not out.is_file():
+                if cc is None:
+                    break
+                err = compile_into(src, out, cc)
+                if err is not None:
+                    return None, err
+            return load(out), ""
+        except (OSError, AttributeError, subprocess.SubprocessError) as e:
+            why = f"cannot build or load it in {root}: {e}"
+    return None, why
 
 
 def build(src: CSource, strict: bool = False) -> str | None:

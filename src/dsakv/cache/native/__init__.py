@@ -23,7 +23,7 @@
 Python pays ~1 us per buffer and run (ctypes.memmove, memoryview, numpy view): 99 buffers x 16 pages is ~2-3 ms
 on a 53 MiB copy that memcpy does in ~8 ms. These loops do the same work once per call. The library is built
 into ~/.cache/dsakv (or the temp dir) as page_native-<source and flags hash>.so by an atomic rename
-(dsakv.util.cbuild, as the bind shim is), with -Wall -Wextra (and -Werror in `make lint`). Without a compiler,
+(dsakv.util.cbuild.load_or_build, as small_gemm.c is), with -Wall -Wextra (and -Werror in `make lint`). Without a compiler,
 if the build fails, or with DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python
 loops (same bytes, same files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
 """
@@ -33,10 +33,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import subprocess
 from pathlib import Path
 
-from dsakv.util.cbuild import CSource, cache_roots, compile_into, compiler
+from dsakv.util.cbuild import CSource, load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +72,10 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def _build() -> ctypes.CDLL | None:
-    tag = SOURCE.tag()
-    cc = compiler()
-    why = "no C compiler (cc, gcc or clang) on PATH"
-    for root in cache_roots():
-        out = root / f"page_native-{tag}.so"
-        try:
-            if not out.is_file():
-                if cc is None:
-                    break
-                err = compile_into(SOURCE, out, cc)
-                if err is not None:
-                    why = err
-                    break
-            return _load(out)
-        except (OSError, AttributeError, subprocess.SubprocessError) as e:
-            why = f"cannot build or load it in {root}: {e}"
-            continue
-    log.warning("host/disk tier copies run in Python (same bytes, ~1 us per buffer and page): %s", why)
-    return None
+    lib, why = load_or_build(SOURCE, f"page_native-{SOURCE.tag()}.so", _load)
+    if lib is None:
+        log.warning("host/disk tier copies run in Python (same bytes, ~1 us per buffer and page): %s", why)
+    return lib
 
 
 def lib() -> ctypes.CDLL | None:

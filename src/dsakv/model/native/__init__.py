@@ -20,12 +20,11 @@ import hashlib
 import logging
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
-from dsakv.util.cbuild import CSource, cache_roots, compile_into, compiler
+from dsakv.util.cbuild import CSource, load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -46,29 +45,19 @@ def _cpu_tag() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:8]
 
 
+def _load(out: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(out))
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64]
+    lib.small_gemm.restype = ctypes.c_int
+    return lib
+
+
 def _build() -> ctypes.CDLL | None:
-    name = f"small_gemm-{SOURCE.tag()}-{_cpu_tag()}.so"
-    cc = compiler()
-    why = "no C compiler (cc, gcc or clang) on PATH"
-    for root in cache_roots():
-        out = root / name
-        try:
-            if not out.is_file():
-                if cc is None:
-                    break
-                err = compile_into(SOURCE, out, cc)
-                if err is not None:
-                    why = err
-                    break
-            lib = ctypes.CDLL(str(out))
-            i64, p = ctypes.c_int64, ctypes.c_void_p
-            lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64]
-            lib.small_gemm.restype = ctypes.c_int
-            return lib
-        except (OSError, AttributeError, subprocess.SubprocessError) as e:
-            why = f"cannot build or load it in {root}: {e}"
-    log.warning("--compile's 5-16 row matmuls stay on the BLAS: %s", why)
-    return None
+    lib, why = load_or_build(SOURCE, f"small_gemm-{SOURCE.tag()}-{_cpu_tag()}.so", _load)
+    if lib is None:
+        log.warning("--compile's 5-16 row matmuls stay on the BLAS: %s", why)
+    return lib
 
 
 def lib() -> ctypes.CDLL | None:
