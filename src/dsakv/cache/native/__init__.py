@@ -23,9 +23,10 @@
 Python pays ~1 us per buffer and run (ctypes.memmove, memoryview, numpy view): 99 buffers x 16 pages is ~2-3 ms
 on a 53 MiB copy that memcpy does in ~8 ms. These loops do the same work once per call. The library is built
 into ~/.cache/dsakv (or the temp dir) as page_native-<source and flags hash>.so by an atomic rename
-(dsakv.util.cbuild.load_or_build, as small_gemm.c is), with -Wall -Wextra (and -Werror in `make lint`). Without a compiler,
-if the build fails, or with DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the callers run their Python
-loops (same bytes, same files, same refusals). Standard library only (no torch, no numpy): storage/base.py imports it.
+(dsakv.util.cbuild.load_or_build, as small_gemm.c is), with -Wall -Wextra (and -Werror in `make lint`).
+Without a compiler, if the build fails, or with DSAKV_NO_NATIVE=1, `lib()` is None after one warning and the
+callers run their Python loops (same bytes, same files, same refusals). Standard library only (no torch, no
+numpy): storage/base.py imports it.
 """
 
 from __future__ import annotations
