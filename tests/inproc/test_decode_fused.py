@@ -1,7 +1,8 @@
 """`--compile`'s decode kernels against the reference path: moe_fused.moe_one (a batch-1 MoE layer as one compiled
 call: router, the picked experts read by id, shared expert, residual) within float32 summation rounding of
-MoE.forward on the eager path; model/native's C small-row matmul (5-16 rows) within float32 rounding of x @ w^T;
-each None wherever it does not apply."""
+MoE.forward on the eager path; model/native's C small-row matmul (5-16 rows) within float32 rounding of x @ w^T,
+its W_UK product (bgemv_kn) of torch.bmm and its absorbed decode attention (mla_decode) of the eager
+gather / baddbmm / softmax / bmm; each None wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.layers import MoE, choose_moe_path
 from dsakv.model.moe_fused import moe_one
-from dsakv.model.native import LIMIT, MAX_ROWS, small_gemm
+from dsakv.model.native import LIMIT, MAX_ROWS, bgemv_kn, mla_decode, small_gemm
 from dsakv.model.tiny import tiny_config
 
 # experts large enough that the dense path never runs (MoEWeights.blocked), as on the bench checkpoint and real
@@ -123,5 +124,66 @@ def test_gemv_takes_the_c_kernel_for_5_to_12_rows(compiled):
             if m > ROWS:
                 assert torch.equal(y, small_gemm(x, w))
         assert gemv(torch.randn(MAX_ROWS + 1, 200), w) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bgemv_kn_matches_bmm():
+    """x [B, M, K] @ w [B, K, N] for M 1..4 on a weight view with N contiguous and gaps between its rows and
+    batches (W_UK: the first nope rows of each head of kv_b_proj), N off the 64-column chunk (a tail of 16 + 3):
+    within float32 rounding of torch.bmm; None where it does not apply."""
+    g = torch.Generator().manual_seed(6)
+    kvb = torch.randn(5, 40 + 24, 64 + 19 + 7, generator=g)
+    w = kvb[:, :40, 7:]  # [5, 40, 83]: rows 90 apart, batches 64 * 90 apart
+    for m in range(1, 5):
+        x = torch.randn(5, m, 40, generator=g)
+        got = bgemv_kn(x, w)
+        assert got is not None and got.shape == (5, m, 83) and got.is_contiguous()
+        torch.testing.assert_close(got, torch.bmm(x, w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(5, 5, 40, generator=g)
+    assert bgemv_kn(x, w) is None  # more than 4 rows
+    assert bgemv_kn(x[:, :2], w.transpose(1, 2).contiguous().transpose(1, 2)) is None  # N not contiguous
+    assert bgemv_kn(x[:, :2].double(), w.double()) is None
+    assert bgemv_kn(x[:4, :2], w) is None  # batch mismatch
+
+
+def _eager_attention(q, rows, slots, bias, scale, r):
+    sel = rows[slots]  # [T, k, D]
+    scores = torch.baddbmm(bias, q, sel.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32), sel[..., :r])
+
+
+def test_mla_decode_matches_eager_attention():
+    """The native absorbed decode attention reading the selected rows in place from a pool-like [S, D] buffer
+    (row stride with a gap): heads 16 and 11 (a block of 8 and a short one), D 288 (r 256 + rope 32) and 83 (r 67:
+    lane and column tails), k 1 / 7 / 130, repeated slots, -inf bias on some picks: within float32 rounding of
+    gather + baddbmm + softmax + bmm; without a bias as with a zero one; None where it does not apply."""
+    g = torch.Generator().manual_seed(8)
+    for h, d, r in ((16, 288, 256), (11, 83, 67)):
+        buf = torch.randn(300, d + 5, generator=g)
+        rows = buf[:, :d]  # [S, D], rows d + 5 apart
+        for t, k in ((1, 1), (2, 7), (3, 130)):
+            q = torch.randn(t, h, d, generator=g)
+            slots = torch.randint(0, 300, (t, k), generator=g)
+            slots[0, -1] = slots[0, 0]  # a slot picked twice
+            bias = torch.zeros(t, 1, k)
+            if k > 2:
+                bias[-1, 0, 1:3] = float("-inf")
+            got = mla_decode(q, rows, slots, bias, 0.125, r)
+            assert got is not None and got.shape == (t, h, r)
+            want = _eager_attention(q, rows, slots, bias, 0.125, r)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            plain = mla_decode(q, rows, slots, None, 0.125, r)
+            torch.testing.assert_close(plain, _eager_attention(q, rows, slots, torch.zeros(t, 1, k), 0.125, r))
+    q, rows = torch.randn(1, 16, 288), torch.randn(64, 288)
+    slots = torch.zeros(1, 4, dtype=torch.int64)
+    assert mla_decode(q, rows, slots.int(), None, 1.0, 256) is None  # slots int64 only
+    assert mla_decode(q.double(), rows.double(), slots, None, 1.0, 256) is None
+    assert mla_decode(q[..., :200], rows, slots, None, 1.0, 256) is None  # D mismatch
+    assert mla_decode(q, rows.t().contiguous().t(), slots, None, 1.0, 256) is None  # rows not contiguous
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert mla_decode(q, rows, slots, None, 1.0, 256) is None  # more threads: the eager ops
     finally:
         torch.set_num_threads(threads)

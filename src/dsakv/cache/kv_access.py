@@ -70,6 +70,11 @@ class PoolAccess:
         self._plain[key] = rows
         return rows
 
+    def rows_in_place(self, key: BufferKey) -> torch.Tensor | None:
+        """key's buffer as float32 rows [num_pages * page_size, dim] to read in place (decode's native attention),
+        or None unless it is stored as plain fp32 rows and the caller checks its slots (check_slots=False)."""
+        return None if self.check_slots else self._plain_rows(key)
+
     def write(self, key: BufferKey, slots: torch.Tensor, values: torch.Tensor) -> None:
         rows = None if self.check_slots else self._plain_rows(key)
         if rows is not None and slots.device == rows.device:  # fp32 rows, slots checked by the caller: no encoding

@@ -62,9 +62,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.config import DSAConfig
-from dsakv.model.gemv import bmm
+from dsakv.model.gemv import bmm, compiled_gemv_on
 from dsakv.model.layers import LinearGroup, RMSNorm, linear_add, rms_norm
+from dsakv.model.native import mla_decode
 from dsakv.model.step_context import SCORE_BLOCK_ELEMS, StepContext, TopK
 from dsakv.model.step_context import RowSource as RowSource  # re-exported: HiSparseStep implements it
 from dsakv.spec.layout import BufferKey, Kind
@@ -332,6 +334,14 @@ class MLAttention(nn.Module):
         query = torch.cat((q_lat, q_rot), dim=-1)  # [T, H, r + d]
         k = slots.shape[1]
         blocks = ctx.query_blocks(k * max(r + self.rope_dim, h))
+        if ctx.rows is None and ctx.decode_only and len(blocks) == 1 and compiled_gemv_on():
+            # --compile at decode: scores, softmax and values in one native call that reads the selected rows
+            # in place from the pool's fp32 rows (no gathered copy); None where it does not apply
+            plain = ctx.pool.rows_in_place(kv_key) if isinstance(ctx.pool, PoolAccess) else None
+            if plain is not None:
+                o_nat = mla_decode(query, plain, slots, None if ctx.full_topk else mask, self.scaling, r)
+                if o_nat is not None:
+                    return bmm(o_nat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, v]
         o_lat = x.new_empty(t, h, r) if len(blocks) > 1 else None
         for q0, q1 in blocks:
             one = q1 - q0 == t  # a single block (decode): the step's tensors as they are, no slicing

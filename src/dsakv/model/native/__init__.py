@@ -4,6 +4,14 @@ batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP
 memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 (so gemv.gemv takes it up to MAX_ROWS).
 
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
+    y = bgemv_kn(x, w)      # torch.bmm(x [B, M<=4, K], w [B, K, N]) for N contiguous (W_UK: ~7 -> ~20 GB/s)
+    o = mla_decode(q, rows, slots, bias, scale, r)   # the absorbed decode attention over the pool's fp32 rows
+
+bgemv_kn reads a weight whose reduction runs over its outer dimension (the absorbed attention's per-head W_UK
+[H, nope, r], a view of kv_b_proj) in memory order; inductor's reduction read it at ~7 GB/s. mla_decode is one
+decode layer's scores, softmax and values per token over its selected rows, read in place from the pool (no
+gathered copy; ~40 us against ~70 us of index_select / baddbmm / softmax / bmm at 128 keys and 16 heads); both
+compute-light enough that one thread is what they get.
 
 Applies to float32 CPU tensors, 1 <= M <= LIMIT, rows of x and w contiguous, one torch thread (the kernel runs on
 the calling thread; with more threads the BLAS's own win); callers fall back to the BLAS on None. Built on first use
@@ -28,7 +36,7 @@ from dsakv.util.cbuild import CSource, load_or_build
 
 log = logging.getLogger(__name__)
 
-SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native"))
+SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native"), libs=("-lm",))
 MAX_ROWS = 12  # gemv takes it for ROWS + 1 .. MAX_ROWS rows (MKL is as fast at 16: bench/decode_ops.py)
 LIMIT = 16  # the C kernel's own limit (MMAX)
 _LIB: list[ctypes.CDLL | None | bool] = [None]  # None: not tried yet; False: unavailable (warned once)
@@ -50,6 +58,10 @@ def _load(out: Path) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64]
     lib.small_gemm.restype = ctypes.c_int
+    lib.bgemv_kn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, i64, i64]
+    lib.bgemv_kn.restype = ctypes.c_int
+    lib.mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, ctypes.c_float, p, p]
+    lib.mla_decode.restype = ctypes.c_int
     return lib
 
 
@@ -92,3 +104,74 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if c.small_gemm(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), n, m, n, k) != 0:
         return None
     return y
+
+
+def _plain_f32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and torch.get_num_threads() == 1
+
+
+def bgemv_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """torch.bmm(x [B, M, K], w [B, K, N]) for M <= 4 and w's N dimension contiguous (the absorbed attention's
+    per-head W_UK at decode: its rows read in memory order), a new contiguous [B, M, N], or None where it does not
+    apply (the caller runs torch.bmm)."""
+    if (
+        not _plain_f32(x, w)
+        or x.dim() != 3
+        or w.dim() != 3
+        or not 0 < x.shape[1] <= 4
+        or x.shape[0] != w.shape[0]
+        or x.shape[2] != w.shape[1]
+        or x.stride(2) != 1
+        or w.stride(2) != 1
+    ):
+        return None
+    c = lib()
+    if c is None:
+        return None
+    b, m, k = (int(s) for s in x.shape)
+    n = int(w.shape[2])
+    y = torch.empty((b, m, n), dtype=torch.float32)
+    if c.bgemv_kn(
+        x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(), b, m, k, n
+    ):
+        return None
+    return y
+
+
+def mla_decode(
+    query: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, bias: torch.Tensor | None, scale: float, r: int
+) -> torch.Tensor | None:
+    """The absorbed MLA attention of decode tokens read in place from the pool (small_gemm.c's mla_decode):
+    query [T, H, D] float32, rows [S, D] the pool's float32 rows (row stride any), slots [T, k] int64 pool rows of
+    each token's selected keys (in range: the caller checked them), bias [T, 1, k] or [T, k] (0 or -inf) or None,
+    -> o_lat [T, H, r] = softmax(scale * q . row + bias) . row[:r], or None where it does not apply."""
+    if (
+        not _plain_f32(query, rows)
+        or query.dim() != 3
+        or rows.dim() != 2
+        or rows.stride(1) != 1
+        or query.shape[2] != rows.shape[1]
+        or slots.dtype != torch.int64
+        or slots.dim() != 2
+        or slots.shape[0] != query.shape[0]
+        or not 0 < r <= int(query.shape[2])
+        or (bias is not None and (bias.dtype != torch.float32 or bias.numel() != slots.numel()))
+    ):
+        return None
+    c = lib()
+    if c is None:
+        return None
+    t, h, d = (int(s) for s in query.shape)
+    k = int(slots.shape[1])
+    if k == 0:
+        return None
+    q = query.contiguous()
+    sl = slots.contiguous()
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty((t, h, r), dtype=torch.float32)
+    scratch = torch.empty(h * k, dtype=torch.float32)
+    c.mla_decode(
+        q.data_ptr(), t, h, d, r, rows.data_ptr(), rows.stride(0), sl.data_ptr(), k,
+        None if b is None else b.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
+    )  # fmt: skip
+    return out

@@ -7,6 +7,7 @@
  * in a tile: the last weight row repeated (computed, not stored); a block of x has only the rows there are. Each
  * output's K is summed in 16 lanes, then across them: another order than the BLAS's (~1e-6 relative). */
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define VL 16
@@ -80,6 +81,121 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
                 for (int64_t kk = kv; kk < k; kk++) s += xi[kk] * wr[j][kk];
                 y[i * ldy + n0 + j] = s;
             }
+        }
+    }
+    return 0;
+}
+
+/* y[b, m, :] = sum_k x[b, m, k] * w[b, k, :] for a weight whose N dimension is contiguous (the absorbed
+ * attention's per-head W_UK [H, nope, r] at decode): w's rows are read in memory order, once for the m <= 4 rows
+ * of x, N in chunks of 4 vectors (16 accumulators). x: rows sxm apart, batches sxb apart; w: rows swk apart,
+ * batches swb apart; y: [B, M, N] contiguous. Returns 0, or -1 when M is out of range (nothing written). The sum
+ * over k runs in k order per output (the BLAS may block it: ~1e-7 relative). */
+#define NC (4 * VL)
+int bgemv_kn(const float *x, int64_t sxb, int64_t sxm, const float *w, int64_t swb, int64_t swk, float *y,
+             int64_t nb, int64_t m, int64_t k, int64_t n) {
+    if (m < 1 || m > 4) return -1;
+    const int64_t nv = n - n % NC;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * sxb, *wb = w + b * swb;
+        float *yb = y + b * m * n;
+        for (int64_t n0 = 0; n0 < nv; n0 += NC) {
+            vf a[4][4];
+            memset(a, 0, sizeof(a));
+            for (int64_t kk = 0; kk < k; kk++) {
+                const float *wr = wb + kk * swk + n0;
+                vf w0 = load(wr), w1 = load(wr + VL), w2 = load(wr + 2 * VL), w3 = load(wr + 3 * VL);
+                for (int i = 0; i < m; i++) {
+                    const float xi = xb[i * sxm + kk];
+                    a[i][0] += xi * w0;
+                    a[i][1] += xi * w1;
+                    a[i][2] += xi * w2;
+                    a[i][3] += xi * w3;
+                }
+            }
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < 4; j++) memcpy(yb + i * n + n0 + j * VL, &a[i][j], sizeof(vf));
+        }
+        for (int64_t c = nv; c < n; c++) /* columns past the last chunk */
+            for (int i = 0; i < m; i++) {
+                float s = 0.0f;
+                for (int64_t kk = 0; kk < k; kk++) s += xb[i * sxm + kk] * wb[kk * swk + c];
+                yb[i * n + c] = s;
+            }
+    }
+    return 0;
+}
+
+#define HB 8  /* heads per block: 8 independent accumulator chains */
+#define RC (2 * VL) /* value columns per pass: 8 heads x 2 vectors of accumulators in registers */
+
+/* The absorbed MLA attention of decode tokens over their selected cached rows, read in place from the pool's
+ * float32 rows (no gathered copy): per token t and head h, s_j = scale * q[t, h] . row(slots[t, j]) + bias[t, j]
+ * over the k selected rows, p = softmax(s) (float32, max subtracted), out[t, h, :] = sum_j p_j * row(...)[:r].
+ * q: [T, H, D] contiguous (D = r + rope); rows: D floats each, ldr apart; slots: [T, k] int64 in range (checked
+ * by the caller); bias: [T, k] (0 or -inf) or NULL; out: [T, H, r] contiguous; scratch: H * k floats. Heads run
+ * in blocks of 8 (a block past H repeats the last head, computed, not stored). Sums run in another order than
+ * the BLAS's (~1e-6 relative). Returns 0. */
+int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, const float *rows, int64_t ldr,
+               const int64_t *slots, int64_t k, const float *bias, float scale, float *out, float *scratch) {
+    const int64_t dv = d - d % VL, rv = r - r % RC;
+    for (int64_t t = 0; t < nt; t++) {
+        const float *qt = q + t * nh * d;
+        const int64_t *st = slots + t * k;
+        const float *bt = bias ? bias + t * k : NULL;
+        float *ot = out + t * nh * r;
+        for (int64_t h0 = 0; h0 < nh; h0 += HB) {
+            const float *qh[HB];
+            int64_t hi[HB];
+            for (int i = 0; i < HB; i++) {
+                hi[i] = h0 + i < nh ? h0 + i : nh - 1;
+                qh[i] = qt + hi[i] * d;
+            }
+            for (int64_t j = 0; j < k; j++) { /* scores: the row read once for the block's heads */
+                const float *row = rows + st[j] * ldr;
+                vf a[HB];
+                memset(a, 0, sizeof(a));
+                for (int64_t i = 0; i < dv; i += VL) {
+                    const vf rw = load(row + i);
+                    for (int hh = 0; hh < HB; hh++) a[hh] += load(qh[hh] + i) * rw;
+                }
+                const float b = bt ? bt[j] : 0.0f;
+                for (int hh = 0; hh < HB; hh++) {
+                    float sc = hsum(a[hh]);
+                    for (int64_t i = dv; i < d; i++) sc += qh[hh][i] * row[i];
+                    scratch[hi[hh] * k + j] = scale * sc + b;
+                }
+            }
+            for (int hh = 0; hh < HB && h0 + hh < nh; hh++) { /* softmax over the k scores of each head */
+                float *p = scratch + (h0 + hh) * k, mx = p[0], sum = 0.0f;
+                for (int64_t j = 1; j < k; j++) mx = p[j] > mx ? p[j] : mx;
+                for (int64_t j = 0; j < k; j++) {
+                    p[j] = expf(p[j] - mx);
+                    sum += p[j];
+                }
+                const float inv = 1.0f / sum;
+                for (int64_t j = 0; j < k; j++) p[j] *= inv;
+            }
+            for (int64_t c0 = 0; c0 < rv; c0 += RC) { /* values: 8 heads x RC columns in registers over the rows */
+                vf a[HB][2];
+                memset(a, 0, sizeof(a));
+                for (int64_t j = 0; j < k; j++) {
+                    const float *row = rows + st[j] * ldr + c0;
+                    const vf r0 = load(row), r1 = load(row + VL);
+                    for (int hh = 0; hh < HB; hh++) {
+                        const float pj = scratch[hi[hh] * k + j];
+                        a[hh][0] += pj * r0;
+                        a[hh][1] += pj * r1;
+                    }
+                }
+                for (int hh = 0; hh < HB && h0 + hh < nh; hh++) memcpy(ot + (h0 + hh) * r + c0, a[hh], sizeof(a[hh]));
+            }
+            for (int64_t c = rv; c < r; c++) /* columns past the last pass */
+                for (int hh = 0; hh < HB && h0 + hh < nh; hh++) {
+                    float o = 0.0f;
+                    for (int64_t j = 0; j < k; j++) o += scratch[(h0 + hh) * k + j] * rows[st[j] * ldr + c];
+                    ot[(h0 + hh) * r + c] = o;
+                }
         }
     }
     return 0;
