@@ -101,9 +101,10 @@ def test_small_gemm_matches_matmul():
     assert small_gemm(x[:4, :516], w) is None  # K mismatch
     assert small_gemm(x[:4].t().contiguous().t(), w) is None  # x's rows not contiguous
     threads = torch.get_num_threads()
+    one = small_gemm(x[:12], w)
     torch.set_num_threads(2)
-    try:
-        assert small_gemm(x[:4], w) is None  # more threads: the BLAS's own
+    try:  # two OpenMP threads share the weight-row tiles: each output computed as on one, bitwise
+        assert torch.equal(small_gemm(x[:12], w), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -145,6 +146,14 @@ def test_bgemv_kn_matches_bmm():
     assert bgemv_kn(x[:, :2], w.transpose(1, 2).contiguous().transpose(1, 2)) is None  # N not contiguous
     assert bgemv_kn(x[:, :2].double(), w.double()) is None
     assert bgemv_kn(x[:4, :2], w) is None  # batch mismatch
+    big_w, big_x = torch.randn(16, 64, 256, generator=g), torch.randn(16, 2, 64, generator=g)
+    one = bgemv_kn(big_x, big_w)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # two OpenMP threads share the batches: bitwise the one-thread result
+        assert torch.equal(bgemv_kn(big_x, big_w), one)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _eager_attention(q, rows, slots, bias, scale, r):
@@ -181,9 +190,11 @@ def test_mla_decode_matches_eager_attention():
     assert mla_decode(q.double(), rows.double(), slots, None, 1.0, 256) is None
     assert mla_decode(q[..., :200], rows, slots, None, 1.0, 256) is None  # D mismatch
     assert mla_decode(q, rows.t().contiguous().t(), slots, None, 1.0, 256) is None  # rows not contiguous
+    q, slots = torch.randn(3, 16, 288), torch.randint(0, 64, (3, 40))
+    one = mla_decode(q, rows, slots, None, 1.0, 256)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
-    try:
-        assert mla_decode(q, rows, slots, None, 1.0, 256) is None  # more threads: the eager ops
+    try:  # two OpenMP threads share the (token, head block) pairs: bitwise the one-thread result
+        assert torch.equal(mla_decode(q, rows, slots, None, 1.0, 256), one)
     finally:
         torch.set_num_threads(threads)

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.cache.kv_access import PoolAccess
+from dsakv.model.attn_fused import attn_in
 from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import bmm, compiled_gemv_on
 from dsakv.model.layers import LinearGroup, RMSNorm, linear_add, rms_norm
@@ -151,17 +152,22 @@ class Indexer(nn.Module):
         ctx: StepContext,
         layer: int,
         proj: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        new_key: torch.Tensor | None = None,
     ) -> TopK:
         """Top-k of every token of the step; writes the new tokens' index keys. `proj`: (wq_b(q_resid), wk(x),
-        weights_proj(x)) when the caller ran them fused with its own projections."""
+        weights_proj(x)) when the caller ran them fused with its own projections; `new_key`: the new tokens'
+        normed and roped index keys when the caller computed them (attn_fused.attn_in)."""
         t = x.shape[0]
         if proj is None:
             proj = (self.wq_b(q_resid), self.wk(x), self.weights_proj(x.to(self.weights_proj.weight.dtype)))
         q_raw, k_raw, w_raw = proj
         rot = ctx.rope(self.head_dim, self.interleaved, x.dtype)  # rope on the first rope_dim values
-        kn = self.k_norm
-        k = torch.bmm(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
-        k = k.squeeze(1)
+        if new_key is None:
+            kn = self.k_norm
+            k = torch.bmm(F.layer_norm(k_raw, kn.normalized_shape, kn.weight, kn.bias, kn.eps).unsqueeze(1), rot)
+            k = k.squeeze(1)
+        else:
+            k = new_key
         key = BufferKey(layer, Kind.INDEX_K)
         ctx.pool.write(key, ctx.out_slots, k)
         every = ctx.all_causal_topk()
@@ -281,22 +287,30 @@ class MLAttention(nn.Module):
         """(attention output [T, hidden], plus `residual` when given, added inside o_proj's matmul; the top-k)."""
         t = x.shape[0]
         h = self.num_heads
-        rot = ctx.rope(self.rope_dim, True, x.dtype)
         r = self.kv_lora_rank
-        x_out = self._x_proj(x)  # q_a | kv_a (| indexer wk | weights_proj): views of one matmul
-        qn, kn = self.q_a_layernorm, self.kv_a_layernorm
-        q_resid = rms_norm(x_out[0], qn.weight, qn.eps)
-        latent = rms_norm(x_out[1][:, :r], kn.weight, kn.eps)
-        q_out = self._q_proj(q_resid)
-        q = q_out[0].view(t, h, self.qk_head_dim)
-        q_nope = q[..., : self.nope]
-        q_rot = torch.bmm(q[..., self.nope :], rot)
-        k_rot = torch.bmm(x_out[1][:, None, r:], rot).squeeze(1)
+        fused = attn_in(self, x, ctx)  # --compile at decode: the chain below as one compiled call, else None
+        new_index_key = None
+        if fused is not None:
+            q_nope, q_rot, kv_row, q_resid = fused.q_nope, fused.q_rot, fused.kv_row, fused.q_resid
+            index_proj, new_index_key = fused.index, fused.index_key
+        else:
+            rot = ctx.rope(self.rope_dim, True, x.dtype)
+            x_out = self._x_proj(x)  # q_a | kv_a (| indexer wk | weights_proj): views of one matmul
+            qn, kn = self.q_a_layernorm, self.kv_a_layernorm
+            q_resid = rms_norm(x_out[0], qn.weight, qn.eps)
+            latent = rms_norm(x_out[1][:, :r], kn.weight, kn.eps)
+            q_out = self._q_proj(q_resid)
+            q = q_out[0].view(t, h, self.qk_head_dim)
+            q_nope = q[..., : self.nope]
+            q_rot = torch.bmm(q[..., self.nope :], rot)
+            k_rot = torch.bmm(x_out[1][:, None, r:], rot).squeeze(1)
+            kv_row = torch.cat((latent, k_rot), dim=-1)
+            index_proj = (q_out[1], x_out[2], x_out[3]) if self.indexer is not None else None
         kv_key = BufferKey(self.layer, Kind.KV)
-        ctx.pool.write(kv_key, ctx.out_slots, torch.cat((latent, k_rot), dim=-1))
+        ctx.pool.write(kv_key, ctx.out_slots, kv_row)
 
         if self.indexer is not None:
-            topk = self.indexer.forward(x, q_resid, ctx, self.layer, (q_out[1], x_out[2], x_out[3]))
+            topk = self.indexer.forward(x, q_resid, ctx, self.layer, index_proj, new_index_key)
             if ctx.rows is not None:
                 ctx.rows.on_topk(self.layer, topk, ctx.mla_path)
         else:

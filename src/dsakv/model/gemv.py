@@ -65,7 +65,7 @@ def _compiled(
     key: tuple[Any, ...], fn: Callable[..., torch.Tensor], like: Callable[[], tuple[torch.Tensor, ...]]
 ) -> Callable[..., Any]:
     """fn compiled for inputs of exactly the shapes, strides, dtype and device of like()'s (any storage offset;
-    like is called on a miss only), called as kernel([inputs...])[0]; `key` names fn and those shapes (this dict's
+    like is called on a miss only), called as kernel([inputs...])[i] (fn's i-th output; [0] of one); `key` names fn and those shapes (this dict's
     key; with the thread count: inductor parallelises for the threads it sees).
 
     Compiled by inductor from the traced graph of one static shape, without dynamo: no guards are evaluated per
@@ -85,12 +85,17 @@ def _compiled(
                 for t in ex:
                     t.zero_()  # (the trace reads no values; deterministic inputs all the same)
                 # (inductor's decompositions, as torch.compile traces: silu and the like lower to its own kernels)
-                traced = make_fx(lambda *a: (fn(*a),), decomposition_table=select_decomp_table())(*ex)
+                traced = make_fx(lambda *a: _outputs(fn(*a)), decomposition_table=select_decomp_table())(*ex)
                 graph = compile_fx_inner(traced, ex)
                 # the generated module's call([inputs]) itself: no AOT runtime wrapper (~4 us a call less); the
                 # inputs always have the traced shapes and strides (the key), the kernel reads them unaligned
                 f = _KERNELS[key] = getattr(graph, "current_callable", graph)
     return f
+
+
+def _outputs(y: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A kernel's outputs as the flat tuple the compiled call returns (one tensor: a 1-tuple)."""
+    return y if isinstance(y, tuple) else (y,)
 
 
 def _kernel(rows: int, w: torch.Tensor, fn: Callable[..., torch.Tensor] = _gemv, x: torch.Tensor | None = None):
@@ -141,7 +146,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T on the compiled kernel ([..., N]), or None unless it is on and applies: float32 x
-    and w on CPU, at most ROWS rows (ROWS + 1 .. native.MAX_ROWS: the C tile kernel, one torch thread), w's last
+    and w on CPU, at most ROWS rows (ROWS + 1 .. native.MAX_ROWS: the C tile kernel), w's last
     dimension contiguous (the caller then runs its BLAS matmul)."""
     if not _ON[0] or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
         return None

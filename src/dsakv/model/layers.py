@@ -83,6 +83,12 @@ class LinearGroup:
         self._ptrs = (_w(self._ends[0]).data_ptr(), _w(self._ends[1]).data_ptr())
         return self._fused
 
+    def plain_weight(self) -> torch.Tensor | None:
+        """The fused [sum of outputs, in] weight when every member is in it, unscaled (not int8) and without a
+        bias (what a compiled kernel can take as one input), else None."""
+        w, scale, bias, members = self._current()
+        return w if scale is None and bias is None and len(members) == len(self.linears) else None
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[..., in] -> one [..., out_i] tensor per member (views of one result for the fused members)."""
         w, scale, bias, members = self._current()

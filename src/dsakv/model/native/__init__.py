@@ -10,11 +10,11 @@ memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 (so gemv.
 bgemv_kn reads a weight whose reduction runs over its outer dimension (the absorbed attention's per-head W_UK
 [H, nope, r], a view of kv_b_proj) in memory order; inductor's reduction read it at ~7 GB/s. mla_decode is one
 decode layer's scores, softmax and values per token over its selected rows, read in place from the pool (no
-gathered copy; ~40 us against ~70 us of index_select / baddbmm / softmax / bmm at 128 keys and 16 heads); both
-compute-light enough that one thread is what they get.
+gathered copy; ~40 us against ~70 us of index_select / baddbmm / softmax / bmm at 128 keys and 16 heads).
 
-Applies to float32 CPU tensors, 1 <= M <= LIMIT, rows of x and w contiguous, one torch thread (the kernel runs on
-the calling thread; with more threads the BLAS's own win); callers fall back to the BLAS on None. Built on first use
+Applies to float32 CPU tensors, 1 <= M <= LIMIT, rows of x and w contiguous; callers fall back to the BLAS on None.
+Each call runs on torch's thread count (OpenMP: the same libgomp as torch and inductor's kernels, so one pool; a
+call under PARALLEL_MACS multiply-adds on the calling thread alone). Built on first use
 with -O3 -march=native (GCC/Clang vector extensions: AVX-512 here, AVX2 / NEON elsewhere) into ~/.cache/dsakv
 (dsakv.util.cbuild), named by the source, the flags and this CPU's feature flags; without a compiler, if the build
 fails, or with DSAKV_NO_NATIVE=1, every call returns None after one warning. Its sums run in another order than the
@@ -36,7 +36,7 @@ from dsakv.util.cbuild import CSource, load_or_build
 
 log = logging.getLogger(__name__)
 
-SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native"), libs=("-lm",))
+SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native", "-fopenmp"), libs=("-lm",))
 MAX_ROWS = 12  # gemv takes it for ROWS + 1 .. MAX_ROWS rows (MKL is as fast at 16: bench/decode_ops.py)
 LIMIT = 16  # the C kernel's own limit (MMAX)
 _LIB: list[ctypes.CDLL | None | bool] = [None]  # None: not tried yet; False: unavailable (warned once)
@@ -56,11 +56,12 @@ def _cpu_tag() -> str:
 def _load(out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64]
+    c_int = ctypes.c_int
+    lib.small_gemm.argtypes = [p, i64, p, i64, p, i64, i64, i64, i64, c_int]
     lib.small_gemm.restype = ctypes.c_int
-    lib.bgemv_kn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, i64, i64]
+    lib.bgemv_kn.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, i64, i64, c_int]
     lib.bgemv_kn.restype = ctypes.c_int
-    lib.mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, ctypes.c_float, p, p]
+    lib.mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, ctypes.c_float, p, p, c_int]
     lib.mla_decode.restype = ctypes.c_int
     return lib
 
@@ -92,7 +93,6 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         or x.shape[1] != w.shape[1]
         or x.stride(1) != 1
         or w.stride(1) != 1
-        or torch.get_num_threads() != 1
     ):
         return None
     c = lib()
@@ -101,13 +101,24 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     m, k = int(x.shape[0]), int(x.shape[1])
     n = int(w.shape[0])
     y = torch.empty((m, n), dtype=torch.float32)
-    if c.small_gemm(x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), n, m, n, k) != 0:
+    if c.small_gemm(
+        x.data_ptr(), x.stride(0), w.data_ptr(), w.stride(0), y.data_ptr(), n, m, n, k, _threads(m * n * k)
+    ):
         return None
     return y
 
 
 def _plain_f32(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts) and torch.get_num_threads() == 1
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+PARALLEL_MACS = 1 << 17  # a call of fewer multiply-adds runs on the calling thread (OpenMP's fork costs ~us)
+
+
+def _threads(macs: int) -> int:
+    """OpenMP threads for a call of `macs` multiply-adds: torch's thread count (its pool: the same libgomp), or 1
+    for a small call."""
+    return torch.get_num_threads() if macs >= PARALLEL_MACS else 1
 
 
 def bgemv_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -132,7 +143,18 @@ def bgemv_kn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     n = int(w.shape[2])
     y = torch.empty((b, m, n), dtype=torch.float32)
     if c.bgemv_kn(
-        x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1), y.data_ptr(), b, m, k, n
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        w.data_ptr(),
+        w.stride(0),
+        w.stride(1),
+        y.data_ptr(),
+        b,
+        m,
+        k,
+        n,
+        _threads(b * m * k * n),
     ):
         return None
     return y
@@ -169,9 +191,9 @@ def mla_decode(
     sl = slots.contiguous()
     b = None if bias is None else bias.contiguous()
     out = torch.empty((t, h, r), dtype=torch.float32)
-    scratch = torch.empty(h * k, dtype=torch.float32)
+    scratch = torch.empty(t * h * k, dtype=torch.float32)
     c.mla_decode(
         q.data_ptr(), t, h, d, r, rows.data_ptr(), rows.stride(0), sl.data_ptr(), k,
-        None if b is None else b.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(),
+        None if b is None else b.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), _threads(t * h * k * d),
     )  # fmt: skip
     return out

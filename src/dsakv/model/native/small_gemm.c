@@ -50,14 +50,16 @@ static inline __attribute__((always_inline)) void tile(int mr, vf acc[4][4], con
         for (int j = 0; j < 4; j++) acc[i][j] = a[i][j];
 }
 
-/* x: [M, K] rows ldx apart; w: [N, K] rows ldw apart; y: [M, N] rows ldy apart; M <= MMAX. Returns 0, or -1 when
- * M is out of range (nothing written). */
+/* x: [M, K] rows ldx apart; w: [N, K] rows ldw apart; y: [M, N] rows ldy apart; M <= MMAX; `threads` OpenMP
+ * threads (torch's own pool: the same libgomp) share the weight-row tiles. Returns 0, or -1 when M is out of range
+ * (nothing written). */
 int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int64_t m,
-               int64_t n, int64_t k) {
+               int64_t n, int64_t k, int threads) {
     if (m < 1 || m > MMAX) return -1;
     const int64_t kv = k - k % VL;
-    vf acc[MMAX / 4][4][4];
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n0 = 0; n0 < n; n0 += 4) {
+        vf acc[MMAX / 4][4][4];
         const float *wr[4];
         for (int j = 0; j < 4; j++) wr[j] = w + (n0 + j < n ? n0 + j : n - 1) * ldw;
         memset(acc, 0, sizeof(acc));
@@ -86,37 +88,53 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
     return 0;
 }
 
+/* One block of columns [n0, n0 + nvec * VL) of y[m rows] = x . w over k rows of w (m * nvec <= 16 accumulators),
+ * each row's block read once, in memory order (mr, nvec constants once inlined). */
+static inline __attribute__((always_inline)) void kn_block(int mr, int nvec, const float *xb, int64_t sxm,
+                                                           const float *wb, int64_t swk, float *yb, int64_t n,
+                                                           int64_t n0, int64_t k) {
+    vf a[4][16];
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nvec; v++) a[i][v] = (vf){0};
+    for (int64_t kk = 0; kk < k; kk++) {
+        const float *wr = wb + kk * swk + n0;
+        for (int v = 0; v < nvec; v++) {
+            const vf wv = load(wr + v * VL);
+            for (int i = 0; i < mr; i++) a[i][v] += xb[i * sxm + kk] * wv;
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < nvec; v++) memcpy(yb + i * n + n0 + v * VL, &a[i][v], sizeof(vf));
+}
+
 /* y[b, m, :] = sum_k x[b, m, k] * w[b, k, :] for a weight whose N dimension is contiguous (the absorbed
- * attention's per-head W_UK [H, nope, r] at decode): w's rows are read in memory order, once for the m <= 4 rows
- * of x, N in chunks of 4 vectors (16 accumulators). x: rows sxm apart, batches sxb apart; w: rows swk apart,
- * batches swb apart; y: [B, M, N] contiguous. Returns 0, or -1 when M is out of range (nothing written). The sum
- * over k runs in k order per output (the BLAS may block it: ~1e-7 relative). */
-#define NC (4 * VL)
+ * attention's per-head W_UK [H, nope, r] at decode): each weight row is read once, in memory order, for the m <= 4
+ * rows of x; columns in blocks of 16 / m vectors (16 accumulators: one row of x takes 256 columns of a weight row
+ * at a time). x: rows sxm apart, batches sxb apart; w: rows swk apart, batches swb apart; y: [B, M, N] contiguous.
+ * `threads` OpenMP threads share the batches. Returns 0, or -1 when M is out of range (nothing written). Each
+ * output sums over k in k order. */
 int bgemv_kn(const float *x, int64_t sxb, int64_t sxm, const float *w, int64_t swb, int64_t swk, float *y,
-             int64_t nb, int64_t m, int64_t k, int64_t n) {
+             int64_t nb, int64_t m, int64_t k, int64_t n, int threads) {
     if (m < 1 || m > 4) return -1;
-    const int64_t nv = n - n % NC;
+    const int64_t nvec = 16 / (m == 3 ? 4 : m), nc = nvec * VL; /* 16, 8, 4, 4 vectors */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * sxb, *wb = w + b * swb;
         float *yb = y + b * m * n;
-        for (int64_t n0 = 0; n0 < nv; n0 += NC) {
-            vf a[4][4];
-            memset(a, 0, sizeof(a));
-            for (int64_t kk = 0; kk < k; kk++) {
-                const float *wr = wb + kk * swk + n0;
-                vf w0 = load(wr), w1 = load(wr + VL), w2 = load(wr + 2 * VL), w3 = load(wr + 3 * VL);
-                for (int i = 0; i < m; i++) {
-                    const float xi = xb[i * sxm + kk];
-                    a[i][0] += xi * w0;
-                    a[i][1] += xi * w1;
-                    a[i][2] += xi * w2;
-                    a[i][3] += xi * w3;
-                }
+        int64_t n0 = 0;
+        for (; n0 + nc <= n; n0 += nc) switch (m) {
+            case 1: kn_block(1, 16, xb, sxm, wb, swk, yb, n, n0, k); break;
+            case 2: kn_block(2, 8, xb, sxm, wb, swk, yb, n, n0, k); break;
+            case 3: kn_block(3, 4, xb, sxm, wb, swk, yb, n, n0, k); break;
+            default: kn_block(4, 4, xb, sxm, wb, swk, yb, n, n0, k); break;
             }
-            for (int i = 0; i < m; i++)
-                for (int j = 0; j < 4; j++) memcpy(yb + i * n + n0 + j * VL, &a[i][j], sizeof(vf));
-        }
-        for (int64_t c = nv; c < n; c++) /* columns past the last chunk */
+        for (; n0 + VL <= n; n0 += VL) switch (m) { /* whole vectors past the last block */
+            case 1: kn_block(1, 1, xb, sxm, wb, swk, yb, n, n0, k); break;
+            case 2: kn_block(2, 1, xb, sxm, wb, swk, yb, n, n0, k); break;
+            case 3: kn_block(3, 1, xb, sxm, wb, swk, yb, n, n0, k); break;
+            default: kn_block(4, 1, xb, sxm, wb, swk, yb, n, n0, k); break;
+            }
+        for (int64_t c = n0; c < n; c++) /* columns past the last vector */
             for (int i = 0; i < m; i++) {
                 float s = 0.0f;
                 for (int64_t kk = 0; kk < k; kk++) s += xb[i * sxm + kk] * wb[kk * swk + c];
@@ -133,18 +151,21 @@ int bgemv_kn(const float *x, int64_t sxb, int64_t sxm, const float *w, int64_t s
  * float32 rows (no gathered copy): per token t and head h, s_j = scale * q[t, h] . row(slots[t, j]) + bias[t, j]
  * over the k selected rows, p = softmax(s) (float32, max subtracted), out[t, h, :] = sum_j p_j * row(...)[:r].
  * q: [T, H, D] contiguous (D = r + rope); rows: D floats each, ldr apart; slots: [T, k] int64 in range (checked
- * by the caller); bias: [T, k] (0 or -inf) or NULL; out: [T, H, r] contiguous; scratch: H * k floats. Heads run
- * in blocks of 8 (a block past H repeats the last head, computed, not stored). Sums run in another order than
- * the BLAS's (~1e-6 relative). Returns 0. */
+ * by the caller); bias: [T, k] (0 or -inf) or NULL; out: [T, H, r] contiguous; scratch_all: T * H * k floats.
+ * Heads run in blocks of 8 (a block past H repeats the last head, computed, not stored); `threads` OpenMP threads
+ * share the (token, head block) pairs. Sums run in another order than the BLAS's (~1e-6 relative). Returns 0. */
 int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, const float *rows, int64_t ldr,
-               const int64_t *slots, int64_t k, const float *bias, float scale, float *out, float *scratch) {
-    const int64_t dv = d - d % VL, rv = r - r % RC;
-    for (int64_t t = 0; t < nt; t++) {
+               const int64_t *slots, int64_t k, const float *bias, float scale, float *out, float *scratch_all,
+               int threads) {
+    const int64_t dv = d - d % VL, rv = r - r % RC, nhb = (nh + HB - 1) / HB;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t tb = 0; tb < nt * nhb; tb++) { /* (token, block of heads) pairs: independent */
+        const int64_t t = tb / nhb, h0 = (tb % nhb) * HB;
         const float *qt = q + t * nh * d;
         const int64_t *st = slots + t * k;
         const float *bt = bias ? bias + t * k : NULL;
-        float *ot = out + t * nh * r;
-        for (int64_t h0 = 0; h0 < nh; h0 += HB) {
+        float *ot = out + t * nh * r, *scratch = scratch_all + t * nh * k;
+        {
             const float *qh[HB];
             int64_t hi[HB];
             for (int i = 0; i < HB; i++) {
