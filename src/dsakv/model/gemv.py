@@ -62,11 +62,11 @@ def compiled_gemv_on() -> bool:
 
 
 def _compiled(
-    key: tuple[Any, ...], fn: Callable[..., torch.Tensor], like: Callable[[], tuple[torch.Tensor, ...]]
+    key: tuple[Any, ...], fn: Callable[..., Any], like: Callable[[], tuple[torch.Tensor, ...]]
 ) -> Callable[..., Any]:
     """fn compiled for inputs of exactly the shapes, strides, dtype and device of like()'s (any storage offset;
-    like is called on a miss only), called as kernel([inputs...])[i] (fn's i-th output; [0] of one); `key` names fn and those shapes (this dict's
-    key; with the thread count: inductor parallelises for the threads it sees).
+    like is called on a miss only), called as kernel([inputs...])[i] (fn's i-th output; [0] of one); `key` names
+    fn and those shapes (this dict's key; with the thread count: inductor parallelises for the threads it sees).
 
     Compiled by inductor from the traced graph of one static shape, without dynamo: no guards are evaluated per
     call (a dynamo-compiled function spent ~20 us a call on them, and with the weights' varying strides and offsets
