@@ -13,10 +13,11 @@ from dsakv.config import EngineConfig
 from dsakv.engine.argv import engine_argv
 from dsakv.engine.engine import Engine
 from dsakv.engine.sampling import SamplingParams
-from dsakv.model import attention
+from dsakv.model import attention, dsa_model
 from dsakv.model import gemv as gemv_mod
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.loader import load_model
+from dsakv.model.moe_fused import moe_after_attention
 from dsakv.model.native import MAX_ROWS, mla_decode
 from dsakv.model.tiny import make_tiny
 from dsakv.testing.config import engine_config as flat_config
@@ -26,7 +27,11 @@ from dsakv.testing.models import greedy, prompts_for
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     base = tmp_path_factory.mktemp("compile")
-    return {arch: make_tiny(base / arch, arch=arch, seed=0) for arch in ("glm_moe_dsa", "deepseek_v32")}
+    out = {arch: make_tiny(base / arch, arch=arch, seed=0) for arch in ("glm_moe_dsa", "deepseek_v32")}
+    # experts large enough that one token skips the dense MoE path (as on real models): moe_after_attention runs
+    big = {"hidden_size": 256, "moe_intermediate_size": 512, "n_routed_experts": 8, "num_experts_per_tok": 2}
+    out["big_experts"] = make_tiny(base / "big", arch="glm_moe_dsa", seed=0, overrides=big)
+    return out
 
 
 @pytest.fixture
@@ -66,9 +71,18 @@ def test_compiled_decode_tokens_equal_eager(ckpts, arch, compiled, monkeypatch):
     assert 0.0 < diff < 1e-4
 
 
-def test_engine_flag_batch1_tokens(ckpts, compiled):
-    """Engine(compile_decode=True) turns the kernel on; a batch-1 decode (1-row matmuls) gives eager's tokens."""
-    path = ckpts["glm_moe_dsa"]
+def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
+    """Engine(compile_decode=True) turns the kernel on; a batch-1 decode (1-row matmuls, each MoE layer's tail as
+    one moe_after_attention call) gives eager's tokens."""
+    ran = []
+
+    def counted(*a, **kw):
+        out = moe_after_attention(*a, **kw)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(dsa_model, "moe_after_attention", counted)
+    path = ckpts["big_experts"]
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompt = prompts_for([11])[0]
     out = {}
@@ -78,6 +92,7 @@ def test_engine_flag_batch1_tokens(ckpts, compiled):
         eng = Engine(path, cfg)
         assert gemv_mod.compiled_gemv_on() is on
         out[on] = eng.generate([prompt], sp)
+        assert (len(ran) > 0) is on and all(ran)
     assert out[True] == out[False]
 
 

@@ -11,8 +11,8 @@ import torch
 
 from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
-from dsakv.model.layers import MoE, choose_moe_path
-from dsakv.model.moe_fused import moe_one
+from dsakv.model.layers import MoE, choose_moe_path, rms_norm
+from dsakv.model.moe_fused import moe_after_attention, moe_one
 from dsakv.model.native import LIMIT, MAX_ROWS, bgemv_kn, mla_decode, small_gemm
 from dsakv.model.tiny import tiny_config
 
@@ -198,3 +198,28 @@ def test_mla_decode_matches_eager_attention():
         assert torch.equal(mla_decode(q, rows, slots, None, 1.0, 256), one)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_moe_after_attention_matches_projection_norm_and_moe(compiled):
+    """A batch-1 layer's tail in one compiled call (o_proj onto the residual stream, the post-attention RMSNorm,
+    the MoE with that stream as its residual): within 1e-5 relative of the eager o . W_o^T + stream, rms_norm and
+    MoE.forward; None for two tokens, float64, a wrong stream shape, and with --compile off."""
+    moe = make_moe((1, 1), seed=4)
+    g = torch.Generator().manual_seed(10)
+    w_o = torch.randn(256, 96, generator=g) * 0.1
+    norm_w = torch.rand(256, generator=g) + 0.5
+    with torch.inference_mode():
+        for _ in range(3):
+            o, stream = torch.randn(1, 96, generator=g), torch.randn(1, 256, generator=g)
+            got = moe_after_attention(o, w_o, stream, norm_w, 1e-6, moe)
+            use_compiled_gemv(False)
+            h = o @ w_o.t() + stream
+            want = moe.forward(rms_norm(h, norm_w, 1e-6), residual=h)
+            use_compiled_gemv(True)
+            assert got is not None
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        assert moe_after_attention(torch.randn(2, 96), w_o, torch.randn(2, 256), norm_w, 1e-6, moe) is None
+        assert moe_after_attention(o.double(), w_o, stream, norm_w, 1e-6, moe) is None
+        assert moe_after_attention(o, w_o, torch.randn(1, 128), norm_w, 1e-6, moe) is None
+        use_compiled_gemv(False)
+        assert moe_after_attention(o, w_o, stream, norm_w, 1e-6, moe) is None

@@ -282,9 +282,15 @@ class MLAttention(nn.Module):
         return w_uk, w_uv_t
 
     def forward(
-        self, x: torch.Tensor, ctx: StepContext, prev_topk: TopK | None, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        ctx: StepContext,
+        prev_topk: TopK | None,
+        residual: torch.Tensor | None = None,
+        project: bool = True,
     ) -> tuple[torch.Tensor, TopK]:
-        """(attention output [T, hidden], plus `residual` when given, added inside o_proj's matmul; the top-k)."""
+        """(attention output [T, hidden], plus `residual` when given, added inside o_proj's matmul; the top-k).
+        project=False: the heads' output [T, H * v] before o_proj (the caller projects it; residual unused)."""
         t = x.shape[0]
         h = self.num_heads
         r = self.kv_lora_rank
@@ -326,6 +332,8 @@ class MLAttention(nn.Module):
             out = self._absorbed(x, q_nope, q_rot, sel, valid, ctx, kv_key, mask, slots)
         else:
             out = self._expanded(x, q_nope, q_rot, topk, ctx, kv_key)
+        if not project:
+            return out.reshape(t, h * self.v_dim), topk
         return linear_add(out.reshape(t, h * self.v_dim), self.o_proj, residual), topk
 
     def _absorbed(

@@ -26,7 +26,9 @@ from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
-from dsakv.model.layers import MLP, MoE, RMSNorm, linear, rms_norm
+from dsakv.model.gemv import compiled_gemv_on
+from dsakv.model.layers import MLP, MoE, RMSNorm, linear, linear_add, rms_norm
+from dsakv.model.moe_fused import moe_after_attention
 from dsakv.model.quant import linear_dtype
 from dsakv.model.rope import Rope, rope_inv_freq
 from dsakv.spec.layout import DEFAULT_PAGE_SIZE, KVLayout
@@ -59,7 +61,16 @@ class DecoderLayer(nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         red = self.reduce
         if red is None:
-            x, topk = self.self_attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x)
+            attn = self.self_attn
+            if isinstance(self.mlp, MoE) and x.shape[0] == 1 and compiled_gemv_on() and attn.o_proj.bias is None:
+                # --compile, one token: o_proj, residual, RMSNorm and the MoE layer as one compiled call
+                o, topk = attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, project=False)
+                y = moe_after_attention(o, attn.o_proj.weight, x, ln2.weight, ln2.eps, self.mlp)
+                if y is not None:
+                    return y, topk
+                x = linear_add(o, attn.o_proj, x)
+            else:
+                x, topk = attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, residual=x)
             return self.mlp.forward(rms_norm(x, ln2.weight, ln2.eps), residual=x), topk
         # tensor parallel: partial o_proj / down-projection outputs, summed over the group; residual on the lead
         h, topk = self.self_attn.forward(

@@ -383,6 +383,13 @@ class MoE(nn.Module):
         self._ptrs = self._members()
         return self._fused
 
+    def one_token_weights(self) -> MoEWeights | None:
+        """The fused weights when one token takes moe_fused.moe_one's path (not the dense path), else None."""
+        f = self._weights()
+        if not f.blocked and choose_moe_path(1, self._top_k, self._n_experts, self._row_macs) == "dense":
+            return None
+        return f
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] (plus `residual` when given); expert outputs are added in expert-id order per token on
         the grouped paths (the stable sort keeps it), as transformers' per-expert index_add_ does, then the shared

@@ -9,6 +9,7 @@ experts' weights are read through their ids inside the kernel (indirect loads fr
 gate|up and [E, hidden, I] down weights; nothing gathered or copied), each weight row read once.
 
     y = moe_one(x, residual, f, gate)   # MoE.forward(x, residual) for x [1, hidden], or None where it does not apply
+    y = moe_after_attention(o, o_proj, stream, norm_weight, eps, moe)  # + the o_proj, residual and RMSNorm before it
 
 Applies with `--compile` on (gemv.compiled_gemv_on), one float32 token on CPU, float weights (not int8) and the
 router fused into w_in; every other call takes the eager path (the reference). Sums in another order than eager
@@ -58,9 +59,14 @@ def route(
 
 @functools.cache
 def _moe_one_fn(spec: tuple[Any, ...]):  # type: ignore[no-untyped-def]
-    r, top_k, n_group, topk_group, norm, scaling, with_residual = spec
+    r, top_k, n_group, topk_group, norm, scaling, with_residual = spec[:7]
+    after_attention = spec[7] if len(spec) > 7 else None  # moe_after_attention: the norm's eps
 
     def moe_one(*a: torch.Tensor) -> torch.Tensor:
+        if after_attention is not None:  # o_proj + residual, then the post-attention RMSNorm, all in the call
+            o, w_o, stream, norm_w = a[-4:]
+            h = (w_o * o[0]).sum(-1) + stream[0]  # [hidden]: the residual stream after attention
+            a = (F.rms_norm(h, (int(h.shape[0]),), norm_w, after_attention)[None], *a[1:6], h[None])
         x, tail, bias, gate_up, down, shared_down = a[:6]
         xv = x[0]  # [hidden]
         t = (tail * xv).sum(-1)  # router | shared gate | shared up: one reduction over hidden
@@ -80,7 +86,36 @@ def _moe_one_fn(spec: tuple[Any, ...]):  # type: ignore[no-untyped-def]
     return moe_one
 
 
-def moe_one(x: torch.Tensor, residual: torch.Tensor | None, f: Any, gate: Any) -> torch.Tensor | None:
+def moe_after_attention(
+    o: torch.Tensor, o_proj: torch.Tensor, stream: torch.Tensor, norm_weight: torch.Tensor, eps: float, moe: Any
+) -> torch.Tensor | None:
+    """A batch-1 decoder layer's tail as one compiled call: h = stream + o . o_proj^T (the attention's output
+    projection onto the residual stream), then MoE.forward(rms_norm(h, norm_weight, eps), residual=h); or None
+    unless moe_one applies (and o_proj is a float32 weight without bias). o [1, H * v]; stream [1, hidden]."""
+    f = moe.one_token_weights()
+    if (
+        f is None
+        or o.dim() != 2
+        or o.shape[0] != 1
+        or o.dtype != torch.float32
+        or o_proj.dtype != torch.float32
+        or norm_weight.dtype != torch.float32
+        or stream.shape != (1, o_proj.shape[0])
+        or o.device != o_proj.device
+        or o_proj.stride(1) != 1
+    ):
+        return None
+    tail = [o if o.is_contiguous() else o.contiguous(), o_proj, stream.contiguous(), norm_weight]
+    return moe_one(stream, stream, f, moe.gate, (float(eps), tail))
+
+
+def moe_one(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    f: Any,
+    gate: Any,
+    after_attention: tuple[float, list[torch.Tensor]] | None = None,
+) -> torch.Tensor | None:
     """MoE.forward(x, residual) for one float32 token as one compiled call (see the module docstring), or None
     unless `--compile` is on and it applies. `f`: the MoE's MoEWeights; `gate`: its Router."""
     if (
@@ -111,6 +146,9 @@ def moe_one(x: torch.Tensor, residual: torch.Tensor | None, f: Any, gate: Any) -
     ins = [xc, f.tail, bias, f.gate_up, f.down, f.shared_down]
     if residual is not None:
         ins.append(residual if residual.is_contiguous() else residual.contiguous())
+    if after_attention is not None:  # (x and residual are placeholders of the stream: computed in the call)
+        spec = (*spec, after_attention[0])
+        ins += after_attention[1]
     key = ("moe_one", *spec, *(s for t in ins for s in (*t.shape, *t.stride())))
     y: torch.Tensor = gemv._compiled(key, _moe_one_fn(spec), lambda: tuple(ins))(ins)[0]
     return y
