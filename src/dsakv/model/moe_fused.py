@@ -133,7 +133,7 @@ def moe_one(
     bias = gate.e_score_correction_bias
     if bias.dtype != torch.float32 or bias.device != x.device:
         return None
-    spec = (
+    spec: tuple[Any, ...] = (
         f.router_rows,
         gate.top_k,
         gate.n_group,
