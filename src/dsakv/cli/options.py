@@ -177,9 +177,8 @@ def add_engine_arguments(
     g.add_argument(
         "--compile",
         action="store_true",
-        help="float32 weights on CPU (decode): 1-4 row matmuls, the attention's input chain, RMSNorm and a batch-1 "
-        "layer's o_proj + MoE on inductor kernels (compiled on first use); the absorbed attention over the fp32 "
-        "pool and 5-12 row matmuls on C kernels (model/native, built on first use); off: eager, the reference",
+        help="float32 on CPU, decode: small matmuls, attention input, o_proj + MoE (batch 1) compiled (inductor); "
+        "attention over the fp32 pool, 5-16 row matmuls on C kernels (model/native); built on first use; off: eager",
     )
     default = "torch's choice" if threads is None else str(threads)
     g.add_argument("--threads", type=int, default=threads, help=f"torch CPU threads (default: {default})")

@@ -1,7 +1,8 @@
-"""`--compile`'s small-row float32 matmul in C (small_gemm.c): y[M, N] = x[M, K] . w[N, K]^T for 5-12 rows (decode
+"""`--compile`'s small-row float32 matmul in C (small_gemm.c): y[M, N] = x[M, K] . w[N, K]^T for 5-16 rows (decode
 batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP/s on this project's CPU box. A
 4 x 4 register tile (4 weight rows x 4 rows of x) over a K block that stays in L1 reads each weight element from
-memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 (so gemv.gemv takes it up to MAX_ROWS).
+memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 on one thread and ~x1.5 on two (MKL's
+small-M sgemm barely uses the second thread), so gemv.gemv takes it up to MAX_ROWS = 16.
 
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
     y = bgemv_kn(x, w)      # torch.bmm(x [B, M<=4, K], w [B, K, N]) for N contiguous (W_UK: ~7 -> ~20 GB/s)
@@ -37,7 +38,7 @@ from dsakv.util.cbuild import CSource, load_or_build
 log = logging.getLogger(__name__)
 
 SOURCE = CSource(Path(__file__).with_name("small_gemm.c"), flags=("-O3", "-march=native", "-fopenmp"), libs=("-lm",))
-MAX_ROWS = 12  # gemv takes it for ROWS + 1 .. MAX_ROWS rows (MKL is as fast at 16: bench/decode_ops.py)
+MAX_ROWS = 16  # gemv takes it for ROWS + 1 .. MAX_ROWS rows (at 16 rows: ~MKL on one thread, x1.5 on two)
 LIMIT = 16  # the C kernel's own limit (MMAX)
 _LIB: list[ctypes.CDLL | None | bool] = [None]  # None: not tried yet; False: unavailable (warned once)
 
