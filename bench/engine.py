@@ -435,7 +435,6 @@ def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path)
 
     model8 = load_model(path, weight_dtype="int8")  # int8 storage (pack_int8), against llama.cpp's Q8_0
     use_int8_gemv(True)  # what --int8-gemv does; only int8-packed projections take it
-    decode_tps(model8, True, 1, args, ("fp32", "fp32"))  # warm-up: compiles the int8 GEMV
     plen, gen, seqs, vocab = args.llama_prompt, args.decode_tokens, args.llama_seqs, model[0].vocab_size
     fp32 = ("fp32", "fp32")
     long_p = prompts(1, plen, vocab, seed=8)  # what dsakv_prefill_tps(batch 1) and decode_tps feed
@@ -445,6 +444,9 @@ def llama_section(path: Path, model: tuple, args: argparse.Namespace, tmp: Path)
     for threads in (1, 2):
         lim = machine_limits(threads)
         torch.set_num_threads(threads)
+        for m in (model, model8):  # untimed warm-up: --compile's kernels are compiled per thread count (the first
+            for b in (1, seqs):  # 2-thread round compiled them: rounds at x0.1 in engine_llama_compile_s16.txt)
+                decode_tps(m, True, b, args, fp32)
         fig: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}  # kind -> engine/clock -> per round
         for _ in range(args.repeat):
             got = {"prefill": {"dsakv": dsakv_prefill_tps(model, 1, plen, args)}}

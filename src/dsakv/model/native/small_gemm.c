@@ -27,6 +27,7 @@ static inline float hsum(vf v) {
 
 #define KC 256 /* K block: 4 weight rows and 16 rows of x of it (20 KB) stay in L1 across the row blocks */
 #define MMAX 16
+#define PF 256 /* prefetch distance in floats (one K block): cold weight rows stream while the block computes */
 
 /* acc[i][j] += x row i . w row j over [k0, k1) for the mr <= 4 rows of one block (mr a constant once inlined) */
 static inline __attribute__((always_inline)) void tile(int mr, vf acc[4][4], const float *const xr[4],
@@ -35,6 +36,7 @@ static inline __attribute__((always_inline)) void tile(int mr, vf acc[4][4], con
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < 4; j++) a[i][j] = acc[i][j];
     for (int64_t kk = k0; kk < k1; kk += VL) {
+        for (int j = 0; j < 4; j++) __builtin_prefetch(wr[j] + kk + PF); /* the next K block of each weight row */
         vf w0 = load(wr[0] + kk), w1 = load(wr[1] + kk), w2 = load(wr[2] + kk), w3 = load(wr[3] + kk);
         __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3)); /* kept in registers: one load each */
         for (int i = 0; i < mr; i++) {
