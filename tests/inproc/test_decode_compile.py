@@ -17,8 +17,7 @@ from dsakv.model import attention, dsa_model
 from dsakv.model import gemv as gemv_mod
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.loader import load_model
-from dsakv.model.moe_fused import moe_after_attention
-from dsakv.model.native import MAX_ROWS, mla_decode
+from dsakv.model.native import MAX_ROWS
 from dsakv.model.tiny import make_tiny
 from dsakv.testing.config import engine_config as flat_config
 from dsakv.testing.models import greedy, prompts_for
@@ -32,6 +31,20 @@ def ckpts(tmp_path_factory):
     big = {"hidden_size": 256, "moe_intermediate_size": 512, "n_routed_experts": 8, "num_experts_per_tok": 2}
     out["big_experts"] = make_tiny(base / "big", arch="glm_moe_dsa", seed=0, overrides=big)
     return out
+
+
+def count_calls(monkeypatch, module, name: str) -> list[bool]:
+    """Patch module.name (a kernel entry that returns None where it does not apply) to record, per call, whether
+    it applied."""
+    fn, ran = getattr(module, name), []
+
+    def counted(*a, **kw):
+        out = fn(*a, **kw)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(module, name, counted)
+    return ran
 
 
 @pytest.fixture
@@ -48,14 +61,7 @@ def test_compiled_decode_tokens_equal_eager(ckpts, arch, compiled, monkeypatch):
     """Two sequences (decode steps of 2 rows: attention, lm_head and the per-expert matmuls on the kernel, the
     absorbed attention on model/native's mla_decode reading the fp32 pool in place): the same greedy tokens as
     eager, logits within 1e-4 absolute (|logits| ~ 1-10 here), and not bitwise equal (the kernel ran)."""
-    ran = []
-
-    def counted(*a, **kw):
-        out = mla_decode(*a, **kw)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(attention, "mla_decode", counted)
+    ran = count_calls(monkeypatch, attention, "mla_decode")
     _, model = load_model(ckpts[arch])
     prompts = prompts_for([7, 19])
     layout = model.layout_for(kv_format="fp32", index_format="fp32", page_size=8)
@@ -74,14 +80,7 @@ def test_compiled_decode_tokens_equal_eager(ckpts, arch, compiled, monkeypatch):
 def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
     """Engine(compile_decode=True) turns the kernel on; a batch-1 decode (1-row matmuls, each MoE layer's tail as
     one moe_after_attention call) gives eager's tokens."""
-    ran = []
-
-    def counted(*a, **kw):
-        out = moe_after_attention(*a, **kw)
-        ran.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dsa_model, "moe_after_attention", counted)
+    ran = count_calls(monkeypatch, dsa_model, "moe_after_attention")
     path = ckpts["big_experts"]
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompt = prompts_for([11])[0]
