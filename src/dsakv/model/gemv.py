@@ -131,14 +131,14 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         or x.shape[2] != w.shape[1]
     ):
         return torch.bmm(x, w)
-    xc = x.contiguous()
     if w.stride(1) == 1:  # a transposed [B, N, K] weight (W_UV^T): rows of K contiguous, read once each
-        wt = w.transpose(1, 2)
+        xc, wt = x.contiguous(), w.transpose(1, 2)
         y: torch.Tensor = _kernel(0, wt, _bgemv, xc)([xc, wt])[0]  # [B, N, M]
         return y.transpose(1, 2)
     if w.stride(2) == 1:  # [B, K, N] rows of N contiguous (W_UK): the C kernel reads them in memory order
-        out = bgemv_kn(xc, w)  # (inductor's reduction over K read them at ~7 GB/s), else the compiled one
+        out = bgemv_kn(x, w)  # (x as strided as it comes; inductor's reduction over K read w at ~7 GB/s)
         if out is None:
+            xc = x.contiguous()
             out = _kernel(0, w, _bgemv_kn, xc)([xc, w])[0]
         return out
     return torch.bmm(x, w)

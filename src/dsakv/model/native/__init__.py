@@ -81,13 +81,15 @@ def lib() -> ctypes.CDLL | None:
     return out if isinstance(out, ctypes.CDLL) else None
 
 
+def _plain_f32(*ts: torch.Tensor) -> bool:
+    """Every tensor float32 on CPU (what the C kernels take)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
 def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] @ w [N, K]^T -> a new float32 [M, N] on the C kernel, or None where it does not apply (see above)."""
     if (
-        x.dtype != torch.float32
-        or w.dtype != torch.float32
-        or x.device.type != "cpu"
-        or w.device.type != "cpu"
+        not _plain_f32(x, w)
         or x.dim() != 2
         or w.dim() != 2
         or not 0 < x.shape[0] <= LIMIT
@@ -107,10 +109,6 @@ def small_gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     ):
         return None
     return y
-
-
-def _plain_f32(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
 
 
 PARALLEL_MACS = 1 << 17  # a call of fewer multiply-adds runs on the calling thread (OpenMP's fork costs ~us)
