@@ -362,8 +362,9 @@ def run_prefill(args: argparse.Namespace, cfg: Config) -> int:
         rank = int(os.environ.get(TP_RANK_ENV) or 0)
         cell = PrefillStage(dp_pp_config(pcfg, rank))
         line = f"dsakv prefill DP rank {rank}/{pcfg.dp_size} stage {pcfg.pp_rank}/{pcfg.pp_size} ready on {{}} (pid "
-        return _serve_worker(  # (d, 0), d >= 1: rank 0's stop round stops it; a later stage stops on SIGTERM
-            cell, lambda: line.format(cell.address) + f"{os.getpid()})", follower=pcfg.pp_rank == 0 and rank > 0,
+        return _serve_worker(  # only (0, 0) stops on SIGTERM: its stop round stops every (d, 0), whose STOP, after
+            # every round's message, stops its later stages (each stage's EP group leaves after the same rounds)
+            cell, lambda: line.format(cell.address) + f"{os.getpid()})", follower=rank > 0 or pcfg.pp_rank > 0,
             startup_wait=args.startup_wait,
         )  # fmt: skip
     if pcfg.dp_size > 1:  # DP attention: every rank a one-stage prefill of its own on --port + rank (prefill/dp.py)

@@ -27,8 +27,11 @@ survivor failed alike: the layer runs again over the new group, model/parallel.E
 from the checkpoint (ElasticRanks.place). DP rank d is not restarted (`respawn` off; rank 0's health row says why):
 restart the instance to get it back. The other ranks go on with their requests and KV. A dead cell of DP rank 0,
 or a stage's rank 0 process, is the instance's death (its ranks die with it): restart it.
-Stop: the user's process (`_launch_stages`) SIGTERMs its stages; (0, 0) runs the stop round (every (d, 0) stops
-after it), (0, s) SIGTERMs its (d, s); every EP group closes with a barrier and each rank 0 sees its ranks exit 0.
+Stop: the user's process (`_launch_stages`) SIGTERMs its stages; only (0, 0) acts on it (every other cell ignores
+SIGTERM / SIGINT): it runs the stop round (every (d, 0) stops after it) and each (d, 0) sends STOP down its pipeline,
+after every round's STEP / IDLE, so each (d, s) stops having run the same rounds as its EP group (a later stage
+stopped by the signal itself could leave an all-to-all its peers still run: the group hung); every EP group closes
+with a barrier and each rank 0 sees its ranks exit 0.
 Refused (config/roles.py): MTP, the host or storage tier.
 Imports torch.distributed (through engine), dsakv.engine, dsakv.model and dsakv.pipeline; never serve or cli.
 """
@@ -39,7 +42,6 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from signal import SIGTERM
 from types import SimpleNamespace
 from typing import Any
 
@@ -187,8 +189,8 @@ class PrefillDPPP:
             self.engine.quiesce()
 
     def close(self) -> None:
-        """Leave the EP group: (d, 0) first sends STOP down its pipeline, (0, s), s > 0, SIGTERMs its (d, s); rank 0
-        waits for its ranks' exit."""
+        """Leave the EP group: (d, 0) first sends STOP down its pipeline (a later stage stops on it); rank 0 waits
+        for its ranks' exit."""
         ctx = self.stage.ctx
         if self.engine is not None:
             if self.broken is None and ctx.group.formed:  # the pipeline's stages stop on it (their EP groups too)
@@ -198,10 +200,7 @@ class PrefillDPPP:
                     log.info("prefill %s: STOP down the pipeline: %s", self.stage.name, e)
             self.engine.close()
             return
-        ctx.group.close()  # its stage 0's STOP (if still to come) fails at once: nobody waits on this stage
-        if self.rank == 0:
-            for p in self.ranks.children:
-                p.signal(SIGTERM)
+        ctx.group.close()  # its stage 0's STOP came after every round's message: every (d, s) ran the same rounds
         self.ranks.close()
 
 
