@@ -16,6 +16,7 @@ from dsakv.engine.sampling import SamplingParams
 from dsakv.model import attention, dsa_model
 from dsakv.model import gemv as gemv_mod
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
+from dsakv.model.layers import MoE
 from dsakv.model.loader import load_model
 from dsakv.model.native import MAX_ROWS
 from dsakv.model.tiny import make_tiny
@@ -78,9 +79,11 @@ def test_compiled_decode_tokens_equal_eager(ckpts, arch, compiled, monkeypatch):
 
 
 def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
-    """Engine(compile_decode=True) turns the kernel on; a batch-1 decode (1-row matmuls, each MoE layer's tail as
-    one moe_after_attention call) gives eager's tokens."""
-    ran = count_calls(monkeypatch, dsa_model, "moe_after_attention")
+    """Engine(compile_decode=True) turns the kernel on; a batch-1 decode gives eager's tokens: while top-k covers
+    every key (S <= index_topk 16) each MoE layer runs as decode_one.layer_one's plan; after that (S 17..19, the
+    indexer scores) each MoE layer's tail is one moe_after_attention call."""
+    tail = count_calls(monkeypatch, dsa_model, "moe_after_attention")
+    one = count_calls(monkeypatch, dsa_model, "layer_one")
     path = ckpts["big_experts"]
     sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompt = prompts_for([11])[0]
@@ -91,7 +94,16 @@ def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
         eng = Engine(path, cfg)
         assert gemv_mod.compiled_gemv_on() is on
         out[on] = eng.generate([prompt], sp)
-        assert (len(ran) > 0) is on and all(ran)
+        if not on:  # eager: nothing fused (layer_one is asked and declines)
+            assert tail == [] and len(one) > 0 and not any(one)
+            one.clear()
+    kinds = [isinstance(layer.mlp, MoE) for layer in eng.model.model.layers]
+    n, moe_layers = len(kinds), sum(kinds)
+    assert eng.spec.index_topk == 16 and 1 <= moe_layers < n  # dense and MoE layers both
+    # the prefill (11 rows) and decode steps at S = 12..18 (the last token is sampled, not run): every layer of the
+    # steps at S <= 16 on the plan, none at 17 and 18
+    assert one == [False] * n + [True] * (5 * n) + [False] * (2 * n), one
+    assert tail == [True] * (2 * moe_layers), tail
     assert out[True] == out[False]
 
 

@@ -26,6 +26,7 @@ from dsakv.cache.kv_access import PoolAccess
 from dsakv.model.attention import MLA_PATHS, MLAttention, StepContext, TopK, choose_mla_path
 from dsakv.model.batch import ForwardBatch
 from dsakv.model.config import DSAConfig
+from dsakv.model.decode_one import layer_one
 from dsakv.model.gemv import compiled_gemv_on
 from dsakv.model.layers import MLP, MoE, RMSNorm, linear, linear_add, rms_norm
 from dsakv.model.moe_fused import moe_after_attention
@@ -62,6 +63,9 @@ class DecoderLayer(nn.Module):
         red = self.reduce
         if red is None:
             attn = self.self_attn
+            one = layer_one(self, x, ctx, prev_topk)  # --compile, a decode token: the layer as decode_one's plan
+            if one is not None:
+                return one
             if isinstance(self.mlp, MoE) and x.shape[0] == 1 and compiled_gemv_on() and attn.o_proj.bias is None:
                 # --compile, one token: o_proj, residual, RMSNorm and the MoE layer as one compiled call
                 o, topk = attn.forward(rms_norm(x, ln1.weight, ln1.eps), ctx, prev_topk, project=False)
