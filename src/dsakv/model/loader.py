@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -158,8 +159,25 @@ def _assign(module: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.d
             raise ConfigError(
                 f"checkpoint {kind} {k} has shape {tuple(sd[k].shape)} but the config implies {tuple(ref.shape)}"
             )
-        sd[k] = sd[k].to(torch.float32 if k.endswith(_FP32_SUFFIXES) else dtype).contiguous()
+        t = sd[k].to(torch.float32 if k.endswith(_FP32_SUFFIXES) else dtype).contiguous()
+        sd[k] = _on_huge_pages(t) if t is sd[k] else t  # (a converted tensor is torch's allocation already)
     module.load_state_dict(sd, strict=True, assign=True)
+
+
+HUGE_PAGE = 2 * 1024 * 1024
+
+
+def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor of 2 MiB or more as read (memory safetensors allocated, not torch's allocator) copied into
+    torch's, which puts it on transparent huge pages (dsakv/__init__.py's THP_MEM_ALLOC_ENABLE: decode streams each
+    weight once a step, a TLB miss every 4 KiB otherwise); else t."""
+    if (
+        t.device.type != "cpu"
+        or os.environ.get("THP_MEM_ALLOC_ENABLE") != "1"
+        or t.numel() * t.element_size() < HUGE_PAGE
+    ):
+        return t
+    return t.clone()
 
 
 def load_model(
