@@ -4,6 +4,9 @@ calls the kernel does not take stay on the BLAS."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -105,6 +108,12 @@ def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
     assert one == [False] * n + [True] * (5 * n) + [False] * (2 * n), one
     assert tail == [True] * (2 * moe_layers), tail
     assert out[True] == out[False]
+    # the layers' plans hold no pool: the engine's pool goes with the engine, the model stays loaded
+    pool, model = weakref.ref(eng.pool), eng.model
+    assert all(getattr(layer, "_one_plan", None) is not None for layer in model.model.layers)
+    del eng
+    gc.collect()
+    assert pool() is None
 
 
 def test_gemv_applies_to_few_float_rows_only(compiled):

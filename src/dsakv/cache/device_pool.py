@@ -16,6 +16,7 @@ Imports torch; must not import model, engine or disagg.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,7 @@ class DevicePool:
         self.layout = layout
         self.num_pages = num_pages
         self.device = torch.device(device)
+        self.unchecked_access: Any = None  # the model's codec access to this pool (DSAModel.check_pool)
         self._tensors: dict[BufferKey, torch.Tensor] = {
             b.key: torch.zeros((num_pages, b.page_bytes), dtype=torch.uint8, device=self.device) for b in layout.buffers
         }

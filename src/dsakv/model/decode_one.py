@@ -14,13 +14,13 @@ fifth of a batch-1 step on this machine. Here a layer is
     B  (compiled)  o_lat . W_UV per head, o_proj onto the residual stream, the post-attention RMSNorm, the MoE
                    (moe_fused's one-token MoE) or the dense MLP, plus the stream
 
-with the kernels and their weight inputs looked up once per layer (`_Plan`, rebuilt when the pool, the thread
-count or a weight changes). Applies with `--compile` on, one float32 token on CPU, no tensor parallelism, a decode
-step reading every causal key (index_topk >= S: the indexer need not score), the pool's plain fp32 rows, a MoE
-layer that moe_fused takes (not its dense path) or a dense MLP, float weights without bias; `layer_one` returns
-None otherwise (nothing written) and the caller runs the generic layer. Its tokens equal the generic path's (the
-same kernels' sums; A and B sum as attn_in / moe_after_attention do). Imports torch, dsakv.cache, dsakv.spec,
-dsakv.model's layers and fused kernels only.
+with the kernels and their weight inputs looked up once per layer (`_Plan`, rebuilt when the thread count or a
+weight changes; it holds no pool: the pool's rows are looked up per call). Applies with `--compile` on, one float32
+token on CPU, no tensor parallelism, a decode step reading every causal key (index_topk >= S: the indexer need not
+score), the pool's plain fp32 rows, a MoE layer that moe_fused takes (not its dense path) or a dense MLP, float
+weights without bias; `layer_one` returns None otherwise (nothing written) and the caller runs the generic layer.
+Its tokens equal the generic path's (the same kernels' sums; A and B sum as attn_in / moe_after_attention do).
+Imports torch, dsakv.cache, dsakv.spec, dsakv.model's layers and fused kernels only.
 """
 
 from __future__ import annotations
@@ -83,13 +83,13 @@ def _b_dense_fn(eps: float):  # type: ignore[no-untyped-def]
 class _Plan:
     """One layer's bound kernels and weight inputs for `layer_one` (see the module docstring)."""
 
-    def __init__(self, layer: Any, access: PoolAccess, f: Any, w_x: torch.Tensor, w_q: torch.Tensor) -> None:
+    def __init__(self, layer: Any, sig: tuple[Any, ...], f: Any, w_x: torch.Tensor, w_q: torch.Tensor) -> None:
         attn, moe = layer.self_attn, layer.mlp
         qn, kn, ix = attn.q_a_layernorm, attn.kv_a_layernorm, attn.indexer
         ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.sig = (access, torch.get_num_threads(), f, w_x, w_q)
-        self.kv_rows = access.rows_in_place(BufferKey(attn.layer, Kind.KV))
-        self.ix_rows = access.rows_in_place(BufferKey(attn.layer, Kind.INDEX_K)) if ix is not None else None
+        self.sig = sig  # (threads, the weights): no pool (a plan outlives an engine; the rows are looked up per call)
+        self.kv_key = BufferKey(attn.layer, Kind.KV)
+        self.ix_key = BufferKey(attn.layer, Kind.INDEX_K) if ix is not None else None
         self.rope = (attn.rope_dim, ix.head_dim if ix is not None else 0, ix is not None and ix.interleaved)
         self.w_uk, w_uv_t = attn._w_uk_uv(torch.float32)
         self.scaling, self.r, self.heads = float(attn.scaling), int(attn.kv_lora_rank), int(attn.num_heads)
@@ -123,19 +123,22 @@ class _Plan:
         key_b = ("layer_one.b", *b_spec, *(s for t in like_b for s in (*t.shape, *t.stride())))
         self.kern_b = gemv._compiled(key_b, fn, lambda: tuple(like_b))
 
-    def run(self, x: torch.Tensor, ctx: Any, slots: torch.Tensor) -> torch.Tensor | None:
-        ins = [x, *self.a_static, ctx.rope(self.rope[0], True, torch.float32)]
-        if self.ix_rows is not None:
-            ins += [ctx.rope(self.rope[1], self.rope[2], torch.float32), *self.ix_static]
+    def run(
+        self, x: torch.Tensor, ctx: Any, slots: torch.Tensor, kv: torch.Tensor, ix: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """The layer for x [1, hidden]; kv / ix: the pool's fp32 rows of its KV / index keys (ix None: a shared
+        layer)."""
+        ins = [x, *self.a_static, ctx.rope(self.rope[0], True, torch.float32).contiguous()]
+        if ix is not None:
+            ins += [ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous(), *self.ix_static]
         out = self.kern_a(ins)
         q_nope, q_rot, kv_row = out[0], out[1], out[2]
         query = native.bgemv_kn(q_nope, self.w_uk)  # [H, 1, r]
-        kv = self.kv_rows
-        if query is None or kv is None:
+        if query is None:
             return None
         kv.index_copy_(0, ctx.out_slots, kv_row)
-        if self.ix_rows is not None:
-            self.ix_rows.index_copy_(0, ctx.out_slots, out[3])
+        if ix is not None:
+            ix.index_copy_(0, ctx.out_slots, out[3])
         q = torch.cat((query.view(1, self.heads, self.r), q_rot), dim=-1)
         o_lat = native.mla_decode(q, kv, slots, None, self.scaling, self.r)
         if o_lat is None:
@@ -177,14 +180,16 @@ def layer_one(layer: Any, x: torch.Tensor, ctx: Any, prev_topk: Any) -> tuple[to
     if f is None or w_x is None or w_q is None:
         return None
     plan: _Plan | None = getattr(layer, "_one_plan", None)
-    sig = (ctx.pool, torch.get_num_threads(), f, w_x, w_q)
+    sig = (torch.get_num_threads(), f, w_x, w_q, attn.kv_b_proj.weight, attn.o_proj.weight)
     if plan is None or any(a is not b for a, b in zip(plan.sig, sig, strict=True)):
-        if not _weights_apply(layer, f, w_x, w_q, ctx.pool):
+        if not _weights_apply(layer, f, w_x, w_q):
             return None
-        plan = layer._one_plan = _Plan(layer, ctx.pool, f, w_x, w_q)
-    if plan.kv_rows is None or (attn.indexer is not None and plan.ix_rows is None):
+        plan = layer._one_plan = _Plan(layer, sig, f, w_x, w_q)
+    kv = ctx.pool.rows_in_place(plan.kv_key)
+    ix = None if plan.ix_key is None else ctx.pool.rows_in_place(plan.ix_key)
+    if kv is None or (plan.ix_key is not None and ix is None):
         return None
-    y = plan.run(x, ctx, ctx.selection(topk, torch.float32)[3])
+    y = plan.run(x, ctx, ctx.selection(topk, torch.float32)[3], kv, ix)
     return None if y is None else (y, topk)
 
 
@@ -201,7 +206,7 @@ def _mlp_weights(mlp: Any) -> Any:
     return (w_gu, down.weight)
 
 
-def _weights_apply(layer: Any, f: Any, w_x: torch.Tensor, w_q: torch.Tensor, access: PoolAccess) -> bool:
+def _weights_apply(layer: Any, f: Any, w_x: torch.Tensor, w_q: torch.Tensor) -> bool:
     """Every weight input float32 on CPU (what the compiled kernels were traced for); the router fused."""
     attn, moe = layer.self_attn, layer.mlp
     ix = attn.indexer

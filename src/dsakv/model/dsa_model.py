@@ -93,6 +93,10 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(s.hidden_size, cfg.rms_norm_eps)
 
 
+# the last pool checked (weakly), its layout and its codec access (weakly: the pool holds it)
+_Checked = tuple["weakref.ref[DevicePool | HiSparsePool]", KVLayout, "weakref.ref[PoolAccess] | None"]
+
+
 class DSAModel(nn.Module):
     def __init__(self, cfg: DSAConfig) -> None:
         super().__init__()
@@ -105,7 +109,7 @@ class DSAModel(nn.Module):
         self.rope = Rope(inv_freq, scaling)
         # attention path: "auto" (per step, by attention.choose_mla_path), or force "absorbed" / "expanded"
         self.mla_path = "auto"
-        self._checked: tuple[weakref.ref[DevicePool | HiSparsePool], KVLayout, PoolAccess | None] | None = None
+        self._checked: _Checked | None = None
 
     def set_mla_path(self, path: str) -> None:
         """Force the MLA attention path ("absorbed", "expanded") or let each step choose ("auto")."""
@@ -151,7 +155,7 @@ class DSAModel(nn.Module):
         roles, in one process): the memo is read once and the access returned is always `pool`'s."""
         last = self._checked  # one read: another thread's step may replace the memo at any moment
         if last is not None and last[0]() is pool and last[1] is pool.layout:
-            return last[2]
+            return None if last[2] is None else last[2]()
         if pool.layout.spec.identity_hash() != self.spec.identity_hash():
             raise ValueError(
                 f"the pool's layout is for model {pool.layout.spec.name!r} ({pool.layout.spec.identity_hash()}), "
@@ -159,7 +163,11 @@ class DSAModel(nn.Module):
             )
         # the last pool checked, and its codec access (slots checked once per step in make_context)
         access = PoolAccess(pool, check_slots=False) if isinstance(pool, DevicePool) else None
-        self._checked = (weakref.ref(pool), pool.layout, access)
+        # the access lives on the pool (a cycle the collector frees with it) and the memo holds both weakly: a
+        # model that outlives its engine (LLM(loaded_model=...), the benches) does not keep the engine's pool
+        if isinstance(pool, DevicePool):
+            pool.unchecked_access = access
+        self._checked = (weakref.ref(pool), pool.layout, None if access is None else weakref.ref(access))
         return access
 
     def make_context(self, batch: ForwardBatch, pool: DevicePool | HiSparsePool) -> StepContext:
