@@ -197,6 +197,7 @@ from dsakv.engine.tp_spec import agree_step
 from dsakv.model.parallel import init_group
 from dsakv.model.loader import load_model
 from dsakv.testing.engines import drive, flat_engine, greedy_params, prompts_for
+from dsakv.util.procs import exit_now
 
 rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 ranks = Ranks(init_group(rank, 2, "127.0.0.1", port))
@@ -207,9 +208,9 @@ try:
     agree_step(eng, ranks)
 except RanksDiverged as e:
     print("DIVERGED:", e, flush=True)
-    sys.exit(0)
+    exit_now(0)  # no interpreter teardown: gloo's may abort (SIGABRT) once the peer has gone (seen under load)
 print("AGREED", flush=True)
-sys.exit(1)
+exit_now(1)
 """
 
 
