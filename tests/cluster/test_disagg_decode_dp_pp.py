@@ -199,7 +199,8 @@ def test_pp2_prefill_writes_each_key_once_into_its_dp_ranks_stages(world, refere
 
 def test_killed_cell_dp1_stage1_fails_only_dp_rank_1(world, reference):
     """kill -9 of cell (1, 1) while each DP rank decodes one request: DP rank 1's request fails naming the cell and
-    the signal, DP rank 0's decodes to its end; DP rank 1 leaves (its stage 0 exits 3), both stages' EP groups
+    the signal (from DP rank 1's failure event, or, a router that missed it, from rank 0's row of DP rank 1, which
+    names why it left), DP rank 0's decodes to its end; DP rank 1 leaves (its stage 0 exits 3), both stages' EP groups
     re-form without it; rank 0's health shows it down and the router routes to DP rank 0 only: new requests'
     tokens == one rank; no page held on DP rank 0's cells or the prefill."""
     cluster, decode, addrs, prefill, router = world
@@ -230,9 +231,10 @@ def test_killed_cell_dp1_stage1_fails_only_dp_rank_1(world, reference):
     wait_for(rank1_down, 90, "rank 0's health shows DP rank 1 down", cluster.procs)
     h = fetch_health(stage0[0])
     assert h.ok and h.down is None, h
-    assert (
-        "dp rank 1 pipeline stage 0" in (h.dp_ranks[1].down or "") and "exited with status 3" in h.dp_ranks[1].down
-    ), h.dp_ranks
+    # stage 0's exit and why it left (the kill of stage 1, noted in the EP group's store before it exited): a router
+    # that missed DP rank 1's failure events fails the request with this row, so it names the kill too
+    row = h.dp_ranks[1].down or ""
+    assert "dp rank 1 pipeline stage 0" in row and "exited with status 3: it left: " in row and dead in row, row
     wait_for(lambda: len(router.peers.usable_pairs()) == 1, 60, "the router routes to DP rank 0 only", cluster.procs)
     was = fetch_health(stage0[0]).counters["started"]
     got = run_requests(router, PROMPTS, GREEDY, "dq-after")

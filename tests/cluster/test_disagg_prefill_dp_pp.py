@@ -300,9 +300,12 @@ def test_prefill_dp_pp_cell_killed_only_its_dp_rank_fails(tmp_path, reference):
         wait_for(lambda: pid_gone(leaver), 60, "(1, 0) left the instance", [prefill])
         wait_for(lambda: not router.peers.prefills[ranks[1]].ok, 30, "the router marks DP rank 1 down")
         assert [p for p, _ in router.peers.usable_pairs()] == [ranks[0]], router.peers.usable_pairs()
-        left = f"dp rank 1 pipeline stage 0 (pid {leaver}) exited with status 3: not restarted (restart the instance)"
-        row1 = lambda: [(x.rank, x.up, x.down) for x in fetch_health(ranks[0]).dp_ranks][1:]  # noqa: E731
-        wait_for(lambda: row1() == [(1, False, left)], 30, "DP rank 0's row of DP rank 1: down, with why")
+        # (1, 0)'s exit and why it left (noted in stage 0's EP group store before it exited: its pipeline broke)
+        left = f"dp rank 1 pipeline stage 0 (pid {leaver}) exited with status 3: it left: DP rank down: dp rank 1"
+        row1 = lambda: [(x.rank, x.up, x.down or "") for x in fetch_health(ranks[0]).dp_ranks][1:]  # noqa: E731
+        wait_for(lambda: [(r, u) for r, u, _ in row1()] == [(1, False)], 30, "DP rank 0's row of DP rank 1: down")
+        why = row1()[0][2]
+        assert why.startswith(left) and why.endswith("): not restarted (restart the instance)"), why
         killed = f"dp rank 1 pipeline stage 1 (pid {victim}) was killed by signal 9 (SIGKILL): not restarted"
         killed += " (restart the instance)"
         assert [(x.rank, x.up, x.down) for x in fetch_health(cells[0][1]).dp_ranks] == [(1, False, killed)]

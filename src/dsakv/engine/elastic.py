@@ -188,7 +188,7 @@ class ElasticRanks:
                 if self._seen.get(r) == p.pid or (r not in self.members and r not in self._joining):
                     continue
                 self._seen[r] = p.pid
-                why = f"{p.name} (pid {p.pid}) {exit_text(rc)}"
+                why = f"{p.name} (pid {p.pid}) {exit_text(rc)}" + self._left_why(r)
                 self._joining.discard(r)
                 n = self.restarts.get(r, 0)
                 if not self.respawn:
@@ -204,6 +204,27 @@ class ElasticRanks:
             if self.on_dead is not None:
                 self.on_dead(r, why)
         return {r: self.dead[r] for r in self.members if r in self.dead}
+
+    def note_left(self, why: str) -> None:
+        """A rank about to exit on its own (a DP x PP cell whose pipeline broke): `why` in the store, so rank 0's
+        row of it names the cause with the exit status (poll_dead; the cause is what the user needs: a later stage
+        killed, not stage 0's exit 3). Best effort: rank 0 gone, nobody reads it."""
+        try:
+            self.store.set(f"left/{self.rank}", why)
+        except Exception as e:  # noqa: BLE001 (rank 0's store is gone: the instance is down anyway)
+            log.warning("%s rank %d: could not note why it leaves (%s): %s", self.label, self.rank, why, e)
+
+    def _left_why(self, r: int) -> str:
+        """': it left: <why>' when rank r noted why it left (note_left), else ''."""
+        key = f"left/{r}"
+        try:
+            if not self.store.check([key]):
+                return ""
+            why = bytes(self.store.get(key)).decode(errors="replace")
+            self.store.delete_key(key)
+        except Exception:  # noqa: BLE001 (the store answers rank 0 itself; a hiccup loses only the cause)
+            return ""
+        return f": it left: {why}"
 
     def wait_dead(self, wait: float) -> dict[int, str]:
         """Rank 0 after a failed collective: the dead members, polled for up to `wait` s (sockets close first)."""
@@ -229,7 +250,7 @@ class ElasticRanks:
             for r in due:
                 del self._next_try[r]
                 self.restarts[r] = self.restarts.get(r, 0) + 1
-                for key in (f"join/{r}", f"admit/{r}"):
+                for key in (f"join/{r}", f"admit/{r}", f"left/{r}"):
                     self.store.delete_key(key)
                 self._joining.add(r)
         for r in due:

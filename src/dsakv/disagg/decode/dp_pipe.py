@@ -144,12 +144,15 @@ class DPDecodePipeline(DecodePipeline):
                     self.leaving = self.broken
         return self.broken
 
-    def leave(self) -> None:
+    def leave(self, ranks: ElasticRanks) -> None:
         """DP rank d >= 1, its pipeline broken: fail every request it holds naming why, wait (bounded) until the
-        router read those failures, exit EXIT_BROKEN: stage 0's EP group re-forms without it at the next round."""
+        router read those failures, exit EXIT_BROKEN: stage 0's EP group re-forms without it at the next round.
+        Why it left goes to stage 0's EP group store first: rank 0's health row of DP rank d names the cause with
+        the exit status (a router that missed the failures reads it there)."""
         why, worker = self.leaving, self.worker
         assert why is not None and worker is not None
         self.down_reason = f"DP rank down: dp rank {self.dp_rank}: its pipeline broke ({why})"
+        ranks.note_left(f"its pipeline broke ({why})")
         log.error("decode %s: %s: this DP rank fails what it holds and leaves the instance", worker.name, why)
         worker.on_pipeline_break(f"decode {worker.name}: {self.down_reason}")
         worker.events.wait_read(LEAVE_READ_S)  # type: ignore[attr-defined]
@@ -210,7 +213,8 @@ class DPPipeEngine(DPDecodeEngine):
         if self.rank > 0 and not self.stopped:
             self.pipe.dp_down()
             if self.pipe.leaving is not None:
-                self.pipe.leave()
+                assert isinstance(self.ranks, ElasticRanks)
+                self.pipe.leave(self.ranks)
         return super().step()
 
     def find_down(self, wait: float = 5.0) -> str | None:
@@ -293,6 +297,7 @@ class DPStageWorker(DecodeStageWorker):
         if self.ep.rank > 0 and not self.service.stopping.is_set():
             log.error("decode %s stage %d: its pipeline broke (%s): DP rank %d leaves the instance", self.name,
                       self.rank, why, self.ep.rank)  # fmt: skip
+            self.ep.note_left(f"its pipeline broke ({why})")
             exit_now(EXIT_BROKEN)
 
     def stop(self) -> None:

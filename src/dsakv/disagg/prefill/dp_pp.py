@@ -174,6 +174,7 @@ class PrefillDPPP:
             ctx.down_reason = self.broken
             stage.role.on_break(f"prefill {stage.name}: {self.broken}")
         ctx.notifier.drain(ctx.t.rpc * 2)
+        self.ranks.note_left(self.broken)  # rank 0's row of this DP rank names why, with the exit status
         exit_now(EXIT_BROKEN)
 
     # ---- views, stop ---------------------------------------------------------------------------------------
