@@ -1,7 +1,8 @@
 """`--compile`'s small-row float32 matmul in C (small_gemm.c): y[M, N] = x[M, K] . w[N, K]^T for 5-16 rows (decode
 batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP/s on this project's CPU box. A
 4 x 4 register tile (4 weight rows x 4 rows of x) over a K block that stays in L1 reads each weight element from
-memory once per call: x1.05-1.35 MKL's speed at 6-11 rows, ~x1.0 at 16 on one thread and ~x1.5 on two (MKL's
+memory once per call, the rows two tiles on prefetched into L2: with the weights cold (as a decode step reads them)
+x1.7-2.5 torch.mm's speed at 5 rows, x1.0-1.6 at 16 on one thread (bench/small_gemm.py) and more on two (MKL's
 small-M sgemm barely uses the second thread), so gemv.gemv takes it up to MAX_ROWS = 16.
 
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply

@@ -2,8 +2,12 @@
  *
  * Tiles of 4 weight rows x 4 rows of x: 16 vector accumulators over K, so each weight element is loaded from
  * memory once per 4-row block of x and from L1 for the other blocks (the 4 weight rows, 4 * K floats, stay in L1
- * while every block of x passes), and each x element once per 4 weight rows. GCC/Clang vector extensions, built
- * with -march=native at first use (AVX-512 16-wide here, AVX2 / NEON elsewhere), no intrinsics. Rows past M or N
+ * while every block of x passes), and each x element once per 4 weight rows. The weight rows of the tile two tiles
+ * on are prefetched into L2 at the same offset as the rows read now (by the first block of x only): a tile's 4 rows
+ * are 4 short streams (1.5-4 KB each) that the hardware prefetcher alone read at ~9 GB/s at 5-8 rows of x (with it
+ * x1.2-2 cold, bench/small_gemm.py; x1.0-1.2 at 16 rows, where the FMAs bound it; a 16-sequence decode step of the
+ * bench checkpoint x1.13, bench/decode_ops.py). GCC/Clang vector extensions, built with -march=native at first use
+ * (AVX-512 16-wide here, AVX2 / NEON elsewhere), no intrinsics. Rows past M or N
  * in a tile: the last weight row repeated (computed, not stored); a block of x has only the rows there are. Each
  * output's K is summed in 16 lanes, then across them: another order than the BLAS's (~1e-6 relative). */
 #include <stdint.h>
@@ -27,16 +31,19 @@ static inline float hsum(vf v) {
 
 #define KC 256 /* K block: 4 weight rows and 16 rows of x of it (20 KB) stay in L1 across the row blocks */
 #define MMAX 16
-#define PF 256 /* prefetch distance in floats (one K block): cold weight rows stream while the block computes */
+#define PF_TILES 2 /* prefetch the weight rows of the tile this many tiles on (into L2: _MM_HINT_T1) */
 
-/* acc[i][j] += x row i . w row j over [k0, k1) for the mr <= 4 rows of one block (mr a constant once inlined) */
+/* acc[i][j] += x row i . w row j over [k0, k1) for the mr <= 4 rows of one block (mr a constant once inlined);
+ * pf: the rows to prefetch at the same offsets, or NULL */
 static inline __attribute__((always_inline)) void tile(int mr, vf acc[4][4], const float *const xr[4],
-                                                       const float *const wr[4], int64_t k0, int64_t k1) {
+                                                       const float *const wr[4], int64_t k0, int64_t k1,
+                                                       const float *const *pf) {
     vf a[4][4];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < 4; j++) a[i][j] = acc[i][j];
     for (int64_t kk = k0; kk < k1; kk += VL) {
-        for (int j = 0; j < 4; j++) __builtin_prefetch(wr[j] + kk + PF); /* the next K block of each weight row */
+        if (pf)
+            for (int j = 0; j < 4; j++) __builtin_prefetch(pf[j] + kk, 0, 1);
         vf w0 = load(wr[0] + kk), w1 = load(wr[1] + kk), w2 = load(wr[2] + kk), w3 = load(wr[3] + kk);
         __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3)); /* kept in registers: one load each */
         for (int i = 0; i < mr; i++) {
@@ -62,8 +69,11 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n0 = 0; n0 < n; n0 += 4) {
         vf acc[MMAX / 4][4][4];
-        const float *wr[4];
-        for (int j = 0; j < 4; j++) wr[j] = w + (n0 + j < n ? n0 + j : n - 1) * ldw;
+        const float *wr[4], *pf[4];
+        for (int j = 0; j < 4; j++) {
+            wr[j] = w + (n0 + j < n ? n0 + j : n - 1) * ldw;
+            pf[j] = w + (n0 + 4 * PF_TILES + j < n ? n0 + 4 * PF_TILES + j : n - 1) * ldw;
+        }
         memset(acc, 0, sizeof(acc));
         for (int64_t k0 = 0; k0 < kv; k0 += KC) {
             const int64_t k1 = k0 + KC < kv ? k0 + KC : kv;
@@ -71,10 +81,10 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
                 const float *xr[4];
                 for (int i = 0; i < 4; i++) xr[i] = x + (m0 + i < m ? m0 + i : m - 1) * ldx;
                 switch (m - m0 < 4 ? m - m0 : 4) {
-                case 1: tile(1, acc[m0 / 4], xr, wr, k0, k1); break;
-                case 2: tile(2, acc[m0 / 4], xr, wr, k0, k1); break;
-                case 3: tile(3, acc[m0 / 4], xr, wr, k0, k1); break;
-                default: tile(4, acc[m0 / 4], xr, wr, k0, k1); break;
+                case 1: tile(1, acc[m0 / 4], xr, wr, k0, k1, m0 ? NULL : pf); break;
+                case 2: tile(2, acc[m0 / 4], xr, wr, k0, k1, m0 ? NULL : pf); break;
+                case 3: tile(3, acc[m0 / 4], xr, wr, k0, k1, m0 ? NULL : pf); break;
+                default: tile(4, acc[m0 / 4], xr, wr, k0, k1, m0 ? NULL : pf); break;
                 }
             }
         }
