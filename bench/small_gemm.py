@@ -74,9 +74,8 @@ def main() -> None:
                         dt = (time.perf_counter() - t0) / copies
                         best[name, mode] = min(best[name, mode], dt)
             flops = 2 * m * n * k
-            cols = "  ".join(
-                f"{name} {flops / best[name, 'cold'] / 1e9:5.1f} / {flops / best[name, 'hot'] / 1e9:5.1f}" for name in fs
-            )
+            gf = {key: flops / t / 1e9 for key, t in best.items()}
+            cols = "  ".join(f"{name} {gf[name, 'cold']:5.1f} / {gf[name, 'hot']:5.1f}" for name in fs)
             print(f"m={m:2d} n={n:5d} k={k:5d} (cold / hot GF/s): {cols}", flush=True)
     print(f"load average at end (1, 5, 15 min): {', '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
