@@ -9,7 +9,8 @@
  * bench checkpoint x1.13, bench/decode_ops.py). GCC/Clang vector extensions, built with -march=native at first use
  * (AVX-512 16-wide here, AVX2 / NEON elsewhere), no intrinsics. Rows past M or N
  * in a tile: the last weight row repeated (computed, not stored); a block of x has only the rows there are. Each
- * output's K is summed in 16 lanes, then across them: another order than the BLAS's (~1e-6 relative). */
+ * output's K is summed in 16 lanes, then across them (a tile's 16 outputs in one transposing tree, hsum16: x1.05-1.1
+ * at 16 rows against 16 horizontal sums): another order than the BLAS's (~1e-6 relative). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -21,6 +22,24 @@ static inline vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof(v));
     return v;
+}
+
+/* lane i of the result: the sum of v[i]'s lanes, for 16 vectors (a transposing tree: 15 shuffle pairs and adds
+ * instead of 16 horizontal sums) */
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+static inline vf hsum16(const vf v[16]) {
+    vf p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++)
+        p[i] = SHUF(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUF(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        q[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SHUF(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r[i] = SHUF(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SHUF(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(r[0], r[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUF(r[0], r[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 static inline float hsum(vf v) {
@@ -88,10 +107,12 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
                 }
             }
         }
+        vf sums;
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * ldx;
+            if (i % 4 == 0) sums = hsum16(acc[i / 4][0]); /* the block's 4 x 4 sums, lane (i % 4) * 4 + j */
             for (int j = 0; j < 4 && n0 + j < n; j++) {
-                float s = hsum(acc[i / 4][i % 4][j]);
+                float s = sums[(i % 4) * 4 + j];
                 for (int64_t kk = kv; kk < k; kk++) s += xi[kk] * wr[j][kk];
                 y[i * ldy + n0 + j] = s;
             }
