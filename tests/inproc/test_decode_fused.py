@@ -13,7 +13,7 @@ from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.layers import MoE, choose_moe_path, rms_norm
 from dsakv.model.moe_fused import moe_after_attention, moe_one
-from dsakv.model.native import LIMIT, MAX_ROWS, bgemv_kn, mla_decode, small_gemm
+from dsakv.model.native import LIMIT, MAX_ROWS, bgemv_kn, mla_decode, moe_experts, small_gemm
 from dsakv.model.tiny import tiny_config
 
 # experts large enough that the dense path never runs (MoEWeights.blocked), as on the bench checkpoint and real
@@ -223,3 +223,62 @@ def test_moe_after_attention_matches_projection_norm_and_moe(compiled):
         assert moe_after_attention(o, w_o, torch.randn(1, 128), norm_w, 1e-6, moe) is None
         use_compiled_gemv(False)
         assert moe_after_attention(o, w_o, stream, norm_w, 1e-6, moe) is None
+
+
+def test_moe_experts_matches_the_grouped_loop(compiled):
+    """model/native's moe_experts (a decode batch's routed experts in one call) within float32 rounding of the
+    grouped per-expert loop (MoE._routed_grouped) for 2..LIMIT tokens: experts with 0, 1 and many rows, on the
+    blocked downs and on downs that are column blocks of one wide weight (rows E*I + Is apart); bitwise the same on
+    two threads; MoE.forward with --compile takes it (the loop never runs) for 2..LIMIT tokens and not for more;
+    None where it does not apply (LIMIT + 1 tokens, an expert id out of range, float64)."""
+    moe = make_moe((1, 1), seed=3)
+    f = moe._weights()
+    assert f.blocked and f.down.is_contiguous()
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(256, 8 * 512 + 64, generator=g) * 0.05  # [hidden, E*I + Is]: each expert a column block
+    strided = wide[:, : 8 * 512].view(256, 8, 512).permute(1, 0, 2)
+    assert strided.stride() == (512, 8 * 512 + 64, 1)
+    with torch.inference_mode():
+        for n in (2, 3, 7, LIMIT):
+            x = torch.randn(n, 256, generator=g)
+            weights, ids = moe.gate(x)
+            ids[0] = torch.tensor([0, 1])  # expert 1 and 0 picked: the rest by the router
+            if n > 2:
+                ids[1:3] = torch.tensor([5, 6])  # experts 5 and 6 for tokens 1 and 2 (a token's picks distinct)
+            for down in (f.down, strided):
+                got = moe_experts(x, ids, weights, f.gate_up, down)
+                ref = moe._routed_grouped(x, weights, ids, f._replace(down=down)) if down is f.down else None
+                if ref is None:  # the strided downs: the loop by hand (what _routed_grouped computes)
+                    ref = torch.zeros_like(x)
+                    for e in range(8):
+                        rows = (ids == e).nonzero()
+                        if len(rows):
+                            gu = x[rows[:, 0]] @ f.gate_up[e].t()
+                            y = (torch.nn.functional.silu(gu[:, :512]) * gu[:, 512:]) @ down[e].t()
+                            ref.index_add_(0, rows[:, 0], y * weights[rows[:, 0], rows[:, 1], None])
+                assert got is not None and got.shape == (n, 256)
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        x = torch.randn(LIMIT, 256, generator=g)
+        weights, ids = moe.gate(x)
+        one = moe_experts(x, ids, weights, f.gate_up, f.down)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(moe_experts(x, ids, weights, f.gate_up, f.down), one)
+        finally:
+            torch.set_num_threads(threads)
+        big = torch.randn(LIMIT + 1, 256, generator=g)
+        bw, bi = moe.gate(big)
+        assert moe_experts(big, bi, bw, f.gate_up, f.down) is None
+        assert moe_experts(x, ids.clamp(max=7) + 1, weights, f.gate_up, f.down) is None  # id 8 of 8 experts
+        assert moe_experts(x.double(), ids, weights.double(), f.gate_up.double(), f.down.double()) is None
+        calls = []
+        loop = moe._routed_grouped
+        moe._routed_grouped = lambda *a: calls.append(len(a[0])) or loop(*a)  # type: ignore[method-assign]
+        for n in (2, LIMIT, LIMIT + 1):
+            x = torch.randn(n, 256, generator=g)
+            got = moe.forward(x)
+            use_compiled_gemv(False)
+            torch.testing.assert_close(got, moe.forward(x), rtol=1e-5, atol=1e-5)
+            use_compiled_gemv(True)
+        assert calls == [2, LIMIT, LIMIT + 1, LIMIT + 1], calls  # --compile: the loop only past LIMIT; eager: always

@@ -6,7 +6,7 @@ the layout real checkpoints and transformers' save_pretrained use.
 
 Linear layers that read the same input run as one matmul (LinearGroup): their weights become row views of
 one fused tensor, so nothing is stored twice and the state dict keeps transformers' names.
-Imports torch and dsakv.model.config only.
+Imports torch and dsakv.model.{config, gemv, moe_fused, native, quant}.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsakv.model.config import DSAConfig
-from dsakv.model.gemv import gemv
+from dsakv.model.gemv import compiled_gemv_on, gemv
 from dsakv.model.gemv import rms_norm as compiled_rms_norm
 from dsakv.model.moe_fused import moe_one, route
+from dsakv.model.native import moe_experts
 from dsakv.model.quant import dequantize, gemv_applies, qlinear, weight_scale
 
 # MoE path rule (MoE.choose_path): one framework op on a small expert slice costs about as long as this many
@@ -280,7 +281,7 @@ class MoE(nn.Module):
       downs, one scatter-add back;
     - per expert: the same grouping, then one gate|up matmul and one down matmul per hit expert on its contiguous
       slice (prefill, decode batches of larger models); one float32 token (batch-1 decode) skips the grouping
-      (_routed_one: its experts in id order, the same sums, bitwise).
+      (_routed_one: its experts in id order, the same sums, bitwise); --compile runs 2-16 as one native.moe_experts.
     On the grouped paths the router and the shared expert's gate and up are one matmul (w_in's tail), and the
     shared expert's down adds the routed sum inside its addmm.
 
@@ -440,6 +441,9 @@ class MoE(nn.Module):
         if n == 1 and x.dtype == weights.dtype == torch.float32:
             if choose_moe_path(1, k, num_experts, self._row_macs, counts=[1] * k) == "per_expert":
                 return self._routed_one(x, weights, ids, f)
+        elif f.in_scale is None and compiled_gemv_on():  # --compile, 2-16 tokens: the loop as one C call (its sums)
+            if (y := moe_experts(x, ids, weights, f.gate_up, f.down)) is not None:
+                return y
         return self._routed_grouped(x, weights, ids, f)
 
     def _routed_one(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, f: MoEWeights) -> torch.Tensor:

@@ -65,6 +65,8 @@ def _load(out: Path) -> ctypes.CDLL:
     lib.bgemv_kn.restype = ctypes.c_int
     lib.mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, ctypes.c_float, p, p, c_int]
     lib.mla_decode.restype = ctypes.c_int
+    lib.moe_experts.argtypes = [p, i64, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, p, p, c_int]
+    lib.moe_experts.restype = ctypes.c_int
     return lib
 
 
@@ -197,3 +199,46 @@ def mla_decode(
         None if b is None else b.data_ptr(), scale, out.data_ptr(), scratch.data_ptr(), _threads(t * h * k * d),
     )  # fmt: skip
     return out
+
+
+def moe_experts(
+    x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor | None:
+    """A MoE layer's routed experts for x [N <= LIMIT, hidden] (small_gemm.c's moe_experts): ids [N, k] int64 and
+    wts [N, k] float32 the router's picks, gate_up [E, 2I, hidden] (each expert's gate rows then its up rows, rows
+    contiguous), down [E, hidden, I] (rows contiguous) -> a new [N, hidden]: each token's weighted expert outputs
+    summed in expert-id order (the grouped path's sums), or None where it does not apply (the caller runs the
+    per-expert loop)."""
+    if (
+        not _plain_f32(x, wts, gate_up, down)
+        or x.dim() != 2
+        or not 0 < x.shape[0] <= LIMIT
+        or ids.dtype != torch.int64
+        or ids.dim() != 2
+        or ids.shape != wts.shape
+        or ids.shape[0] != x.shape[0]
+        or gate_up.dim() != 3
+        or down.dim() != 3
+        or gate_up.shape[0] != down.shape[0]
+        or gate_up.shape[2] != x.shape[1]
+        or down.shape[1] != x.shape[1]
+        or gate_up.shape[1] != 2 * down.shape[2]
+        or gate_up.stride(2) != 1
+        or gate_up.stride(1) != gate_up.shape[2]
+        or down.stride(2) != 1
+    ):
+        return None
+    c = lib()
+    if c is None:
+        return None
+    n, h = int(x.shape[0]), int(x.shape[1])
+    n_exp, inter = int(gate_up.shape[0]), int(down.shape[2])
+    xc, ic, wc = x.contiguous(), ids.contiguous(), wts.contiguous()
+    out = torch.empty((n, h), dtype=torch.float32)
+    scratch = torch.empty(n * (2 * h + 3 * inter), dtype=torch.float32)
+    rc = c.moe_experts(
+        xc.data_ptr(), n, h, ic.data_ptr(), wc.data_ptr(), int(ids.shape[1]), gate_up.data_ptr(), gate_up.stride(0),
+        down.data_ptr(), down.stride(0), down.stride(1), inter, n_exp, out.data_ptr(), scratch.data_ptr(),
+        _threads(h * 2 * inter),
+    )  # fmt: skip
+    return None if rc else out
