@@ -441,7 +441,7 @@ class MoE(nn.Module):
         if n == 1 and x.dtype == weights.dtype == torch.float32:
             if choose_moe_path(1, k, num_experts, self._row_macs, counts=[1] * k) == "per_expert":
                 return self._routed_one(x, weights, ids, f)
-        elif f.in_scale is None and compiled_gemv_on():  # --compile, 2-16 tokens: the loop as one C call (its sums)
+        elif f.in_scale is None and compiled_gemv_on():  # --compile, 2-16 tokens: the loop as one C call (its order)
             if (y := moe_experts(x, ids, weights, f.gate_up, f.down)) is not None:
                 return y
         return self._routed_grouped(x, weights, ids, f)

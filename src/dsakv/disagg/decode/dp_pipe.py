@@ -197,7 +197,7 @@ class DPPipeEngine(DPDecodeEngine):
     rerun_layer = True
 
     def __init__(self, engine: Any, ranks: ElasticRanks, pipe: DPDecodePipeline) -> None:
-        self.pipe = pipe
+        self.pipe, self.ep_ranks = pipe, ranks  # (LockstepEngine types its ranks as either kind)
         super().__init__(engine, ranks, forwarded=self._ran, idle=lambda: pipe.idle(engine.model))
         pipe.lock = self._lock
         pipe.dp_rank = ranks.rank
@@ -213,8 +213,7 @@ class DPPipeEngine(DPDecodeEngine):
         if self.rank > 0 and not self.stopped:
             self.pipe.dp_down()
             if self.pipe.leaving is not None:
-                assert isinstance(self.ranks, ElasticRanks)
-                self.pipe.leave(self.ranks)
+                self.pipe.leave(self.ep_ranks)
         return super().step()
 
     def find_down(self, wait: float = 5.0) -> str | None:

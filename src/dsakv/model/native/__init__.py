@@ -207,8 +207,8 @@ def moe_experts(
     """A MoE layer's routed experts for x [N <= LIMIT, hidden] (small_gemm.c's moe_experts): ids [N, k] int64 and
     wts [N, k] float32 the router's picks, gate_up [E, 2I, hidden] (each expert's gate rows then its up rows, rows
     contiguous), down [E, hidden, I] (rows contiguous) -> a new [N, hidden]: each token's weighted expert outputs
-    summed in expert-id order (the grouped path's sums), or None where it does not apply (the caller runs the
-    per-expert loop)."""
+    added in expert-id order (the grouped path's order; each matmul on the tile kernel), or None where it does not
+    apply (the caller runs the per-expert loop)."""
     if (
         not _plain_f32(x, wts, gate_up, down)
         or x.dim() != 2

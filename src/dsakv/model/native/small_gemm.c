@@ -9,8 +9,8 @@
  * bench checkpoint x1.13, bench/decode_ops.py). GCC/Clang vector extensions, built with -march=native at first use
  * (AVX-512 16-wide here, AVX2 / NEON elsewhere), no intrinsics. Rows past M or N
  * in a tile: the last weight row repeated (computed, not stored); a block of x has only the rows there are. Each
- * output's K is summed in 16 lanes, then across them (a tile's 16 outputs in one transposing tree, hsum16: x1.05-1.1
- * at 16 rows against 16 horizontal sums): another order than the BLAS's (~1e-6 relative). */
+ * output's K is summed in 16 lanes, then across them (a tile's 16 outputs in one transposing tree, hsum16: x1.04-1.1
+ * cold at 16 rows against 16 horizontal sums): another order than the BLAS's (~1e-6 relative). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
@@ -123,8 +123,8 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
 
 /* The routed experts of a MoE layer for n <= MMAX tokens (a decode batch), one call instead of the per-expert loop's
  * ~8 framework ops an expert: out[t] = sum over token t's picks, in expert-id order, of wts[t, j] * down_e(silu(g) * u)
- * with [g | u] = gate_up_e . x[t] (the grouped path's sums: each expert's rows on small_gemm, the weighted outputs
- * added per token in expert-id order, as index_add_ into zeros). x: [n, h] contiguous; ids, wts: [n, k] (a token's
+ * with [g | u] = gate_up_e . x[t] (the grouped path's grouping and order of additions, as index_add_ into zeros;
+ * each matmul on small_gemm, whose sums differ from the loop's 1-4 row kernel by float32 rounding). x: [n, h] contiguous; ids, wts: [n, k] (a token's
  * picks distinct); expert e's gate | up rows [2 * inter, h] at gate_up + e * gu_se (rows h apart), its down [h, inter]
  * at down + e * dn_se (rows dn_ld apart); out: [n, h] (written); scratch: n * (2 h + 3 inter) floats. Each matmul
  * runs on `threads` OpenMP threads (small_gemm). Returns 0, or -1 when n or an expert id is out of range (out then
