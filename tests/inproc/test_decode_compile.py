@@ -111,6 +111,8 @@ def test_engine_flag_batch1_tokens(ckpts, compiled, monkeypatch):
     # the layers' plans hold no pool: the engine's pool goes with the engine, the model stays loaded
     pool, model = weakref.ref(eng.pool), eng.model
     assert all(getattr(layer, "_one_plan", None) is not None for layer in model.model.layers)
+    # each plan's tail (W_UV, o_proj, norm, MoE or dense MLP) is one native call (decode_tail)
+    assert all(layer._one_plan.tail is not None for layer in model.model.layers)
     del eng
     gc.collect()
     assert pool() is None

@@ -1,8 +1,9 @@
 """`--compile`'s decode kernels against the reference path: moe_fused.moe_one (a batch-1 MoE layer as one compiled
 call: router, the picked experts read by id, shared expert, residual) within float32 summation rounding of
 MoE.forward on the eager path; model/native's C small-row matmul (5-16 rows) within float32 rounding of x @ w^T,
-its W_UK product (bgemv_kn) of torch.bmm and its absorbed decode attention (mla_decode) of the eager
-gather / baddbmm / softmax / bmm; each None wherever it does not apply."""
+its W_UK product (bgemv_kn) of torch.bmm, its absorbed decode attention (mla_decode) of the eager
+gather / baddbmm / softmax / bmm, and its batch-1 layer tail (decode_tail) of W_UV, o_proj, RMSNorm and the MoE or
+dense MLP; each None wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from dsakv.model.config import DSAConfig
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.layers import MoE, choose_moe_path, rms_norm
-from dsakv.model.moe_fused import moe_after_attention, moe_one
-from dsakv.model.native import LIMIT, MAX_ROWS, bgemv_kn, mla_decode, moe_experts, small_gemm
+from dsakv.model.moe_fused import moe_after_attention, moe_one, route
+from dsakv.model.native import LIMIT, MAX_ROWS, TailMoE, bgemv_kn, decode_tail, mla_decode, moe_experts, small_gemm
 from dsakv.model.tiny import tiny_config
 
 # experts large enough that the dense path never runs (MoEWeights.blocked), as on the bench checkpoint and real
@@ -282,3 +283,52 @@ def test_moe_experts_matches_the_grouped_loop(compiled):
             torch.testing.assert_close(got, moe.forward(x), rtol=1e-5, atol=1e-5)
             use_compiled_gemv(True)
         assert calls == [2, LIMIT, LIMIT + 1, LIMIT + 1], calls  # --compile: the loop only past LIMIT; eager: always
+
+
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_decode_tail_matches_w_uv_projection_norm_and_moe(groups):
+    """model/native's decode_tail (a batch-1 layer after its attention core, one C call): o_lat . W_UV per head
+    (heads strided as in kv_b_proj), o_proj onto the stream, RMSNorm, then MoE.forward with that stream as its
+    residual (the router's group-limited choice included: it picks other experts than an ungrouped choice in some
+    draws) or a dense MLP, within 1e-5 relative of the eager ops; bitwise the same on 1 and 2 threads; None where it
+    does not apply (v not a multiple of 4, float64, top_k over 16, rows not contiguous)."""
+    moe = make_moe(groups, seed=5)
+    f, gate = moe.one_token_weights(), moe.gate
+    assert f is not None
+    g = torch.Generator().manual_seed(11)
+    kv_b = torch.randn(4, 8 + 8, 16, generator=g) * 0.2  # [H, nope + v, r]: W_UV is each head's last 8 rows
+    w_uv, w_o = kv_b[:, 8:], torch.randn(256, 32, generator=g) * 0.1
+    norm_w = torch.rand(256, generator=g) + 0.5
+    choice = (gate.top_k, gate.n_group, gate.topk_group, bool(gate.norm_topk_prob), float(gate.routed_scaling_factor))
+    mlp = TailMoE(f.tail, gate.e_score_correction_bias, *choice, f.gate_up, f.down, f.shared_down)
+    w_gu, w_dn = torch.randn(2 * 48, 256, generator=g) * 0.1, torch.randn(256, 48, generator=g) * 0.1
+    moe_tail, dense_tail = decode_tail(w_uv, w_o, norm_w, 1e-6, mlp), decode_tail(w_uv, w_o, norm_w, 1e-6, (w_gu, w_dn))
+    assert moe_tail is not None and dense_tail is not None
+    regroup = []
+    with torch.inference_mode():
+        for _ in range(6):
+            o_lat, stream = torch.randn(1, 4, 16, generator=g), torch.randn(1, 256, generator=g)
+            h = torch.einsum("hr,hvr->hv", o_lat[0], w_uv).reshape(1, 32) @ w_o.t() + stream
+            xn = rms_norm(h, norm_w, 1e-6)
+            want = moe.forward(xn, residual=h)
+            got = moe_tail(o_lat, stream)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+            gu = xn @ w_gu.t()
+            dense = (torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:]) @ w_dn.t() + h
+            torch.testing.assert_close(
+                dense_tail(o_lat, stream), dense, rtol=1e-5, atol=1e-5 * float(dense.abs().max())
+            )
+            logits = xn @ gate.weight.t()
+            ungrouped = route(logits, gate.e_score_correction_bias, gate.top_k, 1, 1, True, 1.0)[1]
+            regroup.append(set(gate(xn)[1][0].tolist()) != set(ungrouped[0].tolist()))
+        assert any(regroup) == (groups[1] < groups[0])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(moe_tail(o_lat, stream), got)
+        finally:
+            torch.set_num_threads(threads)
+    assert decode_tail(kv_b[:, 10:], torch.randn(256, 24), norm_w, 1e-6, mlp) is None  # v = 6
+    assert decode_tail(w_uv.double(), w_o.double(), norm_w.double(), 1e-6, (w_gu.double(), w_dn.double())) is None
+    assert decode_tail(w_uv, w_o, norm_w, 1e-6, mlp._replace(top_k=17)) is None
+    assert decode_tail(w_uv, w_o.t().contiguous().t(), norm_w, 1e-6, mlp) is None

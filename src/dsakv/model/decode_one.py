@@ -1,5 +1,5 @@
 """`--compile`'s batch-1 decode layer (`layer_one`): a decoder layer (MoE or dense MLP) of a one-token decode step as
-two compiled calls and two native ones, its inputs bound once per layer.
+one compiled call and three native ones, its inputs bound once per layer.
 
 The generic layer at one token already runs its pieces fused (attn_fused.attn_in, native.bgemv_kn / mla_decode,
 moe_fused.moe_after_attention), but each goes through the general code around it: the layer's and the
@@ -11,8 +11,10 @@ fifth of a batch-1 step on this machine. Here a layer is
        (writes)    the KV row (and a producer's index key) into the pool's fp32 rows at the token's slot
     W_UK (native)  q_nope . W_UK per head (bgemv_kn), the query [1, H, r + rope]
     core (native)  mla_decode over the sequence's rows read in place (every causal key: top-k covers them all)
-    B  (compiled)  o_lat . W_UV per head, o_proj onto the residual stream, the post-attention RMSNorm, the MoE
-                   (moe_fused's one-token MoE) or the dense MLP, plus the stream
+    B  (native)    o_lat . W_UV per head, o_proj onto the residual stream, the post-attention RMSNorm, the MoE
+                   (moe_fused's one-token MoE) or the dense MLP, plus the stream: native.decode_tail, one parallel
+                   region whose GEMVs split their rows over the threads (x1.1-1.2 the compiled kernel's speed,
+                   which takes it where it does not apply: its reductions scale worse on two threads)
 
 with the kernels and their weight inputs looked up once per layer (`_Plan`, rebuilt when the thread count or a
 weight changes; it holds no pool: the pool's rows are looked up per call). Applies with `--compile` on, one float32
@@ -122,6 +124,18 @@ class _Plan:
         like_b = [o_lat, self.w_uv, *self.b_static, x1, self.ln2]
         key_b = ("layer_one.b", *b_spec, *(s for t in like_b for s in (*t.shape, *t.stride())))
         self.kern_b = gemv._compiled(key_b, fn, lambda: tuple(like_b))
+        # B as one native call where it applies (its GEMVs' rows split over the threads in one parallel region)
+        tail_mlp: native.TailMoE | tuple[torch.Tensor, torch.Tensor] = f
+        if type(f) is not tuple:
+            n, tg, norm, scale = (
+                gate.n_group,
+                gate.topk_group,
+                bool(gate.norm_topk_prob),
+                float(gate.routed_scaling_factor),
+            )
+            bias = gate.e_score_correction_bias
+            tail_mlp = native.TailMoE(f.tail, bias, gate.top_k, n, tg, norm, scale, f.gate_up, f.down, f.shared_down)
+        self.tail = native.decode_tail(self.w_uv, attn.o_proj.weight, self.ln2, float(ln2.eps), tail_mlp)
 
     def run(
         self, x: torch.Tensor, ctx: Any, slots: torch.Tensor, kv: torch.Tensor, ix: torch.Tensor | None
@@ -143,6 +157,8 @@ class _Plan:
         o_lat = native.mla_decode(q, kv, slots, None, self.scaling, self.r)
         if o_lat is None:
             return None
+        if self.tail is not None:
+            return self.tail(o_lat, x)
         y: torch.Tensor = self.kern_b([o_lat, self.w_uv, *self.b_static, x, self.ln2])[0]
         return y
 

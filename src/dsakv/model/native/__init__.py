@@ -8,6 +8,7 @@ small-M sgemm barely uses the second thread), so gemv.gemv takes it up to MAX_RO
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
     y = bgemv_kn(x, w)      # torch.bmm(x [B, M<=4, K], w [B, K, N]) for N contiguous (W_UK: ~7 -> ~20 GB/s)
     o = mla_decode(q, rows, slots, bias, scale, r)   # the absorbed decode attention over the pool's fp32 rows
+    tail = decode_tail(w_uv, w_o, norm_w, eps, mlp)  # a batch-1 layer after its attention core, bound to weights
 
 bgemv_kn reads a weight whose reduction runs over its outer dimension (the absorbed attention's per-head W_UK
 [H, nope, r], a view of kv_b_proj) in memory order; inductor's reduction read it at ~7 GB/s. mla_decode is one
@@ -30,7 +31,9 @@ import hashlib
 import logging
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +70,10 @@ def _load(out: Path) -> ctypes.CDLL:
     lib.mla_decode.restype = ctypes.c_int
     lib.moe_experts.argtypes = [p, i64, i64, p, p, i64, p, i64, p, i64, i64, i64, i64, p, p, c_int]
     lib.moe_experts.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.decode_tail.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, p, f32, i64, p, i64, i64, p, i64, i64, i64,
+                                c_int, f32, p, i64, i64, i64, p, i64, i64, p, i64, p, p, c_int]  # fmt: skip
+    lib.decode_tail.restype = ctypes.c_int
     return lib
 
 
@@ -242,3 +249,104 @@ def moe_experts(
         _threads(h * 2 * inter),
     )  # fmt: skip
     return None if rc else out
+
+
+class TailMoE(NamedTuple):
+    """decode_tail's MoE: tail [R + 2 Is, hidden] (router | shared gate | shared up rows), the router's bias [R] and
+    choice (moe_fused.route's arguments), gate_up [E, 2I, hidden], down [E, hidden, I], shared_down [hidden, Is]."""
+
+    tail: torch.Tensor
+    bias: torch.Tensor
+    top_k: int
+    n_group: int
+    topk_group: int
+    norm: bool
+    scaling: float
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    shared_down: torch.Tensor
+
+
+def decode_tail(
+    w_uv: torch.Tensor,
+    w_o: torch.Tensor,
+    norm_w: torch.Tensor,
+    eps: float,
+    mlp: TailMoE | tuple[torch.Tensor, torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A batch-1 decoder layer's tail after its attention core as one C call (small_gemm.c's decode_tail), bound to
+    its weights: tail(o_lat, stream) -> the new stream [1, hidden] for o_lat [1, H, r] (the attention's latent
+    output, contiguous) and stream [1, hidden] (contiguous): o_lat . W_UV per head (w_uv [H, v, r]), the stream +
+    that . w_o^T, the RMSNorm (norm_w, eps), then the MoE (`mlp` a TailMoE: the router's top-k picks, their experts
+    and the shared expert) or a dense MLP (`mlp` its (gate | up [2I, hidden], down [hidden, I]) weights), plus the
+    stream. None where it does not apply (the caller runs the compiled kernel): every weight float32 on CPU, rows
+    contiguous, v a multiple of 4, top_k <= 16, at most 64 expert groups."""
+    dense = not isinstance(mlp, TailMoE)
+    ws = [w_uv, w_o, norm_w]
+    ws += [mlp.tail, mlp.bias, mlp.gate_up, mlp.down, mlp.shared_down] if isinstance(mlp, TailMoE) else list(mlp)
+    if not _plain_f32(*ws) or any(t.stride(-1) != 1 for t in ws) or w_uv.dim() != 3 or w_o.dim() != 2:
+        return None
+    nh, v, r = (int(s) for s in w_uv.shape)
+    hid = int(w_o.shape[0])
+    if w_o.shape[1] != nh * v or norm_w.shape != (hid,) or v % 4:
+        return None
+    if dense:
+        gate_up, down = mlp[0], mlp[1]
+        if gate_up.dim() != 2 or down.dim() != 2 or down.shape[0] != hid:
+            return None
+        inter = int(down.shape[1])
+        tail = bias = shared = norm_w  # (not read)
+        rr, i_s, n_exp, top_k, ng, tg, norm, scaling = 0, 0, 0, 1, 1, 1, False, 1.0
+        shapes_ok = gate_up.shape == (2 * inter, hid)
+        gu_se = dn_se = 0
+        gu_ld, dn_ld, sd_ld = gate_up.stride(0), down.stride(0), 0
+    else:
+        assert isinstance(mlp, TailMoE)
+        gate_up, down, shared, tail, bias = mlp.gate_up, mlp.down, mlp.shared_down, mlp.tail, mlp.bias
+        if gate_up.dim() != 3 or down.dim() != 3 or shared.dim() != 2 or tail.dim() != 2:
+            return None
+        n_exp, inter, i_s = int(gate_up.shape[0]), int(down.shape[2]), int(shared.shape[1])
+        rr = int(tail.shape[0]) - 2 * i_s
+        top_k, ng, tg, norm, scaling = mlp.top_k, mlp.n_group, mlp.topk_group, mlp.norm, mlp.scaling
+        shapes_ok = (
+            rr == n_exp
+            and bias.shape == (rr,)
+            and tail.is_contiguous()
+            and tail.shape[1] == hid
+            and gate_up.shape[1:] == (2 * inter, hid)
+            and down.shape[:2] == (n_exp, hid)
+            and shared.shape[0] == hid
+            and 0 < tg <= ng <= 64
+            and rr % ng == 0
+        )
+        gu_se, dn_se = gate_up.stride(0), down.stride(0)
+        gu_ld, dn_ld, sd_ld = gate_up.stride(1), down.stride(1), shared.stride(0)
+    c = lib()
+    if not shapes_ok or gu_ld != hid or not 0 < top_k <= 16 or c is None:
+        return None
+    n_scratch = nh * v + 2 * hid + rr + 2 * i_s + top_k * 3 * inter + i_s + 2 * rr
+    head = (nh, r, w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), v, w_o.data_ptr(), w_o.stride(0))
+    mid = (norm_w.data_ptr(), eps, hid, tail.data_ptr(), rr, i_s, bias.data_ptr(), top_k, ng, tg, int(norm),
+           scaling, gate_up.data_ptr(), gu_se, inter, n_exp, down.data_ptr(), dn_se, dn_ld, shared.data_ptr(),
+           sd_ld)  # fmt: skip
+    keep = ws  # the weights outlive the bound call (their pointers are in it)
+    fn = c.decode_tail
+
+    def tail_call(o_lat: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        assert o_lat.shape == (1, nh, r) and o_lat.is_contiguous() and o_lat.dtype == torch.float32, o_lat.shape
+        assert stream.shape == (1, hid) and stream.is_contiguous() and stream.dtype == torch.float32, stream.shape
+        assert keep
+        out = torch.empty((1, hid), dtype=torch.float32)
+        scratch = torch.empty(n_scratch, dtype=torch.float32)
+        fn(
+            o_lat.data_ptr(),
+            *head,
+            stream.data_ptr(),
+            *mid,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    return tail_call

@@ -50,6 +50,8 @@ static inline float hsum(vf v) {
 
 #define KC 256 /* K block: 4 weight rows and 16 rows of x of it (20 KB) stay in L1 across the row blocks */
 #define MMAX 16
+#define MAXK 16 /* decode_tail: the most picks a token (top_k) */
+#define MAXG 64 /* decode_tail: the most expert groups */
 #define PF_TILES 2 /* prefetch the weight rows of the tile this many tiles on (into L2: _MM_HINT_T1) */
 
 /* acc[i][j] += x row i . w row j over [k0, k1) for the mr <= 4 rows of one block (mr a constant once inlined);
@@ -295,6 +297,181 @@ int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, con
                     for (int64_t j = 0; j < k; j++) o += scratch[(h0 + hh) * k + j] * rows[st[j] * ldr + c];
                     ot[(h0 + hh) * r + c] = o;
                 }
+        }
+    }
+    return 0;
+}
+
+/* y[0..3] = x . w rows wr[0..3] over k (one row of x: tile(1, ...) over K blocks, the rows pf prefetched into L2) */
+static inline void dot4(const float *x, const float *const wr[4], const float *const pf[4], int64_t k, float y[4]) {
+    vf acc[4][4];
+    const float *const xr[4] = {x, x, x, x};
+    const int64_t kv = k - k % VL;
+    memset(acc, 0, sizeof(acc));
+    for (int64_t k0 = 0; k0 < kv; k0 += KC) tile(1, acc, xr, wr, k0, k0 + KC < kv ? k0 + KC : kv, pf);
+    const vf s = hsum16((const vf *)acc); /* lane j: row j's sum (acc[0][j]) */
+    for (int j = 0; j < 4; j++) {
+        float t = s[j];
+        for (int64_t kk = kv; kk < k; kk++) t += x[kk] * wr[j][kk];
+        y[j] = t;
+    }
+}
+
+/* The rows [i0, i0 + 4) of a one-row GEMV (clamped to n: rows past it repeat the last, computed, not stored) as
+ * pointers, and the rows 2 blocks on (prefetched): row(i) = w + (i / g) * sg + (i % g) * sr for groups of g rows */
+static inline void rows4(const float *w, int64_t i0, int64_t n, int64_t g, int64_t sg, int64_t sr, const float *wr[4],
+                         const float *pf[4]) {
+    for (int j = 0; j < 4; j++) {
+        const int64_t i = i0 + j < n ? i0 + j : n - 1, ip = i0 + 4 * PF_TILES + j < n ? i0 + 4 * PF_TILES + j : n - 1;
+        wr[j] = w + (i / g) * sg + (i % g) * sr;
+        pf[j] = w + (ip / g) * sg + (ip % g) * sr;
+    }
+}
+
+static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+/* The router's choice for one token (moe_fused.route): sigmoid scores, + bias for the choice, group-limited
+ * (a group's score: its top-2 choices' sum; the topk_group best groups kept), top_k picks (ties: the lower id),
+ * weights = the picked scores (/ their sum + 1e-20 when norm) * scaling. sc: 2 * e floats of scratch. */
+static void route1(const float *logits, int64_t e, const float *bias, int64_t top_k, int64_t n_group,
+                   int64_t topk_group, int norm, float scaling, int64_t *ids, float *wts, float *sc) {
+    float *ch = sc + e;
+    for (int64_t i = 0; i < e; i++) {
+        sc[i] = 1.0f / (1.0f + expf(-logits[i]));
+        ch[i] = sc[i] + bias[i];
+    }
+    if (topk_group < n_group) {
+        const int64_t per = e / n_group;
+        float gs[MAXG];
+        int keep[MAXG];
+        for (int64_t g = 0; g < n_group; g++) {
+            float a = -INFINITY, b = -INFINITY;
+            for (int64_t i = g * per; i < (g + 1) * per; i++)
+                if (ch[i] > a) {
+                    b = a;
+                    a = ch[i];
+                } else if (ch[i] > b)
+                    b = ch[i];
+            gs[g] = per > 1 ? a + b : a;
+            keep[g] = 0;
+        }
+        for (int64_t p = 0; p < topk_group; p++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < n_group; g++)
+                if (!keep[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            keep[best] = 1;
+        }
+        for (int64_t i = 0; i < e; i++)
+            if (!keep[i / per]) ch[i] = -INFINITY;
+    }
+    float sum = 0.0f;
+    for (int64_t p = 0; p < top_k; p++) {
+        int64_t best = -1;
+        for (int64_t i = 0; i < e; i++) {
+            int taken = 0;
+            for (int64_t q = 0; q < p; q++) taken |= ids[q] == i;
+            if (!taken && (best < 0 || ch[i] > ch[best])) best = i;
+        }
+        ids[p] = best;
+        wts[p] = sc[best];
+        sum += wts[p];
+    }
+    for (int64_t p = 0; p < top_k; p++) wts[p] = (norm ? wts[p] / (sum + 1e-20f) : wts[p]) * scaling;
+}
+
+/* A batch-1 decoder layer's tail after its attention core (decode_one's B) in one call: o = o_lat . W_UV per head,
+ * h = stream + W_o . o, xn = rms_norm(h) * norm_w, then the MoE: t = tail . xn (router logits | shared gate |
+ * shared up), the router's top_k picks, each picked expert's gate | up . xn, silu(gate) * up, its down, and
+ * out = shared_down . (silu * up of the shared) + sum over picks (in pick order) of weight * down_e . act + h;
+ * or, n_exp == 0, a dense MLP: gate_up [2I, hidden] and down [hidden, I] (out = down . act + h). Every GEMV row
+ * read once, the threads of one parallel region sharing each GEMV's rows in static blocks of 4 (8 barriers).
+ * o_lat: [nh, r]; W_UV head h's row i at w_uv + h * uv_sh + i * uv_sr (r contiguous), v rows a head (v % 4 == 0);
+ * w_o: [hid, nh * v] rows ld_o apart; tail: [rr + 2 is, hid] contiguous; bias: [rr]; gate_up: expert e's [2I, hid]
+ * at gate_up + e * gu_se; down: expert e's [hid, I] at down + e * dn_se, rows dn_ld apart; shared_down: [hid, is]
+ * rows sd_ld apart; out: [hid]; scratch: nh * v + 2 hid + rr + 2 is + top_k * 3 I + is + 2 rr floats. Returns 0,
+ * or -1 when a size is out of range (nothing written). */
+int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, int64_t uv_sh, int64_t uv_sr,
+                int64_t v, const float *w_o, int64_t ld_o, const float *stream, const float *norm_w, float eps,
+                int64_t hid, const float *tail, int64_t rr, int64_t is, const float *bias, int64_t top_k,
+                int64_t n_group, int64_t topk_group, int norm, float scaling, const float *gate_up, int64_t gu_se,
+                int64_t inter, int64_t n_exp, const float *down, int64_t dn_se, int64_t dn_ld,
+                const float *shared_down, int64_t sd_ld, float *out, float *scratch, int threads) {
+    const int dense = n_exp == 0;
+    const int64_t nk = dense ? 1 : top_k, hv = nh * v, nt = rr + 2 * is;
+    if (v % 4 || (2 * inter) % 4 || nk < 1 || nk > MAXK || hid < 1 || r < 1 || inter < 1 ||
+        (!dense && (rr < 1 || rr != n_exp || top_k > rr || n_group < 1 || n_group > MAXG || rr % n_group ||
+                    topk_group < 1 || topk_group > n_group)))
+        return -1;
+    float *o = scratch, *h = o + hv, *xn = h + hid, *t = xn + hid, *gu = t + nt, *act = gu + nk * 2 * inter;
+    float *sact = act + nk * inter, *rsc = sact + is;
+    int64_t ids[MAXK] = {0};
+    float wts[MAXK] = {1.0f};
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < hv / 4; b++) { /* o = o_lat . W_UV per head (a block of 4 rows: one head) */
+            const float *wr[4], *pf[4];
+            rows4(w_uv, 4 * b, hv, v, uv_sh, uv_sr, wr, pf);
+            dot4(o_lat + (4 * b / v) * r, wr, pf, r, o + 4 * b);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (hid + 3) / 4; b++) { /* h = stream + W_o . o */
+            const float *wr[4], *pf[4];
+            float y[4];
+            rows4(w_o, 4 * b, hid, 1, ld_o, 0, wr, pf);
+            dot4(o, wr, pf, hv, y);
+            for (int64_t j = 0; j < 4 && 4 * b + j < hid; j++) h[4 * b + j] = y[j] + stream[4 * b + j];
+        }
+#pragma omp single
+        {
+            float ss = 0.0f;
+            for (int64_t i = 0; i < hid; i++) ss += h[i] * h[i];
+            const float inv = 1.0f / sqrtf(ss / (float)hid + eps);
+            for (int64_t i = 0; i < hid; i++) xn[i] = h[i] * inv * norm_w[i];
+        }
+        if (!dense) {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < (nt + 3) / 4; b++) { /* router logits | shared gate | shared up */
+                const float *wr[4], *pf[4];
+                float y[4];
+                rows4(tail, 4 * b, nt, 1, hid, 0, wr, pf);
+                dot4(xn, wr, pf, hid, y);
+                for (int64_t j = 0; j < 4 && 4 * b + j < nt; j++) t[4 * b + j] = y[j];
+            }
+#pragma omp single
+            {
+                route1(t, rr, bias, top_k, n_group, topk_group, norm, scaling, ids, wts, rsc);
+                for (int64_t i = 0; i < is; i++) sact[i] = silu_mul(t[rr + i], t[rr + is + i]);
+            }
+        }
+        const int64_t g2 = 2 * inter;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nk * g2 / 4; b++) { /* each pick's gate | up (a block of 4 rows: one expert) */
+            const int64_t j = 4 * b / g2;
+            const float *wr[4], *pf[4];
+            rows4(gate_up + ids[j] * gu_se, 4 * b - j * g2, g2, 1, hid, 0, wr, pf);
+            dot4(xn, wr, pf, hid, gu + 4 * b);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nk * inter; i++) {
+            const int64_t j = i / inter, c = i % inter;
+            act[i] = silu_mul(gu[j * g2 + c], gu[j * g2 + inter + c]);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (hid + 3) / 4; b++) { /* out = shared + the picks' weighted downs + h */
+            const float *wr[4], *pf[4];
+            float y[4], s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, routed[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int64_t j = 0; j < nk; j++) {
+                rows4(down + ids[j] * dn_se, 4 * b, hid, 1, dn_ld, 0, wr, pf);
+                dot4(act + j * inter, wr, pf, inter, y);
+                for (int q = 0; q < 4; q++) routed[q] = j ? routed[q] + y[q] * wts[j] : (dense ? y[q] : y[q] * wts[0]);
+            }
+            if (!dense) {
+                rows4(shared_down, 4 * b, hid, 1, sd_ld, 0, wr, pf);
+                dot4(sact, wr, pf, is, s);
+            }
+            for (int64_t q = 0; q < 4 && 4 * b + q < hid; q++)
+                out[4 * b + q] = (dense ? routed[q] : s[q] + routed[q]) + h[4 * b + q];
         }
     }
     return 0;
