@@ -16,7 +16,7 @@ from dsakv.config import EngineConfig
 from dsakv.engine.argv import engine_argv
 from dsakv.engine.engine import Engine
 from dsakv.engine.sampling import SamplingParams
-from dsakv.model import attention, dsa_model
+from dsakv.model import attention, dsa_model, native
 from dsakv.model import gemv as gemv_mod
 from dsakv.model.gemv import ROWS, gemv, use_compiled_gemv
 from dsakv.model.layers import MoE
@@ -181,3 +181,33 @@ def test_compiled_rms_norm_matches_eager(compiled):
     assert rms_norm(x.double(), w.double(), 1e-6) is None
     use_compiled_gemv(False)
     assert rms_norm(x, w, 1e-6) is None
+
+
+def test_native_layer_matches_the_compiled_plan(ckpts, compiled, monkeypatch):
+    """A batch-1 decode step's layers as decode_one's two native calls (decode_head: the input norm, q_a | kv_a |
+    index key, their norms and ropes, the KV row and a producer's index key written to the pool, the query through
+    W_UK, the absorbed attention; decode_tail: W_UV, o_proj, norm, MoE or dense MLP) against the same plan on its
+    compiled kernels and bgemv_kn / mla_decode: the same greedy tokens, logits within 1e-4, every pool byte the
+    compiled plan wrote within float32 rounding (pages picked at random: the native call writes the token's slot)."""
+    _, model = load_model(ckpts["big_experts"])
+    layout = model.layout_for(kv_format="fp32", index_format="fp32", page_size=8)
+    prompt = prompts_for([11])
+    used = []
+    for layer in model.model.layers:
+        layer.__dict__.pop("_one_plan", None)
+    runs, pool = greedy(model, layout, prompt, 5)  # decode at S = 12..16 <= index_topk: every layer on the plan
+    plans = [layer._one_plan for layer in model.model.layers]
+    assert all(p.head is not None and p.tail is not None for p in plans)
+    monkeypatch.setattr(native, "decode_head", lambda *a: used.append("head") and None)
+    monkeypatch.setattr(native, "decode_tail", lambda *a: used.append("tail") and None)
+    for layer in model.model.layers:
+        del layer._one_plan
+    ref, ref_pool = greedy(model, layout, prompt, 5)
+    assert used == ["tail", "head"] * len(plans)  # each layer's plan rebuilt without them
+    assert runs[0].generated == ref[0].generated
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs[0].logits, ref[0].logits, strict=True))
+    assert diff < 1e-4
+    for key in layout.keys:
+        got, want = pool.tensor(key).view(torch.float32), ref_pool.tensor(key).view(torch.float32)
+        assert bool(want.ne(0).any())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

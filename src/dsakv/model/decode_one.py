@@ -136,13 +136,22 @@ class _Plan:
             bias = gate.e_score_correction_bias
             tail_mlp = native.TailMoE(f.tail, bias, gate.top_k, n, tg, norm, scale, f.gate_up, f.down, f.shared_down)
         self.tail = native.decode_tail(self.w_uv, attn.o_proj.weight, self.ln2, float(ln2.eps), tail_mlp)
+        ha = native.HeadAttn(attn.num_heads, attn.nope, attn.rope_dim, self.r, int(qn.weight.shape[0]), qn.weight,
+                             float(qn.eps), kn.weight, float(kn.eps), self.scaling)  # fmt: skip
+        if ix is not None:
+            ha = ha._replace(ix_dim=ix.head_dim, k_w=ix.k_norm.weight, k_b=ix.k_norm.bias, k_eps=float(ix.k_norm.eps))
+        self.head = native.decode_head(ha, ln1.weight, float(ln1.eps), w_x, w_q, self.w_uk)
 
     def run(
         self, x: torch.Tensor, ctx: Any, slots: torch.Tensor, kv: torch.Tensor, ix: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The layer for x [1, hidden]; kv / ix: the pool's fp32 rows of its KV / index keys (ix None: a shared
         layer)."""
-        ins = [x, *self.a_static, ctx.rope(self.rope[0], True, torch.float32).contiguous()]
+        rot = ctx.rope(self.rope[0], True, torch.float32).contiguous()
+        if self.head is not None and self.tail is not None:  # the layer as two native calls
+            ix_rot = None if ix is None else ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous()
+            return self.tail(self.head(x, rot, ix_rot, kv, ix, ctx.out_slots, slots), x)
+        ins = [x, *self.a_static, rot]
         if ix is not None:
             ins += [ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous(), *self.ix_static]
         out = self.kern_a(ins)
@@ -196,7 +205,9 @@ def layer_one(layer: Any, x: torch.Tensor, ctx: Any, prev_topk: Any) -> tuple[to
     if f is None or w_x is None or w_q is None:
         return None
     plan: _Plan | None = getattr(layer, "_one_plan", None)
-    sig = (torch.get_num_threads(), f, w_x, w_q, attn.kv_b_proj.weight, attn.o_proj.weight)
+    # (a dense MLP's weights as their own entries: its tuple is made anew each call)
+    sig = (torch.get_num_threads(), *(f if type(f) is tuple else (f,)), w_x, w_q, attn.kv_b_proj.weight,
+           attn.o_proj.weight)  # fmt: skip
     if plan is None or any(a is not b for a, b in zip(plan.sig, sig, strict=True)):
         if not _weights_apply(layer, f, w_x, w_q):
             return None

@@ -8,6 +8,7 @@ small-M sgemm barely uses the second thread), so gemv.gemv takes it up to MAX_RO
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
     y = bgemv_kn(x, w)      # torch.bmm(x [B, M<=4, K], w [B, K, N]) for N contiguous (W_UK: ~7 -> ~20 GB/s)
     o = mla_decode(q, rows, slots, bias, scale, r)   # the absorbed decode attention over the pool's fp32 rows
+    head = decode_head(attn, ln1, eps1, w_x, w_q, w_uk)  # a batch-1 layer's attention up to its core, bound
     tail = decode_tail(w_uv, w_o, norm_w, eps, mlp)  # a batch-1 layer after its attention core, bound to weights
 
 bgemv_kn reads a weight whose reduction runs over its outer dimension (the absorbed attention's per-head W_UK
@@ -74,6 +75,9 @@ def _load(out: Path) -> ctypes.CDLL:
     lib.decode_tail.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, p, p, f32, i64, p, i64, i64, p, i64, i64, i64,
                                 c_int, f32, p, i64, i64, i64, p, i64, i64, p, i64, p, p, c_int]  # fmt: skip
     lib.decode_tail.restype = ctypes.c_int
+    lib.decode_head.argtypes = [p, i64, p, f32, p, i64, i64, i64, p, f32, p, f32, p, p, i64, i64, p, i64, i64, i64, p,
+                                p, p, f32, p, i64, p, i64, p, p, i64, f32, p, p, c_int]  # fmt: skip
+    lib.decode_head.restype = ctypes.c_int
     return lib
 
 
@@ -350,3 +354,98 @@ def decode_tail(
         return out
 
     return tail_call
+
+
+class HeadAttn(NamedTuple):
+    """decode_head's attention sizes and small weights: heads, nope / rope / kv_lora_rank / q_lora_rank widths, the
+    q_a and kv_a RMSNorms, the softmax scale, and a producer's index key (ix_dim 0: a layer sharing another's) with
+    its LayerNorm's weight, bias and eps."""
+
+    heads: int
+    nope: int
+    rope: int
+    rank: int
+    q_rank: int
+    q_norm: torch.Tensor
+    q_eps: float
+    kv_norm: torch.Tensor
+    kv_eps: float
+    scale: float
+    ix_dim: int = 0
+    k_w: torch.Tensor | None = None
+    k_b: torch.Tensor | None = None
+    k_eps: float = 0.0
+
+
+def decode_head(
+    a: HeadAttn, ln1: torch.Tensor, eps1: float, w_x: torch.Tensor, w_q: torch.Tensor, w_uk: torch.Tensor
+) -> Callable[..., torch.Tensor] | None:
+    """A batch-1 decoder layer's attention up to its core as one C call (small_gemm.c's decode_head), bound to its
+    weights: head(x, rot, ix_rot, kv, ix, out_slots, slots) -> o_lat [1, H, rank] for the stream x [1, hidden]: the
+    input RMSNorm (ln1, eps1), q_a | kv_a (| the index key) rows of w_x, their norms and ropes (rot [1, rope, rope],
+    ix_rot [1, ix_dim, ix_dim]: the step's rotation matrices), the KV row (and a producer's index key) written to
+    the pool's rows kv [S, rank + rope] (ix [S, ix_dim], or None for a sharing layer) at out_slots[0], the query
+    (w_q's q_b rows, W_UK per head: w_uk [H, nope, rank]), and the absorbed attention over the pool rows `slots`
+    [1, k] (int64, in range: the caller's). None where it does not apply (the caller runs the compiled kernel):
+    float32 CPU weights, rows contiguous."""
+    ix_ts = [t for t in (a.k_w, a.k_b) if t is not None] if a.ix_dim else []
+    ts = [ln1, w_x, w_q, w_uk, a.q_norm, a.kv_norm, *ix_ts]
+    if len(ix_ts) != (2 if a.ix_dim else 0) or not _plain_f32(*ts) or any(t.stride(-1) != 1 for t in ts):
+        return None
+    hid, qd, d = int(w_x.shape[1]), a.nope + a.rope, a.rank + a.rope
+    ny = a.q_rank + d + a.ix_dim
+    if (
+        w_x.dim() != 2
+        or w_x.shape[0] < ny
+        or w_x.stride(0) != hid
+        or w_q.dim() != 2
+        or w_q.shape[0] < a.heads * qd
+        or w_q.shape[1] != a.q_rank
+        or w_q.stride(0) != a.q_rank
+        or w_uk.shape != (a.heads, a.nope, a.rank)
+        or ln1.shape != (hid,)
+        or a.q_norm.shape != (a.q_rank,)
+        or a.kv_norm.shape != (a.rank,)
+        or any(t.shape != (a.ix_dim,) for t in ix_ts)
+    ):
+        return None
+    c = lib()
+    if c is None:
+        return None
+    fn, nh, ix_dim = c.decode_head, a.heads, a.ix_dim
+    keep = ts  # the weights outlive the bound call (their pointers are in it)
+    k_w, k_b = (ix_ts[0].data_ptr(), ix_ts[1].data_ptr()) if ix_ts else (None, None)
+    n_scratch = ny + hid + a.q_rank + ix_dim + nh * (qd + d)
+    front = (hid, ln1.data_ptr(), eps1, w_x.data_ptr(), a.q_rank, a.rank, a.rope, a.q_norm.data_ptr(), a.q_eps,
+             a.kv_norm.data_ptr(), a.kv_eps)  # fmt: skip
+    mid = (w_q.data_ptr(), nh, a.nope, w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1), ix_dim)
+
+    def head(
+        x: torch.Tensor,
+        rot: torch.Tensor,
+        ix_rot: torch.Tensor | None,
+        kv: torch.Tensor,
+        ix: torch.Tensor | None,
+        out_slots: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        assert keep and x.shape == (1, hid) and x.is_contiguous() and x.dtype == torch.float32, x.shape
+        assert rot.shape == (1, a.rope, a.rope) and rot.is_contiguous() and rot.dtype == torch.float32
+        assert kv.dim() == 2 and kv.shape[1] == d and kv.stride(1) == 1 and kv.dtype == torch.float32
+        assert (ix is None) == (ix_dim == 0) == (ix_rot is None)
+        assert out_slots.dtype == slots.dtype == torch.int64 and out_slots.numel() == 1 and slots.shape[0] == 1
+        assert slots.is_contiguous() and out_slots.is_contiguous()
+        k = int(slots.shape[1])
+        ixp, ldi, irp = None, 0, None
+        if ix is not None and ix_rot is not None:
+            assert ix.dim() == 2 and ix.shape[1] == ix_dim and ix.stride(1) == 1 and ix.dtype == torch.float32
+            assert ix_rot.shape == (1, ix_dim, ix_dim) and ix_rot.is_contiguous() and ix_rot.dtype == torch.float32
+            ixp, ldi, irp = ix.data_ptr(), ix.stride(0), ix_rot.data_ptr()
+        o_lat = torch.empty((1, nh, a.rank), dtype=torch.float32)
+        scratch = torch.empty(n_scratch + nh * k, dtype=torch.float32)
+        fn(x.data_ptr(), *front, rot.data_ptr(), *mid, irp, k_w, k_b, a.k_eps, kv.data_ptr(), kv.stride(0), ixp, ldi,
+           out_slots.data_ptr(), slots.data_ptr(), k, a.scale, o_lat.data_ptr(), scratch.data_ptr(),
+           torch.get_num_threads())  # fmt: skip
+        return o_lat
+
+    return head

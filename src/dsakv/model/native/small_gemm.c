@@ -234,70 +234,73 @@ int bgemv_kn(const float *x, int64_t sxb, int64_t sxm, const float *w, int64_t s
  * by the caller); bias: [T, k] (0 or -inf) or NULL; out: [T, H, r] contiguous; scratch_all: T * H * k floats.
  * Heads run in blocks of 8 (a block past H repeats the last head, computed, not stored); `threads` OpenMP threads
  * share the (token, head block) pairs. Sums run in another order than the BLAS's (~1e-6 relative). Returns 0. */
+/* One (token, block of HB heads from h0) of mla_decode: qt [nh, d] the token's query, st / bt its k slots / bias (or
+ * NULL), ot [nh, r] its output, scratch nh * k floats */
+static void mla_block(const float *qt, int64_t nh, int64_t d, int64_t r, const float *rows, int64_t ldr,
+                      const int64_t *st, int64_t k, const float *bt, float scale, float *ot, float *scratch, int64_t h0) {
+    const int64_t dv = d - d % VL, rv = r - r % RC;
+    const float *qh[HB];
+    int64_t hi[HB];
+    for (int i = 0; i < HB; i++) {
+        hi[i] = h0 + i < nh ? h0 + i : nh - 1;
+        qh[i] = qt + hi[i] * d;
+    }
+    for (int64_t j = 0; j < k; j++) { /* scores: the row read once for the block's heads */
+        const float *row = rows + st[j] * ldr;
+        vf a[HB];
+        memset(a, 0, sizeof(a));
+        for (int64_t i = 0; i < dv; i += VL) {
+            const vf rw = load(row + i);
+            for (int hh = 0; hh < HB; hh++) a[hh] += load(qh[hh] + i) * rw;
+        }
+        const float b = bt ? bt[j] : 0.0f;
+        for (int hh = 0; hh < HB; hh++) {
+            float sc = hsum(a[hh]);
+            for (int64_t i = dv; i < d; i++) sc += qh[hh][i] * row[i];
+            scratch[hi[hh] * k + j] = scale * sc + b;
+        }
+    }
+    for (int hh = 0; hh < HB && h0 + hh < nh; hh++) { /* softmax over the k scores of each head */
+        float *p = scratch + (h0 + hh) * k, mx = p[0], sum = 0.0f;
+        for (int64_t j = 1; j < k; j++) mx = p[j] > mx ? p[j] : mx;
+        for (int64_t j = 0; j < k; j++) {
+            p[j] = expf(p[j] - mx);
+            sum += p[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < k; j++) p[j] *= inv;
+    }
+    for (int64_t c0 = 0; c0 < rv; c0 += RC) { /* values: 8 heads x RC columns in registers over the rows */
+        vf a[HB][2];
+        memset(a, 0, sizeof(a));
+        for (int64_t j = 0; j < k; j++) {
+            const float *row = rows + st[j] * ldr + c0;
+            const vf r0 = load(row), r1 = load(row + VL);
+            for (int hh = 0; hh < HB; hh++) {
+                const float pj = scratch[hi[hh] * k + j];
+                a[hh][0] += pj * r0;
+                a[hh][1] += pj * r1;
+            }
+        }
+        for (int hh = 0; hh < HB && h0 + hh < nh; hh++) memcpy(ot + (h0 + hh) * r + c0, a[hh], sizeof(a[hh]));
+    }
+    for (int64_t c = rv; c < r; c++) /* columns past the last pass */
+        for (int hh = 0; hh < HB && h0 + hh < nh; hh++) {
+            float o = 0.0f;
+            for (int64_t j = 0; j < k; j++) o += scratch[(h0 + hh) * k + j] * rows[st[j] * ldr + c];
+            ot[(h0 + hh) * r + c] = o;
+        }
+}
+
 int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, const float *rows, int64_t ldr,
                const int64_t *slots, int64_t k, const float *bias, float scale, float *out, float *scratch_all,
                int threads) {
-    const int64_t dv = d - d % VL, rv = r - r % RC, nhb = (nh + HB - 1) / HB;
+    const int64_t nhb = (nh + HB - 1) / HB;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t tb = 0; tb < nt * nhb; tb++) { /* (token, block of heads) pairs: independent */
-        const int64_t t = tb / nhb, h0 = (tb % nhb) * HB;
-        const float *qt = q + t * nh * d;
-        const int64_t *st = slots + t * k;
-        const float *bt = bias ? bias + t * k : NULL;
-        float *ot = out + t * nh * r, *scratch = scratch_all + t * nh * k;
-        {
-            const float *qh[HB];
-            int64_t hi[HB];
-            for (int i = 0; i < HB; i++) {
-                hi[i] = h0 + i < nh ? h0 + i : nh - 1;
-                qh[i] = qt + hi[i] * d;
-            }
-            for (int64_t j = 0; j < k; j++) { /* scores: the row read once for the block's heads */
-                const float *row = rows + st[j] * ldr;
-                vf a[HB];
-                memset(a, 0, sizeof(a));
-                for (int64_t i = 0; i < dv; i += VL) {
-                    const vf rw = load(row + i);
-                    for (int hh = 0; hh < HB; hh++) a[hh] += load(qh[hh] + i) * rw;
-                }
-                const float b = bt ? bt[j] : 0.0f;
-                for (int hh = 0; hh < HB; hh++) {
-                    float sc = hsum(a[hh]);
-                    for (int64_t i = dv; i < d; i++) sc += qh[hh][i] * row[i];
-                    scratch[hi[hh] * k + j] = scale * sc + b;
-                }
-            }
-            for (int hh = 0; hh < HB && h0 + hh < nh; hh++) { /* softmax over the k scores of each head */
-                float *p = scratch + (h0 + hh) * k, mx = p[0], sum = 0.0f;
-                for (int64_t j = 1; j < k; j++) mx = p[j] > mx ? p[j] : mx;
-                for (int64_t j = 0; j < k; j++) {
-                    p[j] = expf(p[j] - mx);
-                    sum += p[j];
-                }
-                const float inv = 1.0f / sum;
-                for (int64_t j = 0; j < k; j++) p[j] *= inv;
-            }
-            for (int64_t c0 = 0; c0 < rv; c0 += RC) { /* values: 8 heads x RC columns in registers over the rows */
-                vf a[HB][2];
-                memset(a, 0, sizeof(a));
-                for (int64_t j = 0; j < k; j++) {
-                    const float *row = rows + st[j] * ldr + c0;
-                    const vf r0 = load(row), r1 = load(row + VL);
-                    for (int hh = 0; hh < HB; hh++) {
-                        const float pj = scratch[hi[hh] * k + j];
-                        a[hh][0] += pj * r0;
-                        a[hh][1] += pj * r1;
-                    }
-                }
-                for (int hh = 0; hh < HB && h0 + hh < nh; hh++) memcpy(ot + (h0 + hh) * r + c0, a[hh], sizeof(a[hh]));
-            }
-            for (int64_t c = rv; c < r; c++) /* columns past the last pass */
-                for (int hh = 0; hh < HB && h0 + hh < nh; hh++) {
-                    float o = 0.0f;
-                    for (int64_t j = 0; j < k; j++) o += scratch[(h0 + hh) * k + j] * rows[st[j] * ldr + c];
-                    ot[(h0 + hh) * r + c] = o;
-                }
-        }
+        const int64_t t = tb / nhb;
+        mla_block(q + t * nh * d, nh, d, r, rows, ldr, slots + t * k, k, bias ? bias + t * k : NULL, scale,
+                  out + t * nh * r, scratch_all + t * nh * k, (tb % nhb) * HB);
     }
     return 0;
 }
@@ -473,6 +476,104 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
             for (int64_t q = 0; q < 4 && 4 * b + q < hid; q++)
                 out[4 * b + q] = (dense ? routed[q] : s[q] + routed[q]) + h[4 * b + q];
         }
+    }
+    return 0;
+}
+
+/* y[:n] = x[:k] . w (k rows of n, rows swk apart, n contiguous), each column summed over k in k order */
+static void kn_row(const float *x, const float *w, int64_t swk, float *y, int64_t k, int64_t n) {
+    int64_t n0 = 0;
+    for (; n0 + 16 * VL <= n; n0 += 16 * VL) kn_block(1, 16, x, 0, w, swk, y, n, n0, k);
+    for (; n0 + VL <= n; n0 += VL) kn_block(1, 1, x, 0, w, swk, y, n, n0, k);
+    for (int64_t c = n0; c < n; c++) {
+        float s = 0.0f;
+        for (int64_t kk = 0; kk < k; kk++) s += x[kk] * w[kk * swk + c];
+        y[c] = s;
+    }
+}
+
+/* y[:w] = x[:w] . rot (rot [w, w] row-major: y[j] = sum_i x[i] * rot[i, j]; the rope as its rotation matrix) */
+static void rope_row(const float *x, const float *rot, int64_t w, float *y) {
+    for (int64_t j = 0; j < w; j++) {
+        float s = 0.0f;
+        for (int64_t i = 0; i < w; i++) s += x[i] * rot[i * w + j];
+        y[j] = s;
+    }
+}
+
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over n */
+static void rms_row(const float *x, const float *w, float eps, int64_t n, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+/* A batch-1 decoder layer's attention up to its core (decode_one's A, W_UK and core) in one call: xa = rms_norm(x)
+ * (ln1, eps1); y = w_x . xa over its first q_rank + rank + rope (+ ix_dim for a producer) rows (q_a | kv_a | the
+ * index key); q_resid = rms_norm(y[q_a]) (q_norm); the KV row [rms_norm(y[latent]) (kv_norm) | y[k_rot] . rot]
+ * written to the pool's row out_slot[0] (kv rows ldk apart); a producer's index key layer_norm(y[key]) (k_w, k_b,
+ * k_eps) . ix_rot written to its pool row (ix rows ldi apart; ix NULL: a layer that shares another's); z = w_q .
+ * q_resid over its first nh * (nope + rope) rows; per head the query [z[nope] . W_UK | z[rope] . rot] (W_UK head
+ * h's row i at w_uk + h * uk_sh + i * uk_sr, rank contiguous); then the absorbed attention over the k pool rows
+ * `slots` (mla_decode's, no bias) into o_lat [nh, rank]. w_x rows hid apart, w_q rows q_rank apart; rot [rope,
+ * rope], ix_rot [ix_dim, ix_dim]; scratch: ny + q_rank + ix_dim + nh * (nope + 2 rope + rank) + nh * k floats. The
+ * threads of one parallel region split each GEMV's rows (blocks of 4), the heads and the head blocks. Slots in
+ * range: the caller's. Returns 0. */
+int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const float *w_x, int64_t q_rank,
+                int64_t rank, int64_t rope, const float *q_norm, float q_eps, const float *kv_norm, float kv_eps,
+                const float *rot, const float *w_q, int64_t nh, int64_t nope, const float *w_uk, int64_t uk_sh,
+                int64_t uk_sr, int64_t ix_dim, const float *ix_rot, const float *k_w, const float *k_b, float k_eps,
+                float *kv, int64_t ldk, float *ix, int64_t ldi, const int64_t *out_slot, const int64_t *slots,
+                int64_t k, float scale, float *o_lat, float *scratch, int threads) {
+    const int64_t ny = q_rank + rank + rope + (ix ? ix_dim : 0), qd = nope + rope, nz = nh * qd, d = rank + rope;
+    float *y = scratch, *xa = y + ny, *qr = xa + hid, *kt = qr + q_rank, *z = kt + ix_dim, *q = z + nz;
+    float *sc = q + nh * d;
+    float *kv_row = kv + out_slot[0] * ldk;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp single
+        rms_row(x, ln1, eps1, hid, xa);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (ny + 3) / 4; b++) { /* q_a | kv_a (| the index key) */
+            const float *wr[4], *pf[4];
+            float yv[4];
+            rows4(w_x, 4 * b, ny, 1, hid, 0, wr, pf);
+            dot4(xa, wr, pf, hid, yv);
+            for (int64_t j = 0; j < 4 && 4 * b + j < ny; j++) y[4 * b + j] = yv[j];
+        }
+#pragma omp single
+        {
+            rms_row(y, q_norm, q_eps, q_rank, qr);
+            rms_row(y + q_rank, kv_norm, kv_eps, rank, kv_row);
+            rope_row(y + q_rank + rank, rot, rope, kv_row + rank);
+            if (ix) { /* the index key: LayerNorm (biased variance), then its rope */
+                const float *kr = y + q_rank + rank + rope;
+                float mean = 0.0f, var = 0.0f;
+                for (int64_t i = 0; i < ix_dim; i++) mean += kr[i];
+                mean /= (float)ix_dim;
+                for (int64_t i = 0; i < ix_dim; i++) var += (kr[i] - mean) * (kr[i] - mean);
+                const float inv = 1.0f / sqrtf(var / (float)ix_dim + k_eps);
+                for (int64_t i = 0; i < ix_dim; i++) kt[i] = (kr[i] - mean) * inv * k_w[i] + k_b[i];
+                rope_row(kt, ix_rot, ix_dim, ix + out_slot[0] * ldi);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (nz + 3) / 4; b++) { /* q_b: each head's nope | rope */
+            const float *wr[4], *pf[4];
+            float yv[4];
+            rows4(w_q, 4 * b, nz, 1, q_rank, 0, wr, pf);
+            dot4(qr, wr, pf, q_rank, yv);
+            for (int64_t j = 0; j < 4 && 4 * b + j < nz; j++) z[4 * b + j] = yv[j];
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < nh; h++) { /* the query: q_nope . W_UK | the roped part */
+            kn_row(z + h * qd, w_uk + h * uk_sh, uk_sr, q + h * d, nope, rank);
+            rope_row(z + h * qd + nope, rot, rope, q + h * d + rank);
+        }
+#pragma omp for schedule(static)
+        for (int64_t h0 = 0; h0 < nh; h0 += HB)
+            mla_block(q, nh, d, rank, kv, ldk, slots, k, NULL, scale, o_lat, sc, h0);
     }
     return 0;
 }
