@@ -291,7 +291,7 @@ def test_decode_tail_matches_w_uv_projection_norm_and_moe(groups):
     (heads strided as in kv_b_proj), o_proj onto the stream, RMSNorm, then MoE.forward with that stream as its
     residual (the router's group-limited choice included: it picks other experts than an ungrouped choice in some
     draws) or a dense MLP, within 1e-5 relative of the eager ops; bitwise the same on 1 and 2 threads; None where it
-    does not apply (v not a multiple of 4, float64, top_k over 16, rows not contiguous)."""
+    does not apply (v not a multiple of 8, float64, top_k over 16, rows not contiguous)."""
     moe = make_moe(groups, seed=5)
     f, gate = moe.one_token_weights(), moe.gate
     assert f is not None

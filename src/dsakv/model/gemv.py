@@ -6,8 +6,10 @@ of reading the weights. On this project's CPU box the BLAS (MKL sgemm, M = 1) re
 inductor reduction `(w[:, None, :] * x[None]).sum(-1)` at ~14-22 GB/s (a sum over 256 MiB: ~26 GB/s). Each weight
 row is read once for all M rows of x (the output [N, M] is written N outer, M inner), so it also beats MKL's
 small-M sgemm at 2-4 rows (x1.3-2.7: a decode batch's per-expert groups), but not at 8-16 rows (x0.6-1.5) where
-the BLAS tiles for compute (bench/decode_compile.py measures the whole step). So only calls of at most ROWS rows
-take it; every other call, and every call off CPU or in another dtype than float32, stays on F.linear / addmm:
+the BLAS tiles for compute (bench/decode_compile.py measures the whole step). So calls of 2 to ROWS rows take it,
+one row and ROWS + 1 .. 16 rows the C kernel (model/native: at one row 8 weight rows streamed side by side, x1.2
+inductor's reduction cold on a 8192 x 1024 lm_head, bench/small_gemm.py --rows 1); every other call, and every
+call off CPU or in another dtype than float32, stays on F.linear / addmm:
 the eager path is the reference, and the kernel's sums run in another order than the BLAS's (~1e-6 relative,
 tests/inproc/test_decode_compile.py).
 
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 
 from dsakv.model.native import MAX_ROWS, bgemv_kn, small_gemm
 
-ROWS = 4  # calls of at most this many rows take the compiled kernel (more: the BLAS matmul)
+ROWS = 4  # calls of 2 to this many rows take the compiled kernel (1 and 5-16: model/native's; more: the BLAS)
 _ON = [False]  # use_compiled_gemv
 _KERNELS: dict[tuple[Any, ...], Callable[..., Any]] = {}  # (kernel, shapes, strides, threads) -> compiled
 _LOCK = threading.Lock()
@@ -146,7 +148,7 @@ def bmm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] @ w [N, K]^T on the compiled kernel ([..., N]), or None unless it is on and applies: float32 x
-    and w on CPU, at most ROWS rows (ROWS + 1 .. native.MAX_ROWS: the C tile kernel), w's last
+    and w on CPU, at most ROWS rows (one row and ROWS + 1 .. native.MAX_ROWS: the C kernel), w's last
     dimension contiguous (the caller then runs its BLAS matmul)."""
     if not _ON[0] or x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu":
         return None
@@ -155,12 +157,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if rows > MAX_ROWS or rows == 0 or w.dim() != 2 or w.stride(1) != 1 or w.device != x.device:
         return None
     xc = x if x.dim() == 2 and x.is_contiguous() else x.reshape(rows, k).contiguous()
-    if rows > ROWS:  # 5-16 rows: the C tile kernel (model/native), or None (the BLAS)
+    if rows > ROWS or rows == 1:  # 1 and 5-16 rows: the C kernel (model/native), or None (the BLAS)
         z = small_gemm(xc, w)
         return None if z is None else z.view(*x.shape[:-1], w.shape[0])
     y: torch.Tensor = _kernel(rows, w)([xc, w])[0]  # [N, M]
-    if rows == 1:
-        return y.view(*x.shape[:-1], w.shape[0])  # [N, 1] is the row already
     return y.t().contiguous().view(*x.shape[:-1], w.shape[0])
 
 

@@ -1,5 +1,6 @@
 """`--compile`'s small-row float32 matmul in C (small_gemm.c): y[M, N] = x[M, K] . w[N, K]^T for 5-16 rows (decode
-batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP/s on this project's CPU box. A
+batches' per-expert groups and projections), where MKL's sgemm runs ~20-45 GFLOP/s on this project's CPU box, and
+for one row (8 weight rows streamed side by side: the lm_head at batch 1). A
 4 x 4 register tile (4 weight rows x 4 rows of x) over a K block that stays in L1 reads each weight element from
 memory once per call, the rows two tiles on prefetched into L2: with the weights cold (as a decode step reads them)
 x1.7-2.5 torch.mm's speed at 5 rows, x1.0-1.6 at 16 on one thread (bench/small_gemm.py) and more on two (MKL's
@@ -284,7 +285,7 @@ def decode_tail(
     that . w_o^T, the RMSNorm (norm_w, eps), then the MoE (`mlp` a TailMoE: the router's top-k picks, their experts
     and the shared expert) or a dense MLP (`mlp` its (gate | up [2I, hidden], down [hidden, I]) weights), plus the
     stream. None where it does not apply (the caller runs the compiled kernel): every weight float32 on CPU, rows
-    contiguous, v a multiple of 4, top_k <= 16, at most 64 expert groups."""
+    contiguous, v a multiple of 8 and I of 4, top_k <= 16, at most 64 expert groups."""
     dense = not isinstance(mlp, TailMoE)
     ws = [w_uv, w_o, norm_w]
     ws += [mlp.tail, mlp.bias, mlp.gate_up, mlp.down, mlp.shared_down] if isinstance(mlp, TailMoE) else list(mlp)
@@ -292,7 +293,7 @@ def decode_tail(
         return None
     nh, v, r = (int(s) for s in w_uv.shape)
     hid = int(w_o.shape[0])
-    if w_o.shape[1] != nh * v or norm_w.shape != (hid,) or v % 4:
+    if w_o.shape[1] != nh * v or norm_w.shape != (hid,) or v % 8:
         return None
     if dense:
         gate_up, down = mlp[0], mlp[1]
@@ -326,7 +327,7 @@ def decode_tail(
         gu_se, dn_se = gate_up.stride(0), down.stride(0)
         gu_ld, dn_ld, sd_ld = gate_up.stride(1), down.stride(1), shared.stride(0)
     c = lib()
-    if not shapes_ok or gu_ld != hid or not 0 < top_k <= 16 or c is None:
+    if not shapes_ok or gu_ld != hid or inter % 4 or not 0 < top_k <= 16 or c is None:
         return None
     n_scratch = nh * v + 2 * hid + rr + 2 * i_s + top_k * 3 * inter + i_s + 2 * rr
     head = (nh, r, w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), v, w_o.data_ptr(), w_o.stride(0))

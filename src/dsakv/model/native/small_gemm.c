@@ -1,4 +1,4 @@
-/* y[M, N] = x[M, K] . w[N, K]^T for a few rows M (decode batches: 5-16 rows), float32, one thread.
+/* y[M, N] = x[M, K] . w[N, K]^T for a few rows M (decode batches: 5-16 rows; one row: dotb below), float32.
  *
  * Tiles of 4 weight rows x 4 rows of x: 16 vector accumulators over K, so each weight element is loaded from
  * memory once per 4-row block of x and from L1 for the other blocks (the 4 weight rows, 4 * K floats, stay in L1
@@ -80,12 +80,54 @@ static inline __attribute__((always_inline)) void tile(int mr, vf acc[4][4], con
         for (int j = 0; j < 4; j++) acc[i][j] = a[i][j];
 }
 
+#define NB 8 /* one-row GEMVs (decode_head, decode_tail, small_gemm at one row): rows a block */
+
+/* y[0..NB) = x . w rows wr[0..NB) over k: one accumulator a row, the NB rows read side by side. No software
+ * prefetch: NB concurrent row streams is what the hardware prefetcher reads fastest here (a 8192 x 1024 GEMV cold:
+ * 13.6 / 26.9 GB/s on 1 / 2 threads against 11.6 / 23.8 for 4 rows with 4 more prefetched into L2, 12.4 / 26.2
+ * for 4 rows alone, 13.2 / 27.7 for 16; the prefetch helped only at K = 384, ~5%). */
+static inline void dotb(const float *x, const float *const wr[NB], int64_t k, float y[NB]) {
+    vf a[16];
+    const int64_t kv = k - k % VL;
+    memset(a, 0, sizeof(a));
+    for (int64_t kk = 0; kk < kv; kk += VL) {
+        const vf xv = load(x + kk);
+        for (int j = 0; j < NB; j++) a[j] += load(wr[j] + kk) * xv;
+    }
+    const vf s = hsum16(a); /* lane j: row j's sum */
+    for (int j = 0; j < NB; j++) {
+        float t = s[j];
+        for (int64_t kk = kv; kk < k; kk++) t += x[kk] * wr[j][kk];
+        y[j] = t;
+    }
+}
+
+/* The rows [i0, i0 + NB) of a one-row GEMV as pointers (clamped to n: rows past it repeat the last, computed, not
+ * stored): row(i) = w + (i / g) * sg + (i % g) * sr for groups of g rows */
+static inline void rowsb(const float *w, int64_t i0, int64_t n, int64_t g, int64_t sg, int64_t sr, const float *wr[NB]) {
+    for (int j = 0; j < NB; j++) {
+        const int64_t i = i0 + j < n ? i0 + j : n - 1;
+        wr[j] = w + (i / g) * sg + (i % g) * sr;
+    }
+}
+
 /* x: [M, K] rows ldx apart; w: [N, K] rows ldw apart; y: [M, N] rows ldy apart; M <= MMAX; `threads` OpenMP
  * threads (torch's own pool: the same libgomp) share the weight-row tiles. Returns 0, or -1 when M is out of range
  * (nothing written). */
 int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int64_t m,
                int64_t n, int64_t k, int threads) {
     if (m < 1 || m > MMAX) return -1;
+    if (m == 1) { /* one row: NB weight rows side by side (dotb) */
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (int64_t b = 0; b < (n + NB - 1) / NB; b++) {
+            const float *wr[NB];
+            float yv[NB];
+            rowsb(w, NB * b, n, 1, ldw, 0, wr);
+            dotb(x, wr, k, yv);
+            for (int64_t j = 0; j < NB && NB * b + j < n; j++) y[NB * b + j] = yv[j];
+        }
+        return 0;
+    }
     const int64_t kv = k - k % VL;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t n0 = 0; n0 < n; n0 += 4) {
@@ -305,32 +347,6 @@ int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, con
     return 0;
 }
 
-/* y[0..3] = x . w rows wr[0..3] over k (one row of x: tile(1, ...) over K blocks, the rows pf prefetched into L2) */
-static inline void dot4(const float *x, const float *const wr[4], const float *const pf[4], int64_t k, float y[4]) {
-    vf acc[4][4];
-    const float *const xr[4] = {x, x, x, x};
-    const int64_t kv = k - k % VL;
-    memset(acc, 0, sizeof(acc));
-    for (int64_t k0 = 0; k0 < kv; k0 += KC) tile(1, acc, xr, wr, k0, k0 + KC < kv ? k0 + KC : kv, pf);
-    const vf s = hsum16((const vf *)acc); /* lane j: row j's sum (acc[0][j]) */
-    for (int j = 0; j < 4; j++) {
-        float t = s[j];
-        for (int64_t kk = kv; kk < k; kk++) t += x[kk] * wr[j][kk];
-        y[j] = t;
-    }
-}
-
-/* The rows [i0, i0 + 4) of a one-row GEMV (clamped to n: rows past it repeat the last, computed, not stored) as
- * pointers, and the rows 2 blocks on (prefetched): row(i) = w + (i / g) * sg + (i % g) * sr for groups of g rows */
-static inline void rows4(const float *w, int64_t i0, int64_t n, int64_t g, int64_t sg, int64_t sr, const float *wr[4],
-                         const float *pf[4]) {
-    for (int j = 0; j < 4; j++) {
-        const int64_t i = i0 + j < n ? i0 + j : n - 1, ip = i0 + 4 * PF_TILES + j < n ? i0 + 4 * PF_TILES + j : n - 1;
-        wr[j] = w + (i / g) * sg + (i % g) * sr;
-        pf[j] = w + (ip / g) * sg + (ip % g) * sr;
-    }
-}
-
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* The router's choice for one token (moe_fused.route): sigmoid scores, + bias for the choice, group-limited
@@ -387,8 +403,8 @@ static void route1(const float *logits, int64_t e, const float *bias, int64_t to
  * shared up), the router's top_k picks, each picked expert's gate | up . xn, silu(gate) * up, its down, and
  * out = shared_down . (silu * up of the shared) + sum over picks (in pick order) of weight * down_e . act + h;
  * or, n_exp == 0, a dense MLP: gate_up [2I, hidden] and down [hidden, I] (out = down . act + h). Every GEMV row
- * read once, the threads of one parallel region sharing each GEMV's rows in static blocks of 4 (8 barriers).
- * o_lat: [nh, r]; W_UV head h's row i at w_uv + h * uv_sh + i * uv_sr (r contiguous), v rows a head (v % 4 == 0);
+ * read once, the threads of one parallel region sharing each GEMV's rows in static blocks of NB (8 barriers).
+ * o_lat: [nh, r]; W_UV head h's row i at w_uv + h * uv_sh + i * uv_sr (r contiguous), v rows a head (v % NB == 0);
  * w_o: [hid, nh * v] rows ld_o apart; tail: [rr + 2 is, hid] contiguous; bias: [rr]; gate_up: expert e's [2I, hid]
  * at gate_up + e * gu_se; down: expert e's [hid, I] at down + e * dn_se, rows dn_ld apart; shared_down: [hid, is]
  * rows sd_ld apart; out: [hid]; scratch: nh * v + 2 hid + rr + 2 is + top_k * 3 I + is + 2 rr floats. Returns 0,
@@ -401,7 +417,7 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
                 const float *shared_down, int64_t sd_ld, float *out, float *scratch, int threads) {
     const int dense = n_exp == 0;
     const int64_t nk = dense ? 1 : top_k, hv = nh * v, nt = rr + 2 * is;
-    if (v % 4 || (2 * inter) % 4 || nk < 1 || nk > MAXK || hid < 1 || r < 1 || inter < 1 ||
+    if (v % NB || (2 * inter) % NB || nk < 1 || nk > MAXK || hid < 1 || r < 1 || inter < 1 ||
         (!dense && (rr < 1 || rr != n_exp || top_k > rr || n_group < 1 || n_group > MAXG || rr % n_group ||
                     topk_group < 1 || topk_group > n_group)))
         return -1;
@@ -412,18 +428,18 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < hv / 4; b++) { /* o = o_lat . W_UV per head (a block of 4 rows: one head) */
-            const float *wr[4], *pf[4];
-            rows4(w_uv, 4 * b, hv, v, uv_sh, uv_sr, wr, pf);
-            dot4(o_lat + (4 * b / v) * r, wr, pf, r, o + 4 * b);
+        for (int64_t b = 0; b < hv / NB; b++) { /* o = o_lat . W_UV per head (a block of NB rows: one head) */
+            const float *wr[NB];
+            rowsb(w_uv, NB * b, hv, v, uv_sh, uv_sr, wr);
+            dotb(o_lat + (NB * b / v) * r, wr, r, o + NB * b);
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (hid + 3) / 4; b++) { /* h = stream + W_o . o */
-            const float *wr[4], *pf[4];
-            float y[4];
-            rows4(w_o, 4 * b, hid, 1, ld_o, 0, wr, pf);
-            dot4(o, wr, pf, hv, y);
-            for (int64_t j = 0; j < 4 && 4 * b + j < hid; j++) h[4 * b + j] = y[j] + stream[4 * b + j];
+        for (int64_t b = 0; b < (hid + NB - 1) / NB; b++) { /* h = stream + W_o . o */
+            const float *wr[NB];
+            float y[NB];
+            rowsb(w_o, NB * b, hid, 1, ld_o, 0, wr);
+            dotb(o, wr, hv, y);
+            for (int64_t j = 0; j < NB && NB * b + j < hid; j++) h[NB * b + j] = y[j] + stream[NB * b + j];
         }
 #pragma omp single
         {
@@ -434,12 +450,12 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
         }
         if (!dense) {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < (nt + 3) / 4; b++) { /* router logits | shared gate | shared up */
-                const float *wr[4], *pf[4];
-                float y[4];
-                rows4(tail, 4 * b, nt, 1, hid, 0, wr, pf);
-                dot4(xn, wr, pf, hid, y);
-                for (int64_t j = 0; j < 4 && 4 * b + j < nt; j++) t[4 * b + j] = y[j];
+            for (int64_t b = 0; b < (nt + NB - 1) / NB; b++) { /* router logits | shared gate | shared up */
+                const float *wr[NB];
+                float y[NB];
+                rowsb(tail, NB * b, nt, 1, hid, 0, wr);
+                dotb(xn, wr, hid, y);
+                for (int64_t j = 0; j < NB && NB * b + j < nt; j++) t[NB * b + j] = y[j];
             }
 #pragma omp single
             {
@@ -449,11 +465,11 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
         }
         const int64_t g2 = 2 * inter;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nk * g2 / 4; b++) { /* each pick's gate | up (a block of 4 rows: one expert) */
-            const int64_t j = 4 * b / g2;
-            const float *wr[4], *pf[4];
-            rows4(gate_up + ids[j] * gu_se, 4 * b - j * g2, g2, 1, hid, 0, wr, pf);
-            dot4(xn, wr, pf, hid, gu + 4 * b);
+        for (int64_t b = 0; b < nk * g2 / NB; b++) { /* each pick's gate | up (a block of NB rows: one expert) */
+            const int64_t j = NB * b / g2;
+            const float *wr[NB];
+            rowsb(gate_up + ids[j] * gu_se, NB * b - j * g2, g2, 1, hid, 0, wr);
+            dotb(xn, wr, hid, gu + NB * b);
         }
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nk * inter; i++) {
@@ -461,20 +477,20 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
             act[i] = silu_mul(gu[j * g2 + c], gu[j * g2 + inter + c]);
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (hid + 3) / 4; b++) { /* out = shared + the picks' weighted downs + h */
-            const float *wr[4], *pf[4];
-            float y[4], s[4] = {0.0f, 0.0f, 0.0f, 0.0f}, routed[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t b = 0; b < (hid + NB - 1) / NB; b++) { /* out = shared + the picks' weighted downs + h */
+            const float *wr[NB];
+            float y[NB], s[NB] = {0.0f}, routed[NB] = {0.0f};
             for (int64_t j = 0; j < nk; j++) {
-                rows4(down + ids[j] * dn_se, 4 * b, hid, 1, dn_ld, 0, wr, pf);
-                dot4(act + j * inter, wr, pf, inter, y);
-                for (int q = 0; q < 4; q++) routed[q] = j ? routed[q] + y[q] * wts[j] : (dense ? y[q] : y[q] * wts[0]);
+                rowsb(down + ids[j] * dn_se, NB * b, hid, 1, dn_ld, 0, wr);
+                dotb(act + j * inter, wr, inter, y);
+                for (int q = 0; q < NB; q++) routed[q] = j ? routed[q] + y[q] * wts[j] : (dense ? y[q] : y[q] * wts[0]);
             }
             if (!dense) {
-                rows4(shared_down, 4 * b, hid, 1, sd_ld, 0, wr, pf);
-                dot4(sact, wr, pf, is, s);
+                rowsb(shared_down, NB * b, hid, 1, sd_ld, 0, wr);
+                dotb(sact, wr, is, s);
             }
-            for (int64_t q = 0; q < 4 && 4 * b + q < hid; q++)
-                out[4 * b + q] = (dense ? routed[q] : s[q] + routed[q]) + h[4 * b + q];
+            for (int64_t q = 0; q < NB && NB * b + q < hid; q++)
+                out[NB * b + q] = (dense ? routed[q] : s[q] + routed[q]) + h[NB * b + q];
         }
     }
     return 0;
@@ -518,7 +534,7 @@ static void rms_row(const float *x, const float *w, float eps, int64_t n, float 
  * h's row i at w_uk + h * uk_sh + i * uk_sr, rank contiguous); then the absorbed attention over the k pool rows
  * `slots` (mla_decode's, no bias) into o_lat [nh, rank]. w_x rows hid apart, w_q rows q_rank apart; rot [rope,
  * rope], ix_rot [ix_dim, ix_dim]; scratch: ny + q_rank + ix_dim + nh * (nope + 2 rope + rank) + nh * k floats. The
- * threads of one parallel region split each GEMV's rows (blocks of 4), the heads and the head blocks. Slots in
+ * threads of one parallel region split each GEMV's rows (blocks of NB), the heads and the head blocks. Slots in
  * range: the caller's. Returns 0. */
 int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const float *w_x, int64_t q_rank,
                 int64_t rank, int64_t rope, const float *q_norm, float q_eps, const float *kv_norm, float kv_eps,
@@ -535,12 +551,12 @@ int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const
 #pragma omp single
         rms_row(x, ln1, eps1, hid, xa);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (ny + 3) / 4; b++) { /* q_a | kv_a (| the index key) */
-            const float *wr[4], *pf[4];
-            float yv[4];
-            rows4(w_x, 4 * b, ny, 1, hid, 0, wr, pf);
-            dot4(xa, wr, pf, hid, yv);
-            for (int64_t j = 0; j < 4 && 4 * b + j < ny; j++) y[4 * b + j] = yv[j];
+        for (int64_t b = 0; b < (ny + NB - 1) / NB; b++) { /* q_a | kv_a (| the index key) */
+            const float *wr[NB];
+            float yv[NB];
+            rowsb(w_x, NB * b, ny, 1, hid, 0, wr);
+            dotb(xa, wr, hid, yv);
+            for (int64_t j = 0; j < NB && NB * b + j < ny; j++) y[NB * b + j] = yv[j];
         }
 #pragma omp single
         {
@@ -559,12 +575,12 @@ int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const
             }
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (nz + 3) / 4; b++) { /* q_b: each head's nope | rope */
-            const float *wr[4], *pf[4];
-            float yv[4];
-            rows4(w_q, 4 * b, nz, 1, q_rank, 0, wr, pf);
-            dot4(qr, wr, pf, q_rank, yv);
-            for (int64_t j = 0; j < 4 && 4 * b + j < nz; j++) z[4 * b + j] = yv[j];
+        for (int64_t b = 0; b < (nz + NB - 1) / NB; b++) { /* q_b: each head's nope | rope */
+            const float *wr[NB];
+            float yv[NB];
+            rowsb(w_q, NB * b, nz, 1, q_rank, 0, wr);
+            dotb(qr, wr, q_rank, yv);
+            for (int64_t j = 0; j < NB && NB * b + j < nz; j++) z[NB * b + j] = yv[j];
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < nh; h++) { /* the query: q_nope . W_UK | the roped part */
