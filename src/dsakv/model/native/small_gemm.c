@@ -111,6 +111,19 @@ static inline void rowsb(const float *w, int64_t i0, int64_t n, int64_t g, int64
     }
 }
 
+/* y[:n] = w . x for w [n, k] (rows ldw apart): the rows shared by the threads of the enclosing parallel region in
+ * static blocks of NB (an orphaned `omp for`: its barrier at the end; on one thread outside a region) */
+static void gemv_rows(const float *x, const float *w, int64_t ldw, int64_t n, int64_t k, float *y) {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < (n + NB - 1) / NB; b++) {
+        const float *wr[NB];
+        float yv[NB];
+        rowsb(w, NB * b, n, 1, ldw, 0, wr);
+        dotb(x, wr, k, yv);
+        for (int64_t j = 0; j < NB && NB * b + j < n; j++) y[NB * b + j] = yv[j];
+    }
+}
+
 /* x: [M, K] rows ldx apart; w: [N, K] rows ldw apart; y: [M, N] rows ldy apart; M <= MMAX; `threads` OpenMP
  * threads (torch's own pool: the same libgomp) share the weight-row tiles. Returns 0, or -1 when M is out of range
  * (nothing written). */
@@ -118,14 +131,8 @@ int small_gemm(const float *x, int64_t ldx, const float *w, int64_t ldw, float *
                int64_t n, int64_t k, int threads) {
     if (m < 1 || m > MMAX) return -1;
     if (m == 1) { /* one row: NB weight rows side by side (dotb) */
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-        for (int64_t b = 0; b < (n + NB - 1) / NB; b++) {
-            const float *wr[NB];
-            float yv[NB];
-            rowsb(w, NB * b, n, 1, ldw, 0, wr);
-            dotb(x, wr, k, yv);
-            for (int64_t j = 0; j < NB && NB * b + j < n; j++) y[NB * b + j] = yv[j];
-        }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        gemv_rows(x, w, ldw, n, k, y);
         return 0;
     }
     const int64_t kv = k - k % VL;
@@ -449,14 +456,7 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
             for (int64_t i = 0; i < hid; i++) xn[i] = h[i] * inv * norm_w[i];
         }
         if (!dense) {
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < (nt + NB - 1) / NB; b++) { /* router logits | shared gate | shared up */
-                const float *wr[NB];
-                float y[NB];
-                rowsb(tail, NB * b, nt, 1, hid, 0, wr);
-                dotb(xn, wr, hid, y);
-                for (int64_t j = 0; j < NB && NB * b + j < nt; j++) t[NB * b + j] = y[j];
-            }
+            gemv_rows(xn, tail, hid, nt, hid, t); /* router logits | shared gate | shared up */
 #pragma omp single
             {
                 route1(t, rr, bias, top_k, n_group, topk_group, norm, scaling, ids, wts, rsc);
@@ -550,14 +550,7 @@ int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const
     {
 #pragma omp single
         rms_row(x, ln1, eps1, hid, xa);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < (ny + NB - 1) / NB; b++) { /* q_a | kv_a (| the index key) */
-            const float *wr[NB];
-            float yv[NB];
-            rowsb(w_x, NB * b, ny, 1, hid, 0, wr);
-            dotb(xa, wr, hid, yv);
-            for (int64_t j = 0; j < NB && NB * b + j < ny; j++) y[NB * b + j] = yv[j];
-        }
+        gemv_rows(xa, w_x, hid, ny, hid, y); /* q_a | kv_a (| the index key) */
 #pragma omp single
         {
             rms_row(y, q_norm, q_eps, q_rank, qr);
@@ -574,14 +567,7 @@ int decode_head(const float *x, int64_t hid, const float *ln1, float eps1, const
                 rope_row(kt, ix_rot, ix_dim, ix + out_slot[0] * ldi);
             }
         }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < (nz + NB - 1) / NB; b++) { /* q_b: each head's nope | rope */
-            const float *wr[NB];
-            float yv[NB];
-            rowsb(w_q, NB * b, nz, 1, q_rank, 0, wr);
-            dotb(qr, wr, q_rank, yv);
-            for (int64_t j = 0; j < NB && NB * b + j < nz; j++) z[NB * b + j] = yv[j];
-        }
+        gemv_rows(qr, w_q, q_rank, nz, q_rank, z); /* q_b: each head's nope | rope */
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < nh; h++) { /* the query: q_nope . W_UK | the roped part */
             kn_row(z + h * qd, w_uk + h * uk_sh, uk_sr, q + h * d, nope, rank);
