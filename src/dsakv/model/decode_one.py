@@ -1,5 +1,5 @@
 """`--compile`'s batch-1 decode layer (`layer_one`): a decoder layer (MoE or dense MLP) of a one-token decode step as
-one compiled call and three native ones, its inputs bound once per layer.
+two native calls, its inputs bound once per layer.
 
 The generic layer at one token already runs its pieces fused (attn_fused.attn_in, native.bgemv_kn / mla_decode,
 moe_fused.moe_after_attention), but each goes through the general code around it: the layer's and the
@@ -7,21 +7,29 @@ attention's branches, the step context's selections and masks, each kernel's app
 built from every input's shape and strides: ~0.4 ms of Python a layer beside ~1.7 ms of reading its weights, a
 fifth of a batch-1 step on this machine. Here a layer is
 
+    head (native)  native.decode_head: rms_norm(x), q_a | kv_a (| the index key), their norms and ropes, the KV row
+                   (and a producer's index key) written into the pool's fp32 rows at the token's slot, q_b, q_nope .
+                   W_UK per head, then the absorbed attention over the sequence's rows read in place (every causal
+                   key: top-k covers them all)
+    tail (native)  native.decode_tail: o_lat . W_UV per head, o_proj onto the residual stream, the post-attention
+                   RMSNorm, the MoE (router, picked experts, shared expert) or the dense MLP, plus the stream
+
+each one OpenMP parallel region whose GEMVs split their rows over the threads (the compiled kernels they replace
+scaled ~x1.3 on two threads). Where a native call does not apply (sizes, dtypes) the plan runs the earlier chain:
+
     A  (compiled)  rms_norm(x) -> attn_in's chain: the query's nope and roped parts, the KV row, the index key
        (writes)    the KV row (and a producer's index key) into the pool's fp32 rows at the token's slot
     W_UK (native)  q_nope . W_UK per head (bgemv_kn), the query [1, H, r + rope]
-    core (native)  mla_decode over the sequence's rows read in place (every causal key: top-k covers them all)
-    B  (native)    o_lat . W_UV per head, o_proj onto the residual stream, the post-attention RMSNorm, the MoE
-                   (moe_fused's one-token MoE) or the dense MLP, plus the stream: native.decode_tail, one parallel
-                   region whose GEMVs split their rows over the threads (x1.1-1.2 the compiled kernel's speed,
-                   which takes it where it does not apply: its reductions scale worse on two threads)
+    core (native)  mla_decode over the sequence's rows read in place
+    B  (compiled)  o_lat . W_UV per head, o_proj, the post-attention RMSNorm, moe_fused's one-token MoE or the dense
+                   MLP, plus the stream (or the native tail where that applies)
 
 with the kernels and their weight inputs looked up once per layer (`_Plan`, rebuilt when the thread count or a
 weight changes; it holds no pool: the pool's rows are looked up per call). Applies with `--compile` on, one float32
 token on CPU, no tensor parallelism, a decode step reading every causal key (index_topk >= S: the indexer need not
 score), the pool's plain fp32 rows, a MoE layer that moe_fused takes (not its dense path) or a dense MLP, float
 weights without bias; `layer_one` returns None otherwise (nothing written) and the caller runs the generic layer.
-Its tokens equal the generic path's (the same kernels' sums; A and B sum as attn_in / moe_after_attention do).
+Its sums run in another order than the generic path's (~1e-6 relative; tokens equal: tests/inproc/test_decode_compile).
 Imports torch, dsakv.cache, dsakv.spec, dsakv.model's layers and fused kernels only.
 """
 
