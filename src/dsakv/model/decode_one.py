@@ -114,7 +114,6 @@ class _Plan:
         ix_rot = [] if ix is None else [torch.empty((1, ix.head_dim, ix.head_dim))]
         like_a = [x1, *self.a_static, rot, *ix_rot, *self.ix_static]
         key_a = ("layer_one.a", float(ln1.eps), *spec, *(s for t in like_a for s in (*t.shape, *t.stride())))
-        self.kern_a = gemv._compiled(key_a, _a_fn(spec, float(ln1.eps)), lambda: tuple(like_a))
         self.w_uv = w_uv_t.transpose(1, 2)  # [H, v, r]: each head's W_UV rows, r contiguous
         self.ln2 = ln2.weight
         o_lat = torch.empty((1, self.heads, self.r))
@@ -131,7 +130,6 @@ class _Plan:
             fn = _b_fn(b_spec)
         like_b = [o_lat, self.w_uv, *self.b_static, x1, self.ln2]
         key_b = ("layer_one.b", *b_spec, *(s for t in like_b for s in (*t.shape, *t.stride())))
-        self.kern_b = gemv._compiled(key_b, fn, lambda: tuple(like_b))
         # B as one native call where it applies (its GEMVs' rows split over the threads in one parallel region)
         tail_mlp: native.TailMoE | tuple[torch.Tensor, torch.Tensor] = f
         if type(f) is not tuple:
@@ -149,6 +147,9 @@ class _Plan:
         if ix is not None:
             ha = ha._replace(ix_dim=ix.head_dim, k_w=ix.k_norm.weight, k_b=ix.k_norm.bias, k_eps=float(ix.k_norm.eps))
         self.head = native.decode_head(ha, ln1.weight, float(ln1.eps), w_x, w_q, self.w_uk)
+        # the compiled kernels only where a native call does not apply (inductor compiles each shape: seconds)
+        self.kern_a = None if self.head else gemv._compiled(key_a, _a_fn(spec, float(ln1.eps)), lambda: tuple(like_a))
+        self.kern_b = None if self.tail else gemv._compiled(key_b, fn, lambda: tuple(like_b))
 
     def run(
         self, x: torch.Tensor, ctx: Any, slots: torch.Tensor, kv: torch.Tensor, ix: torch.Tensor | None
@@ -156,28 +157,37 @@ class _Plan:
         """The layer for x [1, hidden]; kv / ix: the pool's fp32 rows of its KV / index keys (ix None: a shared
         layer)."""
         rot = ctx.rope(self.rope[0], True, torch.float32).contiguous()
-        if self.head is not None and self.tail is not None:  # the layer as two native calls
-            ix_rot = None if ix is None else ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous()
-            return self.tail(self.head(x, rot, ix_rot, kv, ix, ctx.out_slots, slots), x)
-        ins = [x, *self.a_static, rot]
-        if ix is not None:
-            ins += [ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous(), *self.ix_static]
+        ix_rot = None if ix is None else ctx.rope(self.rope[1], self.rope[2], torch.float32).contiguous()
+        o_lat = (
+            self.head(x, rot, ix_rot, kv, ix, ctx.out_slots, slots)
+            if self.head is not None
+            else self._compiled_head(x, rot, ix_rot, ctx.out_slots, slots, kv, ix)
+        )
+        if o_lat is None:
+            return None
+        if self.tail is not None:
+            return self.tail(o_lat, x)
+        assert self.kern_b is not None
+        y: torch.Tensor = self.kern_b([o_lat, self.w_uv, *self.b_static, x, self.ln2])[0]
+        return y
+
+    def _compiled_head(
+        self, x: torch.Tensor, rot: torch.Tensor, ix_rot: torch.Tensor | None, out_slots: torch.Tensor,
+        slots: torch.Tensor, kv: torch.Tensor, ix: torch.Tensor | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """decode_head's work on the compiled A kernel, bgemv_kn and mla_decode (where decode_head does not apply)."""
+        assert self.kern_a is not None
+        ins = [x, *self.a_static, rot] + ([] if ix_rot is None else [ix_rot, *self.ix_static])
         out = self.kern_a(ins)
         q_nope, q_rot, kv_row = out[0], out[1], out[2]
         query = native.bgemv_kn(q_nope, self.w_uk)  # [H, 1, r]
         if query is None:
             return None
-        kv.index_copy_(0, ctx.out_slots, kv_row)
+        kv.index_copy_(0, out_slots, kv_row)
         if ix is not None:
-            ix.index_copy_(0, ctx.out_slots, out[3])
+            ix.index_copy_(0, out_slots, out[3])
         q = torch.cat((query.view(1, self.heads, self.r), q_rot), dim=-1)
-        o_lat = native.mla_decode(q, kv, slots, None, self.scaling, self.r)
-        if o_lat is None:
-            return None
-        if self.tail is not None:
-            return self.tail(o_lat, x)
-        y: torch.Tensor = self.kern_b([o_lat, self.w_uv, *self.b_static, x, self.ln2])[0]
-        return y
+        return native.mla_decode(q, kv, slots, None, self.scaling, self.r)
 
 
 def _applies(layer: Any, x: torch.Tensor, ctx: Any) -> bool:
