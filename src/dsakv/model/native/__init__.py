@@ -9,7 +9,7 @@ small-M sgemm barely uses the second thread), so gemv.gemv takes it up to MAX_RO
     y = small_gemm(x, w)    # x [M, K] @ w [N, K]^T as a new [M, N] tensor, or None where it does not apply
     y = bgemv_kn(x, w)      # torch.bmm(x [B, M<=4, K], w [B, K, N]) for N contiguous (W_UK: ~7 -> ~20 GB/s)
     o = mla_decode(q, rows, slots, bias, scale, r)   # the absorbed decode attention over the pool's fp32 rows
-    head = decode_head(attn, ln1, eps1, w_x, w_q, w_uk)  # a batch-1 layer's attention up to its core, bound
+    head = decode_head(sizes, ln1, eps1, w_x, w_q, w_uk)  # a batch-1 layer's attention up to its core, bound
     tail = decode_tail(w_uv, w_o, norm_w, eps, mlp)  # a batch-1 layer after its attention core, bound to weights
 
 bgemv_kn reads a weight whose reduction runs over its outer dimension (the absorbed attention's per-head W_UK

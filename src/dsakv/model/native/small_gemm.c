@@ -354,6 +354,14 @@ int mla_decode(const float *q, int64_t nt, int64_t nh, int64_t d, int64_t r, con
     return 0;
 }
 
+/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over n */
+static void rms_row(const float *x, const float *w, float eps, int64_t n, float *y) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
 static inline float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 /* The router's choice for one token (moe_fused.route): sigmoid scores, + bias for the choice, group-limited
@@ -449,12 +457,7 @@ int decode_tail(const float *o_lat, int64_t nh, int64_t r, const float *w_uv, in
             for (int64_t j = 0; j < NB && NB * b + j < hid; j++) h[NB * b + j] = y[j] + stream[NB * b + j];
         }
 #pragma omp single
-        {
-            float ss = 0.0f;
-            for (int64_t i = 0; i < hid; i++) ss += h[i] * h[i];
-            const float inv = 1.0f / sqrtf(ss / (float)hid + eps);
-            for (int64_t i = 0; i < hid; i++) xn[i] = h[i] * inv * norm_w[i];
-        }
+        rms_row(h, norm_w, eps, hid, xn);
         if (!dense) {
             gemv_rows(xn, tail, hid, nt, hid, t); /* router logits | shared gate | shared up */
 #pragma omp single
@@ -515,14 +518,6 @@ static void rope_row(const float *x, const float *rot, int64_t w, float *y) {
         for (int64_t i = 0; i < w; i++) s += x[i] * rot[i * w + j];
         y[j] = s;
     }
-}
-
-/* y = x * (1 / sqrt(mean(x^2) + eps)) * w over n */
-static void rms_row(const float *x, const float *w, float eps, int64_t n, float *y) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
 }
 
 /* A batch-1 decoder layer's attention up to its core (decode_one's A, W_UK and core) in one call: xa = rms_norm(x)
