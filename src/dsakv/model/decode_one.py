@@ -14,8 +14,9 @@ fifth of a batch-1 step on this machine. Here a layer is
     tail (native)  native.decode_tail: o_lat . W_UV per head, o_proj onto the residual stream, the post-attention
                    RMSNorm, the MoE (router, picked experts, shared expert) or the dense MLP, plus the stream
 
-each one OpenMP parallel region whose GEMVs split their rows over the threads (the compiled kernels they replace
-scaled ~x1.3 on two threads). Where a native call does not apply (sizes, dtypes) the plan runs the earlier chain:
+each one OpenMP parallel region whose GEMVs split their rows over the threads (x1.27 / x1.23 tokens per CPU-second
+at 1 / 2 threads against the compiled chain, bench/decode_ops.py). Where a native call does not apply (sizes,
+dtypes) the plan runs the earlier chain:
 
     A  (compiled)  rms_norm(x) -> attn_in's chain: the query's nope and roped parts, the KV row, the index key
        (writes)    the KV row (and a producer's index key) into the pool's fp32 rows at the token's slot
